@@ -1,0 +1,25 @@
+# Compiler settings for accord's own targets. Third-party code is not held to
+# these; only targets passed to accord_target_options are.
+function(accord_target_options target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-unused-parameter -Wno-missing-field-initializers>)
+  if(ACCORD_SANITIZE)
+    target_compile_options(${target} PRIVATE -fsanitize=${ACCORD_SANITIZE} -fno-omit-frame-pointer)
+    target_link_options(${target} PRIVATE -fsanitize=${ACCORD_SANITIZE})
+  endif()
+endfunction()
+
+# Adds a GoogleTest executable linked to the given libraries and registers its
+# tests with CTest. Usage: accord_test(name SOURCES a.cc b.cc LIBS lib1 lib2 [LABELS l])
+function(accord_test name)
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+  accord_target_options(${name})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  include(GoogleTest)
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
+    PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
+endfunction()

@@ -1,0 +1,274 @@
+#include "proto/wire.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace accord::wire {
+
+std::string PackBits(const std::vector<bool>& bits) {
+  std::string out((bits.size() + 7) / 8, '\0');
+  for (size_t i = 0; i < bits.size(); ++i) {
+    if (bits[i]) out[i / 8] = static_cast<char>(out[i / 8] | (1 << (i % 8)));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<bool>> UnpackBits(const std::string& bytes, size_t n,
+                                             absl::string_view what) {
+  if (bytes.size() != (n + 7) / 8) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": bitset of ", bytes.size(),
+                                                   " bytes for ", n, " entries (expected ",
+                                                   (n + 7) / 8, " bytes)"));
+  }
+  if (n % 8 != 0 && !bytes.empty()) {
+    const unsigned char last = static_cast<unsigned char>(bytes.back());
+    if (last >> (n % 8)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": bits set past entry ", n, " in the bitset"));
+    }
+  }
+  std::vector<bool> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = (static_cast<unsigned char>(bytes[i / 8]) >> (i % 8)) & 1;
+  }
+  return out;
+}
+
+std::string RankSetToBits(const RankSet& ranks) {
+  std::string out((ranks.world_size() + 7) / 8, '\0');
+  for (int r = 0; r < ranks.world_size(); ++r) {
+    if (ranks.Contains(r)) out[r / 8] = static_cast<char>(out[r / 8] | (1 << (r % 8)));
+  }
+  return out;
+}
+
+absl::StatusOr<RankSet> RankSetFromBits(const std::string& bytes, int world_size,
+                                        absl::string_view what) {
+  absl::StatusOr<std::vector<bool>> bits = UnpackBits(bytes, world_size, what);
+  if (!bits.ok()) return bits.status();
+  RankSet set(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    if ((*bits)[r]) set.Add(r);
+  }
+  return set;
+}
+
+absl::StatusOr<DType> DTypeFromProto(v1::DType d) {
+  const int n = static_cast<int>(d);
+  if (n >= 1 && n <= kNumDTypes) return static_cast<DType>(n);
+  if (n >= v1::INT8 && n <= v1::COMPLEX128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gradient dtype ", v1::DType_Name(d),
+        " is not a float dtype; accord reduces float8_e4m3fn, float8_e5m2, float16, bfloat16, "
+        "float32 and float64 gradients only"));
+  }
+  return DTypeFromNumber(n).status();
+}
+
+v1::DType DTypeToProto(DType d) { return static_cast<v1::DType>(static_cast<int>(d)); }
+
+absl::StatusOr<Policy> PolicyFromProto(const v1::ReducePolicy& p) {
+  Policy out;
+  if (p.reduce_dtype() != v1::DTYPE_UNSPECIFIED) {
+    absl::StatusOr<DType> d = DTypeFromProto(p.reduce_dtype());
+    if (!d.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("reduce policy: ", d.status().message()));
+    }
+    out.reduce_dtype = *d;
+  } else if (p.reduce_dtype_exact()) {
+    return absl::InvalidArgumentError("reduce policy: reduce_dtype_exact without a reduce_dtype");
+  }
+  out.reduce_dtype_exact = p.reduce_dtype_exact();
+  switch (p.fp8_tie()) {
+    case v1::FP8_TIE_BREAK_UNSPECIFIED:
+    case v1::FP8_TIE_BREAK_BFLOAT16:
+      out.fp8_tie = Fp8TieBreak::kBFloat16;
+      break;
+    case v1::FP8_TIE_BREAK_FLOAT16:
+      out.fp8_tie = Fp8TieBreak::kFloat16;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("reduce policy: unknown fp8 tie-break ", static_cast<int>(p.fp8_tie())));
+  }
+  return out;
+}
+
+v1::ReducePolicy PolicyToProto(const Policy& p) {
+  v1::ReducePolicy out;
+  if (p.reduce_dtype) out.set_reduce_dtype(DTypeToProto(*p.reduce_dtype));
+  out.set_reduce_dtype_exact(p.reduce_dtype_exact);
+  out.set_fp8_tie(p.fp8_tie == Fp8TieBreak::kFloat16 ? v1::FP8_TIE_BREAK_FLOAT16
+                                                     : v1::FP8_TIE_BREAK_BFLOAT16);
+  return out;
+}
+
+absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r) {
+  GroupSpec spec;
+  spec.group_id = r.group_id();
+  spec.params.reserve(r.params_size());
+  for (const v1::ParamSpec& p : r.params()) {
+    spec.params.push_back(ParamSpec{p.name(), p.dim0(), p.numel()});
+  }
+  if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
+  return spec;
+}
+
+v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& policy) {
+  v1::GroupRegistration r;
+  r.set_group_id(spec.group_id);
+  for (const ParamSpec& p : spec.params) {
+    v1::ParamSpec* out = r.add_params();
+    out->set_name(p.name);
+    out->set_dim0(p.dim0);
+    out->set_numel(p.numel);
+  }
+  *r.mutable_policy() = PolicyToProto(policy);
+  return r;
+}
+
+absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params,
+                                           int world_size, int sender_rank) {
+  auto where = [&] {
+    return absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step());
+  };
+  if (m.repeat()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where(), ": repeat form must be resolved against the sender's cache"));
+  }
+  if (m.step() < 0) return absl::InvalidArgumentError(absl::StrCat(where(), ": negative step"));
+  Manifest out;
+  out.step = m.step();
+  absl::StatusOr<std::vector<bool>> used =
+      UnpackBits(m.used_bits(), num_params, absl::StrCat(where(), " used_bits"));
+  if (!used.ok()) return used.status();
+  const bool uniform = m.uniform_dtype() != v1::DTYPE_UNSPECIFIED;
+  const bool masks = !m.dtype_masks().empty();
+  if (uniform && masks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where(), ": both uniform_dtype and dtype_masks are set; send one"));
+  }
+  bool any_used = false;
+  for (bool b : *used) any_used |= b;
+  if (any_used && !uniform && !masks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where(), ": parameters are used but no dtype is given"));
+  }
+  out.dtypes.assign(num_params, 0);
+  if (uniform) {
+    absl::StatusOr<DType> d = DTypeFromProto(m.uniform_dtype());
+    if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
+    for (size_t i = 0; i < num_params; ++i) {
+      if ((*used)[i]) out.dtypes[i] = MaskOf(*d);
+    }
+  } else if (masks) {
+    if (m.dtype_masks().size() != num_params) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", m.dtype_masks().size(),
+                                                     " dtype entries for ", num_params,
+                                                     " parameters"));
+    }
+    for (size_t i = 0; i < num_params; ++i) {
+      const DTypeMask mask = static_cast<DTypeMask>(m.dtype_masks()[i]);
+      if ((mask & ~kValidDTypeMask) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(where(), ": parameter ", i,
+                                                       " has a non-float or unknown dtype (mask 0x",
+                                                       absl::Hex(mask), ")"));
+      }
+      if ((mask != 0) != (*used)[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where(), ": parameter ", i, (*used)[i] ? " is used but has no dtype"
+                                                   : " is unused but has a dtype"));
+      }
+      out.dtypes[i] = mask;
+    }
+  }
+  if (sender_rank >= 0) {
+    if (!m.rank_bits().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": a rank's manifest must not carry rank_bits"));
+    }
+    if (sender_rank >= world_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": rank ", sender_rank, " outside world size ", world_size));
+    }
+    out.ranks = RankSet(world_size);
+    out.ranks.Add(sender_rank);
+  } else {
+    absl::StatusOr<RankSet> ranks =
+        RankSetFromBits(m.rank_bits(), world_size, absl::StrCat(where(), " rank_bits"));
+    if (!ranks.ok()) return ranks.status();
+    if (ranks->Count() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": speaks for no rank"));
+    }
+    out.ranks = *std::move(ranks);
+  }
+  return out;
+}
+
+void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,
+                     v1::Manifest* out) {
+  out->Clear();
+  out->set_group_id(std::string(group_id));
+  out->set_step(m.step);
+  std::vector<bool> used(m.dtypes.size());
+  DTypeMask all = 0;
+  bool uniform = true;
+  for (size_t i = 0; i < m.dtypes.size(); ++i) {
+    used[i] = m.dtypes[i] != 0;
+    if (m.dtypes[i] == 0) continue;
+    if (all == 0) all = m.dtypes[i];
+    if (m.dtypes[i] != all) uniform = false;
+  }
+  out->set_used_bits(PackBits(used));
+  if (all != 0) {
+    if (uniform && (all & (all - 1)) == 0) {
+      for (DType d : kAllDTypes) {
+        if (all == MaskOf(d)) out->set_uniform_dtype(DTypeToProto(d));
+      }
+    } else {
+      std::string masks(m.dtypes.begin(), m.dtypes.end());
+      out->set_dtype_masks(std::move(masks));
+    }
+  }
+  if (with_ranks) out->set_rank_bits(RankSetToBits(m.ranks));
+  out->set_cache_key(ManifestKey(m));
+}
+
+void DecisionToProto(const Decision& d, v1::DecisionOk* out) {
+  out->set_wire_dtype(DTypeToProto(d.wire_dtype));
+  out->set_included_bits(PackBits(d.included));
+  out->set_layout_fingerprint(d.layout_fingerprint);
+  int n = 0;
+  for (bool b : d.included) n += b ? 1 : 0;
+  out->set_num_included(n);
+}
+
+absl::StatusOr<Decision> DecisionFromProto(int64_t step, const v1::DecisionOk& ok,
+                                           size_t num_params) {
+  Decision d;
+  d.step = step;
+  absl::StatusOr<DType> wire = DTypeFromProto(ok.wire_dtype());
+  if (!wire.ok()) return absl::InvalidArgumentError(absl::StrCat("decision: ", wire.status().message()));
+  d.wire_dtype = *wire;
+  absl::StatusOr<std::vector<bool>> inc = UnpackBits(ok.included_bits(), num_params, "decision included_bits");
+  if (!inc.ok()) return inc.status();
+  d.included = *std::move(inc);
+  d.layout_fingerprint = ok.layout_fingerprint();
+  return d;
+}
+
+v1::DecisionError MakeError(v1::ErrorKind kind, const absl::Status& status) {
+  v1::DecisionError e;
+  e.set_kind(kind);
+  e.set_code(static_cast<int>(status.code()));
+  e.set_message(std::string(status.message()));
+  e.set_param_index(-1);
+  return e;
+}
+
+absl::Status ErrorToStatus(const v1::DecisionError& e) {
+  int code = e.code();
+  if (code <= 0 || code > 16) code = static_cast<int>(absl::StatusCode::kUnknown);
+  return absl::Status(static_cast<absl::StatusCode>(code), e.message());
+}
+
+}  // namespace accord::wire

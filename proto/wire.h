@@ -1,0 +1,63 @@
+// Conversion between accord.v1 messages and core types. The only code that
+// knows both; every message that came over a socket passes through here and
+// is validated before core sees it.
+#ifndef ACCORD_PROTO_WIRE_H_
+#define ACCORD_PROTO_WIRE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "accord/v1/accord.pb.h"
+#include "core/decide.h"
+#include "core/group.h"
+#include "core/manifest.h"
+
+namespace accord::wire {
+
+// Bitsets: bit i is bit (i % 8) of byte (i / 8).
+std::string PackBits(const std::vector<bool>& bits);
+// INVALID_ARGUMENT (naming `what`) when the length is not ceil(n/8) bytes or
+// bits past n are set.
+absl::StatusOr<std::vector<bool>> UnpackBits(const std::string& bytes, size_t n,
+                                             absl::string_view what);
+std::string RankSetToBits(const RankSet& ranks);
+absl::StatusOr<RankSet> RankSetFromBits(const std::string& bytes, int world_size,
+                                        absl::string_view what);
+
+// DType numbers; non-float and unknown values give INVALID_ARGUMENT.
+absl::StatusOr<DType> DTypeFromProto(v1::DType d);
+v1::DType DTypeToProto(DType d);
+
+absl::StatusOr<Policy> PolicyFromProto(const v1::ReducePolicy& p);
+v1::ReducePolicy PolicyToProto(const Policy& p);
+
+// Validates (ValidateGroupSpec) while converting.
+absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r);
+v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& policy);
+
+// Full-form manifest -> core. `world_size` sizes the rank set. When
+// `sender_rank` >= 0 the message is a rank's own and must not carry
+// rank_bits; the set is {sender_rank}. Otherwise rank_bits is required.
+// Repeat-form messages are rejected here: the caller resolves them from its
+// cache first. Errors are INVALID_ARGUMENT naming group, step and field.
+absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params,
+                                           int world_size, int sender_rank);
+// Core -> full-form message, compact (uniform_dtype) when possible. Includes
+// rank_bits when `with_ranks`.
+void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,
+                     v1::Manifest* out);
+
+void DecisionToProto(const Decision& d, v1::DecisionOk* out);
+// INVALID_ARGUMENT on a malformed decision (bitset length, dtype).
+absl::StatusOr<Decision> DecisionFromProto(int64_t step, const v1::DecisionOk& ok,
+                                           size_t num_params);
+
+// Structured errors. ErrorToStatus keeps the message and the canonical code.
+v1::DecisionError MakeError(v1::ErrorKind kind, const absl::Status& status);
+absl::Status ErrorToStatus(const v1::DecisionError& e);
+
+}  // namespace accord::wire
+
+#endif  // ACCORD_PROTO_WIRE_H_
