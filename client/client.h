@@ -1,0 +1,110 @@
+// The accord client: linked into each training process (one per rank).
+//
+// Protocol, from the rank's side (see proto/accord/v1/accord.proto,
+// RankService):
+//   1. Connect opens one Session stream to the node's sidecar over its Unix
+//      socket and says hello (job, rank, world size, local rank, token).
+//   2. RegisterGroup sends each group's spec once; the coordinator checks it
+//      is identical on every rank.
+//   3. Submit sends a manifest per group and step and returns at once; the
+//      library's own thread receives decisions and completes futures.
+//   4. Wait blocks the calling thread (never a gRPC thread) until the
+//      decision, an error, or the deadline.
+//
+// Thread-safety: Client is thread-safe; the intended use is one training
+// thread plus the library's own background thread. No user code runs on
+// gRPC threads.
+#ifndef ACCORD_CLIENT_CLIENT_H_
+#define ACCORD_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/kv_store.h"
+#include "core/decide.h"
+#include "core/group.h"
+
+namespace accord {
+
+struct ClientOptions {
+  std::string socket_path;  // the sidecar's Unix socket
+  std::string job_id;
+  int rank = -1;
+  int world_size = 0;
+  int local_rank = 0;
+  std::string token;  // the job's token, when the deployment requires one
+  // How long Connect waits for the sidecar's welcome.
+  absl::Duration connect_timeout = absl::Seconds(30);
+};
+
+// A submitted manifest's eventual decision. Cheap to copy.
+class DecisionFuture {
+ public:
+  struct State;
+  DecisionFuture() = default;
+  explicit DecisionFuture(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool valid() const { return state_ != nullptr; }
+  // True once the decision or an error has arrived.
+  bool Ready() const;
+  const std::shared_ptr<State>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// What one rank holds for one group at one step.
+struct GroupSubmission {
+  std::string group_id;
+  int64_t step = 0;
+  // One entry per registered parameter, in group order: the gradient's dtype,
+  // or std::nullopt when this rank has no gradient for it.
+  std::vector<std::optional<DType>> grad_dtypes;
+};
+
+class Client {
+ public:
+  virtual ~Client() = default;
+
+  // Connects to the sidecar and joins the job. UNAVAILABLE when the socket
+  // cannot be reached (names the path), PERMISSION_DENIED for a bad token,
+  // ALREADY_EXISTS when the rank already joined, INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  // Registers a group (once per job). Returns when the coordinator has checked
+  // the registration against every rank: FAILED_PRECONDITION naming the first
+  // differing parameter and the ranks on mismatch; INVALID_ARGUMENT for a bad
+  // spec; DEADLINE_EXCEEDED naming the ranks that did not register in time.
+  virtual absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
+                                     absl::Time deadline) = 0;
+
+  // Submits one manifest; never blocks on the network. Errors in the
+  // submission itself (unknown group, wrong entry count, step going
+  // backwards) complete the future with that error.
+  virtual DecisionFuture Submit(const GroupSubmission& submission) = 0;
+  // Submits many groups in one message.
+  virtual std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) = 0;
+
+  // Waits for a decision. The same Decision on every rank, or the same error
+  // on every rank (missing ranks past the coordinator's deadline, mismatched
+  // registration, ...). DEADLINE_EXCEEDED when `deadline` passes first;
+  // UNAVAILABLE when the sidecar is gone.
+  virtual absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) = 0;
+
+  // The job-scoped key-value rendezvous (served by the coordinator, reached
+  // through the sidecar), for collective bootstrap.
+  virtual KeyValueStore& kv() = 0;
+
+  virtual const ClientOptions& options() const = 0;
+  // The spec registered for a group, or NOT_FOUND.
+  virtual absl::StatusOr<GroupSpec> Group(absl::string_view group_id) const = 0;
+};
+
+}  // namespace accord
+
+#endif  // ACCORD_CLIENT_CLIENT_H_
