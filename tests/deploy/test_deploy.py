@@ -8,11 +8,13 @@ What is validated, exactly:
     chart's floor: native sidecars) and the newest bundled version;
     ServiceMonitor/PodMonitor against the minimal strict schemas vendored in
     tests/deploy/schemas/;
+  * `helm lint --strict` (kube 1.29) finds no warning or error;
   * the Helm chart rendered with Helm's own engine (helm-python-sdk: Helm v4's
     Go SDK) for several value combinations, every object validated the same
     way; the committed plain manifests equal the chart's rendering; bad values
     fail with a message naming the value (values.schema.json and the
-    templates' fail/required checks); wiring the schemas cannot see (probes,
+    templates' fail/required checks); `helm lint --strict` is clean;
+    wiring the schemas cannot see (probes,
     ports, selectors, native sidecar, downward API, flags);
   * negative cases: broken objects must be rejected by the same validators;
   * the Grafana dashboard parses and its queries use only accord's metric
@@ -295,6 +297,15 @@ class ChartTest(unittest.TestCase):
                 total += len(objs)
         print(f"  validated {total} rendered objects from {len(self.renders)} value sets",
               file=sys.stderr)
+
+    def test_helm_lint_strict_is_clean(self):
+        import helm_python as helm
+
+        for name, values in self.COMBOS.items():
+            with self.subTest(name):
+                report = helm.lint(str(render.CHART), values, strict=True, kube_version="v1.29.0")
+                serious = [m for m in report["messages"] if m["severity"] >= 2]
+                self.assertEqual((report["errors"], serious), ([], []), report)
 
     def test_committed_manifests_match_the_chart(self):
         for rel, text in render.plain_files().items():
