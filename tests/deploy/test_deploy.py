@@ -8,14 +8,13 @@ What is validated, exactly:
     chart's floor: native sidecars) and the newest bundled version;
     ServiceMonitor/PodMonitor against the minimal strict schemas vendored in
     tests/deploy/schemas/;
-  * `helm lint --strict` (kube 1.29) finds no warning or error;
   * the Helm chart rendered with Helm's own engine (helm-python-sdk: Helm v4's
     Go SDK) for several value combinations, every object validated the same
     way; the committed plain manifests equal the chart's rendering; bad values
     fail with a message naming the value (values.schema.json and the
     templates' fail/required checks); `helm lint --strict` is clean;
-    wiring the schemas cannot see (probes,
-    ports, selectors, native sidecar, downward API, flags);
+    wiring the schemas cannot see (probes, ports, selectors, native sidecar,
+    downward API, flags);
   * negative cases: broken objects must be rejected by the same validators;
   * the Grafana dashboard parses and its queries use only accord's metric
     names and labels; deploy/README.md documents every flag, env var and
