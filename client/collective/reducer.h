@@ -1,0 +1,73 @@
+// GroupReducer: one group's data path for one rank, step after step: check
+// the decision's layout, pack, reduce-scatter, optionally unpack.
+#ifndef ACCORD_CLIENT_COLLECTIVE_REDUCER_H_
+#define ACCORD_CLIENT_COLLECTIVE_REDUCER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "client/collective/collective.h"
+#include "core/decide.h"
+#include "core/group.h"
+#include "kernels/pack.h"
+
+namespace accord {
+
+// Not thread-safe: owned by the thread that runs the group's backward pass.
+// The buffers are kept and reused while the layout does not grow.
+class GroupReducer {
+ public:
+  enum class Device {
+    kCpu,   // host memory: PackCpu + the collective (Gloo)
+    kCuda,  // device memory: PackCuda on `stream` + the collective (NCCL)
+  };
+  struct Options {
+    Device device = Device::kCpu;
+    PackOptions pack;
+    void* stream = nullptr;  // cudaStream_t for kCuda
+  };
+
+  GroupReducer(GroupSpec spec, Collective& collective, Options options);
+  ~GroupReducer();
+  GroupReducer(const GroupReducer&) = delete;
+  GroupReducer& operator=(const GroupReducer&) = delete;
+
+  // Packs `sources` as `decision` says and reduce-scatters. Errors:
+  //  - FAILED_PRECONDITION when the decision's layout fingerprint is not the
+  //    one this rank computes (names group, step and both fingerprints);
+  //  - the pack's INVALID_ARGUMENT, the collective's errors;
+  //  - UNIMPLEMENTED for kCuda in a build without CUDA.
+  absl::Status Reduce(const Decision& decision, absl::Span<const GradSource> sources);
+
+  // Converts the last Reduce's shard into `targets` (see UnpackCpu).
+  absl::Status Unpack(absl::Span<const UnpackTarget> targets, const UnpackOptions& options = {});
+
+  // The layout and this rank's reduced row (wire dtype) of the last Reduce.
+  const Layout& layout() const { return layout_; }
+  const void* shard() const { return shard_; }
+
+ private:
+  absl::Status Reserve(size_t packed_bytes, size_t shard_bytes);
+
+  const GroupSpec spec_;
+  Collective& collective_;
+  const Options options_;
+  Layout layout_;
+  bool have_layout_ = false;
+  bool reduced_ = false;
+  // Host buffers (kCpu) or device buffers (kCuda).
+  std::vector<char> host_packed_;
+  std::vector<char> host_shard_;
+  void* device_packed_ = nullptr;
+  void* device_shard_ = nullptr;
+  size_t device_packed_bytes_ = 0;
+  size_t device_shard_bytes_ = 0;
+  void* packed_ = nullptr;
+  void* shard_ = nullptr;
+};
+
+}  // namespace accord
+
+#endif  // ACCORD_CLIENT_COLLECTIVE_REDUCER_H_
