@@ -1,0 +1,537 @@
+// Client over gRPC: one RankService.Session stream to the node's sidecar.
+//
+// Threads: the caller's threads (Register/Submit/Wait), a writer thread that
+// drains the outbox onto the stream (so Submit never blocks on the network),
+// and a reader thread that receives replies and completes futures. Both
+// background threads belong to GrpcClient and are joined in its destructor.
+// The stream is gRPC's synchronous one: one Read and one Write may run
+// concurrently; Finish runs only after the writer has stopped.
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "accord/v1/accord.grpc.pb.h"
+#include "client/client.h"
+#include "client/grpc_kv_store.h"
+#include "core/log.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/wire.h"
+
+namespace accord {
+
+struct DecisionFuture::State {
+  State(std::string g, int64_t s) : group_id(std::move(g)), step(s) {}
+  const std::string group_id;
+  const int64_t step;
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::StatusOr<Decision> result ABSL_GUARDED_BY(mu) = absl::UnknownError("pending");
+
+  void Complete(absl::StatusOr<Decision> r) {
+    absl::MutexLock lock(&mu);
+    if (done) return;
+    result = std::move(r);
+    done = true;
+  }
+};
+
+bool DecisionFuture::Ready() const {
+  if (state_ == nullptr) return false;
+  absl::MutexLock lock(&state_->mu);
+  return state_->done;
+}
+
+namespace {
+
+constexpr char kClientVersion[] = "accord-client/0.1.0";
+
+bool SamePolicy(const Policy& a, const Policy& b) {
+  return a.reduce_dtype == b.reduce_dtype && a.reduce_dtype_exact == b.reduce_dtype_exact &&
+         a.fp8_tie == b.fp8_tie && a.empty_group_dtype == b.empty_group_dtype;
+}
+
+class GrpcClient : public Client {
+ public:
+  explicit GrpcClient(const ClientOptions& options)
+      : options_(options), target_(absl::StrCat("unix:", options.socket_path)) {
+    channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    stub_ = v1::RankService::NewStub(channel_);
+    kv_ = MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
+                                options.job_id, options.token);
+  }
+
+  ~GrpcClient() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    ctx_.TryCancel();
+    if (reader_.joinable()) reader_.join();
+    if (writer_.joinable()) writer_.join();
+  }
+
+  // Opens the stream, says hello and waits for the welcome.
+  absl::Status Start() {
+    stream_ = stub_->Session(&ctx_);
+    v1::RankMessage hello;
+    v1::RankHello* h = hello.mutable_hello();
+    h->set_job_id(options_.job_id);
+    h->set_rank(options_.rank);
+    h->set_world_size(options_.world_size);
+    h->set_local_rank(options_.local_rank);
+    h->set_token(options_.token);
+    h->set_client_version(kClientVersion);
+    {
+      absl::MutexLock lock(&mu_);
+      outbox_.push_back(std::move(hello));
+    }
+    writer_ = std::thread([this] { WriterLoop(); });
+    reader_ = std::thread([this] { ReaderLoop(); });
+
+    absl::MutexLock lock(&mu_);
+    auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return welcomed_ || closed_ || !fatal_.ok();
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&answered), options_.connect_timeout);
+    if (!fatal_.ok()) return fatal_;
+    if (closed_) return closed_status_;
+    if (!welcomed_) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no welcome from the sidecar at ", options_.socket_path, " within ",
+                       absl::FormatDuration(options_.connect_timeout), " (job \"", options_.job_id,
+                       "\", rank ", options_.rank,
+                       "); check that accord-sidecar is healthy and connected to "
+                       "its coordinator"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
+                             absl::Time deadline) override {
+    if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = ClosedStatus(); !s.ok()) return s;
+    auto it = groups_.find(spec.group_id);
+    if (it != groups_.end()) {
+      if (!(it->second.spec == spec) || !SamePolicy(it->second.policy, policy)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "group \"", spec.group_id, "\" was already registered by rank ", options_.rank,
+            " with a different spec or policy; register each group once per job"));
+      }
+    } else {
+      GroupState& g = groups_[spec.group_id];
+      g.spec = spec;
+      g.policy = policy;
+      g.spec_fingerprint = SpecFingerprint(spec);
+      v1::RankMessage msg;
+      *msg.mutable_registration() = wire::GroupSpecToProto(spec, policy);
+      EnqueueLocked(std::move(msg));
+      it = groups_.find(spec.group_id);
+    }
+    GroupState* g = &it->second;
+    auto done = [this, g]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return g->reg != RegState::kPending || closed_ || !fatal_.ok();
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+    if (g->reg == RegState::kOk) return absl::OkStatus();
+    if (g->reg == RegState::kFailed) return g->reg_status;
+    if (absl::Status s = ClosedStatus(); !s.ok()) return s;
+    return absl::DeadlineExceededError(
+        absl::StrCat("no registration result for group \"", spec.group_id, "\" (job \"",
+                     options_.job_id, "\", rank ", options_.rank,
+                     ") before the deadline; the coordinator answers once every "
+                     "rank registered the group: check that all ranks register it"));
+  }
+
+  DecisionFuture Submit(const GroupSubmission& submission) override {
+    return SubmitBatch({submission}).front();
+  }
+
+  std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) override {
+    std::vector<DecisionFuture> out;
+    out.reserve(batch.size());
+    v1::RankMessage msg;
+    v1::ManifestBatch* mb = msg.mutable_manifests();
+    absl::MutexLock lock(&mu_);
+    const absl::Status closed = ClosedStatus();
+    for (const GroupSubmission& sub : batch) {
+      auto state = std::make_shared<DecisionFuture::State>(sub.group_id, sub.step);
+      out.emplace_back(state);
+      if (!closed.ok()) {
+        state->Complete(closed);
+        continue;
+      }
+      absl::Status s = CheckSubmission(sub);
+      if (!s.ok()) {
+        state->Complete(s);
+        continue;
+      }
+      GroupState& g = groups_.find(sub.group_id)->second;
+      Manifest m = RankManifest(sub.step, options_.rank, options_.world_size, sub.grad_dtypes);
+      const uint64_t key = ManifestKey(m);
+      v1::Manifest* pm = mb->add_manifests();
+      if (g.last_key.has_value() && *g.last_key == key && g.last_content == m.dtypes) {
+        pm->set_group_id(sub.group_id);
+        pm->set_step(sub.step);
+        pm->set_cache_key(key);
+        pm->set_repeat(true);
+      } else {
+        wire::ManifestToProto(sub.group_id, m, /*with_ranks=*/false, pm);
+        g.last_key = key;
+        g.last_content = std::move(m.dtypes);
+      }
+      g.last_step = sub.step;
+      g.pending[sub.step] = state;
+    }
+    if (mb->manifests_size() > 0) EnqueueLocked(std::move(msg));
+    return out;
+  }
+
+  absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) override {
+    if (!future.valid()) {
+      return absl::InvalidArgumentError("Wait on an empty DecisionFuture (not from Submit)");
+    }
+    DecisionFuture::State* st = future.state().get();
+    absl::MutexLock lock(&st->mu);
+    st->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
+    if (!st->done) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no decision for group \"", st->group_id, "\" step ", st->step, " (job \"",
+          options_.job_id, "\", rank ", options_.rank,
+          ") before the caller's deadline; the coordinator reports ranks that never submitted "
+          "once its own deadline passes"));
+    }
+    return st->result;
+  }
+
+  KeyValueStore& kv() override { return *kv_; }
+  const ClientOptions& options() const override { return options_; }
+
+  absl::StatusOr<GroupSpec> Group(absl::string_view group_id) const override {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(group_id);
+    if (it == groups_.end() || it->second.reg != RegState::kOk) {
+      return absl::NotFoundError(
+          absl::StrCat("group \"", group_id, "\" is not registered on rank ", options_.rank));
+    }
+    return it->second.spec;
+  }
+
+ private:
+  enum class RegState { kPending, kOk, kFailed };
+  struct GroupState {
+    GroupSpec spec;
+    Policy policy;
+    uint64_t spec_fingerprint = 0;
+    RegState reg = RegState::kPending;
+    absl::Status reg_status;
+    int64_t last_step = -1;                 // last submitted step
+    std::optional<uint64_t> last_key;       // key of the last full-form manifest sent
+    std::vector<DTypeMask> last_content;    // its content (guards against key collisions)
+    std::optional<Decision> last_decision;  // last successful decision received
+    std::map<int64_t, std::shared_ptr<DecisionFuture::State>> pending;
+  };
+
+  absl::Status ClosedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!fatal_.ok()) return fatal_;
+    if (closed_) return closed_status_;
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckSubmission(const GroupSubmission& sub) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = groups_.find(sub.group_id);
+    if (it == groups_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("manifest for group \"", sub.group_id, "\" step ", sub.step, " on rank ",
+                       options_.rank, ": the group is not registered; call RegisterGroup first"));
+    }
+    const GroupState& g = it->second;
+    if (g.reg == RegState::kFailed) return g.reg_status;
+    if (g.reg != RegState::kOk) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "manifest for group \"", sub.group_id, "\" step ", sub.step, " on rank ", options_.rank,
+          ": the group's registration has not completed; wait for RegisterGroup to return"));
+    }
+    if (sub.grad_dtypes.size() != g.spec.params.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest for group \"", sub.group_id, "\" step ", sub.step, " on rank ",
+                       options_.rank, ": ", sub.grad_dtypes.size(),
+                       " entries but the group registered ", g.spec.params.size(), " parameters"));
+    }
+    if (sub.step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest for group \"", sub.group_id, "\": negative step ", sub.step));
+    }
+    if (sub.step <= g.last_step) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "manifest for group \"", sub.group_id, "\" step ", sub.step, " on rank ", options_.rank,
+          ": steps must increase; this rank already submitted step ", g.last_step));
+    }
+    return absl::OkStatus();
+  }
+
+  void EnqueueLocked(v1::RankMessage msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    outbox_.push_back(std::move(msg));
+  }
+
+  void WriterLoop() {
+    while (true) {
+      v1::RankMessage msg;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !outbox_.empty() || read_ended_ || stopping_;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (read_ended_ || stopping_) break;
+        msg = std::move(outbox_.front());
+        outbox_.pop_front();
+      }
+      if (!stream_->Write(msg)) break;  // the reader sees the stream end
+    }
+    absl::MutexLock lock(&mu_);
+    writer_done_ = true;
+  }
+
+  void ReaderLoop() {
+    v1::RankReply reply;
+    while (stream_->Read(&reply)) HandleReply(reply);
+    {
+      absl::MutexLock lock(&mu_);
+      read_ended_ = true;
+      mu_.Await(absl::Condition(&writer_done_));
+    }
+    const grpc::Status s = stream_->Finish();
+    absl::MutexLock lock(&mu_);
+    if (!welcomed_) {
+      closed_status_ = absl::UnavailableError(absl::StrCat(
+          "cannot reach the sidecar at ", options_.socket_path, " (job \"", options_.job_id,
+          "\", rank ", options_.rank, "): ", s.error_message(),
+          "; check that accord-sidecar runs on this node with --socket=", options_.socket_path));
+    } else {
+      closed_status_ = absl::UnavailableError(
+          absl::StrCat("sidecar at ", options_.socket_path, " closed the connection (job \"",
+                       options_.job_id, "\", rank ", options_.rank, ")",
+                       s.ok() ? std::string() : absl::StrCat(": ", s.error_message())));
+    }
+    closed_ = true;
+    FailAllLocked(fatal_.ok() ? closed_status_ : fatal_);
+  }
+
+  void HandleReply(const v1::RankReply& reply) {
+    absl::MutexLock lock(&mu_);
+    switch (reply.body_case()) {
+      case v1::RankReply::kWelcome:
+        welcomed_ = true;
+        node_id_ = reply.welcome().node_id();
+        break;
+      case v1::RankReply::kRegistration:
+        HandleRegistrationLocked(reply.registration());
+        break;
+      case v1::RankReply::kDecisions:
+        for (const v1::Decision& d : reply.decisions().decisions()) HandleDecisionLocked(d);
+        break;
+      case v1::RankReply::kError:
+        HandleErrorLocked(reply.error());
+        break;
+      case v1::RankReply::BODY_NOT_SET:
+        ACCORD_LOG(WARNING) << "empty reply from the sidecar at " << options_.socket_path
+                            << "; ignored";
+        break;
+    }
+  }
+
+  void HandleRegistrationLocked(const v1::RegistrationResult& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = groups_.find(r.group_id());
+    if (it == groups_.end() || it->second.reg != RegState::kPending) {
+      ACCORD_LOG(WARNING) << "unexpected registration result for group \"" << r.group_id()
+                          << "\" on rank " << options_.rank << "; ignored";
+      return;
+    }
+    GroupState& g = it->second;
+    if (r.has_error() &&
+        (r.error().kind() != v1::ERROR_KIND_UNSPECIFIED || r.error().code() != 0)) {
+      g.reg = RegState::kFailed;
+      g.reg_status = wire::ErrorToStatus(r.error());
+    } else if (r.spec_fingerprint() != 0 && r.spec_fingerprint() != g.spec_fingerprint) {
+      g.reg = RegState::kFailed;
+      g.reg_status = absl::FailedPreconditionError(absl::StrCat(
+          "group \"", r.group_id(), "\": the coordinator's spec fingerprint ",
+          absl::Hex(r.spec_fingerprint()), " differs from rank ", options_.rank, "'s ",
+          absl::Hex(g.spec_fingerprint), "; check that every rank registers the same parameters"));
+    } else {
+      g.reg = RegState::kOk;
+    }
+  }
+
+  void HandleDecisionLocked(const v1::Decision& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = groups_.find(d.group_id());
+    if (it == groups_.end()) {
+      ACCORD_LOG(WARNING) << "decision for unknown group \"" << d.group_id() << "\" step "
+                          << d.step() << " on rank " << options_.rank << "; ignored";
+      return;
+    }
+    GroupState& g = it->second;
+    absl::StatusOr<Decision> result = DecodeDecision(g, d);
+    if (result.ok()) g.last_decision = *result;
+    auto p = g.pending.find(d.step());
+    if (p == g.pending.end()) {
+      ACCORD_LOG(WARNING) << "decision for group \"" << d.group_id() << "\" step " << d.step()
+                          << " that rank " << options_.rank << " is not waiting for; ignored";
+      return;
+    }
+    p->second->Complete(std::move(result));
+    g.pending.erase(p);
+  }
+
+  absl::StatusOr<Decision> DecodeDecision(const GroupState& g, const v1::Decision& d) const {
+    const auto where = [&] {
+      return absl::StrCat("decision for group \"", d.group_id(), "\" step ", d.step(), " (job \"",
+                          options_.job_id, "\", rank ", options_.rank, ")");
+    };
+    if (d.has_error()) return wire::ErrorToStatus(d.error());
+    if (d.same_as_previous()) {
+      if (!g.last_decision.has_value()) {
+        return absl::InternalError(absl::StrCat(
+            where(),
+            " says 'same as previous' but this rank has no previous decision for the "
+            "group; check that the sidecar and coordinator versions match the client"));
+      }
+      Decision out = *g.last_decision;
+      out.step = d.step();
+      return out;
+    }
+    if (!d.has_ok()) {
+      return absl::InternalError(absl::StrCat(where(), " carries neither a result nor an error"));
+    }
+    absl::StatusOr<Decision> dec = wire::DecisionFromProto(d.step(), d.ok(), g.spec.params.size());
+    if (!dec.ok()) {
+      return absl::InternalError(absl::StrCat("malformed ", where(), ": ", dec.status().message()));
+    }
+    int n = 0;
+    for (bool b : dec->included) n += b ? 1 : 0;
+    if (d.ok().num_included() != n) {
+      return absl::InternalError(absl::StrCat("malformed ", where(), ": num_included ",
+                                              d.ok().num_included(), " but ", n,
+                                              " bits are set in included_bits"));
+    }
+    const uint64_t local =
+        LayoutFingerprint(g.spec, options_.world_size, dec->included, dec->wire_dtype);
+    if (local != dec->layout_fingerprint) {
+      return absl::InternalError(absl::StrCat(
+          where(), ": layout fingerprint ", absl::Hex(dec->layout_fingerprint),
+          " differs from the one this rank computes (", absl::Hex(local),
+          ") for the registered spec; check that every rank runs the same accord version and "
+          "registered the same world size"));
+    }
+    return dec;
+  }
+
+  void HandleErrorLocked(const v1::DecisionError& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status s = wire::ErrorToStatus(e);
+    if (s.ok()) s = absl::UnknownError("the sidecar sent an error without a code");
+    // An error about one group (and step) completes only what it names.
+    if (!e.group_id().empty()) {
+      auto it = groups_.find(e.group_id());
+      if (it != groups_.end()) {
+        GroupState& g = it->second;
+        auto p = g.pending.find(e.step());
+        if (p != g.pending.end()) {
+          p->second->Complete(s);
+          g.pending.erase(p);
+          return;
+        }
+        if (g.reg == RegState::kPending) {
+          g.reg = RegState::kFailed;
+          g.reg_status = s;
+          return;
+        }
+      }
+    }
+    ACCORD_LOG(ERROR) << "rank " << options_.rank << ": " << s;
+    fatal_ = s;
+    FailAllLocked(s);
+  }
+
+  void FailAllLocked(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto& [id, g] : groups_) {
+      for (auto& [step, st] : g.pending) st->Complete(s);
+      g.pending.clear();
+      if (g.reg == RegState::kPending) {
+        g.reg = RegState::kFailed;
+        g.reg_status = s;
+      }
+    }
+  }
+
+  const ClientOptions options_;
+  const std::string target_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::RankService::Stub> stub_;
+  std::unique_ptr<KeyValueStore> kv_;
+  grpc::ClientContext ctx_;
+  // Set once in Start before the threads; then Read is used by the reader,
+  // Write by the writer and Finish by the reader after the writer stopped.
+  std::unique_ptr<grpc::ClientReaderWriter<v1::RankMessage, v1::RankReply>> stream_;
+
+  mutable absl::Mutex mu_;
+  std::deque<v1::RankMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  bool welcomed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string node_id_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status closed_status_ ABSL_GUARDED_BY(mu_);
+  absl::Status fatal_ ABSL_GUARDED_BY(mu_);  // a session/job-wide error from the sidecar
+  absl::flat_hash_map<std::string, GroupState> groups_ ABSL_GUARDED_BY(mu_);
+
+  std::thread writer_;
+  std::thread reader_;
+};
+
+absl::Status ValidateOptions(const ClientOptions& o) {
+  if (o.socket_path.empty()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.socket_path is empty; pass the sidecar's "
+        "Unix socket path");
+  }
+  if (o.job_id.empty()) return absl::InvalidArgumentError("ClientOptions.job_id is empty");
+  if (o.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.world_size is ", o.world_size, "; it must be at least 1"));
+  }
+  if (o.rank < 0 || o.rank >= o.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.rank ", o.rank, " is outside 0..", o.world_size - 1));
+  }
+  if (o.local_rank < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.local_rank ", o.local_rank, " is negative"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  auto client = std::make_unique<GrpcClient>(options);
+  if (absl::Status s = client->Start(); !s.ok()) return s;
+  return std::unique_ptr<Client>(std::move(client));
+}
+
+}  // namespace accord

@@ -1,0 +1,23 @@
+// KeyValueStore over the sidecar's KeyValueService (which forwards to the
+// coordinator), scoped to one job.
+#ifndef ACCORD_CLIENT_GRPC_KV_STORE_H_
+#define ACCORD_CLIENT_GRPC_KV_STORE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/kv_store.h"
+#include "grpcpp/channel.h"
+
+namespace accord {
+
+// Creates a store over `channel` (the sidecar's Unix socket). `target` names
+// the endpoint in error messages. Thread-safe.
+std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
+                                                     std::string target, std::string job_id,
+                                                     std::string token);
+
+}  // namespace accord
+
+#endif  // ACCORD_CLIENT_GRPC_KV_STORE_H_
