@@ -1,0 +1,35 @@
+#include "daemon/common/flags_env.h"
+
+#include <cctype>
+#include <cstdlib>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+
+namespace accord::daemon {
+
+std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<std::string>& names,
+                                     const std::string& usage) {
+  absl::SetProgramUsageMessage(usage);
+  // Environment values go first so a later command-line flag overrides them.
+  static std::vector<std::string>* storage = new std::vector<std::string>();
+  std::vector<std::string> env_args;
+  for (const std::string& name : names) {
+    std::string var = "ACCORD_";
+    for (char c : name) var += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    if (const char* v = std::getenv(var.c_str()); v != nullptr) {
+      env_args.push_back("--" + name + "=" + v);
+    }
+  }
+  storage->reserve(env_args.size());
+  std::vector<char*> args;
+  args.push_back(argv[0]);
+  for (std::string& a : env_args) {
+    storage->push_back(std::move(a));
+    args.push_back(storage->back().data());
+  }
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  return absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+}
+
+}  // namespace accord::daemon

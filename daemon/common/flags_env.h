@@ -1,0 +1,18 @@
+// Flags with environment fallbacks: every flag --name may also be given as
+// ACCORD_<NAME> (upper case); the command line wins over the environment.
+#ifndef ACCORD_DAEMON_COMMON_FLAGS_ENV_H_
+#define ACCORD_DAEMON_COMMON_FLAGS_ENV_H_
+
+#include <string>
+#include <vector>
+
+namespace accord::daemon {
+
+// Parses absl flags from argv after applying ACCORD_<NAME> environment
+// variables for each name in `names`. Returns the positional arguments.
+std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<std::string>& names,
+                                     const std::string& usage);
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_COMMON_FLAGS_ENV_H_

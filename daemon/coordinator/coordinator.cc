@@ -1,0 +1,952 @@
+#include "daemon/coordinator/coordinator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/log.h"
+#include "proto/wire.h"
+
+namespace accord::daemon {
+namespace {
+
+constexpr char kServerVersion[] = "accord-coordinator/0.1";
+
+v1::DecisionError Error(v1::ErrorKind kind, absl::StatusCode code, std::string message,
+                        absl::string_view job_id = "", absl::string_view group_id = "",
+                        int64_t step = -1) {
+  v1::DecisionError e = wire::MakeError(kind, absl::Status(code, message));
+  e.set_job_id(std::string(job_id));
+  e.set_group_id(std::string(group_id));
+  e.set_step(step);
+  return e;
+}
+
+// Mixes one node content key into the order-independent combination of a
+// step's contributions.
+uint64_t MixKey(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  return k;
+}
+
+// First parameter index where two specs differ (or the shorter count).
+int FirstDifference(const GroupSpec& a, const GroupSpec& b) {
+  const size_t n = std::min(a.params.size(), b.params.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (!(a.params[i] == b.params[i])) return static_cast<int>(i);
+  }
+  return a.params.size() == b.params.size() ? -1 : static_cast<int>(n);
+}
+
+}  // namespace
+
+v1::DecisionBatch* Coordinator::Outbox::ReplyBatch(NodeSink* sink) {
+  for (auto& [s, msg] : direct) {
+    if (s == sink && msg.has_decisions()) return msg.mutable_decisions();
+  }
+  direct.emplace_back(sink, v1::CoordinatorMessage());
+  return direct.back().second.mutable_decisions();
+}
+
+Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
+    : options_(options), clock_(clock) {
+  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Coordinator::~Coordinator() { Stop(); }
+
+void Coordinator::Stop() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+    timer_cv_.SignalAll();
+  }
+  if (timer_.joinable()) timer_.join();
+}
+
+void Coordinator::TimerLoop() {
+  absl::MutexLock l(&mu_);
+  while (!stopping_) {
+    if (clock_->Now() >= next_deadline_) {
+      mu_.Unlock();
+      CheckDeadlines();
+      mu_.Lock();
+      continue;
+    }
+    clock_->WaitUntil(&timer_cv_, &mu_, next_deadline_);
+  }
+}
+
+Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
+  absl::MutexLock l(&mu_);
+  const SessionId id = next_session_++;
+  sessions_[id].sink = sink;
+  ++stats_.sessions;
+  return id;
+}
+
+void Coordinator::CloseSession(SessionId id) {
+  absl::MutexLock l(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  Session s = it->second;
+  sessions_.erase(it);
+  --stats_.sessions;
+  if (s.node == nullptr || s.node->session != id) return;
+  s.node->session = 0;
+  s.node->sink = nullptr;
+  if (--s.job->connected_nodes == 0) {
+    ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
+                     << ") disconnected; dropping the job's state";
+    RemoveJob(s.job);
+  }
+}
+
+void Coordinator::RemoveJob(Job* job) {
+  for (auto& [id, s] : sessions_) {
+    if (s.job == job) {
+      s.job = nullptr;
+      s.node = nullptr;
+    }
+  }
+  jobs_.erase(job->job_id);
+  stats_.jobs = static_cast<int64_t>(jobs_.size());
+}
+
+void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
+  absl::MutexLock l(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  Session& s = it->second;
+  Outbox out;
+  switch (message.body_case()) {
+    case v1::NodeMessage::kHello:
+      HandleHello(id, s, message.hello(), out);
+      break;
+    case v1::NodeMessage::kRegistration:
+    case v1::NodeMessage::kManifests:
+    case v1::NodeMessage::kRankEvent:
+      if (s.node == nullptr) {
+        v1::CoordinatorMessage reply;
+        *reply.mutable_error() =
+            Error(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
+                  "node message before NodeHello (or after the job's state was dropped); send "
+                  "NodeHello first");
+        out.direct.emplace_back(s.sink, std::move(reply));
+        break;
+      }
+      if (message.has_registration()) {
+        HandleRegistration(s, message.registration(), out);
+      } else if (message.has_rank_event()) {
+        HandleRankEvent(s, message.rank_event(), out);
+      } else {
+        for (const v1::Manifest& m : message.manifests().manifests()) HandleManifest(s, m, out);
+      }
+      break;
+    default: {
+      v1::CoordinatorMessage reply;
+      *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                                     "empty or unknown NodeMessage body");
+      out.direct.emplace_back(s.sink, std::move(reply));
+    }
+  }
+  Flush(out);
+}
+
+void Coordinator::Flush(Outbox& out) {
+  for (auto& [sink, msg] : out.direct) {
+    if (sink != nullptr) sink->Send(std::make_shared<const v1::CoordinatorMessage>(std::move(msg)));
+  }
+  auto broadcast = [&](Job* job, v1::CoordinatorMessage&& msg) {
+    if (jobs_.find(job->job_id) == jobs_.end()) return;
+    auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(msg));
+    for (auto& [node_id, node] : job->nodes) {
+      if (node.sink != nullptr) node.sink->Send(shared);
+    }
+  };
+  for (auto& [job, msg] : out.broadcast_other) broadcast(job, std::move(msg));
+  for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
+}
+
+void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out) {
+  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg,
+                         std::vector<int> ranks = {}) {
+    v1::CoordinatorMessage reply;
+    *reply.mutable_error() = Error(kind, code, std::move(msg), hello.job_id());
+    for (int r : ranks) reply.mutable_error()->add_ranks(r);
+    out.direct.emplace_back(s.sink, std::move(reply));
+    ++stats_.errors;
+  };
+  if (s.node != nullptr) {
+    reply_error(
+        v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
+        absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session"));
+    return;
+  }
+  if (hello.job_id().empty() || hello.node_id().empty()) {
+    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                "NodeHello needs a job_id and a node_id");
+    return;
+  }
+  const int world = hello.world_size();
+  if (world < 1 || world > options_.max_world_size) {
+    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
+                             hello.node_id(), "\" is outside 1..", options_.max_world_size));
+    return;
+  }
+  std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
+  std::sort(ranks.begin(), ranks.end());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= world || (i > 0 && ranks[i] == ranks[i - 1])) {
+      reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                  absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(),
+                               "\" announced rank ", ranks[i], " twice or outside 0..", world - 1));
+      return;
+    }
+  }
+  auto jit = jobs_.find(hello.job_id());
+  if (jit == jobs_.end()) {
+    if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
+      reply_error(
+          v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+          absl::StrCat("job ", hello.job_id(), ": the coordinator already serves ", jobs_.size(),
+                       " jobs (--max_jobs); raise the limit or shard jobs "
+                       "across coordinators"));
+      return;
+    }
+    Job& job = jobs_[hello.job_id()];
+    job.job_id = hello.job_id();
+    job.world_size = world;
+    job.rank_owner.assign(world, nullptr);
+    job.rank_left_step.assign(world, -1);
+    stats_.jobs = static_cast<int64_t>(jobs_.size());
+    jit = jobs_.find(hello.job_id());
+    ACCORD_LOG(INFO) << "job " << job.job_id << ": created with world size " << world
+                     << " by node \"" << hello.node_id() << "\"";
+  }
+  Job& job = jit->second;
+  if (job.world_size != world) {
+    reply_error(v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
+                absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(),
+                             "\" says world size ", world, " but the job has world size ",
+                             job.world_size, "; check WORLD_SIZE of every launcher"));
+    if (job.connected_nodes == 0) RemoveJob(&job);
+    return;
+  }
+  // Ranks held by another connected node are refused.
+  for (int r : ranks) {
+    NodeState* owner = job.rank_owner[r];
+    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) {
+      reply_error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
+                  absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
+                               owner->node_id, "\"; node \"", hello.node_id(),
+                               "\" announced it too. Check RANK of the processes on both nodes"),
+                  {r});
+      if (job.connected_nodes == 0) RemoveJob(&job);
+      return;
+    }
+  }
+  NodeState& node = job.nodes[hello.node_id()];
+  node.node_id = hello.node_id();
+  if (node.session != 0) {
+    // The same node reconnected before its old stream was noticed as gone.
+    auto old = sessions_.find(node.session);
+    if (old != sessions_.end()) {
+      old->second.node = nullptr;
+      old->second.job = nullptr;
+    }
+    --job.connected_nodes;
+  }
+  for (int r : node.ranks) {
+    if (job.rank_owner[r] == &node) job.rank_owner[r] = nullptr;
+  }
+  auto set = std::make_shared<RankSet>(job.world_size);
+  for (int r : ranks) {
+    NodeState* owner = job.rank_owner[r];
+    if (owner != nullptr && owner != &node) {
+      // Moved from a disconnected node.
+      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
+                         owner->ranks.end());
+    }
+    job.rank_owner[r] = &node;
+    set->Add(r);
+  }
+  node.ranks = ranks;
+  node.rank_set = std::move(set);
+  node.session = id;
+  node.sink = s.sink;
+  ++job.connected_nodes;
+  s.job = &job;
+  s.node = &node;
+  v1::CoordinatorMessage reply;
+  reply.mutable_welcome()->set_node_id(node.node_id);
+  reply.mutable_welcome()->set_server_version(kServerVersion);
+  out.direct.emplace_back(s.sink, std::move(reply));
+  if (job.failed) {
+    v1::CoordinatorMessage fail;
+    *fail.mutable_error() = job.failure;
+    out.direct.emplace_back(s.sink, std::move(fail));
+  }
+}
+
+void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  const int r = e.rank();
+  if (r < 0 || r >= job.world_size) {
+    v1::CoordinatorMessage reply;
+    *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                                   absl::StrCat("job ", job.job_id, ": RankEvent for rank ", r,
+                                                " outside 0..", job.world_size - 1),
+                                   job.job_id);
+    out.direct.emplace_back(s.sink, std::move(reply));
+    return;
+  }
+  if (e.joined()) {
+    NodeState* owner = job.rank_owner[r];
+    if (owner == &node) return;
+    if (owner != nullptr && owner->session != 0) {
+      v1::CoordinatorMessage reply;
+      *reply.mutable_error() =
+          Error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
+                absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
+                             "\" but is already served by node \"", owner->node_id,
+                             "\"; check RANK of the processes on both nodes"),
+                job.job_id);
+      reply.mutable_error()->add_ranks(r);
+      out.direct.emplace_back(s.sink, std::move(reply));
+      ++stats_.errors;
+      return;
+    }
+    if (owner != nullptr) {
+      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
+                         owner->ranks.end());
+    }
+    job.rank_owner[r] = &node;
+    node.ranks.push_back(r);
+    std::sort(node.ranks.begin(), node.ranks.end());
+    auto set = std::make_shared<RankSet>(*node.rank_set);
+    set->Add(r);
+    node.rank_set = std::move(set);
+    return;
+  }
+  // The rank left: any pending step that still needs it can never complete.
+  job.rank_left_step[r] = std::max(job.rank_left_step[r], e.last_step());
+  if (job.failed) return;
+  for (auto& [gid, g] : job.groups) {
+    for (auto& [step, p] : g.pending) {
+      RankSet covered(job.world_size);
+      for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+      if (covered.Contains(r)) continue;
+      std::vector<int> missing = covered.Missing();
+      v1::DecisionError err =
+          MissingRanksError(job, g, step, p, missing,
+                            absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"",
+                                         node.node_id, "\" ended)"));
+      FailJob(job, &g, step, std::move(err), out);
+      return;
+    }
+  }
+}
+
+void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  const v1::GroupRegistration& reg = nr.registration();
+  auto reply = [&](v1::DecisionError err) {
+    v1::CoordinatorMessage msg;
+    msg.mutable_registration()->set_group_id(reg.group_id());
+    *msg.mutable_registration()->mutable_error() = std::move(err);
+    out.direct.emplace_back(s.sink, std::move(msg));
+    ++stats_.errors;
+  };
+  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
+  if (!spec.ok()) {
+    reply(Error(v1::INVALID_REQUEST, spec.status().code(),
+                absl::StrCat("job ", job.job_id, ": ", spec.status().message()), job.job_id,
+                reg.group_id()));
+    return;
+  }
+  absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
+  if (!policy.ok()) {
+    reply(Error(v1::INVALID_REQUEST, policy.status().code(),
+                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
+                             "\": ", policy.status().message()),
+                job.job_id, reg.group_id()));
+    return;
+  }
+  if (static_cast<int64_t>(spec->params.size()) > options_.max_params_per_group) {
+    reply(Error(
+        v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+        absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": ", spec->params.size(),
+                     " parameters exceed --max_params_per_group=", options_.max_params_per_group),
+        job.job_id, reg.group_id()));
+    return;
+  }
+  RankSet ranks(job.world_size);
+  for (int r : nr.ranks()) {
+    if (r < 0 || r >= job.world_size || !node.rank_set->Contains(r)) {
+      reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                  absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": rank ", r,
+                               " is not served by node \"", node.node_id, "\""),
+                  job.job_id, reg.group_id()));
+      return;
+    }
+    ranks.Add(r);
+  }
+  if (ranks.Count() == 0) {
+    reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
+                             "\": registration names no rank"),
+                job.job_id, reg.group_id()));
+    return;
+  }
+  auto git = job.groups.find(reg.group_id());
+  if (git == job.groups.end()) {
+    if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
+      reply(
+          Error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+                absl::StrCat("job ", job.job_id, ": group \"", reg.group_id(),
+                             "\" would exceed --max_groups_per_job=", options_.max_groups_per_job),
+                job.job_id, reg.group_id()));
+      return;
+    }
+    GroupState& g = job.groups[reg.group_id()];
+    g.group_id = reg.group_id();
+    g.registered = RankSet(job.world_size);
+    git = job.groups.find(reg.group_id());
+  }
+  GroupState& g = git->second;
+  const std::string policy_bytes = wire::PolicyToProto(*policy).SerializeAsString();
+  int variant = -1;
+  for (size_t i = 0; i < g.variants.size(); ++i) {
+    if (g.variants[i].spec == *spec && g.variants[i].policy_bytes == policy_bytes) {
+      variant = static_cast<int>(i);
+    }
+  }
+  if (variant < 0) {
+    g.variants.push_back(RegVariant{*spec, *policy, policy_bytes, RankSet(job.world_size)});
+    variant = static_cast<int>(g.variants.size()) - 1;
+  }
+  g.variants[variant].ranks.Union(ranks);
+  g.registered.Union(ranks);
+  NodeGroupState& ng = node.groups[reg.group_id()];
+  ng.variant = variant;
+  switch (g.reg_state) {
+    case RegState::kCollecting:
+      if (g.registered.Full()) FinishRegistration(job, g, out);
+      break;
+    case RegState::kOk: {
+      v1::CoordinatorMessage msg;
+      msg.mutable_registration()->set_group_id(g.group_id);
+      if (variant == g.spec_variant) {
+        msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
+      } else {
+        *msg.mutable_registration()->mutable_error() =
+            Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
+                  absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
+                               FormatRanks(ranks.Members()), " on node \"", node.node_id,
+                               "\" registered a spec or policy different from the one every rank "
+                               "agreed on; check the model definition on those ranks"),
+                  job.job_id, g.group_id);
+        ++stats_.errors;
+      }
+      out.direct.emplace_back(s.sink, std::move(msg));
+      break;
+    }
+    case RegState::kFailed: {
+      v1::CoordinatorMessage msg;
+      msg.mutable_registration()->set_group_id(g.group_id);
+      *msg.mutable_registration()->mutable_error() = g.reg_error;
+      out.direct.emplace_back(s.sink, std::move(msg));
+      break;
+    }
+  }
+}
+
+void Coordinator::FinishRegistration(Job& job, GroupState& g, Outbox& out) {
+  v1::CoordinatorMessage msg;
+  msg.mutable_registration()->set_group_id(g.group_id);
+  // The reference is the variant of the lowest rank.
+  int ref = 0;
+  int ref_rank = job.world_size;
+  for (size_t i = 0; i < g.variants.size(); ++i) {
+    std::vector<int> members = g.variants[i].ranks.Members();
+    if (!members.empty() && members[0] < ref_rank) {
+      ref_rank = members[0];
+      ref = static_cast<int>(i);
+    }
+  }
+  if (g.variants.size() == 1) {
+    g.reg_state = RegState::kOk;
+    g.spec_variant = 0;
+    g.spec_fingerprint = SpecFingerprint(g.variants[0].spec);
+    msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
+  } else {
+    // Name the first other variant (by lowest rank) and every differing rank.
+    int other = -1;
+    int other_rank = job.world_size;
+    std::vector<int> differing;
+    for (size_t i = 0; i < g.variants.size(); ++i) {
+      if (static_cast<int>(i) == ref) continue;
+      std::vector<int> members = g.variants[i].ranks.Members();
+      differing.insert(differing.end(), members.begin(), members.end());
+      if (!members.empty() && members[0] < other_rank) {
+        other_rank = members[0];
+        other = static_cast<int>(i);
+      }
+    }
+    std::sort(differing.begin(), differing.end());
+    const RegVariant& a = g.variants[ref];
+    const RegVariant& b = g.variants[other];
+    absl::Status cmp = CompareRegistration(a.spec, ref_rank, b.spec, other_rank);
+    std::string detail;
+    int param = -1;
+    if (!cmp.ok()) {
+      detail = std::string(cmp.message());
+      param = FirstDifference(a.spec, b.spec);
+    } else {
+      detail = absl::StrCat("group \"", g.group_id, "\": rank ", ref_rank, " and rank ", other_rank,
+                            " registered different reduce policies (",
+                            wire::PolicyToProto(a.policy).ShortDebugString(), " vs ",
+                            wire::PolicyToProto(b.policy).ShortDebugString(), ")");
+    }
+    v1::DecisionError err =
+        Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
+              absl::StrCat("job ", job.job_id, ": ", detail, "; ranks ", FormatRanks(differing),
+                           " differ from rank ", ref_rank,
+                           ". Every rank must build the same model and wrap it the same way"),
+              job.job_id, g.group_id);
+    err.set_param_index(param);
+    if (param >= 0 && param < static_cast<int>(a.spec.params.size())) {
+      err.set_param_name(a.spec.params[param].name);
+    } else if (param >= 0 && param < static_cast<int>(b.spec.params.size())) {
+      err.set_param_name(b.spec.params[param].name);
+    }
+    err.add_ranks(ref_rank);
+    for (int r : differing) err.add_ranks(r);
+    g.reg_state = RegState::kFailed;
+    g.reg_error = err;
+    *msg.mutable_registration()->mutable_error() = std::move(err);
+    ++stats_.errors;
+    ACCORD_LOG(WARNING) << g.reg_error.message();
+    // Pending steps of the group can never be decided.
+    v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+    for (auto& [step, p] : g.pending) {
+      v1::Decision* d = batch.add_decisions();
+      d->set_group_id(g.group_id);
+      d->set_step(step);
+      *d->mutable_error() = g.reg_error;
+      d->mutable_error()->set_step(step);
+    }
+    g.pending.clear();
+  }
+  out.broadcast_other.emplace_back(&job, std::move(msg));
+}
+
+absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFull(
+    const NodeState& node, const GroupState& group, const RegVariant& variant, int world,
+    const v1::Manifest& m) {
+  const size_t num_params = variant.spec.params.size();
+  const bool all_node_ranks = m.rank_bits().empty();
+  if (all_node_ranks && node.ranks.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
+  }
+  absl::StatusOr<Manifest> parsed =
+      wire::ManifestFromProto(m, num_params, world, all_node_ranks ? node.ranks[0] : -1);
+  if (!parsed.ok()) return parsed.status();
+  auto content = std::make_shared<Content>();
+  if (all_node_ranks) {
+    content->ranks = node.rank_set;
+    content->rank_count = static_cast<int>(node.ranks.size());
+    parsed->ranks = *node.rank_set;
+  } else {
+    const auto& words = parsed->ranks.words();
+    const auto& node_words = node.rank_set->words();
+    for (size_t i = 0; i < words.size(); ++i) {
+      if (words[i] & ~node_words[i]) {
+        std::vector<int> foreign;
+        for (int r : parsed->ranks.Members()) {
+          if (!node.rank_set->Contains(r)) foreign.push_back(r);
+        }
+        return absl::InvalidArgumentError(absl::StrCat(
+            "manifest for group \"", m.group_id(), "\" step ", m.step(), ": rank_bits name ranks ",
+            FormatRanks(foreign), " that node \"", node.node_id, "\" does not serve"));
+      }
+    }
+    content->rank_count = parsed->ranks.Count();
+    content->ranks = std::make_shared<const RankSet>(parsed->ranks);
+  }
+  for (const v1::RankUsage& u : m.rank_detail()) {
+    if (!content->ranks->Contains(u.rank())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
+                       ": rank_detail for rank ", u.rank(), " which the manifest does not cover"));
+    }
+    absl::StatusOr<std::vector<bool>> used = wire::UnpackBits(
+        u.used_bits(), num_params,
+        absl::StrCat("manifest for group \"", m.group_id(), "\" rank_detail of rank ", u.rank()));
+    if (!used.ok()) return used.status();
+    content->detail.push_back(RankDetail{u.rank(), *std::move(used)});
+  }
+  content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
+  content->dtypes = std::move(parsed->dtypes);
+  return std::shared_ptr<const Content>(std::move(content));
+}
+
+void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  ++stats_.manifests;
+  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
+    v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
+    d->set_group_id(m.group_id());
+    d->set_step(m.step());
+    *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id(), m.step());
+    ++stats_.errors;
+  };
+  const std::string where =
+      absl::StrCat("job ", job.job_id, " group \"", m.group_id(), "\" step ", m.step());
+  if (job.failed) {
+    v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
+    d->set_group_id(m.group_id());
+    d->set_step(m.step());
+    *d->mutable_error() = job.failure;
+    d->mutable_error()->set_kind(v1::JOB_FAILED);
+    return;
+  }
+  auto git = job.groups.find(m.group_id());
+  auto ngit = node.groups.find(m.group_id());
+  if (git == job.groups.end() || ngit == node.groups.end() || ngit->second.variant < 0) {
+    reply_error(v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
+                absl::StrCat(where, ": node \"", node.node_id,
+                             "\" has not registered this group; register it before sending "
+                             "manifests"));
+    return;
+  }
+  GroupState& g = git->second;
+  NodeGroupState& ng = ngit->second;
+  if (g.reg_state == RegState::kFailed) {
+    v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
+    d->set_group_id(g.group_id);
+    d->set_step(m.step());
+    *d->mutable_error() = g.reg_error;
+    d->mutable_error()->set_step(m.step());
+    return;
+  }
+  const int64_t step = m.step();
+  if (step < 0) {
+    reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
+                absl::StrCat(where, ": negative step"));
+    return;
+  }
+  if (step <= g.last_decided_step) {
+    if (step == g.last_decided_step && g.last_decision != nullptr) {
+      // A resend after a reconnect whose decision was lost: answer again.
+      *out.ReplyBatch(s.sink)->add_decisions() = *g.last_decision;
+      return;
+    }
+    reply_error(v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
+                absl::StrCat(where, ": step ", step, " is older than the last decided step ",
+                             g.last_decided_step,
+                             " of this group; check that the training loop's step counter "
+                             "only moves forward (was the process restarted alone?)"));
+    return;
+  }
+  // Resolve the content.
+  std::shared_ptr<const Content> content;
+  if (m.repeat()) {
+    if (ng.cache == nullptr || ng.cache->key != m.cache_key()) {
+      ++stats_.repeat_key_mismatches;
+      reply_error(
+          v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
+          absl::StrCat(where, ": repeat-form manifest with cache key ", absl::Hex(m.cache_key()),
+                       " but node \"", node.node_id, "\"'s previous manifest for this group ",
+                       ng.cache == nullptr ? std::string("is unknown here")
+                                           : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
+                       "; resend this step in full form"));
+      return;
+    }
+    content = ng.cache;
+    ++stats_.cache_hits;
+  } else {
+    absl::StatusOr<std::shared_ptr<const Content>> parsed =
+        ParseFull(node, g, g.variants[ng.variant], job.world_size, m);
+    if (!parsed.ok()) {
+      const bool non_float = absl::StrContains(parsed.status().message(), "not a float dtype");
+      reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                  absl::StatusCode::kInvalidArgument,
+                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
+      return;
+    }
+    content = *std::move(parsed);
+    ng.cache = content;
+    ++stats_.cache_misses;
+  }
+  auto pit = g.pending.find(step);
+  if (pit == g.pending.end()) {
+    if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
+      reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+                  absl::StrCat(where, ": ", g.pending.size(),
+                               " steps of this group are already waiting for ranks "
+                               "(--max_pending_steps); some ranks are far behind"));
+      return;
+    }
+    PendingStep& p = g.pending[step];
+    p.first_seen = clock_->Now();
+    p.deadline = p.first_seen + options_.deadline;
+    p.contributions.reserve(job.connected_nodes);
+    if (p.deadline < next_deadline_) {
+      next_deadline_ = p.deadline;
+      timer_cv_.SignalAll();
+    }
+    pit = g.pending.find(step);
+  }
+  PendingStep& p = pit->second;
+  auto [bit, inserted] = p.by_node.try_emplace(&node, static_cast<int>(p.contributions.size()));
+  if (!inserted) {
+    // The node already spoke for this step: an identical resend is a no-op;
+    // ranks that joined the node late may add a disjoint contribution.
+    RankSet earlier(job.world_size);
+    for (size_t i = bit->second; i < p.contributions.size(); ++i) {
+      const Contribution& c = p.contributions[i];
+      if (c.node != &node) continue;
+      if (c.content == content ||
+          (c.content->key == content->key && *c.content->ranks == *content->ranks)) {
+        return;
+      }
+      earlier.Union(*c.content->ranks);
+    }
+    if (earlier.Intersects(*content->ranks)) {
+      reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
+                  absl::StrCat(where, ": node \"", node.node_id,
+                               "\" sent a second, different manifest for ranks it already "
+                               "reported at this step"));
+      return;
+    }
+  }
+  p.contributions.push_back(Contribution{&node, content});
+  p.ranks_covered += content->rank_count;
+  p.all_repeat = p.all_repeat && m.repeat();
+  node.last_step = std::max(node.last_step, step);
+  CountSkips(ng, content);
+  if (p.ranks_covered >= job.world_size) {
+    DecideStep(job, g, step, p, out);
+    g.pending.erase(step);
+  }
+}
+
+void Coordinator::CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content) {
+  if (ng.skip_content == content) {
+    ++ng.skip_steps;
+    return;
+  }
+  FlushSkips(ng);
+  ng.skip_content = content;
+  ng.skip_steps = 1;
+}
+
+void Coordinator::FlushSkips(NodeGroupState& ng) {
+  if (ng.skip_content == nullptr || ng.skip_steps == 0) return;
+  const Content& c = *ng.skip_content;
+  const size_t n = c.dtypes.size();
+  if (ng.node_skips.size() != n) ng.node_skips.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    if (c.dtypes[i] == 0) ng.node_skips[i] += ng.skip_steps;
+  }
+  for (const RankDetail& d : c.detail) {
+    std::vector<int64_t>& extra = ng.rank_extra_skips[d.rank];
+    if (extra.size() != n) extra.assign(n, 0);
+    for (size_t i = 0; i < n; ++i) {
+      if (c.dtypes[i] != 0 && !d.used[i]) extra[i] += ng.skip_steps;
+    }
+  }
+  ng.skip_steps = 0;
+}
+
+void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out) {
+  uint64_t combined = 0;
+  for (const Contribution& c : p.contributions) combined += MixKey(c.content->key);
+  v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
+  d->set_group_id(g.group_id);
+  d->set_step(step);
+  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.first_seen));
+  ++stats_.decisions;
+  if (p.all_repeat && g.last_ok && g.last_decision != nullptr && combined == g.last_combined_key) {
+    d->set_same_as_previous(true);
+    ++stats_.same_as_previous;
+    g.last_decided_step = step;
+    // Keep the stored full decision current for resends of this step.
+    auto full = std::make_shared<v1::Decision>(*g.last_decision);
+    full->set_step(step);
+    full->set_wait_us(d->wait_us());
+    g.last_decision = std::move(full);
+    return;
+  }
+  const RegVariant& v = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0];
+  Manifest merged;
+  merged.step = step;
+  merged.dtypes.assign(v.spec.params.size(), 0);
+  merged.ranks = RankSet(job.world_size);
+  for (const Contribution& c : p.contributions) {
+    const size_t n = std::min(merged.dtypes.size(), c.content->dtypes.size());
+    for (size_t i = 0; i < n; ++i) merged.dtypes[i] |= c.content->dtypes[i];
+    merged.ranks.Union(*c.content->ranks);
+  }
+  absl::StatusOr<Decision> decision = Decide(v.spec, job.world_size, merged, v.policy);
+  if (decision.ok()) {
+    wire::DecisionToProto(*decision, d->mutable_ok());
+    g.last_ok = true;
+  } else {
+    *d->mutable_error() = Error(v1::INVALID_MANIFEST, decision.status().code(),
+                                absl::StrCat("job ", job.job_id, ": ", decision.status().message()),
+                                job.job_id, g.group_id, step);
+    g.last_ok = false;
+    ++stats_.errors;
+  }
+  g.last_decided_step = step;
+  g.last_combined_key = combined;
+  g.last_decision = std::make_shared<const v1::Decision>(*d);
+}
+
+int64_t Coordinator::RankLastStep(const Job& job, int rank) const {
+  int64_t last = job.rank_left_step[rank];
+  if (const NodeState* owner = job.rank_owner[rank]; owner != nullptr) {
+    last = std::max(last, owner->last_step);
+  }
+  return last;
+}
+
+v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupState& g, int64_t step,
+                                                 const PendingStep& p,
+                                                 const std::vector<int>& missing,
+                                                 absl::string_view why) {
+  std::vector<std::string> parts;
+  v1::DecisionError err;
+  for (int r : missing) {
+    const int64_t last = RankLastStep(job, r);
+    err.add_ranks(r);
+    err.add_last_steps(last);
+    if (parts.size() < 32) {
+      const NodeState* owner = job.rank_owner[r];
+      parts.push_back(absl::StrCat(
+          "rank ", r, " (last step ", last, ", node ",
+          owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"), ")"));
+    }
+  }
+  if (missing.size() > parts.size()) {
+    parts.push_back(absl::StrCat("and ", missing.size() - parts.size(), " more"));
+  }
+  std::string msg =
+      absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why,
+                   "; missing ranks ", FormatRanks(missing), ": ", absl::StrJoin(parts, ", "),
+                   ". Check those ranks' processes and their sidecars' logs; the job is failed");
+  v1::DecisionError e = Error(v1::MISSING_RANKS, absl::StatusCode::kDeadlineExceeded,
+                              std::move(msg), job.job_id, g.group_id, step);
+  *e.mutable_ranks() = err.ranks();
+  *e.mutable_last_steps() = err.last_steps();
+  return e;
+}
+
+void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
+                          v1::DecisionError error, Outbox& out) {
+  ACCORD_LOG(ERROR) << error.message();
+  job.failed = true;
+  job.failure = error;
+  ++stats_.errors;
+  v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+  for (auto& [gid, g] : job.groups) {
+    for (auto& [step, p] : g.pending) {
+      v1::Decision* d = batch.add_decisions();
+      d->set_group_id(g.group_id);
+      d->set_step(step);
+      *d->mutable_error() = error;
+      if (&g != culprit || step != culprit_step) d->mutable_error()->set_kind(v1::JOB_FAILED);
+    }
+    g.pending.clear();
+  }
+}
+
+void Coordinator::CheckDeadlines() {
+  absl::MutexLock l(&mu_);
+  const absl::Time now = clock_->Now();
+  Outbox out;
+  absl::Time next = absl::InfiniteFuture();
+  for (auto& [job_id, job] : jobs_) {
+    bool failed_now = false;
+    for (auto& [gid, g] : job.groups) {
+      if (failed_now) break;
+      for (auto& [step, p] : g.pending) {
+        if (p.deadline > now) {
+          next = std::min(next, p.deadline);
+          continue;
+        }
+        RankSet covered(job.world_size);
+        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+        v1::DecisionError err = MissingRanksError(
+            job, g, step, p, covered.Missing(),
+            absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
+                         " of the first manifest (--deadline)"));
+        FailJob(job, &g, step, std::move(err), out);
+        failed_now = true;
+        break;
+      }
+    }
+  }
+  next_deadline_ = next;
+  Flush(out);
+}
+
+CoordinatorStats Coordinator::stats() {
+  absl::MutexLock l(&mu_);
+  return stats_;
+}
+
+absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::string& job_id) {
+  absl::MutexLock l(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  std::vector<int64_t> out(it->second.world_size);
+  for (int r = 0; r < it->second.world_size; ++r) out[r] = RankLastStep(it->second, r);
+  return out;
+}
+
+absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
+                                                   const std::string& group_id) {
+  absl::MutexLock l(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  Job& job = it->second;
+  auto git = job.groups.find(group_id);
+  if (git == job.groups.end() || git->second.variants.empty()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
+  }
+  const GroupState& g = git->second;
+  const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+  SkipMatrix out;
+  for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
+  const size_t n = spec.params.size();
+  for (auto& [node_id, node] : job.nodes) {
+    auto ngit = node.groups.find(group_id);
+    if (ngit == node.groups.end()) continue;
+    NodeGroupState& ng = ngit->second;
+    FlushSkips(ng);
+    for (int r : node.ranks) {
+      std::vector<int64_t>& row = out.skips[r];
+      row.assign(n, 0);
+      for (size_t i = 0; i < n && i < ng.node_skips.size(); ++i) row[i] += ng.node_skips[i];
+      if (auto e = ng.rank_extra_skips.find(r); e != ng.rank_extra_skips.end()) {
+        for (size_t i = 0; i < n && i < e->second.size(); ++i) row[i] += e->second[i];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace accord::daemon

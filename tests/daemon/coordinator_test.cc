@@ -1,0 +1,429 @@
+#include "daemon/coordinator/coordinator.h"
+
+#include <optional>
+
+#include "absl/strings/match.h"
+#include "daemon/common/clock.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/test_util.h"
+
+namespace accord::daemon {
+namespace {
+
+using testing::Batch;
+using testing::FakeNodeSink;
+using testing::Hello;
+using testing::MakeSpec;
+using testing::NodeManifest;
+using testing::Registration;
+using testing::Repeat;
+
+constexpr auto kBf16 = DType::kBFloat16;
+constexpr auto kFp16 = DType::kFloat16;
+constexpr std::nullopt_t kNone = std::nullopt;
+
+// Two nodes of a world of 4: node "a" serves ranks 0,1 and node "b" ranks 2,3.
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  CoordinatorTest() : coord_(Options(), &clock_) {}
+
+  static CoordinatorOptions Options() {
+    CoordinatorOptions o;
+    o.deadline = absl::Seconds(60);
+    o.start_timer_thread = false;
+    return o;
+  }
+
+  void Join(const std::string& job = "job1") {
+    a_ = coord_.OpenSession(&sink_a_);
+    b_ = coord_.OpenSession(&sink_b_);
+    coord_.HandleMessage(a_, Hello(job, "a", 4, {0, 1}));
+    coord_.HandleMessage(b_, Hello(job, "b", 4, {2, 3}));
+  }
+  void RegisterAll(const GroupSpec& spec) {
+    coord_.HandleMessage(a_, Registration(spec, {0, 1}));
+    coord_.HandleMessage(b_, Registration(spec, {2, 3}));
+  }
+
+  FakeClock clock_;
+  Coordinator coord_;
+  FakeNodeSink sink_a_, sink_b_;
+  Coordinator::SessionId a_ = 0, b_ = 0;
+};
+
+TEST_F(CoordinatorTest, HelloIsWelcomed) {
+  Join();
+  ASSERT_FALSE(sink_a_.messages().empty());
+  EXPECT_TRUE(sink_a_.messages()[0].has_welcome());
+  EXPECT_TRUE(sink_b_.messages()[0].has_welcome());
+}
+
+TEST_F(CoordinatorTest, RegistrationAnsweredOnlyWhenEveryRankRegistered) {
+  Join();
+  GroupSpec spec = MakeSpec("g0", 3);
+  coord_.HandleMessage(a_, Registration(spec, {0, 1}));
+  EXPECT_TRUE(sink_a_.registrations().empty());
+  coord_.HandleMessage(b_, Registration(spec, {2}));
+  EXPECT_TRUE(sink_a_.registrations().empty());
+  coord_.HandleMessage(b_, Registration(spec, {3}));
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->registrations().size(), 1u);
+    EXPECT_FALSE(s->registrations()[0].has_error());
+    EXPECT_EQ(s->registrations()[0].spec_fingerprint(), SpecFingerprint(spec));
+  }
+}
+
+TEST_F(CoordinatorTest, RegistrationMismatchSendsTheSameErrorToEveryNode) {
+  Join();
+  GroupSpec spec = MakeSpec("g0", 3);
+  GroupSpec other = spec;
+  other.params[1].numel = 128;
+  coord_.HandleMessage(a_, Registration(spec, {0, 1}));
+  coord_.HandleMessage(b_, Registration(other, {2, 3}));
+  ASSERT_EQ(sink_a_.registrations().size(), 1u);
+  ASSERT_EQ(sink_b_.registrations().size(), 1u);
+  const v1::DecisionError ea = sink_a_.registrations()[0].error();
+  const v1::DecisionError eb = sink_b_.registrations()[0].error();
+  EXPECT_EQ(ea.SerializeAsString(), eb.SerializeAsString());
+  EXPECT_EQ(ea.kind(), v1::REGISTRATION_MISMATCH);
+  EXPECT_EQ(ea.param_index(), 1);
+  EXPECT_EQ(ea.param_name(), "layer1.weight");
+  EXPECT_TRUE(absl::StrContains(ea.message(), "2-3")) << ea.message();
+  EXPECT_EQ(std::vector<int>(ea.ranks().begin(), ea.ranks().end()), (std::vector<int>{0, 2, 3}));
+  // Manifests for the failed group get the same error.
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16, kNone, kNone}, 4, {0, 1})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::REGISTRATION_MISMATCH);
+}
+
+TEST_F(CoordinatorTest, PolicyMismatchIsARegistrationMismatch) {
+  Join();
+  GroupSpec spec = MakeSpec("g0", 2);
+  Policy p;
+  p.reduce_dtype = DType::kFloat32;
+  coord_.HandleMessage(a_, Registration(spec, {0, 1}));
+  coord_.HandleMessage(b_, Registration(spec, {2, 3}, p));
+  ASSERT_EQ(sink_b_.registrations().size(), 1u);
+  EXPECT_EQ(sink_b_.registrations()[0].error().kind(), v1::REGISTRATION_MISMATCH);
+  EXPECT_TRUE(absl::StrContains(sink_b_.registrations()[0].error().message(), "polic"));
+}
+
+TEST_F(CoordinatorTest, DecidesOnlyWhenEveryRankIsCoveredAndBroadcasts) {
+  Join();
+  RegisterAll(MakeSpec("g0", 3));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16, kNone, kNone}, 4, {0, 1})}));
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kFp16, kFp16, kNone}, 4, {2, 3})}));
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->decisions().size(), 1u);
+    const v1::Decision d = s->decisions()[0];
+    ASSERT_TRUE(d.has_ok()) << d.DebugString();
+    EXPECT_EQ(d.ok().wire_dtype(), v1::FLOAT32);  // bf16 v fp16
+    EXPECT_EQ(d.ok().num_included(), 2);
+    EXPECT_EQ(d.ok().included_bits(), std::string(1, '\x03'));
+    EXPECT_FALSE(d.same_as_previous());
+  }
+}
+
+TEST_F(CoordinatorTest, ExplicitRankBitsCoverPartOfANode) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1}, {0})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {2, 3})}));
+  EXPECT_TRUE(sink_a_.decisions().empty());  // rank 1 not yet covered
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kNone}, 4, {0, 1}, {1})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_TRUE(sink_a_.decisions()[0].has_ok());
+}
+
+TEST_F(CoordinatorTest, RepeatedManifestsGetSameAsPreviousAndCountCacheHits) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  v1::Manifest ma = NodeManifest("g0", 0, {kBf16, kNone}, 4, {0, 1});
+  v1::Manifest mb = NodeManifest("g0", 0, {kBf16, kNone}, 4, {2, 3});
+  coord_.HandleMessage(a_, Batch({ma}));
+  coord_.HandleMessage(b_, Batch({mb}));
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({Repeat("g0", 1, ma.cache_key())}));
+  coord_.HandleMessage(b_, Batch({Repeat("g0", 1, mb.cache_key())}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_TRUE(sink_a_.decisions()[0].same_as_previous());
+  EXPECT_FALSE(sink_a_.decisions()[0].has_ok());
+  EXPECT_EQ(sink_a_.decisions()[0].step(), 1);
+  CoordinatorStats st = coord_.stats();
+  EXPECT_EQ(st.cache_hits, 2);
+  EXPECT_EQ(st.cache_misses, 2);
+  EXPECT_EQ(st.same_as_previous, 1);
+  EXPECT_EQ(st.decisions, 2);
+}
+
+TEST_F(CoordinatorTest, OneFullManifestAmongRepeatsGivesAFullDecision) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  v1::Manifest ma = NodeManifest("g0", 0, {kBf16, kNone}, 4, {0, 1});
+  coord_.HandleMessage(a_, Batch({ma}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16, kNone}, 4, {2, 3})}));
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({Repeat("g0", 1, ma.cache_key())}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 1, {kBf16, kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  ASSERT_TRUE(sink_a_.decisions()[0].has_ok());
+  EXPECT_EQ(sink_a_.decisions()[0].ok().num_included(), 2);
+}
+
+TEST_F(CoordinatorTest, RepeatWithUnknownKeyAsksOnlyThatNodeForTheFullForm) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  coord_.HandleMessage(a_, Batch({Repeat("g0", 0, 1234)}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_TRUE(absl::StrContains(sink_a_.decisions()[0].error().message(), "full form"));
+  EXPECT_TRUE(sink_b_.decisions().empty());
+  EXPECT_EQ(coord_.stats().repeat_key_mismatches, 1);
+}
+
+TEST_F(CoordinatorTest, InvalidManifestGoesToTheSenderOnly) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  sink_b_.Clear();
+  v1::Manifest bad = NodeManifest("g0", 0, {kBf16, kNone}, 4, {0, 1});
+  bad.set_used_bits(std::string(3, '\x01'));
+  coord_.HandleMessage(a_, Batch({bad}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_TRUE(sink_b_.decisions().empty());
+}
+
+TEST_F(CoordinatorTest, ForeignRankBitsAreRejected) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1}, {2})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_TRUE(absl::StrContains(sink_a_.decisions()[0].error().message(), "does not serve"));
+}
+
+TEST_F(CoordinatorTest, ResentIdenticalManifestIsANoOp) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  v1::Manifest ma = NodeManifest("g0", 0, {kBf16}, 4, {0, 1});
+  coord_.HandleMessage(a_, Batch({ma}));
+  coord_.HandleMessage(a_, Batch({ma}));  // e.g. after a reconnect
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_TRUE(sink_a_.decisions()[0].has_ok());
+  // A resend of the decided step is answered again, to the sender only.
+  sink_b_.Clear();
+  coord_.HandleMessage(a_, Batch({ma}));
+  ASSERT_EQ(sink_a_.decisions().size(), 2u);
+  EXPECT_TRUE(sink_a_.decisions()[1].has_ok());
+  EXPECT_TRUE(sink_b_.decisions().empty());
+}
+
+TEST_F(CoordinatorTest, StepOlderThanLastDecidedIsARegression) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 5, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 5, {kBf16}, 4, {2, 3})}));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 3, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_b_.decisions().size(), 1u);
+  EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::STEP_REGRESSION);
+  EXPECT_TRUE(absl::StrContains(sink_b_.decisions()[0].error().message(), "last decided step 5"));
+  EXPECT_TRUE(sink_a_.decisions().empty());
+}
+
+TEST_F(CoordinatorTest, DuplicateRankIsRefusedToTheOffender) {
+  Join();
+  FakeNodeSink sink_c;
+  auto c = coord_.OpenSession(&sink_c);
+  coord_.HandleMessage(c, Hello("job1", "c", 4, {1}));
+  ASSERT_EQ(sink_c.errors().size(), 1u);
+  EXPECT_EQ(sink_c.errors()[0].kind(), v1::DUPLICATE_RANK);
+  EXPECT_EQ(sink_c.errors()[0].ranks(0), 1);
+  EXPECT_TRUE(absl::StrContains(sink_c.errors()[0].message(), "node \"a\""));
+  EXPECT_TRUE(sink_a_.errors().empty());
+}
+
+TEST_F(CoordinatorTest, WorldSizeMismatchIsPrecise) {
+  Join();
+  FakeNodeSink sink_c;
+  auto c = coord_.OpenSession(&sink_c);
+  coord_.HandleMessage(c, Hello("job1", "c", 8, {5}));
+  ASSERT_EQ(sink_c.errors().size(), 1u);
+  EXPECT_EQ(sink_c.errors()[0].kind(), v1::WORLD_SIZE_MISMATCH);
+  EXPECT_TRUE(absl::StrContains(sink_c.errors()[0].message(), "world size 8"));
+  EXPECT_TRUE(absl::StrContains(sink_c.errors()[0].message(), "world size 4"));
+}
+
+TEST_F(CoordinatorTest, ReconnectedNodeTakesItsRanksBack) {
+  Join();
+  coord_.CloseSession(a_);
+  FakeNodeSink sink_a2;
+  auto a2 = coord_.OpenSession(&sink_a2);
+  coord_.HandleMessage(a2, Hello("job1", "a", 4, {0, 1}));
+  ASSERT_FALSE(sink_a2.messages().empty());
+  EXPECT_TRUE(sink_a2.messages()[0].has_welcome());
+}
+
+TEST_F(CoordinatorTest, DeadlineNamesMissingRanksAndTheirLastStepsAndFailsTheJob) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  RegisterAll(MakeSpec("g1", 1));
+  // Step 0 decided; node a reaches step 1 in g0, node b never does.
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {2, 3})}));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 1, {kBf16}, 4, {0, 1}),
+                                  NodeManifest("g1", 1, {kBf16}, 4, {0, 1})}));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  clock_.Advance(absl::Seconds(59));
+  coord_.CheckDeadlines();
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    std::vector<v1::Decision> ds = s->decisions();
+    ASSERT_EQ(ds.size(), 2u);
+    int missing = 0, failed = 0;
+    for (const v1::Decision& d : ds) {
+      if (d.error().kind() == v1::MISSING_RANKS) {
+        ++missing;
+        EXPECT_EQ(std::vector<int>(d.error().ranks().begin(), d.error().ranks().end()),
+                  (std::vector<int>{2, 3}));
+        EXPECT_EQ(
+            std::vector<int64_t>(d.error().last_steps().begin(), d.error().last_steps().end()),
+            (std::vector<int64_t>{0, 0}));
+        EXPECT_TRUE(absl::StrContains(d.error().message(), "node \"b\"")) << d.error().message();
+      } else {
+        EXPECT_EQ(d.error().kind(), v1::JOB_FAILED);
+        ++failed;
+      }
+    }
+    EXPECT_EQ(missing, 1);
+    EXPECT_EQ(failed, 1);
+  }
+  // Later manifests are refused at once: nobody waits on a failed job.
+  sink_b_.Clear();
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 1, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_b_.decisions().size(), 1u);
+  EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::JOB_FAILED);
+}
+
+TEST(CoordinatorTimerTest, TimerThreadFiresTheDeadlineOnTheInjectedClock) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(10);
+  Coordinator coord(o, &clock);
+  FakeNodeSink sa, sb;
+  auto a = coord.OpenSession(&sa);
+  auto b = coord.OpenSession(&sb);
+  coord.HandleMessage(a, Hello("j", "a", 2, {0}));
+  coord.HandleMessage(b, Hello("j", "b", 2, {1}));
+  GroupSpec spec = MakeSpec("g", 1);
+  coord.HandleMessage(a, Registration(spec, {0}));
+  coord.HandleMessage(b, Registration(spec, {1}));
+  coord.HandleMessage(a, Batch({NodeManifest("g", 0, {kBf16}, 2, {0})}));
+  clock.Advance(absl::Seconds(11));
+  sb.AwaitDecisions(1);
+  ASSERT_EQ(sb.decisions().size(), 1u);
+  EXPECT_EQ(sb.decisions()[0].error().kind(), v1::MISSING_RANKS);
+  EXPECT_EQ(sb.decisions()[0].error().ranks(0), 1);
+  EXPECT_EQ(sb.decisions()[0].error().last_steps(0), -1);
+  coord.Stop();
+}
+
+TEST_F(CoordinatorTest, RankLeavingFailsPendingStepsThatNeedItAtOnce) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(3);
+  left.mutable_rank_event()->set_joined(false);
+  left.mutable_rank_event()->set_last_step(7);
+  coord_.HandleMessage(b_, left);
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const v1::DecisionError e = sink_a_.decisions()[0].error();
+  EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+  EXPECT_TRUE(absl::StrContains(e.message(), "rank 3 left")) << e.message();
+  EXPECT_EQ(e.last_steps(1), 7);
+}
+
+TEST_F(CoordinatorTest, JobsNeverMix) {
+  Join("job1");
+  FakeNodeSink sx, sy;
+  auto x = coord_.OpenSession(&sx);
+  auto y = coord_.OpenSession(&sy);
+  coord_.HandleMessage(x, Hello("job2", "a", 2, {0}));  // same node id, other job
+  coord_.HandleMessage(y, Hello("job2", "b", 2, {1}));
+  GroupSpec spec = MakeSpec("g0", 1);
+  RegisterAll(spec);
+  coord_.HandleMessage(x, Registration(spec, {0}));
+  coord_.HandleMessage(y, Registration(spec, {1}));
+  sink_a_.Clear();
+  sx.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(x, Batch({NodeManifest("g0", 0, {kFp16}, 2, {0})}));
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  EXPECT_TRUE(sx.decisions().empty());
+  coord_.HandleMessage(y, Batch({NodeManifest("g0", 0, {kFp16}, 2, {1})}));
+  ASSERT_EQ(sx.decisions().size(), 1u);
+  EXPECT_EQ(sx.decisions()[0].ok().wire_dtype(), v1::FLOAT16);
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].ok().wire_dtype(), v1::BFLOAT16);
+  EXPECT_EQ(sx.decisions().size(), 1u);
+}
+
+TEST_F(CoordinatorTest, SkipCountsPerRankUseNodeUsageAndRankDetail) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  // Node a: rank 0 used both, rank 1 used only param 0 (detail). Node b: only param 0.
+  for (int step = 0; step < 3; ++step) {
+    v1::Manifest ma = NodeManifest("g0", step, {kBf16, kBf16}, 4, {0, 1});
+    v1::RankUsage* u = ma.add_rank_detail();
+    u->set_rank(1);
+    u->set_used_bits(std::string(1, '\x01'));
+    coord_.HandleMessage(a_, Batch({ma}));
+    coord_.HandleMessage(b_, Batch({NodeManifest("g0", step, {kBf16, kNone}, 4, {2, 3})}));
+  }
+  absl::StatusOr<SkipMatrix> m = coord_.SkipCounts("job1", "g0");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->skips[0], (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(m->skips[1], (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(m->skips[2], (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(m->skips[3], (std::vector<int64_t>{0, 3}));
+  absl::StatusOr<std::vector<int64_t>> last = coord_.RankLastSteps("job1");
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(*last, (std::vector<int64_t>{2, 2, 2, 2}));
+}
+
+TEST_F(CoordinatorTest, ManifestForUnregisteredGroupIsUnknownGroup) {
+  Join();
+  coord_.HandleMessage(a_, Batch({NodeManifest("nope", 0, {kBf16}, 4, {0, 1})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::UNKNOWN_GROUP);
+}
+
+TEST_F(CoordinatorTest, JobStateIsDroppedWhenTheLastNodeLeaves) {
+  Join();
+  coord_.CloseSession(a_);
+  EXPECT_EQ(coord_.stats().jobs, 1);
+  coord_.CloseSession(b_);
+  EXPECT_EQ(coord_.stats().jobs, 0);
+  // The id can be reused with another world size.
+  FakeNodeSink s;
+  auto c = coord_.OpenSession(&s);
+  coord_.HandleMessage(c, Hello("job1", "c", 2, {0, 1}));
+  EXPECT_TRUE(s.messages()[0].has_welcome());
+}
+
+}  // namespace
+}  // namespace accord::daemon
