@@ -8,3 +8,32 @@ target_include_directories(accord_client PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(accord_client PUBLIC accord_wire accord_core accord_kv_store
   absl::synchronization absl::time absl::flat_hash_map gRPC::grpc++ Threads::Threads)
 accord_target_options(accord_client)
+
+# Local cluster launcher (tests, demo, benchmarks).
+add_library(accord_health_proto ${CMAKE_CURRENT_LIST_DIR}/testing/health.proto)
+target_link_libraries(accord_health_proto PUBLIC protobuf::libprotobuf gRPC::grpc++)
+target_include_directories(accord_health_proto PUBLIC ${CMAKE_CURRENT_BINARY_DIR}/health_gen)
+file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/health_gen/client/testing)
+protobuf_generate(TARGET accord_health_proto LANGUAGE cpp IMPORT_DIRS ${PROJECT_SOURCE_DIR}
+  PROTOC_OUT_DIR ${CMAKE_CURRENT_BINARY_DIR}/health_gen)
+protobuf_generate(TARGET accord_health_proto LANGUAGE grpc IMPORT_DIRS ${PROJECT_SOURCE_DIR}
+  PROTOC_OUT_DIR ${CMAKE_CURRENT_BINARY_DIR}/health_gen
+  GENERATE_EXTENSIONS .grpc.pb.h .grpc.pb.cc
+  PLUGIN "protoc-gen-grpc=$<TARGET_FILE:gRPC::grpc_cpp_plugin>")
+
+add_library(accord_local_cluster ${CMAKE_CURRENT_LIST_DIR}/testing/local_cluster.cc)
+target_link_libraries(accord_local_cluster PUBLIC accord_health_proto absl::synchronization
+  absl::time absl::strings absl::status absl::statusor Threads::Threads)
+target_include_directories(accord_local_cluster PUBLIC ${PROJECT_SOURCE_DIR})
+target_compile_definitions(accord_local_cluster PRIVATE
+  ACCORD_DEFAULT_BIN_DIRS="${PROJECT_BINARY_DIR}/daemon/coordinator:${PROJECT_BINARY_DIR}/daemon/sidecar:${PROJECT_BINARY_DIR}/daemon")
+accord_target_options(accord_local_cluster)
+
+add_executable(accord-local-cluster ${CMAKE_CURRENT_LIST_DIR}/testing/local_cluster_main.cc)
+target_link_libraries(accord-local-cluster PRIVATE accord_local_cluster absl::flags
+  absl::flags_parse)
+accord_target_options(accord-local-cluster)
+
+add_executable(accord-rank-scenario ${CMAKE_CURRENT_LIST_DIR}/testing/rank_scenario_main.cc)
+target_link_libraries(accord-rank-scenario PRIVATE accord_client absl::flags absl::flags_parse)
+accord_target_options(accord-rank-scenario)

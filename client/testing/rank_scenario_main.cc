@@ -1,0 +1,260 @@
+// accord-rank-scenario: one rank of a scripted job, for integration tests and
+// the demo. Connects to its sidecar, registers groups, submits a manifest per
+// group and step as the rules say, waits for each decision and prints it:
+//
+//   rank 3 step 1 group g0: wire=float32 included=3/4 zero_fill_here=1 skipped=[p3] fp=1a2b...
+//   rank 3 step 2 group g0: error FAILED_PRECONDITION: ...
+//   rank 3 digest 5c1e...   (over every decision and error, identical on all ranks)
+//
+// Rules (--rules, separated by spaces or commas) say which gradients a rank
+// holds: RANK:PARAM:STEP:DTYPE, each field a number or '*', DTYPE a dtype name
+// or "none"; later rules win. Without a rule every parameter has a --dtype
+// gradient. Exit status 0 when every expectation (--expect_*) held.
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "core/hash.h"
+
+ABSL_FLAG(std::string, socket, "", "the sidecar's Unix socket");
+ABSL_FLAG(std::string, job, "job", "job id");
+ABSL_FLAG(int, rank, 0, "this rank");
+ABSL_FLAG(int, world, 1, "world size");
+ABSL_FLAG(int, local_rank, 0, "local rank on the node");
+ABSL_FLAG(int, groups, 1, "number of groups g0, g1, ...");
+ABSL_FLAG(int, params, 4, "parameters per group p0, p1, ...");
+ABSL_FLAG(int, steps, 3, "steps 0..steps-1");
+ABSL_FLAG(std::string, dtype, "float32", "default gradient dtype");
+ABSL_FLAG(std::string, rules, "", "RANK:PARAM:STEP:DTYPE rules (see the file comment)");
+ABSL_FLAG(int, mismatch_rank, -1, "this rank registers p0 with a different size");
+ABSL_FLAG(int, silent_rank, -1, "this rank registers but never submits");
+ABSL_FLAG(std::string, expect_error, "",
+          "expected canonical code name of the first error (e.g. DEADLINE_EXCEEDED)");
+ABSL_FLAG(std::string, expect_error_contains, "", "expected substring of that error");
+ABSL_FLAG(std::string, expect_wire, "", "expected wire dtype of every decision");
+ABSL_FLAG(std::string, expect_skipped, "",
+          "expected skipped parameter indices (comma separated; \"-\" for none)");
+ABSL_FLAG(absl::Duration, wait, absl::Seconds(60), "how long to wait for each answer");
+
+namespace accord {
+namespace {
+
+struct Rule {
+  int rank = -1, param = -1, step = -1;  // -1: any
+  std::optional<DType> dtype;
+};
+
+absl::StatusOr<std::vector<Rule>> ParseRules(const std::string& text) {
+  std::vector<Rule> out;
+  for (absl::string_view item : absl::StrSplit(text, absl::ByAnyChar(" ,"), absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(item, ':');
+    if (f.size() != 4) return absl::InvalidArgumentError(absl::StrCat("bad rule \"", item, "\""));
+    Rule r;
+    int* fields[3] = {&r.rank, &r.param, &r.step};
+    for (int i = 0; i < 3; ++i) {
+      if (f[i] == "*") continue;
+      if (!absl::SimpleAtoi(f[i], fields[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("bad number in rule \"", item, "\""));
+      }
+    }
+    if (f[3] != "none") {
+      absl::StatusOr<DType> d = ParseDType(f[3]);
+      if (!d.ok()) return d.status();
+      r.dtype = *d;
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::string CodeName(absl::StatusCode c) { return absl::StatusCodeToString(c); }
+
+int Run() {
+  const int rank = absl::GetFlag(FLAGS_rank);
+  const int world = absl::GetFlag(FLAGS_world);
+  const int num_groups = absl::GetFlag(FLAGS_groups);
+  const int num_params = absl::GetFlag(FLAGS_params);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const absl::Duration wait = absl::GetFlag(FLAGS_wait);
+  absl::StatusOr<DType> default_dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  absl::StatusOr<std::vector<Rule>> rules = ParseRules(absl::GetFlag(FLAGS_rules));
+  if (!default_dtype.ok() || !rules.ok()) {
+    fprintf(stderr, "rank %d: %s\n", rank,
+            std::string((default_dtype.ok() ? rules.status() : default_dtype.status()).message())
+                .c_str());
+    return 2;
+  }
+  std::optional<DType> expect_wire;
+  if (!absl::GetFlag(FLAGS_expect_wire).empty()) {
+    absl::StatusOr<DType> d = ParseDType(absl::GetFlag(FLAGS_expect_wire));
+    if (!d.ok()) return 2;
+    expect_wire = *d;
+  }
+  std::optional<std::vector<bool>> expect_skipped;
+  if (!absl::GetFlag(FLAGS_expect_skipped).empty()) {
+    expect_skipped = std::vector<bool>(num_params, false);
+    for (absl::string_view s :
+         absl::StrSplit(absl::GetFlag(FLAGS_expect_skipped), ',', absl::SkipEmpty())) {
+      int i = 0;
+      if (s != "-" && absl::SimpleAtoi(s, &i) && i >= 0 && i < num_params)
+        (*expect_skipped)[i] = true;
+    }
+  }
+  const std::string expect_error = absl::GetFlag(FLAGS_expect_error);
+  const std::string expect_contains = absl::GetFlag(FLAGS_expect_error_contains);
+
+  ClientOptions opts;
+  opts.socket_path = absl::GetFlag(FLAGS_socket);
+  opts.job_id = absl::GetFlag(FLAGS_job);
+  opts.rank = rank;
+  opts.world_size = world;
+  opts.local_rank = absl::GetFlag(FLAGS_local_rank);
+  opts.connect_timeout = wait;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(opts);
+  if (!client.ok()) {
+    printf("rank %d connect error %s: %s\n", rank, CodeName(client.status().code()).c_str(),
+           std::string(client.status().message()).c_str());
+    return 1;
+  }
+  Client& c = **client;
+
+  StableHasher digest;
+  std::optional<absl::Status> first_error;
+  bool ok = true;
+  auto note_error = [&](const std::string& where, const absl::Status& s) {
+    printf("rank %d %s: error %s: %s\n", rank, where.c_str(), CodeName(s.code()).c_str(),
+           std::string(s.message()).c_str());
+    digest.AddU64(static_cast<uint64_t>(s.code()));
+    digest.AddBytes(s.message());
+    if (!first_error) first_error = s;
+  };
+
+  // Registration (all groups), p_i with dim0 = 2*world+1 (padding) and 3 columns.
+  for (int g = 0; g < num_groups && !first_error; ++g) {
+    GroupSpec spec;
+    spec.group_id = absl::StrCat("g", g);
+    for (int i = 0; i < num_params; ++i) {
+      const int64_t dim0 = 2 * world + 1 + i;
+      spec.params.push_back({absl::StrCat("p", i), dim0, dim0 * 3});
+    }
+    if (rank == absl::GetFlag(FLAGS_mismatch_rank)) spec.params[0].numel += spec.params[0].dim0;
+    absl::Status s = c.RegisterGroup(spec, Policy(), absl::Now() + wait);
+    if (!s.ok()) note_error(absl::StrCat("register ", spec.group_id), s);
+  }
+
+  const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
+  for (int step = 0; step < steps && !first_error && !silent; ++step) {
+    std::vector<GroupSubmission> batch;
+    for (int g = 0; g < num_groups; ++g) {
+      GroupSubmission sub{absl::StrCat("g", g), step, {}};
+      for (int i = 0; i < num_params; ++i) {
+        std::optional<DType> d = *default_dtype;
+        for (const Rule& r : *rules) {
+          if ((r.rank < 0 || r.rank == rank) && (r.param < 0 || r.param == i) &&
+              (r.step < 0 || r.step == step)) {
+            d = r.dtype;
+          }
+        }
+        sub.grad_dtypes.push_back(d);
+      }
+      batch.push_back(std::move(sub));
+    }
+    std::vector<DecisionFuture> futures = c.SubmitBatch(batch);
+    for (int g = 0; g < num_groups; ++g) {
+      const std::string where = absl::StrCat("step ", step, " group g", g);
+      absl::StatusOr<Decision> d = c.Wait(futures[g], absl::Now() + wait);
+      if (!d.ok()) {
+        note_error(where, d.status());
+        continue;
+      }
+      int included = 0, zero_fill_here = 0;
+      std::vector<std::string> skipped;
+      for (int i = 0; i < num_params; ++i) {
+        if (d->included[i]) {
+          ++included;
+          if (!batch[g].grad_dtypes[i].has_value()) ++zero_fill_here;
+        } else {
+          skipped.push_back(absl::StrCat("p", i));
+        }
+      }
+      printf("rank %d %s: wire=%s included=%d/%d zero_fill_here=%d skipped=[%s] fp=%016llx\n", rank,
+             where.c_str(), std::string(DTypeName(d->wire_dtype)).c_str(), included, num_params,
+             zero_fill_here, absl::StrJoin(skipped, ",").c_str(),
+             static_cast<unsigned long long>(d->layout_fingerprint));
+      digest.AddU64(static_cast<uint64_t>(d->step));
+      digest.AddU64(static_cast<uint64_t>(d->wire_dtype));
+      for (bool b : d->included) digest.AddU64(b ? 1 : 0);
+      digest.AddU64(d->layout_fingerprint);
+      if (expect_wire && d->wire_dtype != *expect_wire) {
+        printf("rank %d %s: EXPECTATION FAILED: wire %s, expected %s\n", rank, where.c_str(),
+               std::string(DTypeName(d->wire_dtype)).c_str(),
+               std::string(DTypeName(*expect_wire)).c_str());
+        ok = false;
+      }
+      if (expect_skipped) {
+        for (int i = 0; i < num_params; ++i) {
+          if (d->included[i] == (*expect_skipped)[i]) {
+            printf("rank %d %s: EXPECTATION FAILED: p%d %s\n", rank, where.c_str(), i,
+                   d->included[i] ? "included, expected skipped" : "skipped, expected included");
+            ok = false;
+          }
+        }
+      }
+    }
+    fflush(stdout);
+  }
+
+  // Tell the others this rank is done; the silent rank stays connected until
+  // every other rank is done (so its absence is a missing submission, not a
+  // departure).
+  (void)c.kv().Set(absl::StrCat("scenario/done/", rank), "1");
+  if (silent) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < world; ++r) {
+      if (r != rank) keys.push_back(absl::StrCat("scenario/done/", r));
+    }
+    absl::StatusOr<std::vector<std::string>> all =
+        c.kv().Get(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(wait)));
+    printf("rank %d silent: others done: %s\n", rank, all.ok() ? "yes" : "no");
+    return all.ok() ? 0 : 1;
+  }
+
+  if (!expect_error.empty()) {
+    if (!first_error) {
+      printf("rank %d EXPECTATION FAILED: no error, expected %s\n", rank, expect_error.c_str());
+      ok = false;
+    } else if (CodeName(first_error->code()) != expect_error) {
+      printf("rank %d EXPECTATION FAILED: error %s, expected %s\n", rank,
+             CodeName(first_error->code()).c_str(), expect_error.c_str());
+      ok = false;
+    }
+  } else if (first_error) {
+    ok = false;
+  }
+  if (!expect_contains.empty() &&
+      (!first_error || first_error->message().find(expect_contains) == absl::string_view::npos)) {
+    printf("rank %d EXPECTATION FAILED: error does not contain \"%s\"\n", rank,
+           expect_contains.c_str());
+    ok = false;
+  }
+  printf("rank %d digest %016llx\n", rank, static_cast<unsigned long long>(digest.Finish()));
+  fflush(stdout);
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace accord
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return accord::Run();
+}
