@@ -27,10 +27,10 @@ absl::StatusOr<Decision> Decide(const GroupSpec& spec, int world_size, const Man
     return s;
   }
   if (!merged.ranks.Full()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec.group_id, "\" step ", merged.step,
-        ": cannot decide before every rank reported; missing ranks ",
-        FormatRanks(merged.ranks.Missing())));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", spec.group_id, "\" step ", merged.step,
+                     ": cannot decide before every rank reported; missing ranks ",
+                     FormatRanks(merged.ranks.Missing())));
   }
   Decision d;
   d.step = merged.step;

@@ -44,7 +44,9 @@ absl::StatusOr<DType> DTypeFromNumber(int number);
 
 // A set of dtypes as a bitmask: bit (1 << value) for each member.
 using DTypeMask = uint8_t;
-inline constexpr DTypeMask MaskOf(DType d) { return static_cast<DTypeMask>(1u << static_cast<int>(d)); }
+inline constexpr DTypeMask MaskOf(DType d) {
+  return static_cast<DTypeMask>(1u << static_cast<int>(d));
+}
 inline constexpr bool MaskHas(DTypeMask m, DType d) { return (m & MaskOf(d)) != 0; }
 // Mask with every valid dtype bit set; any other bit is invalid.
 inline constexpr DTypeMask kValidDTypeMask = 0x7e;

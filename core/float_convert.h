@@ -101,7 +101,8 @@ struct SmallFloat {
     const uint32_t sign = (u >> 63) ? kSignBit : 0;
     const int dexp = static_cast<int>((u >> 52) & 0x7ff);
     const uint64_t dman = u & ((1ull << 52) - 1);
-    const uint32_t nan_bits = kHasInf ? (kExpMask << M) | (1u << (M - 1)) : (kExpMask << M) | kManMask;
+    const uint32_t nan_bits =
+        kHasInf ? (kExpMask << M) | (1u << (M - 1)) : (kExpMask << M) | kManMask;
     const uint32_t inf_bits = kHasInf ? (kExpMask << M) : nan_bits;
     if (dexp == 0x7ff) {
       if (dman != 0) return sign | nan_bits;

@@ -44,8 +44,7 @@ absl::Status ValidateGroupSpec(const GroupSpec& spec) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": dim0 is 0 but numel is not"));
     }
     if (p.dim0 > 0 && p.numel % p.dim0 != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where(), ": numel is not a multiple of dim0"));
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": numel is not a multiple of dim0"));
     }
   }
   return absl::OkStatus();
@@ -54,12 +53,12 @@ absl::Status ValidateGroupSpec(const GroupSpec& spec) {
 absl::Status CompareRegistration(const GroupSpec& reference, int reference_rank,
                                  const GroupSpec& candidate, int candidate_rank) {
   auto prefix = [&] {
-    return absl::StrCat("registration mismatch for group \"", reference.group_id, "\" between rank ",
-                        reference_rank, " and rank ", candidate_rank, ": ");
+    return absl::StrCat("registration mismatch for group \"", reference.group_id,
+                        "\" between rank ", reference_rank, " and rank ", candidate_rank, ": ");
   };
   if (reference.group_id != candidate.group_id) {
-    return absl::FailedPreconditionError(absl::StrCat(prefix(), "group id \"", candidate.group_id,
-                                                      "\" on rank ", candidate_rank));
+    return absl::FailedPreconditionError(
+        absl::StrCat(prefix(), "group id \"", candidate.group_id, "\" on rank ", candidate_rank));
   }
   const size_t n = std::min(reference.params.size(), candidate.params.size());
   for (size_t i = 0; i < n; ++i) {
@@ -75,10 +74,11 @@ absl::Status CompareRegistration(const GroupSpec& reference, int reference_rank,
   if (reference.params.size() != candidate.params.size()) {
     const bool ref_longer = reference.params.size() > candidate.params.size();
     const ParamSpec& extra = ref_longer ? reference.params[n] : candidate.params[n];
-    return absl::FailedPreconditionError(absl::StrCat(
-        prefix(), reference.params.size(), " parameters on rank ", reference_rank, " but ",
-        candidate.params.size(), " on rank ", candidate_rank, "; first differing parameter ", n,
-        " ", Describe(extra), " exists only on rank ", ref_longer ? reference_rank : candidate_rank));
+    return absl::FailedPreconditionError(
+        absl::StrCat(prefix(), reference.params.size(), " parameters on rank ", reference_rank,
+                     " but ", candidate.params.size(), " on rank ", candidate_rank,
+                     "; first differing parameter ", n, " ", Describe(extra),
+                     " exists only on rank ", ref_longer ? reference_rank : candidate_rank));
   }
   return absl::OkStatus();
 }
@@ -116,9 +116,9 @@ absl::StatusOr<Layout> ComputeLayout(const GroupSpec& spec, int world_size,
     return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " is below 1"));
   }
   if (included.size() != spec.params.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group \"", spec.group_id, "\": ", included.size(), " inclusion flags for ",
-        spec.params.size(), " parameters"));
+    return absl::InvalidArgumentError(absl::StrCat("group \"", spec.group_id,
+                                                   "\": ", included.size(), " inclusion flags for ",
+                                                   spec.params.size(), " parameters"));
   }
   Layout layout;
   layout.world_size = world_size;

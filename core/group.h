@@ -54,12 +54,12 @@ uint64_t SpecFingerprint(const GroupSpec& spec);
 
 // Where one parameter sits in the reduce-scatter buffer.
 struct ParamLayout {
-  bool included = false;     // false: skipped, no bytes in the buffer
-  int64_t inner = 0;         // elements per dim-0 slice (numel / dim0; 0 when dim0 == 0)
-  int64_t padded_dim0 = 0;   // dim0 rounded up to a multiple of the world size
-  int64_t chunk_dim0 = 0;    // padded_dim0 / world_size: dim-0 slices per row
-  int64_t chunk_numel = 0;   // chunk_dim0 * inner: elements of this parameter per row
-  int64_t row_offset = 0;    // element offset of this parameter's chunk within each row
+  bool included = false;    // false: skipped, no bytes in the buffer
+  int64_t inner = 0;        // elements per dim-0 slice (numel / dim0; 0 when dim0 == 0)
+  int64_t padded_dim0 = 0;  // dim0 rounded up to a multiple of the world size
+  int64_t chunk_dim0 = 0;   // padded_dim0 / world_size: dim-0 slices per row
+  int64_t chunk_numel = 0;  // chunk_dim0 * inner: elements of this parameter per row
+  int64_t row_offset = 0;   // element offset of this parameter's chunk within each row
 };
 
 // FSDP2's reduce-scatter input: W rows; row r is the concatenation, in group
@@ -73,7 +73,9 @@ struct Layout {
   uint64_t fingerprint = 0;  // LayoutFingerprint of the above
 
   int64_t total_numel() const { return row_numel * world_size; }
-  int64_t total_bytes() const { return total_numel() * static_cast<int64_t>(DTypeSize(wire_dtype)); }
+  int64_t total_bytes() const {
+    return total_numel() * static_cast<int64_t>(DTypeSize(wire_dtype));
+  }
   // Element offset of parameter `i`'s chunk in row `r` of the whole buffer.
   int64_t ChunkOffset(size_t i, int r) const { return r * row_numel + params[i].row_offset; }
 };

@@ -59,7 +59,8 @@ absl::StatusOr<DType> Join(DTypeMask set, Fp8TieBreak tie) {
     if (minimal == MaskOf(d)) return d;
   }
   // Unreachable: fp64 bounds everything and the lattice has no other tie.
-  return absl::InternalError(absl::StrCat("lattice has no unique join for ", DTypeMaskToString(set)));
+  return absl::InternalError(
+      absl::StrCat("lattice has no unique join for ", DTypeMaskToString(set)));
 }
 
 DType Join(std::initializer_list<DType> dtypes, Fp8TieBreak tie) {

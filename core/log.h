@@ -32,9 +32,9 @@ class LogMessage {
 #define ACCORD_LOG_SEVERITY_INFO ::absl::LogSeverity::kInfo
 #define ACCORD_LOG_SEVERITY_WARNING ::absl::LogSeverity::kWarning
 #define ACCORD_LOG_SEVERITY_ERROR ::absl::LogSeverity::kError
-#define ACCORD_LOG(sev)                                                        \
-  if (ACCORD_LOG_SEVERITY_##sev < ::accord::MinLogSeverity()) {                \
-  } else                                                                       \
+#define ACCORD_LOG(sev)                                         \
+  if (ACCORD_LOG_SEVERITY_##sev < ::accord::MinLogSeverity()) { \
+  } else                                                        \
     ::accord::LogMessage(ACCORD_LOG_SEVERITY_##sev, __FILE__, __LINE__).stream()
 
 #endif  // ACCORD_CORE_LOG_H_

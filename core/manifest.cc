@@ -49,8 +49,8 @@ absl::Status Merge(Manifest& into, const Manifest& other) {
   }
   if (into.dtypes.size() != other.dtypes.size()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot merge manifests with ",
-                                                   into.dtypes.size(), " and ",
-                                                   other.dtypes.size(), " parameters"));
+                                                   into.dtypes.size(), " and ", other.dtypes.size(),
+                                                   " parameters"));
   }
   if (into.ranks.world_size() != other.ranks.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot merge manifests of world sizes ",

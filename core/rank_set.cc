@@ -29,7 +29,8 @@ std::vector<int> RankSet::Members() const {
 }
 
 void RankSet::Union(const RankSet& other) {
-  for (size_t i = 0; i < words_.size() && i < other.words_.size(); ++i) words_[i] |= other.words_[i];
+  for (size_t i = 0; i < words_.size() && i < other.words_.size(); ++i)
+    words_[i] |= other.words_[i];
 }
 
 bool RankSet::Intersects(const RankSet& other) const {

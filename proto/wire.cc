@@ -126,8 +126,8 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
   return r;
 }
 
-absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params,
-                                           int world_size, int sender_rank) {
+absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params, int world_size,
+                                           int sender_rank) {
   auto where = [&] {
     return absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step());
   };
@@ -156,15 +156,15 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
   out.dtypes.assign(num_params, 0);
   if (uniform) {
     absl::StatusOr<DType> d = DTypeFromProto(m.uniform_dtype());
-    if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
+    if (!d.ok())
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
     for (size_t i = 0; i < num_params; ++i) {
       if ((*used)[i]) out.dtypes[i] = MaskOf(*d);
     }
   } else if (masks) {
     if (m.dtype_masks().size() != num_params) {
-      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", m.dtype_masks().size(),
-                                                     " dtype entries for ", num_params,
-                                                     " parameters"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(), ": ", m.dtype_masks().size(), " dtype entries for ", num_params, " parameters"));
     }
     for (size_t i = 0; i < num_params; ++i) {
       const DTypeMask mask = static_cast<DTypeMask>(m.dtype_masks()[i]);
@@ -174,9 +174,9 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
                                                        absl::Hex(mask), ")"));
       }
       if ((mask != 0) != (*used)[i]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where(), ": parameter ", i, (*used)[i] ? " is used but has no dtype"
-                                                   : " is unused but has a dtype"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": parameter ", i,
+                         (*used)[i] ? " is used but has no dtype" : " is unused but has a dtype"));
       }
       out.dtypes[i] = mask;
     }
@@ -247,9 +247,11 @@ absl::StatusOr<Decision> DecisionFromProto(int64_t step, const v1::DecisionOk& o
   Decision d;
   d.step = step;
   absl::StatusOr<DType> wire = DTypeFromProto(ok.wire_dtype());
-  if (!wire.ok()) return absl::InvalidArgumentError(absl::StrCat("decision: ", wire.status().message()));
+  if (!wire.ok())
+    return absl::InvalidArgumentError(absl::StrCat("decision: ", wire.status().message()));
   d.wire_dtype = *wire;
-  absl::StatusOr<std::vector<bool>> inc = UnpackBits(ok.included_bits(), num_params, "decision included_bits");
+  absl::StatusOr<std::vector<bool>> inc =
+      UnpackBits(ok.included_bits(), num_params, "decision included_bits");
   if (!inc.ok()) return inc.status();
   d.included = *std::move(inc);
   d.layout_fingerprint = ok.layout_fingerprint();

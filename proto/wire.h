@@ -42,8 +42,8 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
 // rank_bits; the set is {sender_rank}. Otherwise rank_bits is required.
 // Repeat-form messages are rejected here: the caller resolves them from its
 // cache first. Errors are INVALID_ARGUMENT naming group, step and field.
-absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params,
-                                           int world_size, int sender_rank);
+absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params, int world_size,
+                                           int sender_rank);
 // Core -> full-form message, compact (uniform_dtype) when possible. Includes
 // rank_bits when `with_ranks`.
 void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,
