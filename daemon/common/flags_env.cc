@@ -5,12 +5,20 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 
 namespace accord::daemon {
 
 std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<std::string>& names,
                                      const std::string& usage) {
   absl::SetProgramUsageMessage(usage);
+  // --help lists the daemons' own flags (defined in their main.cc files).
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "daemon/");
+  };
+  absl::SetFlagsUsageConfig(config);
   // Environment values go first so a later command-line flag overrides them.
   static std::vector<std::string>* storage = new std::vector<std::string>();
   std::vector<std::string> env_args;

@@ -1,0 +1,58 @@
+// gRPC adapters for the coordinator: they only convert between gRPC and the
+// logic classes (Coordinator, KvStore). Callback API: no thread per stream,
+// and a waiting key-value Get holds no thread.
+#ifndef ACCORD_DAEMON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
+#define ACCORD_DAEMON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "accord/v1/accord.grpc.pb.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/kv_store.h"
+
+namespace accord::daemon {
+
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+class NodeSessionReactor;
+
+// CoordinatorService.Session: one reactor per sidecar stream.
+class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackService {
+ public:
+  explicit CoordinatorGrpcService(Coordinator* coordinator) : coordinator_(coordinator) {}
+  grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* context) override;
+  // Ends every open session (UNAVAILABLE) once its queued replies are
+  // written; for shutdown. New sessions are refused afterwards.
+  void FinishAll();
+
+ private:
+  friend class NodeSessionReactor;
+  void Remove(NodeSessionReactor* r);
+
+  Coordinator* const coordinator_;
+  absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<NodeSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
+};
+
+// KeyValueService over a KvStore; `Get` waits without holding a thread.
+class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
+ public:
+  explicit KeyValueGrpcService(KvStore* kv) : kv_(kv) {}
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
+                                const v1::KeyValueSetRequest* request,
+                                v1::KeyValueSetResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::KeyValueGetRequest* request,
+                                v1::KeyValueGetResponse* response) override;
+
+ private:
+  KvStore* const kv_;
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
