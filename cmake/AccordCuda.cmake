@@ -1,5 +1,6 @@
 # CUDA is optional: kernels and the NCCL path build when nvcc is found.
 set(ACCORD_HAVE_CUDA OFF)
+set(ACCORD_HAVE_NCCL OFF)
 if(NOT ACCORD_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
@@ -14,10 +15,31 @@ if(NOT ACCORD_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)
-    find_library(ACCORD_NCCL_LIB nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
-    find_path(ACCORD_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+    # NCCL: the toolkit's location, else the pip wheel nvidia-nccl-cu13
+    # (site-packages/nvidia/nccl/{include/nccl.h,lib/libnccl.so.2}; the wheel
+    # has no unversioned libnccl.so, hence the second name).
+    set(_accord_nccl_hints)
+    find_package(Python3 COMPONENTS Interpreter QUIET)
+    if(Python3_Interpreter_FOUND)
+      execute_process(
+        COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nccl as m; print(list(m.__path__)[0])"
+        OUTPUT_VARIABLE _accord_nccl_pip OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+      if(_accord_nccl_pip)
+        set(_accord_nccl_hints ${_accord_nccl_pip})
+      endif()
+    endif()
+    find_library(ACCORD_NCCL_LIB NAMES nccl libnccl.so.2
+      HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64 ${_accord_nccl_hints}/lib)
+    find_path(ACCORD_NCCL_INCLUDE nccl.h
+      HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include ${_accord_nccl_hints}/include)
     set(ACCORD_HAVE_CUDA ON)
-    message(STATUS "accord: CUDA ${CMAKE_CUDA_COMPILER_VERSION} found: kernels for ${CMAKE_CUDA_ARCHITECTURES}, NCCL at ${ACCORD_NCCL_LIB}")
+    if(ACCORD_NCCL_LIB AND ACCORD_NCCL_INCLUDE)
+      set(ACCORD_HAVE_NCCL ON)
+      message(STATUS "accord: CUDA ${CMAKE_CUDA_COMPILER_VERSION} found: kernels for ${CMAKE_CUDA_ARCHITECTURES}, NCCL at ${ACCORD_NCCL_LIB}")
+    else()
+      set(ACCORD_HAVE_NCCL OFF)
+      message(STATUS "accord: CUDA ${CMAKE_CUDA_COMPILER_VERSION} found: kernels for ${CMAKE_CUDA_ARCHITECTURES}; NCCL not found, the NCCL path is off (pip install nvidia-nccl-cu13)")
+    endif()
   elseif(ACCORD_CUDA STREQUAL "ON")
     message(FATAL_ERROR "accord: ACCORD_CUDA=ON but no CUDA compiler (nvcc) was found")
   else()
