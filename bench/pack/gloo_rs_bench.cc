@@ -37,8 +37,7 @@ int RunRank(const std::string& dir, int rank, int world, size_t row_bytes, int i
         const auto a = std::chrono::steady_clock::now();
         if (!(*c)->ReduceScatterSum(in.data(), out.data(), n, wire).ok()) return 1;
         if (i > 0) {
-          t.push_back(
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+          t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
         }
       }
       std::sort(t.begin(), t.end());

@@ -100,20 +100,20 @@ int Main(int argc, char** argv) {
   const size_t out_bytes = static_cast<size_t>(layout.total_bytes());
   std::vector<uint8_t> out(out_bytes, 1), copy_src(out_bytes, 2), check(out_bytes, 3);
 
-  std::printf("group: %zu params, %.1f MiB bf16 + %.1f MiB fp32 gradients, %lld zero-filled, "
-              "W=8, wire fp32, output %.1f MiB; median of %d runs; F16C %s\n",
-              spec.params.size(), bf16_bytes / 1048576.0, fp32_bytes / 1048576.0,
-              static_cast<long long>(zero_params), out_bytes / 1048576.0, iters,
-              kernels::HaveF16C() ? "yes" : "no");
+  std::printf(
+      "group: %zu params, %.1f MiB bf16 + %.1f MiB fp32 gradients, %lld zero-filled, "
+      "W=8, wire fp32, output %.1f MiB; median of %d runs; F16C %s\n",
+      spec.params.size(), bf16_bytes / 1048576.0, fp32_bytes / 1048576.0,
+      static_cast<long long>(zero_params), out_bytes / 1048576.0, iters,
+      kernels::HaveF16C() ? "yes" : "no");
 
   const double t_memcpy =
       MedianSeconds(iters, [&] { std::memcpy(out.data(), copy_src.data(), out_bytes); });
-  const double t_unfused = MedianSeconds(iters, [&] {
-    Unfused(spec, layout, sources, reinterpret_cast<float*>(check.data()));
-  });
+  const double t_unfused = MedianSeconds(
+      iters, [&] { Unfused(spec, layout, sources, reinterpret_cast<float*>(check.data())); });
   auto gbs = [&](double t) { return out_bytes / t / 1e9; };
-  std::printf("%-34s %8.2f ms  %6.2f GB/s written\n", "memcpy (same output bytes)",
-              t_memcpy * 1e3, gbs(t_memcpy));
+  std::printf("%-34s %8.2f ms  %6.2f GB/s written\n", "memcpy (same output bytes)", t_memcpy * 1e3,
+              gbs(t_memcpy));
   std::printf("%-34s %8.2f ms  %6.2f GB/s written\n", "unfused (zeros+convert+copy)",
               t_unfused * 1e3, gbs(t_unfused));
   for (int threads : {1, 2}) {
