@@ -22,6 +22,8 @@
 #include "client/collective/reducer.h"
 #include "core/hash.h"
 #include "demo/model.h"
+#include "demo/report.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "kernels/pack.h"
 
 ABSL_FLAG(std::string, socket, "", "The node's sidecar socket.");
@@ -33,7 +35,7 @@ ABSL_FLAG(int, steps, 20, "Training steps.");
 ABSL_FLAG(uint64_t, seed, 2026, "Seed of the synthetic data.");
 ABSL_FLAG(double, lr, 0.5, "SGD learning rate (applied to the rank-mean gradient).");
 ABSL_FLAG(std::string, report, "", "Where to write this rank's JSON report.");
-ABSL_FLAG(bool, progress, false, "Print a progress line per step.");
+ABSL_FLAG(int, progress_rank, 0, "This rank prints a progress line per step (-1: none).");
 ABSL_FLAG(int, timeout_s, 60, "How long to wait for any one decision.");
 
 namespace accord::demo {
@@ -132,6 +134,10 @@ int Run() {
   int64_t mismatches = 0;
   double worst_error_ratio = 0;
   StableHasher digest;
+  int64_t bytes_reduced = 0;
+  std::vector<std::vector<int64_t>> local_missing(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g)
+    local_missing[g].assign(groups[g].spec.params.size(), 0);
   const double lr = absl::GetFlag(FLAGS_lr);
 
   for (int step = 0; step < steps; ++step) {
@@ -189,6 +195,7 @@ int Run() {
       }
       // Unpack this rank's chunk of every included parameter to float64.
       const Layout& layout = reducers[g]->layout();
+      bytes_reduced += layout.total_bytes();
       std::vector<std::vector<double>> chunks(spec.params.size());
       std::vector<UnpackTarget> targets(spec.params.size());
       for (size_t p = 0; p < spec.params.size(); ++p) {
@@ -269,14 +276,14 @@ int Run() {
           weights[g][p][i] = gather_out[offsets[p] + i];
       }
     }
-    if (absl::GetFlag(FLAGS_progress)) {
+    if (absl::GetFlag(FLAGS_progress_rank) == rank) {
       std::vector<std::string> wires;
       int skipped = 0;
       for (size_t g = 0; g < groups.size(); ++g) {
         wires.push_back(absl::StrCat(groups[g].spec.group_id, "=", records[step][g].wire));
         skipped += records[step][g].skipped;
       }
-      std::printf("step %2d/%d  loss %.5f  wire %s  skipped %d  negotiation %.0f us  %s\n",
+      std::printf("step %2d/%d  loss %.5f  wire %s  skipped %d  negotiation %4.0f us  %s\n",
                   step + 1, steps, total_loss(), absl::StrJoin(wires, " ").c_str(), skipped,
                   latencies_us.back(), mismatches == 0 ? "shards ok" : "MISMATCH");
       std::fflush(stdout);
@@ -284,45 +291,40 @@ int Run() {
   }
 
   // The report the driver aggregates.
-  std::vector<double> sorted = latencies_us;
-  std::sort(sorted.begin(), sorted.end());
-  auto pct = [&](double q) {
-    return sorted.empty()
-               ? 0.0
-               : sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))];
-  };
-  std::string json = absl::StrFormat(
-      "{\"rank\":%d,\"steps\":%d,\"elements_checked\":%d,\"mismatches\":%d,"
-      "\"worst_error_ratio\":%.6g,\"initial_loss\":%.9g,\"final_loss\":%.9g,"
-      "\"negotiation_p50_us\":%.1f,\"negotiation_p99_us\":%.1f,\"decision_digest\":\"%016x\","
-      "\"latencies_us\":[%s],\"groups\":[",
-      rank, steps, elements_checked, mismatches, worst_error_ratio, initial_loss, total_loss(),
-      pct(0.5), pct(0.99), digest.Finish(),
-      absl::StrJoin(latencies_us, ",", [](std::string* o, double v) {
-        absl::StrAppend(o, absl::StrFormat("%.1f", v));
-      }));
+  RankReport report;
+  report.set_rank(rank);
+  report.set_steps(steps);
+  report.set_elements_checked(elements_checked);
+  report.set_mismatches(mismatches);
+  report.set_worst_error_ratio(worst_error_ratio);
+  report.set_initial_loss(initial_loss);
+  report.set_final_loss(total_loss());
+  report.set_bytes_reduced(bytes_reduced);
+  report.set_decision_digest(absl::StrFormat("%016x", digest.Finish()));
+  for (double v : latencies_us) report.add_latencies_us(v);
   for (size_t g = 0; g < groups.size(); ++g) {
-    absl::StrAppend(&json, g ? "," : "", "{\"group\":\"", groups[g].spec.group_id,
-                    "\",\"params\":[");
-    for (size_t p = 0; p < groups[g].spec.params.size(); ++p) {
-      absl::StrAppend(&json, p ? "," : "", "\"", groups[g].spec.params[p].name, "\"");
-    }
-    absl::StrAppend(&json, "],\"steps\":[");
+    GroupReport* gr = report.add_groups();
+    gr->set_group(groups[g].spec.group_id);
+    for (const ParamSpec& p : groups[g].spec.params) gr->add_params(p.name);
+    for (int64_t m : local_missing[g]) gr->add_local_missing(m);
     for (int s = 0; s < steps; ++s) {
       const GroupStepRecord& r = records[s][g];
-      absl::StrAppend(&json, s ? "," : "",
-                      absl::StrFormat("{\"wire\":\"%s\",\"included\":%d,\"skipped\":%d,"
-                                      "\"local_zero_filled\":%d}",
-                                      r.wire, r.included, r.skipped, r.local_zero_filled));
+      GroupStep* gs = gr->add_steps();
+      gs->set_wire(r.wire);
+      gs->set_included(r.included);
+      gs->set_skipped(r.skipped);
+      gs->set_local_zero_filled(r.local_zero_filled);
     }
-    absl::StrAppend(&json, "]}");
   }
-  absl::StrAppend(&json, "]}\n");
-  const std::string report = absl::GetFlag(FLAGS_report);
-  if (!report.empty()) {
-    std::ofstream out(report);
-    out << json;
-    if (!out) return fail(absl::InternalError("write failed"), "report " + report);
+  const std::string path = absl::GetFlag(FLAGS_report);
+  if (!path.empty()) {
+    std::string json;
+    if (!google::protobuf::util::MessageToJsonString(report, &json).ok()) {
+      return fail(absl::InternalError("cannot encode the report"), "report");
+    }
+    std::ofstream out(path);
+    out << json << "\n";
+    if (!out) return fail(absl::InternalError("write failed"), "report " + path);
   }
   if (mismatches > 0) {
     std::fprintf(stderr, "demo rank %d: %lld of %lld reduced elements differ from the reference\n",
