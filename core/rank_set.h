@@ -14,7 +14,10 @@ class RankSet {
   explicit RankSet(int world_size) : world_size_(world_size), words_((world_size + 63) / 64, 0) {}
 
   int world_size() const { return world_size_; }
-  void Add(int rank) { words_[rank >> 6] |= (uint64_t{1} << (rank & 63)); }
+  // Ranks outside 0..world_size-1 are ignored (callers validate first).
+  void Add(int rank) {
+    if (rank >= 0 && rank < world_size_) words_[rank >> 6] |= (uint64_t{1} << (rank & 63));
+  }
   bool Contains(int rank) const {
     return rank >= 0 && rank < world_size_ && (words_[rank >> 6] >> (rank & 63)) & 1;
   }
