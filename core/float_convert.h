@@ -164,7 +164,9 @@ using Half = SmallFloat<5, 10, true>;
 using BFloat16 = SmallFloat<8, 7, true>;
 
 // float32 from double, rounding to nearest even (the C++ cast does exactly
-// this under the default rounding mode, on the host and on the device).
+// this under the default rounding mode, on the host and on the device). For
+// NaN inputs only NaN-ness is portable: the device drops the payload, so
+// kernels/element_convert.h spells NaN out explicitly where bits must match.
 ACCORD_HD float FloatFromDouble(double d) { return static_cast<float>(d); }
 
 }  // namespace accord::fp
