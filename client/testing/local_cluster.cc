@@ -31,10 +31,13 @@
 namespace accord::testing {
 namespace {
 
+// poll(2) timeout until `deadline`: -1 (forever) for an infinite deadline.
 int RemainingMs(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return -1;
   const absl::Duration left = deadline - absl::Now();
   if (left <= absl::ZeroDuration()) return 0;
-  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
+  if (left > absl::Hours(24)) return -1;
+  return static_cast<int>(absl::ToInt64Milliseconds(left) + 1);
 }
 
 int DecodeWaitStatus(int status) {
