@@ -1,0 +1,73 @@
+"""The agreement step behind a small protocol.
+
+The FSDP2 adapter (accord.torch) only needs two calls: register a group once,
+and, per reduce-scatter, submit this rank's manifest and get the decision that
+every rank receives. `ClientAgreement` does that through the accord client and
+daemons; tests may supply another implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+from accord import _accord
+
+ParamTuple = Tuple[str, int, int]  # (name, dim0, numel)
+
+
+@runtime_checkable
+class Agreement(Protocol):
+    """What the adapter needs from an agreement service (one per rank)."""
+
+    rank: int
+    world_size: int
+
+    def register(
+        self,
+        group_id: str,
+        params: Sequence[ParamTuple],
+        reduce_dtype: Optional[str],
+        reduce_dtype_exact: bool,
+    ) -> None:
+        """Registers a group once; raises accord.Error on mismatch across ranks."""
+
+    def submit(
+        self, group_id: str, step: int, dtypes: Sequence[Optional[str]]
+    ) -> "_accord.Decision":
+        """Submits this rank's manifest (dtype name or None per parameter) and
+        returns the decision, identical on every rank; raises accord.Error."""
+
+
+class ClientAgreement:
+    """The agreement through the accord client: sidecar and coordinator decide."""
+
+    def __init__(self, client: "_accord.Client", timeout_s: float = 300.0):
+        self.client = client
+        self.timeout_s = timeout_s
+        self.rank = client.rank
+        self.world_size = client.world_size
+
+    def register(self, group_id, params, reduce_dtype, reduce_dtype_exact):
+        self.client.register_group(
+            group_id,
+            list(params),
+            reduce_dtype=reduce_dtype,
+            reduce_dtype_exact=reduce_dtype_exact,
+            timeout_s=self.timeout_s,
+        )
+
+    def submit(self, group_id, step, dtypes):
+        future = self.client.submit(group_id, step, list(dtypes))
+        return self.client.wait(future, timeout_s=self.timeout_s)
+
+
+def as_agreement(obj, timeout_s: float = 300.0) -> Agreement:
+    """Accepts an Agreement or an accord client and returns an Agreement."""
+    if getattr(_accord, "HAVE_CLIENT", False) and isinstance(obj, _accord.Client):
+        return ClientAgreement(obj, timeout_s=timeout_s)
+    if isinstance(obj, Agreement):
+        return obj
+    raise TypeError(
+        f"expected an accord client (accord.connect(...)) or an accord.Agreement, got "
+        f"{type(obj).__name__}"
+    )

@@ -1,0 +1,340 @@
+"""accord for PyTorch FSDP2: one call makes every reduce-scatter agree.
+
+    import accord, accord.torch
+    model = ...; fully_shard(...)            # FSDP2 as usual
+    accord.torch.install(model, accord.connect())
+
+How it hooks FSDP2
+------------------
+Each FSDP parameter group (one reduce-scatter) is registered once with accord
+under the id ``"<prefix>/<module path>"`` with its parameters' names, dim-0
+sizes and element counts, in the group's order. The group's ``post_backward``
+is wrapped; when the group reduces (not on accumulation-only microbatches) the
+wrapper, before FSDP2 builds its reduce-scatter buffer:
+
+1. folds this microbatch's gradient into any accumulated one (what FSDP2 does
+   first anyway), then states which parameters have a gradient and in which
+   dtype (the manifest), submits it and waits for the decision, which is the
+   same on every rank;
+2. for each parameter the decision includes but this rank has no gradient for,
+   puts a zero gradient in place (zero-fill); when this rank's gradients are of
+   several dtypes, widens them all to the decided wire dtype; parameters the
+   decision skips get no bytes in the buffer and their gradient stays None on
+   every rank;
+3. runs FSDP2's own post-backward with the group's reduce dtype set to the
+   decided wire dtype, so FSDP2 builds the same buffer, in the same dtype, on
+   every rank.
+
+The wire dtype is the group's FSDP2 ``reduce_dtype`` when set (FSDP2's meaning:
+the user chose it), otherwise the lossless join of every rank's gradient dtypes
+(fp16 on one rank and bf16 on another go as fp32).
+
+``set_reduce_scatter_unused_params``
+------------------------------------
+That FSDP2 switch zero-fills, in the parameter dtype, every locally unused
+parameter, including those used on no rank. With accord installed, accord does
+the zero-filling: the switch is turned off for the duration of each hooked
+post-backward, so nothing is zero-filled twice, parameters used nowhere are
+skipped (gradient None, no bytes reduced) instead of reduce-scattering zeros,
+and the switch's value is restored afterwards. You may leave it set or not; the
+result is the same.
+
+Limits: a rank that never ran the forward of an FSDP unit since the model was
+built has no unsharded parameters to zero-fill for that unit; the wrapper then
+fails with a message that names the group and the rank instead of hanging.
+Ranks must reduce the groups in the same order (as FSDP2 itself requires).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from accord.agreement import Agreement, ParamTuple, as_agreement
+
+SUPPORTED_TORCH = ((2, 9), (2, 13))
+
+
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch's FSDP2 is not one accord.torch knows how to hook."""
+
+
+class AccordFSDPError(RuntimeError):
+    """The adapter could not apply a decision (names the group and rank)."""
+
+
+def torch_version(version: Optional[str] = None) -> Tuple[int, int]:
+    """(major, minor) of a torch version string (default: the installed one)."""
+    v = version if version is not None else torch.__version__
+    m = re.match(r"^(\d+)\.(\d+)", str(v))
+    if not m:
+        raise UnsupportedTorchError(f"accord.torch: cannot parse torch version {v!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_torch_version(version: Optional[str] = None) -> None:
+    """Raises UnsupportedTorchError unless torch is within SUPPORTED_TORCH."""
+    v = torch_version(version)
+    lo, hi = SUPPORTED_TORCH
+    if not (lo <= v <= hi):
+        raise UnsupportedTorchError(
+            f"accord.torch supports torch {lo[0]}.{lo[1]} through {hi[0]}.{hi[1]} (FSDP2's "
+            f"internal reduce path differs elsewhere); found torch "
+            f"{version if version is not None else torch.__version__}. Install a supported "
+            f"torch or run without accord.torch."
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """accord's name of a torch dtype ('torch.bfloat16' -> 'bfloat16')."""
+    return str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _fsdp_internals():
+    """The FSDP2 classes the adapter relies on, checked for the members used."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        raise UnsupportedTorchError(
+            f"accord.torch: this torch ({torch.__version__}) has no FSDP2 (fully_shard): {e}"
+        ) from e
+    missing = [
+        f"FSDPParamGroup.{a}" for a in ("post_backward",) if not hasattr(FSDPParamGroup, a)
+    ] + [
+        f"FSDPParam.{a}"
+        for a in ("accumulate_unsharded_grad_if_needed", "unsharded_param")
+        if not hasattr(FSDPParam, a)
+    ]
+    if missing:
+        raise UnsupportedTorchError(
+            f"accord.torch: FSDP2 in torch {torch.__version__} lacks {', '.join(missing)}; "
+            f"supported: torch {SUPPORTED_TORCH[0]} to {SUPPORTED_TORCH[1]}"
+        )
+    return FSDPModule, FSDPParamGroup
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # older single-group layout
+    return [group] if group is not None else []
+
+
+@dataclasses.dataclass
+class GroupStats:
+    """What the adapter did for one group (for tests, logs and dashboards)."""
+
+    reductions: int = 0
+    zero_filled: int = 0  # parameter-steps zero-filled on this rank
+    widened: int = 0  # parameter-steps converted to the wire dtype on this rank
+    skipped: int = 0  # parameter-steps left out of the buffer
+    last_decision: object = None
+
+
+class _HookedGroup:
+    """One FSDP parameter group under accord. Owned by the training thread."""
+
+    def __init__(self, installation: "Installation", group, group_id: str, names: List[str]):
+        self.installation = installation
+        self.group = group
+        self.group_id = group_id
+        self.params: List[ParamTuple] = []
+        for name, fp in zip(names, group.fsdp_params):
+            size = tuple(fp._orig_size)
+            dim0 = int(size[0]) if len(size) > 0 else 1
+            numel = 1
+            for s in size:
+                numel *= int(s)
+            self.params.append((name, dim0, numel))
+        self.registered = False
+        self.step = 0
+        self.stats = GroupStats()
+        self.original = group.post_backward  # bound method of the group
+
+    def _register(self) -> None:
+        reduce_dtype = getattr(self.group, "_reduce_dtype", None)
+        self.installation.agreement.register(
+            self.group_id,
+            self.params,
+            dtype_name(reduce_dtype) if reduce_dtype is not None else None,
+            True,
+        )
+        self.registered = True
+
+    def post_backward(self, *args, **kwargs):
+        group = self.group
+        if not getattr(group, "reduce_grads", True):
+            return self.original(*args, **kwargs)  # accumulation-only microbatch
+        fsdp_params = group.fsdp_params
+        # FSDP2 folds this microbatch's gradient into an accumulated one first;
+        # doing it here (it is idempotent) makes the manifest see the final dtype.
+        for fp in fsdp_params:
+            fp.accumulate_unsharded_grad_if_needed()
+        local: List[Optional[torch.Tensor]] = []
+        for fp in fsdp_params:
+            grad = None
+            if hasattr(fp, "_unsharded_param"):
+                if fp.unsharded_accumulated_grad is not None:
+                    grad = fp.unsharded_accumulated_grad
+                elif fp._unsharded_param.grad is not None:
+                    grad = fp._unsharded_param.grad
+            local.append(grad)
+        if not self.registered:
+            self._register()
+        step = self.step
+        self.step += 1
+        decision = self.installation.agreement.submit(
+            self.group_id, step, [dtype_name(g.dtype) if g is not None else None for g in local]
+        )
+        self._apply(decision, step, fsdp_params, local)
+        saved_reduce_dtype = getattr(group, "_reduce_dtype", None)
+        saved_unused = getattr(group, "reduce_scatter_unused_params", None)
+        group._reduce_dtype = torch_dtype(decision.wire_dtype)
+        if saved_unused is not None:
+            group.reduce_scatter_unused_params = False  # accord zero-fills, never twice
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            group._reduce_dtype = saved_reduce_dtype
+            if saved_unused is not None:
+                group.reduce_scatter_unused_params = saved_unused
+
+    def _apply(self, decision, step: int, fsdp_params, local: List[Optional[torch.Tensor]]):
+        rank = self.installation.agreement.rank
+        if len(decision.included) != len(fsdp_params):
+            raise AccordFSDPError(
+                f"accord: group {self.group_id} step {step} rank {rank}: the decision covers "
+                f"{len(decision.included)} parameters, the group has {len(fsdp_params)}"
+            )
+        wire = torch_dtype(decision.wire_dtype)
+        present = {g.dtype for g in local if g is not None}
+        # One local dtype: FSDP2's copy-in converts it to the wire dtype itself.
+        # Several: widen each to the wire dtype so FSDP2 sees uniform gradients.
+        fill_dtype = next(iter(present)) if len(present) == 1 else wire
+        stats = self.stats
+        stats.reductions += 1
+        stats.last_decision = decision
+        for i, (fp, grad) in enumerate(zip(fsdp_params, local)):
+            name = self.params[i][0]
+            if not decision.included[i]:
+                stats.skipped += 1
+                if grad is not None:
+                    raise AccordFSDPError(
+                        f"accord: group {self.group_id} step {step} rank {rank}: the decision "
+                        f"skips parameter {name} but this rank has a gradient for it; the "
+                        f"manifest and the decision disagree (check the agreement service)"
+                    )
+                continue
+            if grad is None:
+                if not hasattr(fp, "_unsharded_param"):
+                    raise AccordFSDPError(
+                        f"accord: group {self.group_id} step {step} rank {rank}: parameter "
+                        f"{name} is used on another rank but this rank never ran this FSDP "
+                        f"unit's forward, so there is nothing to zero-fill; run the unit's "
+                        f"forward once on every rank (e.g. on an empty batch)"
+                    )
+                fp.unsharded_accumulated_grad = torch.zeros_like(
+                    fp._unsharded_param, dtype=fill_dtype, requires_grad=False
+                )
+                stats.zero_filled += 1
+            elif grad.dtype != fill_dtype:
+                fp.unsharded_accumulated_grad = grad.to(fill_dtype)
+                if fp._unsharded_param.grad is grad:
+                    fp._unsharded_param.grad = None
+                stats.widened += 1
+
+
+class Installation:
+    """accord hooked into one FSDP2 model. `stats` maps group id to GroupStats."""
+
+    def __init__(self, model: torch.nn.Module, agreement: Agreement, prefix: str):
+        self.model = model
+        self.agreement = agreement
+        self.prefix = prefix
+        self.groups: Dict[str, _HookedGroup] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def stats(self) -> Dict[str, GroupStats]:
+        return {gid: h.stats for gid, h in self.groups.items()}
+
+    def uninstall(self) -> None:
+        """Restores FSDP2's own post-backward on every hooked group."""
+        with self._lock:
+            for h in self.groups.values():
+                if h.group.__dict__.get("post_backward") is not None:
+                    del h.group.__dict__["post_backward"]
+                h.group.__dict__.pop("_accord_hook", None)
+            self.groups.clear()
+            self.model.__dict__.pop("_accord_installation", None)
+
+
+def install(
+    model: torch.nn.Module,
+    client_or_agreement,
+    *,
+    prefix: str = "fsdp",
+    timeout_s: float = 300.0,
+) -> Installation:
+    """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
+
+    `client_or_agreement` is an accord client (accord.connect()) or any
+    accord.Agreement. Call after fully_shard and before the first backward.
+    Idempotent: installing again with the same client returns the existing
+    Installation; installing with a different one raises ValueError.
+    Raises UnsupportedTorchError for torch outside SUPPORTED_TORCH.
+    """
+    check_torch_version()
+    FSDPModule, _ = _fsdp_internals()
+    existing = model.__dict__.get("_accord_installation")
+    if existing is not None:
+        same = existing.agreement is client_or_agreement or getattr(
+            existing.agreement, "client", None
+        ) is client_or_agreement
+        if not same:
+            raise ValueError(
+                "accord.torch.install: this model is already hooked with another client; "
+                "call installation.uninstall() first"
+            )
+        return existing
+    agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
+    installation = Installation(model, agreement, prefix)
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = _param_groups(module._get_fsdp_state())
+        for gi, group in enumerate(groups):
+            if group.__dict__.get("_accord_hook") is not None:
+                raise ValueError(
+                    f"accord.torch.install: FSDP group of '{module_name or '<root>'}' is "
+                    f"already hooked by another installation"
+                )
+            base = f"{prefix}/{module_name or '<root>'}"
+            group_id = base if len(groups) == 1 else f"{base}#{gi}"
+            names = []
+            for j, fp in enumerate(group.fsdp_params):
+                n = param_names.get(id(fp.sharded_param))
+                names.append(n if n is not None else f"{module_name}.param{j}")
+            hooked = _HookedGroup(installation, group, group_id, names)
+            group.__dict__["_accord_hook"] = hooked
+            group.__dict__["post_backward"] = hooked.post_backward
+            installation.groups[group_id] = hooked
+    if not installation.groups:
+        raise ValueError(
+            "accord.torch.install: the model has no FSDP2 parameter groups; call "
+            "fully_shard(...) on it (and its submodules) first"
+        )
+    model.__dict__["_accord_installation"] = installation
+    return installation

@@ -1,0 +1,159 @@
+// Bindings of the client (client/client.h): connect, register, submit, wait,
+// and the job's key-value store. Every blocking call releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "python/src/common.h"
+
+namespace nb = nanobind;
+
+namespace accord::python {
+namespace {
+
+absl::Time DeadlineIn(double seconds) { return absl::Now() + absl::Seconds(seconds); }
+
+// (group_id, step, dtypes) as the Python side passes one submission.
+using PySubmission = std::tuple<std::string, int64_t, std::vector<std::optional<std::string>>>;
+
+GroupSubmission SubmissionFromPy(const PySubmission& s) {
+  GroupSubmission out;
+  out.group_id = std::get<0>(s);
+  out.step = std::get<1>(s);
+  out.grad_dtypes = GradDTypesFromPy(std::get<2>(s));
+  return out;
+}
+
+std::unique_ptr<Client> ConnectOrThrow(const std::string& socket_path, const std::string& job_id,
+                                       int rank, int world_size, int local_rank,
+                                       const std::string& token, double connect_timeout_s) {
+  ClientOptions options;
+  options.socket_path = socket_path;
+  options.job_id = job_id;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.local_rank = local_rank;
+  options.token = token;
+  options.connect_timeout = absl::Seconds(connect_timeout_s);
+  absl::StatusOr<std::unique_ptr<Client>> client;
+  {
+    nb::gil_scoped_release release;
+    client = Client::Connect(options);
+  }
+  return ValueOrThrow(std::move(client));
+}
+
+}  // namespace
+
+void BindClient(nb::module_& m) {
+  nb::class_<DecisionFuture>(m, "DecisionFuture", "A submitted manifest's eventual decision.")
+      .def("ready", &DecisionFuture::Ready)
+      .def_prop_ro("valid", &DecisionFuture::valid);
+
+  nb::class_<Client>(m, "Client",
+                     "One rank's connection to its node's sidecar. Thread-safe; blocking calls "
+                     "release the GIL.")
+      .def_static("connect", &ConnectOrThrow, nb::arg("socket_path"), nb::arg("job_id"),
+                  nb::arg("rank"), nb::arg("world_size"), nb::arg("local_rank") = 0,
+                  nb::arg("token") = "", nb::arg("connect_timeout_s") = 30.0,
+                  "Connects to the sidecar at socket_path and joins the job.")
+      .def(
+          "register_group",
+          [](Client& c, const std::string& group_id, const std::vector<PyParam>& params,
+             const std::optional<std::string>& reduce_dtype, bool reduce_dtype_exact,
+             double timeout_s) {
+            Policy policy;
+            policy.reduce_dtype = OptionalDType(reduce_dtype);
+            policy.reduce_dtype_exact = reduce_dtype_exact;
+            GroupSpec spec = SpecFromPy(group_id, params);
+            absl::Status status;
+            {
+              nb::gil_scoped_release release;
+              status = c.RegisterGroup(spec, policy, DeadlineIn(timeout_s));
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("group_id"), nb::arg("params"), nb::arg("reduce_dtype") = nb::none(),
+          nb::arg("reduce_dtype_exact") = true, nb::arg("timeout_s") = 60.0,
+          "Registers a group: params are (name, dim0, numel) in group order.")
+      .def(
+          "submit",
+          [](Client& c, const std::string& group_id, int64_t step,
+             const std::vector<std::optional<std::string>>& dtypes) {
+            GroupSubmission s;
+            s.group_id = group_id;
+            s.step = step;
+            s.grad_dtypes = GradDTypesFromPy(dtypes);
+            nb::gil_scoped_release release;
+            return c.Submit(s);
+          },
+          nb::arg("group_id"), nb::arg("step"), nb::arg("dtypes"),
+          "Submits one manifest (a dtype name or None per parameter); never blocks.")
+      .def(
+          "submit_batch",
+          [](Client& c, const std::vector<PySubmission>& batch) {
+            std::vector<GroupSubmission> subs;
+            subs.reserve(batch.size());
+            for (const auto& s : batch) subs.push_back(SubmissionFromPy(s));
+            nb::gil_scoped_release release;
+            return c.SubmitBatch(subs);
+          },
+          nb::arg("batch"), "Submits many (group_id, step, dtypes) in one message.")
+      .def(
+          "wait",
+          [](Client& c, const DecisionFuture& f, double timeout_s) {
+            absl::StatusOr<Decision> d;
+            {
+              nb::gil_scoped_release release;
+              d = c.Wait(f, DeadlineIn(timeout_s));
+            }
+            return ValueOrThrow(std::move(d));
+          },
+          nb::arg("future"), nb::arg("timeout_s") = 300.0,
+          "Waits for the decision; Error (DEADLINE_EXCEEDED, ...) otherwise.")
+      .def(
+          "kv_set",
+          [](Client& c, const std::string& key, nb::bytes value) {
+            std::string v(value.c_str(), value.size());
+            absl::Status status;
+            {
+              nb::gil_scoped_release release;
+              status = c.kv().Set(key, v);
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("key"), nb::arg("value"))
+      .def(
+          "kv_get",
+          [](Client& c, const std::vector<std::string>& keys, double timeout_s) {
+            absl::StatusOr<std::vector<std::string>> values;
+            {
+              nb::gil_scoped_release release;
+              values = c.kv().Get(keys, std::chrono::milliseconds(
+                                            static_cast<int64_t>(timeout_s * 1000.0)));
+            }
+            std::vector<std::string> v = ValueOrThrow(std::move(values));
+            nb::list out;
+            for (const auto& s : v) out.append(nb::bytes(s.data(), s.size()));
+            return out;
+          },
+          nb::arg("keys"), nb::arg("timeout_s") = 60.0)
+      .def_prop_ro("rank", [](const Client& c) { return c.options().rank; })
+      .def_prop_ro("world_size", [](const Client& c) { return c.options().world_size; })
+      .def_prop_ro("job_id", [](const Client& c) { return c.options().job_id; });
+}
+
+}  // namespace accord::python

@@ -1,0 +1,87 @@
+"""Runs one function on N ranks (spawned processes, Gloo on CPU), bounded in time.
+
+run_ranks(fn, world_size, timeout_s, **kwargs) starts `world_size` processes,
+each calling fn(rank, world_size, **kwargs) after init_process_group("gloo")
+over a FileStore in a fresh temporary folder, and returns the per-rank results.
+A rank that raises returns a RankFailure; when the deadline passes, the
+survivors are killed and RanksTimedOut says which ranks had not finished.
+"""
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+
+
+class RankFailure:
+    def __init__(self, rank, error, tb):
+        self.rank, self.error, self.traceback = rank, error, tb
+
+    def __repr__(self):
+        return f"RankFailure(rank={self.rank}, error={self.error!r})\n{self.traceback}"
+
+
+class RanksTimedOut(Exception):
+    pass
+
+
+def _entry(fn, rank, world_size, tmpdir, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = os.path.join(tmpdir, f"result.{rank}")
+    try:
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, **kwargs)
+    except BaseException as e:  # reported to the parent, which fails the test
+        result = RankFailure(rank, repr(e), traceback.format_exc())
+    with open(out + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(out + ".tmp", out)
+    # No destroy_process_group: a failed peer would make it wait.
+    os._exit(0)
+
+
+def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="accord-ranks-") as tmpdir:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, tmpdir, kwargs), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in stuck:
+            procs[r].kill()
+            procs[r].join()
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"result.{r}")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(None)
+        if stuck:
+            raise RanksTimedOut(
+                f"ranks {stuck} of {world_size} still running after {timeout_s}s "
+                f"(a hang); results so far: {results}"
+            )
+        return results
+
+
+def check_results(results):
+    """Raises AssertionError with every failing rank's traceback."""
+    failures = [r for r in results if isinstance(r, RankFailure) or r is None]
+    if failures:
+        raise AssertionError("ranks failed:\n" + "\n".join(repr(f) for f in failures))
+    return results
