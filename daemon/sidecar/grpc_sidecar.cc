@@ -1,0 +1,290 @@
+#include "daemon/sidecar/grpc_sidecar.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+
+namespace accord::daemon {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+}  // namespace
+
+class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>,
+                                 public RankSink {
+ public:
+  RankSessionReactor(RankGrpcService* service, bool refuse)
+      : service_(service), sidecar_(service->sidecar_) {
+    if (refuse) {
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"));
+      return;
+    }
+    id_ = sidecar_->OpenRank(this);
+    StartRead(&in_);
+  }
+
+  void Send(std::shared_ptr<const v1::RankReply> reply) override {
+    absl::MutexLock l(&mu_);
+    if (finished_ || closing_ || write_failed_) return;
+    queue_.push_back(std::move(reply));
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(queue_.front().get());
+    }
+  }
+
+  void Close(const absl::Status& status) override {
+    absl::MutexLock l(&mu_);
+    if (closing_) return;
+    closing_ = true;
+    finish_status_ = ToGrpc(status);
+    MaybeFinishLocked();
+  }
+
+  void FinishSoon() { Close(absl::UnavailableError("the sidecar is shutting down")); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      sidecar_->CloseRank(id_);
+      absl::MutexLock l(&mu_);
+      read_closed_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    sidecar_->HandleRankMessage(id_, in_);
+    {
+      absl::MutexLock l(&mu_);
+      if (closing_) {
+        // Stop reading; the stream ends once the error reply is written.
+        read_closed_ = true;
+        sidecar_closed_pending_ = true;
+      }
+    }
+    if (sidecar_closed_pending_) {
+      sidecar_->CloseRank(id_);
+      absl::MutexLock l(&mu_);
+      MaybeFinishLocked();
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock l(&mu_);
+    queue_.pop_front();
+    if (!ok) {
+      write_failed_ = true;
+      queue_.clear();
+    }
+    if (!queue_.empty()) {
+      StartWrite(queue_.front().get());
+      return;
+    }
+    writing_ = false;
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override {
+    service_->Remove(this);
+    delete this;
+  }
+
+ private:
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || writing_) return;
+    if (!closing_ && !read_closed_) return;
+    finished_ = true;
+    Finish(closing_ ? finish_status_ : grpc::Status::OK);
+  }
+
+  RankGrpcService* const service_;
+  Sidecar* const sidecar_;
+  Sidecar::SessionId id_ = 0;
+  v1::RankMessage in_;
+  bool sidecar_closed_pending_ = false;  // reactor-thread only
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<const v1::RankReply>> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* RankGrpcService::Session(
+    grpc::CallbackServerContext* context) {
+  absl::MutexLock l(&mu_);
+  auto* r = new RankSessionReactor(this, shutting_down_);
+  live_.insert(r);
+  return r;
+}
+
+void RankGrpcService::Remove(RankSessionReactor* r) {
+  absl::MutexLock l(&mu_);
+  live_.erase(r);
+}
+
+void RankGrpcService::FinishAll() {
+  absl::MutexLock l(&mu_);
+  shutting_down_ = true;
+  for (RankSessionReactor* r : live_) r->FinishSoon();
+}
+
+grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* context,
+                                                 const v1::KeyValueSetRequest* request,
+                                                 v1::KeyValueSetResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!only_job_.empty() && request->job_id() != only_job_) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                 absl::StrCat("this sidecar serves job ", only_job_, " only")));
+    return reactor;
+  }
+  auto* call = new grpc::ClientContext();
+  call->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  stub_->async()->Set(call, request, response, [reactor, call](grpc::Status s) {
+    reactor->Finish(s);
+    delete call;
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* context,
+                                                 const v1::KeyValueGetRequest* request,
+                                                 v1::KeyValueGetResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!only_job_.empty() && request->job_id() != only_job_) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                 absl::StrCat("this sidecar serves job ", only_job_, " only")));
+    return reactor;
+  }
+  auto* call = new grpc::ClientContext();
+  call->set_deadline(absl::ToChronoTime(
+      absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) +
+      absl::Seconds(30)));
+  stub_->async()->Get(call, request, response, [reactor, call](grpc::Status s) {
+    reactor->Finish(s);
+    delete call;
+  });
+  return reactor;
+}
+
+GrpcUpstream::GrpcUpstream(std::shared_ptr<grpc::Channel> channel, Sidecar* sidecar,
+                           absl::Duration max_backoff)
+    : stub_(v1::CoordinatorService::NewStub(channel)),
+      sidecar_(sidecar),
+      max_backoff_(max_backoff) {}
+
+GrpcUpstream::~GrpcUpstream() { Stop(); }
+
+void GrpcUpstream::Start() {
+  reader_ = std::thread([this] { ReadLoop(); });
+  writer_ = std::thread([this] { WriteLoop(); });
+}
+
+void GrpcUpstream::Stop() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+    if (context_ != nullptr) context_->TryCancel();
+  }
+  if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+void GrpcUpstream::Send(v1::NodeMessage message) {
+  absl::MutexLock l(&mu_);
+  if (!connected_) return;  // resent by OnUpstreamConnected
+  queue_.push_back(std::move(message));
+}
+
+void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
+  absl::MutexLock l(&mu_);
+  queue_.clear();
+  for (v1::NodeMessage& m : messages) queue_.push_back(std::move(m));
+}
+
+void GrpcUpstream::Reconnect() {
+  absl::MutexLock l(&mu_);
+  if (context_ != nullptr) context_->TryCancel();
+}
+
+void GrpcUpstream::WriteLoop() {
+  absl::MutexLock l(&mu_);
+  while (true) {
+    mu_.Await(absl::Condition(
+        +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) {
+          return u->stopping_ || (u->stream_ != nullptr && !u->queue_.empty());
+        },
+        this));
+    if (stopping_) return;
+    v1::NodeMessage m = std::move(queue_.front());
+    queue_.pop_front();
+    auto* stream = stream_;
+    writing_ = true;
+    mu_.Unlock();
+    const bool ok = stream->Write(m);
+    mu_.Lock();
+    writing_ = false;
+    if (!ok && context_ != nullptr) context_->TryCancel();
+  }
+}
+
+void GrpcUpstream::ReadLoop() {
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    auto context = std::make_unique<grpc::ClientContext>();
+    {
+      absl::MutexLock l(&mu_);
+      if (stopping_) return;
+      context_ = context.get();
+    }
+    std::unique_ptr<grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>> stream =
+        stub_->Session(context.get());
+    {
+      absl::MutexLock l(&mu_);
+      connected_ = true;
+      queue_.clear();
+    }
+    sidecar_->OnUpstreamConnected();
+    {
+      absl::MutexLock l(&mu_);
+      stream_ = stream.get();
+    }
+    v1::CoordinatorMessage in;
+    bool got_any = false;
+    while (stream->Read(&in)) {
+      got_any = true;
+      sidecar_->HandleCoordinatorMessage(in);
+    }
+    {
+      absl::MutexLock l(&mu_);
+      connected_ = false;
+      context_->TryCancel();
+      mu_.Await(absl::Condition(
+          +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) { return !u->writing_; },
+          this));
+      stream_ = nullptr;
+      context_ = nullptr;
+      queue_.clear();
+    }
+    grpc::Status status = stream->Finish();
+    if (got_any) backoff = absl::Milliseconds(100);
+    absl::MutexLock l(&mu_);
+    if (stopping_) return;
+    ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message()
+                        << "); reconnecting in " << absl::FormatDuration(backoff);
+    // Interruptible wait: Stop() sets stopping_.
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
+    backoff = std::min(backoff * 2, max_backoff_);
+  }
+}
+
+}  // namespace accord::daemon

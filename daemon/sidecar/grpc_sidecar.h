@@ -1,0 +1,98 @@
+// gRPC adapters for the sidecar: the RankService and the key-value forwarder
+// served on the Unix socket, and the upstream stream to the coordinator. They
+// only convert and move bytes; the logic is in Sidecar.
+#ifndef ACCORD_DAEMON_SIDECAR_GRPC_SIDECAR_H_
+#define ACCORD_DAEMON_SIDECAR_GRPC_SIDECAR_H_
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "accord/v1/accord.grpc.pb.h"
+#include "daemon/sidecar/sidecar.h"
+#include "grpcpp/grpcpp.h"
+
+namespace accord::daemon {
+
+class RankSessionReactor;
+
+// RankService.Session: one reactor per rank process.
+class RankGrpcService final : public v1::RankService::CallbackService {
+ public:
+  explicit RankGrpcService(Sidecar* sidecar) : sidecar_(sidecar) {}
+  grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* Session(
+      grpc::CallbackServerContext* context) override;
+  // Ends every rank stream (UNAVAILABLE) after its queued replies.
+  void FinishAll();
+
+ private:
+  friend class RankSessionReactor;
+  void Remove(RankSessionReactor* r);
+  Sidecar* const sidecar_;
+  absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<RankSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
+};
+
+// KeyValueService on the socket: forwards to the coordinator unchanged (the
+// request already names its job); with --job only that job's keys pass.
+class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
+ public:
+  KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator, std::string only_job)
+      : stub_(v1::KeyValueService::NewStub(coordinator)), only_job_(std::move(only_job)) {}
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
+                                const v1::KeyValueSetRequest* request,
+                                v1::KeyValueSetResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::KeyValueGetRequest* request,
+                                v1::KeyValueGetResponse* response) override;
+
+ private:
+  std::unique_ptr<v1::KeyValueService::Stub> stub_;
+  const std::string only_job_;
+};
+
+// The long-lived CoordinatorService.Session stream. Owns a reader thread
+// (connects, reconnects with exponential backoff capped at `max_backoff`,
+// feeds the Sidecar) and a writer thread (drains the queue). Both stop in
+// Stop() or the destructor.
+class GrpcUpstream final : public UpstreamSink {
+ public:
+  GrpcUpstream(std::shared_ptr<grpc::Channel> channel, Sidecar* sidecar,
+               absl::Duration max_backoff);
+  ~GrpcUpstream() override;
+  void Start();
+  void Stop();
+
+  void Send(v1::NodeMessage message) override;
+  void Reset(std::vector<v1::NodeMessage> messages) override;
+  void Reconnect() override;
+
+ private:
+  void ReadLoop();
+  void WriteLoop();
+
+  std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+  Sidecar* const sidecar_;
+  const absl::Duration max_backoff_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream_ ABSL_GUARDED_BY(mu_) =
+      nullptr;
+  std::deque<v1::NodeMessage> queue_ ABSL_GUARDED_BY(mu_);
+  std::thread reader_;
+  std::thread writer_;
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_SIDECAR_GRPC_SIDECAR_H_

@@ -1,0 +1,174 @@
+// The sidecar's logic: serves the local ranks of one job and speaks for them
+// to the coordinator.
+//
+// Protocol (see accord.proto):
+//  - Rank hello: the job must match (--job, or the job of the ranks already
+//    here), the rank must be in range, the world size consistent and the rank
+//    not already connected (DUPLICATE_RANK). A refused rank gets an error and
+//    only its own stream is closed.
+//  - Registrations are validated and forwarded as NodeRegistration with the
+//    registering rank; the coordinator compares across all ranks (so two local
+//    ranks registering different specs are reported exactly as the
+//    coordinator reports any mismatch) and the results fan out to the ranks.
+//  - Manifests are validated per rank (errors go to that rank only), merged per
+//    (group, step) with core Merge, and once every connected rank that
+//    registered the group has reported, ONE node manifest goes upstream: in
+//    repeat form (cache key only) when identical to the previous one sent for
+//    the group. Everything completed by one incoming message travels in one
+//    upstream ManifestBatch.
+//  - Decisions fan out to the ranks. `same_as_previous` is passed through only
+//    to a rank that received the previous decision of the group; others get
+//    the full body.
+//  - Upstream loss: on reconnect OnUpstreamConnected() resends the hello, the
+//    registrations and every manifest still without a decision, in full form.
+//  - A rank whose stream ends is reported upstream (RankEvent) at once.
+//
+// One job per sidecar at a time; when its last rank leaves the state is reset
+// and the upstream stream restarted, so the next job can use the node.
+//
+// Thread-safe. Sinks are called with the lock held and must not block or call
+// back into the Sidecar.
+#ifndef ACCORD_DAEMON_SIDECAR_SIDECAR_H_
+#define ACCORD_DAEMON_SIDECAR_SIDECAR_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "accord/v1/accord.pb.h"
+#include "core/decide.h"
+#include "core/group.h"
+#include "core/manifest.h"
+
+namespace accord::daemon {
+
+// One rank's stream.
+class RankSink {
+ public:
+  virtual ~RankSink() = default;
+  virtual void Send(std::shared_ptr<const v1::RankReply> reply) = 0;
+  // Ends the stream with `status` after the queued replies.
+  virtual void Close(const absl::Status& status) = 0;
+};
+
+// The stream to the coordinator.
+class UpstreamSink {
+ public:
+  virtual ~UpstreamSink() = default;
+  // Queues a message; dropped while disconnected (resent on reconnect).
+  virtual void Send(v1::NodeMessage message) = 0;
+  // Replaces whatever is queued with `messages` (called on connect).
+  virtual void Reset(std::vector<v1::NodeMessage> messages) = 0;
+  // Drops the current stream and connects again.
+  virtual void Reconnect() = 0;
+};
+
+struct SidecarOptions {
+  std::string node_id;
+  std::string job;  // empty: accept the first job that arrives
+  int max_ranks = 64;
+};
+
+struct SidecarStats {
+  int64_t rank_manifests = 0;
+  int64_t node_manifests_full = 0;
+  int64_t node_manifests_repeat = 0;
+  int64_t decisions_in = 0;
+  int ranks = 0;
+};
+
+class Sidecar {
+ public:
+  using SessionId = uint64_t;
+
+  explicit Sidecar(SidecarOptions options) : options_(std::move(options)) {}
+  Sidecar(const Sidecar&) = delete;
+  Sidecar& operator=(const Sidecar&) = delete;
+
+  // Must be set before any other call; not owned.
+  void SetUpstream(UpstreamSink* upstream);
+
+  SessionId OpenRank(RankSink* sink);
+  void HandleRankMessage(SessionId session, const v1::RankMessage& message);
+  void CloseRank(SessionId session);
+
+  void OnUpstreamConnected();
+  void HandleCoordinatorMessage(const v1::CoordinatorMessage& message);
+
+  SidecarStats stats();
+
+ private:
+  struct RankState {
+    SessionId session = 0;
+    RankSink* sink = nullptr;
+    int64_t last_step = -1;
+    // group -> the step of the last decision delivered to this rank
+    absl::flat_hash_map<std::string, int64_t> delivered;
+    absl::flat_hash_map<std::string, bool> got_result;
+  };
+  struct Session {
+    RankSink* sink = nullptr;
+    int rank = -1;  // -1 until a hello is accepted
+  };
+  struct LocalStep {
+    Manifest merged;
+    std::map<int, std::vector<bool>> used;  // per reporting rank
+    std::map<int, std::string> raw;         // rank -> its manifest, for resend checks
+    bool sent = false;
+  };
+  struct Variant {
+    v1::GroupRegistration registration;
+    std::string bytes;
+    std::set<int> ranks;
+  };
+  struct LocalGroup {
+    GroupSpec spec;
+    std::vector<Variant> variants;
+    std::set<int> ranks;  // local ranks that registered it
+    std::optional<v1::RegistrationResult> result;
+    std::map<int64_t, LocalStep> steps;
+    std::map<int64_t, v1::Manifest> inflight;  // full form, sent without a decision yet
+    uint64_t last_sent_key = 0;
+    std::string last_sent_detail;
+    bool have_last_sent = false;
+    int64_t last_decided_step = -1;
+    std::optional<v1::DecisionOk> last_ok;
+  };
+
+  void HandleHello(SessionId id, Session& s, const v1::RankHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleRegistration(int rank, const v1::GroupRegistration& reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends every complete local step of `group` into `out`.
+  void CollectComplete(const std::string& group_id, LocalGroup& g, v1::ManifestBatch* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::NodeMessage HelloMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SidecarOptions options_;
+  absl::Mutex mu_;
+  UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  std::string job_id_ ABSL_GUARDED_BY(mu_);
+  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
+  bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
+  std::set<int> announced_ ABSL_GUARDED_BY(mu_);         // every rank announced upstream
+  std::map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
+  SidecarStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_SIDECAR_SIDECAR_H_
