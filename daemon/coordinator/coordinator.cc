@@ -565,7 +565,7 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
   if (all_node_ranks) {
     content->ranks = node.rank_set;
     content->rank_count = static_cast<int>(node.ranks.size());
-    parsed->ranks = *node.rank_set;
+    if (m.cache_key() == 0) parsed->ranks = *node.rank_set;  // only the key needs it
   } else {
     const auto& words = parsed->ranks.words();
     const auto& node_words = node.rank_set->words();
@@ -611,8 +611,10 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id(), m.step());
     ++stats_.errors;
   };
-  const std::string where =
-      absl::StrCat("job ", job.job_id, " group \"", m.group_id(), "\" step ", m.step());
+  // Built only on the error paths: the common path allocates nothing here.
+  auto where = [&] {
+    return absl::StrCat("job ", job.job_id, " group \"", m.group_id(), "\" step ", m.step());
+  };
   if (job.failed) {
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
     d->set_group_id(m.group_id());
@@ -625,7 +627,7 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   auto ngit = node.groups.find(m.group_id());
   if (git == job.groups.end() || ngit == node.groups.end() || ngit->second.variant < 0) {
     reply_error(v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
-                absl::StrCat(where, ": node \"", node.node_id,
+                absl::StrCat(where(), ": node \"", node.node_id,
                              "\" has not registered this group; register it before sending "
                              "manifests"));
     return;
@@ -643,7 +645,7 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   const int64_t step = m.step();
   if (step < 0) {
     reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat(where, ": negative step"));
+                absl::StrCat(where(), ": negative step"));
     return;
   }
   if (step <= g.last_decided_step) {
@@ -653,7 +655,7 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
       return;
     }
     reply_error(v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
-                absl::StrCat(where, ": step ", step, " is older than the last decided step ",
+                absl::StrCat(where(), ": step ", step, " is older than the last decided step ",
                              g.last_decided_step,
                              " of this group; check that the training loop's step counter "
                              "only moves forward (was the process restarted alone?)"));
@@ -666,7 +668,7 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
       ++stats_.repeat_key_mismatches;
       reply_error(
           v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat(where, ": repeat-form manifest with cache key ", absl::Hex(m.cache_key()),
+          absl::StrCat(where(), ": repeat-form manifest with cache key ", absl::Hex(m.cache_key()),
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
                        ng.cache == nullptr ? std::string("is unknown here")
                                            : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
@@ -693,7 +695,7 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   if (pit == g.pending.end()) {
     if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
       reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                  absl::StrCat(where, ": ", g.pending.size(),
+                  absl::StrCat(where(), ": ", g.pending.size(),
                                " steps of this group are already waiting for ranks "
                                "(--max_pending_steps); some ranks are far behind"));
       return;
@@ -709,13 +711,16 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     pit = g.pending.find(step);
   }
   PendingStep& p = pit->second;
-  auto [bit, inserted] = p.by_node.try_emplace(&node, static_cast<int>(p.contributions.size()));
-  if (!inserted) {
+  // Steps this node already contributed to (few: the pending window).
+  std::vector<int64_t>& mine = ng.contributed_steps;
+  mine.erase(std::remove_if(mine.begin(), mine.end(),
+                            [&](int64_t x) { return x <= g.last_decided_step; }),
+             mine.end());
+  if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.
     RankSet earlier(job.world_size);
-    for (size_t i = bit->second; i < p.contributions.size(); ++i) {
-      const Contribution& c = p.contributions[i];
+    for (const Contribution& c : p.contributions) {
       if (c.node != &node) continue;
       if (c.content == content ||
           (c.content->key == content->key && *c.content->ranks == *content->ranks)) {
@@ -725,11 +730,13 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     }
     if (earlier.Intersects(*content->ranks)) {
       reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-                  absl::StrCat(where, ": node \"", node.node_id,
+                  absl::StrCat(where(), ": node \"", node.node_id,
                                "\" sent a second, different manifest for ranks it already "
                                "reported at this step"));
       return;
     }
+  } else {
+    mine.push_back(step);
   }
   p.contributions.push_back(Contribution{&node, content});
   p.ranks_covered += content->rank_count;

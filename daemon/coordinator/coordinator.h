@@ -141,6 +141,7 @@ class Coordinator {
   struct NodeState;
   struct NodeGroupState {
     int variant = -1;  // index of this node's registration variant, -1: none
+    std::vector<int64_t> contributed_steps;  // pending steps this node spoke for
     std::shared_ptr<const Content> cache;
     // Skip accounting: `skip_content` has been in effect for `skip_steps`
     // contributions not yet added to the counts below.
@@ -168,7 +169,6 @@ class Coordinator {
     int ranks_covered = 0;
     bool all_repeat = true;
     std::vector<Contribution> contributions;
-    absl::flat_hash_map<NodeState*, int> by_node;  // node -> first contribution index
   };
   struct RegVariant {
     GroupSpec spec;
