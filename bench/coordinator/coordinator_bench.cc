@@ -165,10 +165,9 @@ int Main(int argc, char** argv) {
         "%-11s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  "
         "decisions/s %10.0f  node manifests/s %10.0f  in %6.1f MB/step  decisions %lld "
         "(expected %lld)  cache hits %lld misses %lld same_as_previous %lld\n",
-        repeat ? "all-repeat" : "none-repeat", 1e3 * cpu / steps, 1e3 * worst,
-        1e3 * parse / steps, decisions / cpu, double(s.nodes) * s.groups * steps / cpu,
-        bytes / 1e6 / steps, static_cast<long long>(decisions),
-        static_cast<long long>(int64_t{s.groups} * steps),
+        repeat ? "all-repeat" : "none-repeat", 1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps,
+        decisions / cpu, double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
+        static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
         static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
         static_cast<long long>(st.same_as_previous));
   }

@@ -713,9 +713,9 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   PendingStep& p = pit->second;
   // Steps this node already contributed to (few: the pending window).
   std::vector<int64_t>& mine = ng.contributed_steps;
-  mine.erase(std::remove_if(mine.begin(), mine.end(),
-                            [&](int64_t x) { return x <= g.last_decided_step; }),
-             mine.end());
+  mine.erase(
+      std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
+      mine.end());
   if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.

@@ -140,7 +140,7 @@ class Coordinator {
   };
   struct NodeState;
   struct NodeGroupState {
-    int variant = -1;  // index of this node's registration variant, -1: none
+    int variant = -1;                        // index of this node's registration variant, -1: none
     std::vector<int64_t> contributed_steps;  // pending steps this node spoke for
     std::shared_ptr<const Content> cache;
     // Skip accounting: `skip_content` has been in effect for `skip_steps`

@@ -1,0 +1,211 @@
+#include "daemon/sidecar/sidecar.h"
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "proto/wire.h"
+
+namespace accord::daemon {
+namespace {
+
+class FakeRankSink : public RankSink {
+ public:
+  void Send(std::shared_ptr<const v1::RankReply> reply) override { replies.push_back(*reply); }
+  void Close(const absl::Status& status) override { closed = status; }
+  std::vector<v1::Decision> decisions() const {
+    std::vector<v1::Decision> out;
+    for (const auto& r : replies) {
+      for (const auto& d : r.decisions().decisions()) out.push_back(d);
+    }
+    return out;
+  }
+  std::vector<v1::RankReply> replies;
+  std::optional<absl::Status> closed;
+};
+
+class FakeUpstream : public UpstreamSink {
+ public:
+  void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
+  void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
+  void Reconnect() override { ++reconnects; }
+  std::vector<v1::Manifest> manifests() const {
+    std::vector<v1::Manifest> out;
+    for (const auto& m : sent) {
+      for (const auto& x : m.manifests().manifests()) out.push_back(x);
+    }
+    return out;
+  }
+  std::vector<v1::NodeMessage> sent;
+  std::vector<v1::NodeMessage> reset;
+  int reconnects = 0;
+};
+
+v1::RankMessage Hello(int rank, int world) {
+  v1::RankMessage m;
+  m.mutable_hello()->set_job_id("j");
+  m.mutable_hello()->set_rank(rank);
+  m.mutable_hello()->set_world_size(world);
+  return m;
+}
+
+GroupSpec Spec(int numel1 = 64) {
+  return GroupSpec{"g", {ParamSpec{"a", 8, 64}, ParamSpec{"b", 8, numel1}}};
+}
+
+v1::RankMessage Reg(const GroupSpec& spec) {
+  v1::RankMessage m;
+  *m.mutable_registration() = wire::GroupSpecToProto(spec, Policy());
+  return m;
+}
+
+v1::RankMessage Man(int64_t step, std::vector<std::optional<DType>> d) {
+  v1::RankMessage m;
+  wire::ManifestToProto("g", RankManifest(step, 0, 4, d), false,
+                        m.mutable_manifests()->add_manifests());
+  return m;
+}
+
+// Ranks 0 and 1 of a world of 4 on this node.
+class SidecarTest : public ::testing::Test {
+ protected:
+  SidecarTest() : sidecar_(SidecarOptions{"n0", "", 64}) {
+    sidecar_.SetUpstream(&up_);
+    s0_ = sidecar_.OpenRank(&r0_);
+    s1_ = sidecar_.OpenRank(&r1_);
+    sidecar_.HandleRankMessage(s0_, Hello(0, 4));
+    sidecar_.HandleRankMessage(s1_, Hello(1, 4));
+  }
+  Sidecar sidecar_;
+  FakeUpstream up_;
+  FakeRankSink r0_, r1_;
+  Sidecar::SessionId s0_, s1_;
+};
+
+TEST_F(SidecarTest, HelloThenRankJoinedGoUpstream) {
+  ASSERT_EQ(up_.sent.size(), 2u);
+  EXPECT_TRUE(up_.sent[0].has_hello());
+  EXPECT_EQ(up_.sent[0].hello().world_size(), 4);
+  EXPECT_TRUE(up_.sent[1].rank_event().joined());
+  EXPECT_EQ(up_.sent[1].rank_event().rank(), 1);
+  EXPECT_TRUE(r0_.replies[0].has_welcome());
+}
+
+TEST_F(SidecarTest, DuplicateRankIsRefusedAndOnlyItsStreamCloses) {
+  FakeRankSink dup;
+  auto s = sidecar_.OpenRank(&dup);
+  sidecar_.HandleRankMessage(s, Hello(1, 4));
+  ASSERT_TRUE(dup.closed.has_value());
+  EXPECT_EQ(dup.closed->code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(dup.replies[0].error().kind(), v1::DUPLICATE_RANK);
+  EXPECT_FALSE(r1_.closed.has_value());
+}
+
+TEST_F(SidecarTest, WorldSizeMismatchIsRefused) {
+  FakeRankSink other;
+  auto s = sidecar_.OpenRank(&other);
+  sidecar_.HandleRankMessage(s, Hello(2, 8));
+  ASSERT_TRUE(other.closed.has_value());
+  EXPECT_EQ(other.replies[0].error().kind(), v1::WORLD_SIZE_MISMATCH);
+}
+
+TEST_F(SidecarTest, MergesLocalRanksIntoOneNodeManifestThenRepeats) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  EXPECT_TRUE(up_.manifests().empty());  // rank 1 not yet reported
+  sidecar_.HandleRankMessage(s1_, Man(0, {DType::kBFloat16, DType::kBFloat16}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  v1::Manifest m0 = up_.manifests()[0];
+  EXPECT_FALSE(m0.repeat());
+  EXPECT_TRUE(m0.rank_bits().empty());  // covers every announced rank
+  EXPECT_EQ(m0.used_bits(), std::string(1, '\x03'));
+  ASSERT_EQ(m0.rank_detail_size(), 1);  // rank 0 differs from the merge
+  EXPECT_EQ(m0.rank_detail(0).rank(), 0);
+  sidecar_.HandleRankMessage(s0_, Man(1, {DType::kBFloat16, std::nullopt}));
+  sidecar_.HandleRankMessage(s1_, Man(1, {DType::kBFloat16, DType::kBFloat16}));
+  ASSERT_EQ(up_.manifests().size(), 2u);
+  EXPECT_TRUE(up_.manifests()[1].repeat());
+  EXPECT_EQ(up_.manifests()[1].cache_key(), m0.cache_key());
+  EXPECT_EQ(sidecar_.stats().node_manifests_repeat, 1);
+}
+
+TEST_F(SidecarTest, LocalRegistrationsAreForwardedPerVariantForTheCoordinatorToCompare) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec(128)));
+  int regs = 0;
+  for (const auto& m : up_.sent) {
+    if (!m.has_registration()) continue;
+    ++regs;
+    EXPECT_EQ(m.registration().ranks_size(), 1);
+  }
+  EXPECT_EQ(regs, 2);
+}
+
+TEST_F(SidecarTest, InvalidManifestAnswersThatRankOnly) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  v1::RankMessage bad = Man(0, {DType::kBFloat16, std::nullopt});
+  bad.mutable_manifests()->mutable_manifests(0)->set_uniform_dtype(v1::INT32);
+  sidecar_.HandleRankMessage(s0_, bad);
+  ASSERT_EQ(r0_.decisions().size(), 1u);
+  EXPECT_EQ(r0_.decisions()[0].error().kind(), v1::NON_FLOAT_DTYPE);
+  EXPECT_TRUE(r1_.decisions().empty());
+  EXPECT_FALSE(r0_.closed.has_value());
+}
+
+TEST_F(SidecarTest, SameAsPreviousIsExpandedForARankThatMissedThePreviousDecision) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  v1::CoordinatorMessage d0;
+  v1::Decision* d = d0.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(0);
+  d->mutable_ok()->set_wire_dtype(v1::BFLOAT16);
+  sidecar_.HandleCoordinatorMessage(d0);
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));  // rank 1 registers late
+  v1::CoordinatorMessage d1;
+  d = d1.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(1);
+  d->set_same_as_previous(true);
+  sidecar_.HandleCoordinatorMessage(d1);
+  ASSERT_EQ(r0_.decisions().size(), 2u);
+  EXPECT_TRUE(r0_.decisions()[1].same_as_previous());
+  ASSERT_EQ(r1_.decisions().size(), 1u);
+  EXPECT_FALSE(r1_.decisions()[0].same_as_previous());
+  EXPECT_EQ(r1_.decisions()[0].ok().wire_dtype(), v1::BFLOAT16);
+}
+
+TEST_F(SidecarTest, ReconnectResendsHelloRegistrationsAndUndecidedManifestsInFullForm) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar_.HandleRankMessage(s1_, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar_.OnUpstreamConnected();
+  ASSERT_GE(up_.reset.size(), 3u);
+  EXPECT_TRUE(up_.reset[0].has_hello());
+  EXPECT_EQ(up_.reset[0].hello().ranks_size(), 2);
+  EXPECT_TRUE(up_.reset[1].has_registration());
+  EXPECT_EQ(up_.reset[1].registration().ranks_size(), 2);
+  const v1::NodeMessage& last = up_.reset.back();
+  ASSERT_EQ(last.manifests().manifests_size(), 1);
+  EXPECT_FALSE(last.manifests().manifests(0).repeat());
+}
+
+TEST_F(SidecarTest, RankLeavingIsReportedAndCompletesStepsWaitingOnlyForIt) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar_.CloseRank(s1_);
+  bool left = false;
+  for (const auto& m : up_.sent) left |= m.has_rank_event() && !m.rank_event().joined();
+  EXPECT_TRUE(left);
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_FALSE(up_.manifests()[0].rank_bits().empty());  // explicit: only rank 0
+  sidecar_.CloseRank(s0_);
+  EXPECT_EQ(up_.reconnects, 1);  // last rank gone: the node is free for another job
+}
+
+}  // namespace
+}  // namespace accord::daemon
