@@ -168,7 +168,7 @@ class _HookedGroup:
             self.group_id,
             self.params,
             dtype_name(reduce_dtype) if reduce_dtype is not None else None,
-            True,
+            reduce_dtype is not None,  # FSDP2's reduce_dtype is the wire dtype when set
         )
         self.registered = True
 

@@ -77,7 +77,8 @@ void BindClient(nb::module_& m) {
              double timeout_s) {
             Policy policy;
             policy.reduce_dtype = OptionalDType(reduce_dtype);
-            policy.reduce_dtype_exact = reduce_dtype_exact;
+            // "Exact" only means something with a configured dtype; the daemons reject it otherwise.
+            policy.reduce_dtype_exact = reduce_dtype_exact && policy.reduce_dtype.has_value();
             GroupSpec spec = SpecFromPy(group_id, params);
             absl::Status status;
             {

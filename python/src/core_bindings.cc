@@ -25,7 +25,7 @@ namespace {
 Policy MakePolicy(const std::optional<std::string>& reduce_dtype, bool exact) {
   Policy policy;
   policy.reduce_dtype = OptionalDType(reduce_dtype);
-  policy.reduce_dtype_exact = exact;
+  policy.reduce_dtype_exact = exact && policy.reduce_dtype.has_value();
   return policy;
 }
 

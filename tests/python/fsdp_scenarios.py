@@ -55,11 +55,11 @@ def make_agreement(kind, rank, world_size, cluster):
         import accord
 
         client = accord.connect(
-            socket_path=cluster["sockets"][rank % len(cluster["sockets"])],
+            socket_path=cluster["sockets"][rank],
             job_id=cluster["job_id"],
             rank=rank,
             world_size=world_size,
-            local_rank=rank,
+            local_rank=cluster["local_ranks"][rank],
         )
         return accord.ClientAgreement(client, timeout_s=60.0)
     raise ValueError(kind)

@@ -1,0 +1,111 @@
+"""The compiled bindings: core Decide, errors, CPU kernels, client and cluster."""
+
+import os
+
+import pytest
+import torch
+
+import accord
+from accord import _accord
+
+P = [("w", 10, 120), ("b", 10, 10), ("x", 3, 3)]
+
+
+def test_join_of_fp16_and_bf16_is_fp32():
+    assert accord.join(["float16", "bf16"]) == "float32"
+    assert accord.parse_dtype("torch.bfloat16") == "bfloat16"
+    assert accord.is_lossless("bfloat16", "float32")
+    assert not accord.is_lossless("float32", "bfloat16")
+
+
+def test_decide_zero_fills_used_somewhere_and_skips_used_nowhere():
+    d = accord.decide("g", P, 7, [["bfloat16", None, None], [None, "float16", None]], None, True)
+    assert d.step == 7
+    assert d.wire_dtype == "float32"
+    assert list(d.included) == [True, True, False]
+    assert d.zero_fill_indices() == [0, 1] and d.skip_indices() == [2]
+
+
+def test_decide_uses_configured_reduce_dtype_when_exact():
+    d = accord.decide("g", P, 0, [["float32", "float32", None]] * 2, "bfloat16", True)
+    assert d.wire_dtype == "bfloat16"
+
+
+def test_errors_carry_the_canonical_code():
+    with pytest.raises(accord.Error, match="INVALID_ARGUMENT"):
+        accord.parse_dtype("int8")
+    with pytest.raises(accord.Error, match="rank 1 gave 1 dtypes"):
+        accord.decide("g", P, 0, [[None] * 3, [None]], None, True)
+
+
+def fsdp_layout_reference(grads, params, world, wire):
+    """FSDP2's copy-in: pad dim 0 to a multiple of W, chunk, row r = chunks r."""
+    rows = [[] for _ in range(world)]
+    for (name, dim0, numel), g in zip(params, grads):
+        if g is False:  # skipped
+            continue
+        inner = numel // dim0
+        padded = -(-dim0 // world) * world
+        full = torch.zeros(padded, inner, dtype=wire)
+        if g is not None:
+            full[:dim0] = g.reshape(dim0, inner).to(wire)
+        for r, chunk in enumerate(full.chunk(world)):
+            rows[r].append(chunk.reshape(-1))
+    return torch.cat([torch.cat(r) for r in rows])
+
+
+@pytest.mark.skipif(not accord.HAVE_KERNELS, reason="built without the CPU kernels")
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_pack_cpu_matches_fsdp2_copy_in_and_unpack_inverts(world):
+    torch.manual_seed(0)
+    g0 = torch.randn(120).to(torch.bfloat16)
+    g1 = torch.randn(10).to(torch.float16)
+    d = accord.decide("g", P, 0, [["bfloat16", "float16", None]], None, True)
+    row = accord.layout_row_numel("g", P, world, d.included, d.wire_dtype)
+    out = torch.empty(row * world, dtype=torch.float32)
+    accord.pack_cpu("g", P, world, d, [g0, None, None], out)
+    ref = fsdp_layout_reference([g0, None, False], P, world, torch.float32)
+    assert torch.equal(out, ref)
+    accord.pack_cpu("g", P, world, d, [g0, g1, None], out)
+    assert torch.equal(out, fsdp_layout_reference([g0, g1, False], P, world, torch.float32))
+    # Unpack rank r's row back into per-parameter chunks (padding dropped).
+    for r in range(world):
+        shard = out[r * row:(r + 1) * row].clone()
+        targets = []
+        for i in range(3):
+            if not d.included[i]:
+                targets.append(None)
+                continue
+            n = _accord.unpacked_numel("g", P, world, d.included, d.wire_dtype, i, r, True)
+            targets.append(torch.empty(n, dtype=torch.float32))
+        accord.unpack_cpu("g", P, world, d, r, shard, targets, drop_padding=True)
+        chunk_rows = -(-10 // world)
+        lo, hi = min(r * chunk_rows, 10), min((r + 1) * chunk_rows, 10)
+        assert torch.equal(targets[0], g0.float().reshape(10, 12)[lo:hi].reshape(-1))
+        assert torch.equal(targets[1], g1.float()[lo:hi])
+
+
+@pytest.mark.skipif(not accord.HAVE_CLIENT, reason="built without the client")
+def test_connect_to_missing_socket_says_unavailable(tmp_path):
+    with pytest.raises(accord.Error, match="UNAVAILABLE"):
+        accord.connect(str(tmp_path / "nope.sock"), "job", 0, 1, connect_timeout_s=2.0)
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_client_register_submit_wait_through_real_daemons():
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 1)
+        client = accord.connect(sock, "bindings-job", 0, 1, local_rank=local_rank)
+        client.register_group("g", P, reduce_dtype=None, timeout_s=30)
+        futures = client.submit_batch([("g", 0, ["float16", "float32", None])])
+        d = client.wait(futures[0], timeout_s=30)
+        assert d.wire_dtype == "float32" and list(d.included) == [True, True, False]
+        d2 = client.wait(client.submit("g", 1, ["float16", "float32", None]), timeout_s=30)
+        assert d2.step == 1 and list(d2.included) == list(d.included)
+        client.kv_set("k", b"v")
+        assert client.kv_get(["k"], timeout_s=5) == [b"v"]
+
+
+def test_daemons_ship_with_the_package():
+    for name in ("accord-coordinator", "accord-sidecar"):
+        assert os.access(accord.daemon_path(name), os.X_OK)

@@ -1,0 +1,79 @@
+"""FSDP2 on CPU with Gloo, 2 and 4 ranks, with accord's real client and daemons.
+
+Gloo's reduce-scatter has ignored ReduceOp.AVG in some versions; every
+scenario sets set_force_sum_reduction_for_comms(True) (SUM on the wire, divide
+by the world size afterwards), so the references below are exact sums / W.
+"""
+
+import pytest
+import torch
+
+import fsdp_scenarios as sc
+from cluster_fixture import cluster_info, start_cluster
+from harness import check_results, run_ranks
+
+TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_cluster(num_sidecars=2) as c:
+        yield c
+
+
+def run(cluster, fn, world_size, **kwargs):
+    info = cluster_info(cluster, world_size, fn.__name__)
+    return check_results(
+        run_ranks(fn, world_size, TIMEOUT_S, agreement="accord", cluster=info, **kwargs)
+    )
+
+
+def assert_grads_match(result, rtol, atol):
+    for name, ref in result["ref"].items():
+        got = result["grads"][name]
+        assert not isinstance(got, str), f"{name}: {got}"
+        if ref is None:
+            assert got is None, f"{name}: expected no gradient, got one"
+            continue
+        assert got is not None, f"{name}: gradient missing"
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_grad_accumulation_late_param_matches_reference(cluster, world_size):
+    results = run(cluster, sc.grad_accumulation, world_size)
+    for r in results:
+        # bf16 compute is identical; fp32 sums may differ in order only.
+        assert_grads_match(r, rtol=1e-5, atol=1e-6)
+        assert all(dt == "float32" for dt, _ in r["wire"]), r["wire"]
+        # `late` arrived in bf16 next to fp32 accumulations: widened.
+        assert r["stats"]["fsdp/<root>"][2] == 2, r["stats"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_param_used_on_some_ranks_gets_correct_grads(cluster, world_size):
+    results = run(cluster, sc.rank_branch, world_size)
+    sizes = {tuple(r["wire"]) for r in results}
+    assert len(sizes) == 1, f"ranks reduce-scattered different buffers: {sizes}"
+    for rank, r in enumerate(results):
+        assert_grads_match(r, rtol=1e-5, atol=1e-6)
+        zero_filled = r["stats"]["fsdp/<root>"][1]
+        assert zero_filled == (0 if sc._uses_branch(rank) else 2 * 2), (rank, r["stats"])
+
+
+@pytest.mark.parametrize("unused_flag", [None, True])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_param_used_nowhere_stays_none_and_costs_no_bytes(cluster, world_size, unused_flag):
+    results = run(cluster, sc.unused_everywhere, world_size, unused_flag=unused_flag)
+    for r in results:
+        assert r["grads"]["unused.weight"] is None and r["grads"]["unused.bias"] is None
+        assert_grads_match(r, rtol=1e-5, atol=1e-6)
+        assert [n for _, n in r["wire"]] == [r["used_numel"]], (r["wire"], r["used_numel"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp16_and_bf16_grads_go_as_fp32(cluster, world_size):
+    results = run(cluster, sc.mixed_half_dtypes, world_size)
+    for r in results:
+        assert [dt for dt, _ in r["wire"]] == ["float32"], r["wire"]
+        assert_grads_match(r, rtol=0, atol=0)
