@@ -7,8 +7,9 @@
 //   moe      a router (fp32) and 8 experts (bf16 gradients); an expert gets a
 //            gradient only on ranks whose tokens were routed to it; expert 7
 //            gets tokens on rank 0 only, and only on even steps
-//   vision   a tower used only by ranks whose batch has images (bf16); every
-//            5th step no rank has images
+//   vision   a tower used only by ranks whose batch has images (bf16; rank 3
+//            runs its norm in fp16, so such steps need fp32 on the wire);
+//            every 5th step no rank has images
 //   head     weight (fp32 accumulation over both microbatches), late_bias
 //            (first gets a gradient on the synced microbatch: bf16 next to
 //            fp32 accumulations) and unused_adapter (no rank ever uses it)
@@ -75,6 +76,7 @@ class DemoModel {
   double Target(size_t g, size_t p, int64_t i) const;
   double Noise(size_t g, size_t p, int rank, int64_t step, int64_t i) const;
   DType ComputeDType(size_t g, size_t p) const;
+  DType GradDType(size_t g, size_t p, int rank, int first_microbatch) const;
 
   int world_size_;
   uint64_t seed_;

@@ -239,8 +239,25 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                        m.step(), ": older than the last decided step ", g.last_decided_step));
       continue;
     }
+    // A repeat names this rank's previous full manifest for the group by
+    // its key; resolve it to that content at the new step.
+    v1::Manifest resolved;
+    if (m.repeat()) {
+      auto last = g.last_full.find(rank);
+      if (last == g.last_full.end() || last->second.cache_key() != m.cache_key()) {
+        reply_error(m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
+                    absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
+                                 "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
+                                 " which is not this rank's previous manifest; send the full form"));
+        continue;
+      }
+      resolved = last->second;
+      resolved.set_step(m.step());
+    } else {
+      resolved = m;
+    }
     absl::StatusOr<Manifest> parsed =
-        wire::ManifestFromProto(m, g.spec.params.size(), world_size_, rank);
+        wire::ManifestFromProto(resolved, g.spec.params.size(), world_size_, rank);
     absl::Status valid =
         parsed.ok() ? ValidateManifest(*parsed, m.group_id(), g.spec.params.size(), world_size_)
                     : parsed.status();
@@ -270,6 +287,14 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       continue;
     }
     st.raw[rank] = raw;
+    if (!m.repeat()) {
+      v1::Manifest keep = m;
+      keep.clear_step();
+      // The key covers content, not the step; recompute it so a client that
+      // did not set one still gets repeats resolved correctly.
+      keep.set_cache_key(ManifestKey(*parsed));
+      g.last_full[rank] = std::move(keep);
+    }
     std::vector<bool> used(parsed->dtypes.size());
     for (size_t i = 0; i < used.size(); ++i) used[i] = parsed->dtypes[i] != 0;
     st.used[rank] = std::move(used);

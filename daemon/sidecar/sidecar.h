@@ -141,6 +141,9 @@ class Sidecar {
     bool have_last_sent = false;
     int64_t last_decided_step = -1;
     std::optional<v1::DecisionOk> last_ok;
+    // Per local rank: its last full-form manifest (step cleared), against
+    // which its repeat-form manifests are resolved.
+    std::map<int, v1::Manifest> last_full;
   };
 
   void HandleHello(SessionId id, Session& s, const v1::RankHello& hello)
