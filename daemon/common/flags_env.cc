@@ -7,6 +7,8 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
 
 namespace accord::daemon {
 
@@ -38,6 +40,20 @@ std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<st
   }
   for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
   return absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+}
+
+absl::Status ApplyLogLevel(const std::string& level) {
+  if (level == "debug" || level == "info") {
+    SetMinLogSeverity(absl::LogSeverity::kInfo);
+  } else if (level == "warning") {
+    SetMinLogSeverity(absl::LogSeverity::kWarning);
+  } else if (level == "error") {
+    SetMinLogSeverity(absl::LogSeverity::kError);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_level=", level, ": expected debug, info, warning or error"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace accord::daemon

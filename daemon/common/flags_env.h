@@ -6,12 +6,19 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace accord::daemon {
 
 // Parses absl flags from argv after applying ACCORD_<NAME> environment
 // variables for each name in `names`. Returns the positional arguments.
 std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<std::string>& names,
                                      const std::string& usage);
+
+// Sets the log threshold from --log_level: debug, info, warning or error
+// (debug logs as much as info: there is no debug severity yet).
+// INVALID_ARGUMENT naming the flag for anything else.
+absl::Status ApplyLogLevel(const std::string& level);
 
 }  // namespace accord::daemon
 

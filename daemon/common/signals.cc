@@ -12,19 +12,27 @@ sigset_t TerminationSet() {
   sigaddset(&set, SIGINT);
   return set;
 }
-}  // namespace
 
-void BlockTerminationSignals() {
-  sigset_t set = TerminationSet();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
-int WaitForTerminationSignal() {
-  sigset_t set = TerminationSet();
+int Wait(const sigset_t& set) {
   int sig = 0;
   while (sigwait(&set, &sig) != 0) {
   }
   return sig;
+}
+}  // namespace
+
+void BlockTerminationSignals() {
+  sigset_t set = TerminationSet();
+  sigaddset(&set, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForTerminationSignal() { return Wait(TerminationSet()); }
+
+int WaitForTerminationOrReloadSignal() {
+  sigset_t set = TerminationSet();
+  sigaddset(&set, SIGHUP);
+  return Wait(set);
 }
 
 }  // namespace accord::daemon

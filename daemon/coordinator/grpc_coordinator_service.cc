@@ -5,6 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "proto/wire.h"
+
 namespace accord::daemon {
 
 grpc::Status ToGrpcStatus(const absl::Status& s) {
@@ -47,6 +50,15 @@ class NodeSessionReactor final
       MaybeFinishLocked(grpc::Status::OK);
       return;
     }
+    if (in_.has_hello() && service_->tokens_ != nullptr) {
+      absl::Status allowed = service_->tokens_->CheckJob(
+          in_.hello().job_id(), in_.hello().token(),
+          absl::StrCat("NodeHello from node \"", in_.hello().node_id(), "\""));
+      if (!allowed.ok()) {
+        Deny(in_.hello().job_id(), allowed);
+        return;
+      }
+    }
     coordinator_->HandleMessage(id_, in_);
     StartRead(&in_);
   }
@@ -63,6 +75,26 @@ class NodeSessionReactor final
       return;
     }
     writing_ = false;
+    MaybeFinishLocked(finish_status_);
+  }
+
+  // A refused hello: the error message, then the stream ends with `status`.
+  // The session is closed at once (it never joined a job); no further reads.
+  void Deny(const std::string& job_id, const absl::Status& status) {
+    coordinator_->CloseSession(id_);
+    auto reply = std::make_shared<v1::CoordinatorMessage>();
+    *reply->mutable_error() = wire::MakeError(v1::PERMISSION_DENIED, status);
+    reply->mutable_error()->set_job_id(job_id);
+    absl::MutexLock l(&mu_);
+    finishing_ = true;
+    finish_status_ = ToGrpcStatus(status);
+    if (!write_failed_) {
+      queue_.push_back(std::move(reply));
+      if (!writing_) {
+        writing_ = true;
+        StartWrite(queue_.front().get());
+      }
+    }
     MaybeFinishLocked(finish_status_);
   }
 
@@ -124,6 +156,15 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* 
                                                    const v1::KeyValueSetRequest* request,
                                                    v1::KeyValueSetResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (tokens_ != nullptr) {
+    absl::Status allowed =
+        tokens_->CheckJob(request->job_id(), request->token(),
+                          absl::StrCat("key-value Set of \"", request->key(), "\""));
+    if (!allowed.ok()) {
+      reactor->Finish(ToGrpcStatus(allowed));
+      return reactor;
+    }
+  }
   reactor->Finish(ToGrpcStatus(kv_->Set(request->job_id(), request->key(), request->value())));
   return reactor;
 }
@@ -132,6 +173,15 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
                                                    const v1::KeyValueGetRequest* request,
                                                    v1::KeyValueGetResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (tokens_ != nullptr) {
+    absl::Status allowed =
+        tokens_->CheckJob(request->job_id(), request->token(),
+                          absl::StrCat("key-value Get of ", request->keys_size(), " keys"));
+    if (!allowed.ok()) {
+      reactor->Finish(ToGrpcStatus(allowed));
+      return reactor;
+    }
+  }
   if (request->timeout_ms() < 0) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "negative timeout_ms"));
     return reactor;

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "accord/v1/accord.grpc.pb.h"
+#include "daemon/common/auth_tokens.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/kv_store.h"
 
@@ -18,10 +19,14 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 
 class NodeSessionReactor;
 
-// CoordinatorService.Session: one reactor per sidecar stream.
+// CoordinatorService.Session: one reactor per sidecar stream. With `tokens`
+// (not owned; null: no tokens configured) every NodeHello must carry its
+// job's token; otherwise the stream gets a PERMISSION_DENIED error message
+// and ends with that status, and the Coordinator never sees the hello.
 class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackService {
  public:
-  explicit CoordinatorGrpcService(Coordinator* coordinator) : coordinator_(coordinator) {}
+  explicit CoordinatorGrpcService(Coordinator* coordinator, const JobTokens* tokens = nullptr)
+      : coordinator_(coordinator), tokens_(tokens) {}
   grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* context) override;
   // Ends every open session (UNAVAILABLE) once its queued replies are
@@ -33,15 +38,19 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
   void Remove(NodeSessionReactor* r);
 
   Coordinator* const coordinator_;
+  const JobTokens* const tokens_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<NodeSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
 };
 
 // KeyValueService over a KvStore; `Get` waits without holding a thread.
+// With `tokens` every request must carry its job's token (PERMISSION_DENIED
+// otherwise), so no job can read or write another job's keys.
 class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
  public:
-  explicit KeyValueGrpcService(KvStore* kv) : kv_(kv) {}
+  explicit KeyValueGrpcService(KvStore* kv, const JobTokens* tokens = nullptr)
+      : kv_(kv), tokens_(tokens) {}
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -51,6 +60,7 @@ class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
 
  private:
   KvStore* const kv_;
+  const JobTokens* const tokens_;
 };
 
 }  // namespace accord::daemon
