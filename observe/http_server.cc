@@ -2,6 +2,7 @@
 
 #include <civetweb.h>
 
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 
@@ -61,6 +62,23 @@ absl::StatusOr<int> MetricsHttpServer::Start(const std::string& address) {
   const int n = mg_get_server_ports(ctx_, 4, server_ports);
   port_ = n > 0 ? server_ports[0].port : 0;
   return port_;
+}
+
+absl::StatusOr<int> MetricsHttpServer::StartForDaemon(const std::string& daemon,
+                                                      const std::string& host, int port) {
+  absl::StatusOr<int> bound = Start(absl::StrCat(host, ":", port));
+  if (!bound.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        daemon, ": cannot serve metrics on ", host, ":", port, " (--metrics_host/--metrics_port): ",
+        bound.status().message(), ". Pick a free port, 0 for any free port, or -1 to turn "
+        "metrics off"));
+  }
+  const std::string shown = (host == "0.0.0.0" || host.empty()) ? "127.0.0.1"
+                            : host == "::" || host == "[::]" ? "[::1]"
+                                                             : host;
+  std::printf("%s metrics on http://%s:%d/metrics\n", daemon.c_str(), shown.c_str(), *bound);
+  std::fflush(stdout);
+  return bound;
 }
 
 void MetricsHttpServer::Stop() {

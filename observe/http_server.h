@@ -26,6 +26,11 @@ class MetricsHttpServer {
   // Listens on `address` ("0.0.0.0:9090", "127.0.0.1:0" for an ephemeral
   // port). Returns the bound port. UNAVAILABLE when the port is taken.
   absl::StatusOr<int> Start(const std::string& address);
+  // For a daemon's --metrics_host/--metrics_port (port 0: ephemeral): starts
+  // on host:port and prints "<daemon> metrics on http://HOST:PORT/metrics" on
+  // stdout (127.0.0.1 for a wildcard host). UNAVAILABLE naming the flags when
+  // the port is taken.
+  absl::StatusOr<int> StartForDaemon(const std::string& daemon, const std::string& host, int port);
   void Stop();
   int port() const { return port_; }
 

@@ -72,6 +72,11 @@ std::string EscapeLabelValue(const std::string& v) {
 }
 
 void Counter::Increment(double by) { AtomicAdd(value_, by); }
+void Counter::SetTotal(double total) {
+  double cur = value_.load(std::memory_order_relaxed);
+  while (cur < total && !value_.compare_exchange_weak(cur, total, std::memory_order_relaxed)) {
+  }
+}
 void Gauge::Add(double by) { AtomicAdd(value_, by); }
 
 Histogram::Histogram(std::vector<double> bounds)

@@ -25,6 +25,9 @@ using LabelValues = std::vector<std::string>;
 class Counter {
  public:
   void Increment(double by = 1.0);
+  // For a counter mirrored from a monotonic count kept elsewhere (read at
+  // scrape time): raises the value to `total`, never lowers it.
+  void SetTotal(double total);
   double value() const { return value_.load(std::memory_order_relaxed); }
 
  private:

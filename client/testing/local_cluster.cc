@@ -252,7 +252,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   c->dir_ = tmpl;
   if (absl::Status s = c->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
   for (int i = 0; i < options.num_sidecars; ++i) {
-    if (absl::Status s = c->StartSidecar(i); !s.ok()) return s;
+    if (absl::Status s = c->StartSidecar(i, c->coordinator_address_); !s.ok()) return s;
   }
   return c;
 }
@@ -272,7 +272,9 @@ LocalCluster::~LocalCluster() {
 absl::Status LocalCluster::StartCoordinator(const std::string& listen) {
   absl::StatusOr<std::string> bin = FindBinary(options_.bin_dir, "accord-coordinator");
   if (!bin.ok()) return bin.status();
-  std::vector<std::string> argv = {*bin, "--listen=" + listen};
+  // Metrics on an ephemeral port so several clusters (and sidecars) fit on one
+  // machine; flags given by the caller come later and win.
+  std::vector<std::string> argv = {*bin, "--listen=" + listen, "--metrics_port=0"};
   argv.insert(argv.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> p =
       ChildProcess::Spawn(argv, "coordinator", options_.echo);
@@ -289,12 +291,13 @@ absl::Status LocalCluster::StartCoordinator(const std::string& listen) {
   return WaitHealthy(coordinator_address_, deadline);
 }
 
-absl::Status LocalCluster::StartSidecar(int i) {
+absl::Status LocalCluster::StartSidecar(int i, const std::string& coordinator) {
   absl::StatusOr<std::string> bin = FindBinary(options_.bin_dir, "accord-sidecar");
   if (!bin.ok()) return bin.status();
   const std::string socket = absl::StrCat(dir_, "/sidecar", i, ".sock");
-  std::vector<std::string> argv = {*bin, "--coordinator=" + coordinator_address_,
-                                   "--socket=" + socket, absl::StrCat("--node_id=node", i)};
+  std::vector<std::string> argv = {*bin, "--coordinator=" + coordinator,
+                                   "--socket=" + socket, absl::StrCat("--node_id=node", i),
+                                   "--metrics_port=0"};
   argv.insert(argv.end(), options_.sidecar_flags.begin(), options_.sidecar_flags.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> p =
       ChildProcess::Spawn(argv, absl::StrCat("sidecar", i), options_.echo);
@@ -309,18 +312,28 @@ absl::Status LocalCluster::StartSidecar(int i) {
 }
 
 int LocalCluster::SidecarOf(int rank, int world) const {
-  const int per = (world + options_.num_sidecars - 1) / options_.num_sidecars;
+  const int n = static_cast<int>(sockets_.size());
+  const int per = (world + n - 1) / n;
   return rank / per;
 }
 
 int LocalCluster::LocalRankOf(int rank, int world) const {
-  const int per = (world + options_.num_sidecars - 1) / options_.num_sidecars;
+  const int n = static_cast<int>(sockets_.size());
+  const int per = (world + n - 1) / n;
   return rank % per;
 }
 
 absl::StatusOr<std::vector<RankResult>> LocalCluster::RunRanks(
     const std::vector<std::string>& command, int world, const std::string& job,
     absl::Duration timeout) {
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+      StartRanks(command, world, job);
+  if (!procs.ok()) return procs.status();
+  return WaitRanks(*procs, absl::Now() + timeout);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> LocalCluster::StartRanks(
+    const std::vector<std::string>& command, int world, const std::string& job) {
   std::vector<std::unique_ptr<ChildProcess>> procs;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> argv;
@@ -336,18 +349,19 @@ absl::StatusOr<std::vector<RankResult>> LocalCluster::RunRanks(
     if (!p.ok()) return p.status();  // started ones are killed by their destructors
     procs.push_back(*std::move(p));
   }
-  const absl::Time deadline = absl::Now() + timeout;
+  return procs;
+}
+
+std::vector<RankResult> LocalCluster::WaitRanks(std::vector<std::unique_ptr<ChildProcess>>& procs,
+                                                absl::Time deadline) {
   std::vector<RankResult> out;
-  for (int r = 0; r < world; ++r) {
+  for (size_t r = 0; r < procs.size(); ++r) {
     RankResult res;
-    res.rank = r;
+    res.rank = static_cast<int>(r);
     absl::StatusOr<int> code = procs[r]->Wait(deadline);
     res.exit_code = code.ok() ? *code : procs[r]->Terminate(absl::Seconds(2));
     res.output = procs[r]->FinalOutput();
-    if (!code.ok()) {
-      absl::StrAppend(&res.output, "[killed: still running after ", absl::FormatDuration(timeout),
-                      "]\n");
-    }
+    if (!code.ok()) absl::StrAppend(&res.output, "[killed: still running at the deadline]\n");
     out.push_back(std::move(res));
   }
   return out;
@@ -360,6 +374,26 @@ std::string LocalCluster::StopCoordinator() {
   last_coordinator_output_ = coordinator_->FinalOutput();
   coordinator_.reset();
   return last_coordinator_output_;
+}
+
+std::string LocalCluster::KillCoordinator() {
+  if (!coordinator_) return last_coordinator_output_;
+  kill(coordinator_->pid(), SIGKILL);
+  (void)coordinator_->Wait(absl::InfiniteFuture());
+  last_coordinator_output_ = coordinator_->FinalOutput();
+  coordinator_.reset();
+  return last_coordinator_output_;
+}
+
+void LocalCluster::KillSidecar(int i) {
+  kill(sidecars_[i]->pid(), SIGKILL);
+  (void)sidecars_[i]->Wait(absl::InfiniteFuture());
+}
+
+absl::StatusOr<int> LocalCluster::AddSidecar(const std::string& coordinator) {
+  const int i = static_cast<int>(sidecars_.size());
+  if (absl::Status s = StartSidecar(i, coordinator); !s.ok()) return s;
+  return i;
 }
 
 absl::Status LocalCluster::RestartCoordinator() {

@@ -90,6 +90,11 @@ Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
 }
 
 void Coordinator::CloseSession(SessionId id) {
+  CloseSessionUnderLock(id);
+  DeliverEvents();
+}
+
+void Coordinator::CloseSessionUnderLock(SessionId id) {
   absl::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -99,7 +104,9 @@ void Coordinator::CloseSession(SessionId id) {
   if (s.node == nullptr || s.node->session != id) return;
   s.node->session = 0;
   s.node->sink = nullptr;
-  if (--s.job->connected_nodes == 0) {
+  --s.job->connected_nodes;
+  ObserveNode(*s.job, *s.node, /*connected=*/false);
+  if (s.job->connected_nodes == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
     RemoveJob(s.job);
@@ -111,13 +118,20 @@ void Coordinator::RemoveJob(Job* job) {
     if (s.job == job) {
       s.job = nullptr;
       s.node = nullptr;
+      s.last_batch = BatchRecord();
     }
   }
+  if (!job->groups.empty()) RetireJob(*job);
   jobs_.erase(job->job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
+  HandleMessageUnderLock(id, message);
+  DeliverEvents();
+}
+
+void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message) {
   absl::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -144,7 +158,7 @@ void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
       } else if (message.has_rank_event()) {
         HandleRankEvent(s, message.rank_event(), out);
       } else {
-        for (const v1::Manifest& m : message.manifests().manifests()) HandleManifest(s, m, out);
+        HandleManifests(s, message.manifests(), out);
       }
       break;
     default: {
@@ -178,8 +192,8 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
     v1::CoordinatorMessage reply;
     *reply.mutable_error() = Error(kind, code, std::move(msg), hello.job_id());
     for (int r : ranks) reply.mutable_error()->add_ranks(r);
+    NoteError(reply.error());
     out.direct.emplace_back(s.sink, std::move(reply));
-    ++stats_.errors;
   };
   if (s.node != nullptr) {
     reply_error(
@@ -193,10 +207,17 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
     return;
   }
   const int world = hello.world_size();
-  if (world < 1 || world > options_.max_world_size) {
+  if (world > options_.max_world_size) {
+    reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
+                             hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
+                             "; raise the coordinator's --max_ranks"));
+    return;
+  }
+  if (world < 1) {
     reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
                 absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                             hello.node_id(), "\" is outside 1..", options_.max_world_size));
+                             hello.node_id(), "\" must be at least 1"));
     return;
   }
   std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
@@ -224,6 +245,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
     job.world_size = world;
     job.rank_owner.assign(world, nullptr);
     job.rank_left_step.assign(world, -1);
+    if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
     stats_.jobs = static_cast<int64_t>(jobs_.size());
     jit = jobs_.find(hello.job_id());
     ACCORD_LOG(INFO) << "job " << job.job_id << ": created with world size " << world
@@ -283,9 +305,12 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
   ++job.connected_nodes;
   s.job = &job;
   s.node = &node;
+  s.last_batch = BatchRecord();
+  ObserveNode(job, node, /*connected=*/true);
   v1::CoordinatorMessage reply;
   reply.mutable_welcome()->set_node_id(node.node_id);
   reply.mutable_welcome()->set_server_version(kServerVersion);
+  reply.mutable_welcome()->set_batch_repeat(true);
   out.direct.emplace_back(s.sink, std::move(reply));
   if (job.failed) {
     v1::CoordinatorMessage fail;
@@ -319,8 +344,8 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
                              "\"; check RANK of the processes on both nodes"),
                 job.job_id);
       reply.mutable_error()->add_ranks(r);
+      NoteError(reply.error());
       out.direct.emplace_back(s.sink, std::move(reply));
-      ++stats_.errors;
       return;
     }
     if (owner != nullptr) {
@@ -335,6 +360,9 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
     node.rank_set = std::move(set);
     return;
   }
+  // A rank this node does not serve (e.g. one refused as a duplicate) leaving
+  // changes nothing.
+  if (job.rank_owner[r] != &node) return;
   // The rank left: any pending step that still needs it can never complete.
   job.rank_left_step[r] = std::max(job.rank_left_step[r], e.last_step());
   if (job.failed) return;
@@ -362,8 +390,8 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
     v1::CoordinatorMessage msg;
     msg.mutable_registration()->set_group_id(reg.group_id());
     *msg.mutable_registration()->mutable_error() = std::move(err);
+    NoteError(msg.registration().error());
     out.direct.emplace_back(s.sink, std::move(msg));
-    ++stats_.errors;
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
@@ -418,6 +446,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
     }
     GroupState& g = job.groups[reg.group_id()];
     g.group_id = reg.group_id();
+    if (job.observer != nullptr) g.observer = job.observer->ForGroup(g.group_id);
     g.registered = RankSet(job.world_size);
     git = job.groups.find(reg.group_id());
   }
@@ -454,7 +483,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
                                "\" registered a spec or policy different from the one every rank "
                                "agreed on; check the model definition on those ranks"),
                   job.job_id, g.group_id);
-        ++stats_.errors;
+        NoteError(msg.registration().error());
       }
       out.direct.emplace_back(s.sink, std::move(msg));
       break;
@@ -533,7 +562,7 @@ void Coordinator::FinishRegistration(Job& job, GroupState& g, Outbox& out) {
     g.reg_state = RegState::kFailed;
     g.reg_error = err;
     *msg.mutable_registration()->mutable_error() = std::move(err);
-    ++stats_.errors;
+    NoteError(g.reg_error);
     ACCORD_LOG(WARNING) << g.reg_error.message();
     // Pending steps of the group can never be decided.
     v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
@@ -559,7 +588,11 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
         absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
   }
   absl::StatusOr<Manifest> parsed =
-      wire::ManifestFromProto(m, num_params, world, all_node_ranks ? node.ranks[0] : -1);
+      all_node_ranks
+          // The node's own set is used below; a one-rank placeholder avoids
+          // building a world-sized set per manifest.
+          ? wire::ManifestFromProto(m, num_params, /*world_size=*/1, /*sender_rank=*/0)
+          : wire::ManifestFromProto(m, num_params, world, -1);
   if (!parsed.ok()) return parsed.status();
   auto content = std::make_shared<Content>();
   if (all_node_ranks) {
@@ -595,54 +628,124 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
     if (!used.ok()) return used.status();
     content->detail.push_back(RankDetail{u.rank(), *std::move(used)});
   }
+  const std::vector<uint64_t>& words = content->ranks->words();
+  int lo = 0;
+  int hi = static_cast<int>(words.size());
+  while (lo < hi && words[lo] == 0) ++lo;
+  while (hi > lo && words[hi - 1] == 0) --hi;
+  content->word_lo = lo;
+  content->word_hi = hi;
   content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
   content->dtypes = std::move(parsed->dtypes);
   return std::shared_ptr<const Content>(std::move(content));
 }
 
-void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out) {
+void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  BatchRecord& record = s.last_batch;
+  if (batch.repeat_batch_key() != 0) {
+    if (batch.manifests_size() > 0 || record.key != batch.repeat_batch_key()) {
+      v1::CoordinatorMessage reply;
+      *reply.mutable_error() = Error(
+          v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
+          absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
+                       node.node_id, "\" sent a batch repeat with key ",
+                       absl::Hex(batch.repeat_batch_key()),
+                       batch.manifests_size() > 0
+                           ? std::string(" together with manifests")
+                           : absl::StrCat(" but the previous batch on this stream has key ",
+                                          absl::Hex(record.key), " (", record.entries.size(),
+                                          " manifests)"),
+                       "; the sidecar and the coordinator disagree on the stream's history. "
+                       "Check the sidecar's version; restarting it resends in full form"),
+          job.job_id, "", batch.repeat_step());
+      NoteError(reply.error());
+      out.direct.emplace_back(s.sink, std::move(reply));
+      return;
+    }
+    ManifestRef ref;
+    ref.step = batch.repeat_step();
+    ref.repeat = true;
+    for (BatchEntry& e : record.entries) {
+      if (e.group == nullptr || e.node_group == nullptr) {
+        // Unknown when recorded; it may have been registered since.
+        auto git = job.groups.find(e.group_id);
+        auto ngit = node.groups.find(e.group_id);
+        if (git != job.groups.end() && ngit != node.groups.end()) {
+          e.group = &git->second;
+          e.node_group = &ngit->second;
+        }
+      }
+      ref.group_id = e.group_id;
+      ref.cache_key = e.cache_key;
+      HandleManifest(s, ref, e.group, e.node_group, out);
+    }
+    return;
+  }
+  if (batch.manifests_size() == 0) return;
+  record.entries.clear();
+  record.entries.reserve(batch.manifests_size());
+  wire::BatchKeyHasher hasher;
+  for (const v1::Manifest& m : batch.manifests()) {
+    auto git = job.groups.find(m.group_id());
+    auto ngit = node.groups.find(m.group_id());
+    BatchEntry& e = record.entries.emplace_back();
+    e.group_id = m.group_id();
+    e.cache_key = m.cache_key();
+    if (git != job.groups.end() && ngit != node.groups.end()) {
+      e.group = &git->second;
+      e.node_group = &ngit->second;
+    }
+    hasher.Add(m.group_id(), m.cache_key());
+    ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
+    HandleManifest(s, ref, e.group, e.node_group, out);
+  }
+  record.key = hasher.Finish();
+}
+
+void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* gp,
+                                 NodeGroupState* ngp, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   ++stats_.manifests;
   auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(m.group_id());
-    d->set_step(m.step());
-    *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id(), m.step());
-    ++stats_.errors;
+    d->set_group_id(std::string(m.group_id));
+    d->set_step(m.step);
+    *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id, m.step);
+    NoteError(d->error());
   };
   // Built only on the error paths: the common path allocates nothing here.
   auto where = [&] {
-    return absl::StrCat("job ", job.job_id, " group \"", m.group_id(), "\" step ", m.step());
+    return absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step);
   };
   if (job.failed) {
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(m.group_id());
-    d->set_step(m.step());
+    d->set_group_id(std::string(m.group_id));
+    d->set_step(m.step);
     *d->mutable_error() = job.failure;
     d->mutable_error()->set_kind(v1::JOB_FAILED);
     return;
   }
-  auto git = job.groups.find(m.group_id());
-  auto ngit = node.groups.find(m.group_id());
-  if (git == job.groups.end() || ngit == node.groups.end() || ngit->second.variant < 0) {
+  if (gp == nullptr || ngp == nullptr || ngp->variant < 0) {
     reply_error(v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
                 absl::StrCat(where(), ": node \"", node.node_id,
                              "\" has not registered this group; register it before sending "
                              "manifests"));
     return;
   }
-  GroupState& g = git->second;
-  NodeGroupState& ng = ngit->second;
+  GroupState& g = *gp;
+  NodeGroupState& ng = *ngp;
   if (g.reg_state == RegState::kFailed) {
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
     d->set_group_id(g.group_id);
-    d->set_step(m.step());
+    d->set_step(m.step);
     *d->mutable_error() = g.reg_error;
-    d->mutable_error()->set_step(m.step());
+    d->mutable_error()->set_step(m.step);
     return;
   }
-  const int64_t step = m.step();
+  const int64_t step = m.step;
   if (step < 0) {
     reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
                 absl::StrCat(where(), ": negative step"));
@@ -663,12 +766,12 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   }
   // Resolve the content.
   std::shared_ptr<const Content> content;
-  if (m.repeat()) {
-    if (ng.cache == nullptr || ng.cache->key != m.cache_key()) {
+  if (m.repeat) {
+    if (ng.cache == nullptr || ng.cache_key != m.cache_key) {
       ++stats_.repeat_key_mismatches;
       reply_error(
           v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat(where(), ": repeat-form manifest with cache key ", absl::Hex(m.cache_key()),
+          absl::StrCat(where(), ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
                        ng.cache == nullptr ? std::string("is unknown here")
                                            : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
@@ -677,9 +780,11 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     }
     content = ng.cache;
     ++stats_.cache_hits;
+    ++g.cache_hits;
+    if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/true);
   } else {
     absl::StatusOr<std::shared_ptr<const Content>> parsed =
-        ParseFull(node, g, g.variants[ng.variant], job.world_size, m);
+        ParseFull(node, g, g.variants[ng.variant], job.world_size, *m.full);
     if (!parsed.ok()) {
       const bool non_float = absl::StrContains(parsed.status().message(), "not a float dtype");
       reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
@@ -689,7 +794,11 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     }
     content = *std::move(parsed);
     ng.cache = content;
+    ng.cache_key = content->key;
+    ng.cache_rank_count = content->rank_count;
     ++stats_.cache_misses;
+    ++g.cache_misses;
+    if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
   }
   auto pit = g.pending.find(step);
   if (pit == g.pending.end()) {
@@ -704,15 +813,18 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
     p.first_seen = clock_->Now();
     p.deadline = p.first_seen + options_.deadline;
     p.contributions.reserve(job.connected_nodes);
-    if (p.deadline < next_deadline_) {
-      next_deadline_ = p.deadline;
+    // With an observer the timer also wakes at half the deadline (stall event).
+    const absl::Time wake =
+        options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
+    if (wake < next_deadline_) {
+      next_deadline_ = wake;
       timer_cv_.SignalAll();
     }
     pit = g.pending.find(step);
   }
   PendingStep& p = pit->second;
   // Steps this node already contributed to (few: the pending window).
-  std::vector<int64_t>& mine = ng.contributed_steps;
+  auto& mine = ng.contributed_steps;
   mine.erase(
       std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
       mine.end());
@@ -738,11 +850,12 @@ void Coordinator::HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
   } else {
     mine.push_back(step);
   }
-  p.contributions.push_back(Contribution{&node, content});
-  p.ranks_covered += content->rank_count;
-  p.all_repeat = p.all_repeat && m.repeat();
+  p.ranks_covered += ng.cache == content ? ng.cache_rank_count : content->rank_count;
+  p.combined_key += MixKey(ng.cache == content ? ng.cache_key : content->key);
+  p.contributions.push_back(Contribution{&node, std::move(content)});
+  p.all_repeat = p.all_repeat && m.repeat;
   node.last_step = std::max(node.last_step, step);
-  CountSkips(ng, content);
+  CountSkips(ng, p.contributions.back().content);
   if (p.ranks_covered >= job.world_size) {
     DecideStep(job, g, step, p, out);
     g.pending.erase(step);
@@ -778,8 +891,7 @@ void Coordinator::FlushSkips(NodeGroupState& ng) {
 }
 
 void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out) {
-  uint64_t combined = 0;
-  for (const Contribution& c : p.contributions) combined += MixKey(c.content->key);
+  const uint64_t combined = p.combined_key;
   v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(step);
@@ -794,17 +906,25 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
     full->set_step(step);
     full->set_wait_us(d->wait_us());
     g.last_decision = std::move(full);
+    ObserveDecision(job, g, step, p, *d, nullptr);
     return;
   }
   const RegVariant& v = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0];
   Manifest merged;
   merged.step = step;
   merged.dtypes.assign(v.spec.params.size(), 0);
-  merged.ranks = RankSet(job.world_size);
+  // A node's ranks are a few words of a world-sized set: OR only those.
+  std::vector<uint64_t> words((job.world_size + 63) / 64, 0);
   for (const Contribution& c : p.contributions) {
-    const size_t n = std::min(merged.dtypes.size(), c.content->dtypes.size());
-    for (size_t i = 0; i < n; ++i) merged.dtypes[i] |= c.content->dtypes[i];
-    merged.ranks.Union(*c.content->ranks);
+    const Content& content = *c.content;
+    const size_t n = std::min(merged.dtypes.size(), content.dtypes.size());
+    for (size_t i = 0; i < n; ++i) merged.dtypes[i] |= content.dtypes[i];
+    const std::vector<uint64_t>& w = content.ranks->words();
+    const int hi = std::min<int>(content.word_hi, static_cast<int>(words.size()));
+    for (int i = content.word_lo; i < hi; ++i) words[i] |= w[i];
+  }
+  if (!RankSet::FromWords(job.world_size, std::move(words), &merged.ranks)) {
+    merged.ranks = RankSet(job.world_size);  // Decide reports every rank missing
   }
   absl::StatusOr<Decision> decision = Decide(v.spec, job.world_size, merged, v.policy);
   if (decision.ok()) {
@@ -815,11 +935,12 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
                                 absl::StrCat("job ", job.job_id, ": ", decision.status().message()),
                                 job.job_id, g.group_id, step);
     g.last_ok = false;
-    ++stats_.errors;
+    NoteError(d->error());
   }
   g.last_decided_step = step;
   g.last_combined_key = combined;
   g.last_decision = std::make_shared<const v1::Decision>(*d);
+  ObserveDecision(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 
 int64_t Coordinator::RankLastStep(const Job& job, int rank) const {
@@ -866,7 +987,7 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
   ACCORD_LOG(ERROR) << error.message();
   job.failed = true;
   job.failure = error;
-  ++stats_.errors;
+  NoteError(error);
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
@@ -881,6 +1002,11 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
 }
 
 void Coordinator::CheckDeadlines() {
+  CheckDeadlinesUnderLock();
+  DeliverEvents();
+}
+
+void Coordinator::CheckDeadlinesUnderLock() {
   absl::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
   Outbox out;
@@ -892,6 +1018,15 @@ void Coordinator::CheckDeadlines() {
       for (auto& [step, p] : g.pending) {
         if (p.deadline > now) {
           next = std::min(next, p.deadline);
+          if (options_.observer != nullptr && !p.stall_reported) {
+            const absl::Time half = p.first_seen + options_.deadline / 2;
+            if (half <= now) {
+              p.stall_reported = true;
+              ObserveStall(job, g, step, p, now);
+            } else {
+              next = std::min(next, half);
+            }
+          }
           continue;
         }
         RankSet covered(job.world_size);
@@ -900,6 +1035,19 @@ void Coordinator::CheckDeadlines() {
             job, g, step, p, covered.Missing(),
             absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
                          " of the first manifest (--deadline)"));
+        if (options_.observer != nullptr) {
+          ObserveEvent e;
+          e.type = ObserveEvent::Type::kDeadlineFailure;
+          e.job_id = job.job_id;
+          e.group_id = g.group_id;
+          e.step = step;
+          e.kind = err.kind();
+          e.message = err.message();
+          e.ranks.assign(err.ranks().begin(), err.ranks().end());
+          e.last_steps.assign(err.last_steps().begin(), err.last_steps().end());
+          e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
+          QueueEvent(std::move(e));
+        }
         FailJob(job, &g, step, std::move(err), out);
         failed_now = true;
         break;

@@ -16,6 +16,10 @@
 //     (core Decide on the OR-merge of the node manifests) and broadcasts the
 //     Decision to every node of the job, many decisions per message. If every
 //     node repeated its previous manifest the reply is `same_as_previous`.
+//     A batch repeat (ManifestBatch.repeat_batch_key) stands for the
+//     session's previous batch in repeat form at a new step; it is expanded
+//     from the session's record of that batch (group pointers resolved once)
+//     and each entry is handled exactly like the repeat-form manifest.
 //  4. A pending (group, step) that has not heard from every rank within
 //     `deadline` of its first manifest fails the whole JOB: that step gets
 //     MISSING_RANKS (naming the ranks and the last step each reached) and every
@@ -34,7 +38,9 @@
 #ifndef ACCORD_DAEMON_COORDINATOR_COORDINATOR_H_
 #define ACCORD_DAEMON_COORDINATOR_COORDINATOR_H_
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,15 +49,19 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
+#include "accord/v1/observe.pb.h"
 #include "core/decide.h"
 #include "core/group.h"
 #include "core/manifest.h"
 #include "daemon/common/clock.h"
+#include "daemon/coordinator/observe_hooks.h"
 
 namespace accord::daemon {
 
@@ -64,6 +74,17 @@ struct CoordinatorOptions {
   int max_world_size = 1 << 20;
   // Tests that drive CheckDeadlines() by hand may turn the thread off.
   bool start_timer_thread = true;
+  // Metrics and event log (not owned; may be null). Must outlive the
+  // Coordinator.
+  CoordinatorObserver* observer = nullptr;
+  // Observe API: decided steps of per-step usage kept per group for the skip
+  // matrix (runs of identical steps cost one entry), and an approximate byte
+  // bound of what they keep alive.
+  int64_t usage_window_steps = 1000;
+  int64_t usage_window_bytes = 16 << 20;
+  // Jobs whose last node left stay visible to the observe API (status, skip
+  // matrix) until this many newer jobs ended or the same job id returns.
+  int retired_jobs = 8;
 };
 
 // Where the coordinator sends one node session's messages. Send is called
@@ -124,6 +145,22 @@ class Coordinator {
   absl::StatusOr<std::vector<int64_t>> RankLastSteps(const std::string& job_id);
   absl::StatusOr<SkipMatrix> SkipCounts(const std::string& job_id, const std::string& group_id);
 
+  // Observe API (observe.proto); defined in observe_views.cc. Live jobs
+  // first, then retired ones. NOT_FOUND names an unknown job or group;
+  // INVALID_ARGUMENT for a negative window.
+  absl::StatusOr<v1::StatusResponse> ObserveStatus(const std::string& job_id);
+  absl::StatusOr<v1::SkipMatrixResponse> ObserveSkipMatrix(const std::string& job_id,
+                                                           const std::string& group_id,
+                                                           int64_t window_steps);
+  absl::StatusOr<v1::StallsResponse> ObserveStalls(const std::string& job_id);
+  // Gauges read at scrape time, one entry per live job.
+  struct JobGauges {
+    std::string job_id;
+    int connected_nodes = 0;
+    int stalled_groups = 0;  // groups with a step waiting longer than half the deadline
+  };
+  std::vector<JobGauges> Gauges();
+
  private:
   struct RankDetail {
     int rank;
@@ -136,13 +173,29 @@ class Coordinator {
     std::vector<DTypeMask> dtypes;
     std::shared_ptr<const RankSet> ranks;
     int rank_count = 0;
+    // ranks->words() is zero outside [word_lo, word_hi): merges OR only those.
+    int word_lo = 0;
+    int word_hi = 0;
     std::vector<RankDetail> detail;
+  };
+  // A run of consecutive decided steps of one group with the same node
+  // contents (the observe API's skip-matrix window).
+  struct UsageEntry {
+    int64_t first_step = 0;
+    int64_t steps = 0;
+    std::vector<std::shared_ptr<const Content>> contents;
+    int64_t bytes = 0;  // approximate size of what `contents` keeps alive
   };
   struct NodeState;
   struct NodeGroupState {
     int variant = -1;                        // index of this node's registration variant, -1: none
-    std::vector<int64_t> contributed_steps;  // pending steps this node spoke for
+    // Pending steps this node spoke for (few: the pending window).
+    absl::InlinedVector<int64_t, 4> contributed_steps;
     std::shared_ptr<const Content> cache;
+    // cache->key and cache->rank_count, kept here so a repeat does not touch
+    // the Content (one cache miss fewer per node and group at scale).
+    uint64_t cache_key = 0;
+    int cache_rank_count = 0;
     // Skip accounting: `skip_content` has been in effect for `skip_steps`
     // contributions not yet added to the counts below.
     std::shared_ptr<const Content> skip_content;
@@ -157,7 +210,8 @@ class Coordinator {
     std::vector<int> ranks;
     std::shared_ptr<const RankSet> rank_set;
     int64_t last_step = -1;
-    absl::flat_hash_map<std::string, NodeGroupState> groups;
+    // node_hash_map: sessions' batch records point at the values.
+    absl::node_hash_map<std::string, NodeGroupState> groups;
   };
   struct Contribution {
     NodeState* node;
@@ -168,6 +222,8 @@ class Coordinator {
     absl::Time deadline;
     int ranks_covered = 0;
     bool all_repeat = true;
+    uint64_t combined_key = 0;  // sum of MixKey(content key) over contributions
+    bool stall_reported = false;  // the observer heard of it (half the deadline passed)
     std::vector<Contribution> contributions;
   };
   struct RegVariant {
@@ -190,6 +246,19 @@ class Coordinator {
     bool last_ok = false;
     uint64_t last_combined_key = 0;
     std::map<int64_t, PendingStep> pending;
+    // Observe API and metrics.
+    int64_t decisions = 0;
+    int64_t cache_hits = 0;
+    int64_t cache_misses = 0;
+    bool have_last_ok = false;  // the fields below describe an ok decision
+    DType last_wire = DType::kFloat32;
+    std::vector<bool> last_included;
+    int last_num_skipped = 0;
+    int64_t last_zero_fills = 0;
+    std::deque<UsageEntry> usage;  // oldest first
+    int64_t usage_steps = 0;
+    int64_t usage_bytes = 0;
+    std::unique_ptr<GroupObserver> observer;
   };
   struct Job {
     std::string job_id;
@@ -201,11 +270,43 @@ class Coordinator {
     int connected_nodes = 0;
     bool failed = false;
     v1::DecisionError failure;
+    std::unique_ptr<JobObserver> observer;
+  };
+  // What the observe API keeps of a job after its last node left.
+  struct RetiredGroup {
+    std::vector<std::string> param_names;
+    std::deque<UsageEntry> usage;
+  };
+  struct RetiredJob {
+    v1::JobStatus status;
+    std::map<std::string, RetiredGroup> groups;
+  };
+  // One manifest of a session's previous batch, resolved once.
+  struct BatchEntry {
+    std::string group_id;
+    uint64_t cache_key = 0;
+    GroupState* group = nullptr;         // nullptr: unknown when recorded
+    NodeGroupState* node_group = nullptr;
+  };
+  // What a batch repeat on this stream stands for.
+  struct BatchRecord {
+    std::vector<BatchEntry> entries;
+    uint64_t key = 0;  // wire::BatchKeyHasher over entries; 0: none
   };
   struct Session {
     NodeSink* sink = nullptr;
     Job* job = nullptr;
     NodeState* node = nullptr;
+    BatchRecord last_batch;
+  };
+  // A manifest's fields as the hot path needs them: a proto manifest or one
+  // entry of a batch repeat. `full` is set for full-form manifests only.
+  struct ManifestRef {
+    absl::string_view group_id;
+    int64_t step = 0;
+    bool repeat = false;
+    uint64_t cache_key = 0;
+    const v1::Manifest* full = nullptr;
   };
   // Messages produced while handling one event, sent at its end.
   struct Outbox {
@@ -215,12 +316,19 @@ class Coordinator {
     v1::DecisionBatch* ReplyBatch(NodeSink* sink);
   };
 
+  // HandleMessage and CloseSession without the event delivery that follows.
+  void HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message) ABSL_LOCKS_EXCLUDED(mu_);
+  void CloseSessionUnderLock(SessionId id) ABSL_LOCKS_EXCLUDED(mu_);
+  void CheckDeadlinesUnderLock() ABSL_LOCKS_EXCLUDED(mu_);
   void HandleHello(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistration(Session& s, const v1::NodeRegistration& reg, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleManifest(Session& s, const v1::Manifest& m, Outbox& out)
+  void HandleManifests(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `g`/`ng` are the resolved group states (nullptr: unknown group).
+  void HandleManifest(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
+                      Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const Content>> ParseFull(const NodeState& node,
@@ -242,6 +350,31 @@ class Coordinator {
   void RemoveJob(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TimerLoop();
 
+  // Observe hooks (observe_views.cc). NoteError counts an error sent to a
+  // node and queues its event; ObserveDecision updates the group's counters,
+  // usage window and metrics for a decision just made (`decided`: the core
+  // decision when one was computed, nullptr for same_as_previous or errors)
+  // and takes the step's contents; RetireJob keeps a leaving job's observe
+  // view; DeliverEvents hands queued events to the observer.
+  void NoteError(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void QueueEvent(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                       const v1::Decision& d, const Decision* decided)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveNode(const Job& job, const NodeState& node, bool connected)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveStall(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
+                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetireJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::JobStatus JobStatusOf(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
+  static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);
+  static void AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t weight,
+                       int num_params, v1::GroupSkipMatrix* matrix);
+  static v1::GroupSkipMatrix MatrixOf(const std::string& group_id,
+                                      const std::vector<std::string>& names, int world,
+                                      const std::deque<UsageEntry>& usage, int64_t window);
+
   const CoordinatorOptions options_;
   Clock* const clock_;
 
@@ -253,6 +386,12 @@ class Coordinator {
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
+  std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> have_events_{false};  // events_ is not empty (read without mu_)
+  std::deque<RetiredJob> retired_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // Held while delivering events so they reach the observer in order; taken
+  // before mu_.
+  absl::Mutex deliver_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::thread timer_;
 };
 

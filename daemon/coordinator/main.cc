@@ -1,5 +1,7 @@
 // accord-coordinator: decides, per group and step, what every rank of a job
 // packs for its reduce-scatter; also serves the job's key-value rendezvous.
+#include <signal.h>
+
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -8,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/log.h"
+#include "daemon/common/auth_tokens.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/flags_env.h"
 #include "daemon/common/signals.h"
@@ -15,97 +18,202 @@
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/grpc_coordinator_service.h"
 #include "daemon/coordinator/kv_store.h"
+#include "daemon/coordinator/metrics_coordinator.h"
+#include "daemon/coordinator/observe_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "observe/event_log.h"
+#include "observe/http_server.h"
+#include "observe/metrics.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:7070",
-          "host:port to serve CoordinatorService, KeyValueService and gRPC health on (port 0: "
-          "any free port; the bound address is printed on stdout)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "host:port to serve CoordinatorService, KeyValueService, ObserveService and gRPC health "
+          "on (port 0: any free port; the bound address is printed on stdout). A non-loopback "
+          "address needs TLS (--tls_cert/--tls_key) or an explicit --plaintext");
+ABSL_FLAG(int, health_port, 0,
+          "also serve grpc.health.v1.Health alone, in plaintext, on this port of the --listen "
+          "host (for kubelet gRPC probes, which cannot speak TLS); 0 = off");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60),
           "a (group, step) that has not heard from every rank this long after its first "
           "manifest fails the job with MISSING_RANKS, naming the ranks and their last steps");
-ABSL_FLAG(int, metrics_port, 0, "Prometheus metrics port (reserved; 0 = off)");
-ABSL_FLAG(int, max_message_bytes, 4 << 20, "largest gRPC message accepted or sent");
-ABSL_FLAG(int, max_jobs, 1024, "jobs served at once");
-ABSL_FLAG(int, max_groups_per_job, 16384, "registered groups per job");
-ABSL_FLAG(int64_t, max_params_per_group, 1 << 20, "parameters per group");
-ABSL_FLAG(int, max_pending_steps, 64, "steps of one group waiting for ranks at once");
-ABSL_FLAG(std::string, event_log, "", "structured event log path (reserved)");
+ABSL_FLAG(int, metrics_port, 9090,
+          "serve Prometheus metrics (/metrics) and /healthz over HTTP on this port (0: any free "
+          "port; -1: off). The URL is printed on stdout");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics endpoint binds");
+ABSL_FLAG(bool, param_skip_metrics, false,
+          "also export accord_param_skips_total{job,group,param,rank} (one series per parameter "
+          "and rank: large)");
+ABSL_FLAG(int, max_message_bytes, 4 << 20,
+          "largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_jobs, 1024, "jobs served at once; one more is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int, max_groups_per_job, 16384,
+          "groups registered per job; one more is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int64_t, max_params_per_group, 1 << 20,
+          "parameters per group; a larger registration is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int, max_ranks, 65536, "world size of a job; a larger NodeHello is refused");
+ABSL_FLAG(int, max_pending_steps, 64,
+          "steps of one group waiting for ranks at once; one more fails with LIMIT_EXCEEDED");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
+ABSL_FLAG(std::string, event_log, "",
+          "append JSON-lines events (changed decisions, errors, stalls, deadline failures, nodes "
+          "connecting and leaving) to this file; empty = off");
+ABSL_FLAG(int64_t, event_log_max_bytes, 64 << 20,
+          "rotate the event log when it would pass this size");
+ABSL_FLAG(int, event_log_max_files, 3, "rotated event log files kept besides the live one");
 ABSL_FLAG(std::string, tls_cert, "", "server certificate (PEM); with --tls_key enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "server private key (PEM)");
 ABSL_FLAG(std::string, tls_ca, "",
-          "CA bundle (PEM) to verify sidecar client certificates (mutual TLS when set)");
-ABSL_FLAG(bool, plaintext, true,
-          "allow serving without TLS when no --tls_cert is given (set false to require TLS)");
+          "CA bundle (PEM): require and verify sidecar client certificates (mutual TLS)");
+ABSL_FLAG(bool, plaintext, false,
+          "serve without TLS on a non-loopback --listen (job tokens and manifests in clear "
+          "text). Without TLS flags, plaintext is allowed implicitly only on loopback");
 ABSL_FLAG(std::string, tokens_file, "",
-          "job tokens file (reserved; TODO(security): tokens are not checked yet)");
+          "job tokens file: lines \"job_id token\" (# comments; \"* token\" = admin token "
+          "for observe requests about every job). When set, every NodeHello, key-value and "
+          "observe request must carry its job's token (PERMISSION_DENIED otherwise). Re-read "
+          "on SIGHUP");
 
 namespace accord::daemon {
 namespace {
 
-int Main(int argc, char** argv) {
-  ParseFlagsWithEnv(argc, argv,
-                    {"listen", "deadline", "metrics_port", "max_message_bytes", "max_jobs",
-                     "max_groups_per_job", "max_params_per_group", "max_pending_steps", "event_log",
-                     "tls_cert", "tls_key", "tls_ca", "plaintext", "tokens_file"},
-                    "agrees, per group and step, on the reduce-scatter "
-                    "layout and dtype of every rank of a job.\nEvery flag --name may also be "
-                    "set as the environment variable ACCORD_<NAME>.");
-  BlockTerminationSignals();
-
-  std::shared_ptr<grpc::ServerCredentials> creds;
-  if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile(absl::GetFlag(FLAGS_tls_cert), "tls_cert");
-    absl::StatusOr<std::string> key = ReadPemFile(absl::GetFlag(FLAGS_tls_key), "tls_key");
-    if (!cert.ok() || !key.ok()) {
-      ACCORD_LOG(ERROR) << (cert.ok() ? key.status() : cert.status()).ToString();
-      return 2;
+// Server credentials from the --tls_* / --plaintext flags and the plaintext
+// rule (daemon/common/tls.h).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
+  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
+  const std::string ca_path = absl::GetFlag(FLAGS_tls_ca);
+  const bool tls = !cert_path.empty() || !key_path.empty() || !ca_path.empty();
+  if (absl::Status s =
+          CheckServerPlaintext(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_plaintext), tls);
+      !s.ok()) {
+    return s;
+  }
+  if (!tls) {
+    if (absl::GetFlag(FLAGS_plaintext)) {
+      ACCORD_LOG(WARNING) << "serving without TLS (--plaintext): job tokens and manifests cross "
+                             "the network in clear text; use only on a trusted network";
     }
-    grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-    ssl.pem_key_cert_pairs.push_back({*key, *cert});
-    if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
-      absl::StatusOr<std::string> ca = ReadPemFile(absl::GetFlag(FLAGS_tls_ca), "tls_ca");
-      if (!ca.ok()) {
-        ACCORD_LOG(ERROR) << ca.status().ToString();
-        return 2;
-      }
-      ssl.pem_root_certs = *ca;
-      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-    }
-    creds = grpc::SslServerCredentials(ssl);
-  } else if (absl::GetFlag(FLAGS_plaintext)) {
-    ACCORD_LOG(WARNING) << "serving without TLS (no --tls_cert); use only on a trusted network";
-    creds = grpc::InsecureServerCredentials();
+    return grpc::InsecureServerCredentials();
+  }
+  if (cert_path.empty() || key_path.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS needs both --tls_cert and --tls_key (--tls_ca alone only says which client "
+        "certificates to accept)");
+  }
+  absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPemFile(key_path, "tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!ca_path.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "tls_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   } else {
-    ACCORD_LOG(ERROR) << "--plaintext=false but no --tls_cert/--tls_key given";
+    ACCORD_LOG(WARNING) << "TLS without --tls_ca: any client may connect (no client "
+                           "certificates); rely on --tokens_file to tell jobs apart";
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+int Main(int argc, char** argv) {
+  ParseFlagsWithEnv(
+      argc, argv,
+      {"listen", "health_port", "deadline", "metrics_port", "max_message_bytes", "max_jobs",
+       "max_groups_per_job", "max_params_per_group", "max_ranks", "max_pending_steps", "log_level",
+       "event_log", "event_log_max_bytes", "event_log_max_files", "metrics_host",
+       "param_skip_metrics", "tls_cert", "tls_key", "tls_ca", "plaintext", "tokens_file"},
+      "agrees, per group and step, on the reduce-scatter layout and dtype of every rank of a "
+      "job.\n\nWith no flags it serves on 127.0.0.1:7070 in plaintext (loopback only). To serve "
+      "the network give --listen=0.0.0.0:7070 with --tls_cert/--tls_key (and --tls_ca for mutual "
+      "TLS), or --plaintext to accept clear text explicitly. --tokens_file makes every job prove "
+      "its token.\nEvery flag --name may also be set as the environment variable ACCORD_<NAME> "
+      "(the command line wins).");
+  BlockTerminationSignals();
+  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
     return 2;
   }
-  if (!absl::GetFlag(FLAGS_tokens_file).empty()) {
-    ACCORD_LOG(WARNING) << "--tokens_file is not enforced yet (TODO(security))";
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentials();
+  if (!creds.ok()) {
+    ACCORD_LOG(ERROR) << creds.status().message();
+    return 2;
+  }
+  std::unique_ptr<JobTokens> tokens;
+  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
+    absl::StatusOr<std::unique_ptr<JobTokens>> loaded = JobTokens::Load(path);
+    if (!loaded.ok()) {
+      ACCORD_LOG(ERROR) << loaded.status().message();
+      return 2;
+    }
+    tokens = *std::move(loaded);
+  } else {
+    ACCORD_LOG(WARNING) << "no --tokens_file: any client that reaches this port may join any job "
+                           "and read its decisions and key-value entries";
+  }
+
+  std::unique_ptr<EventLog> event_log;
+  if (const std::string path = absl::GetFlag(FLAGS_event_log); !path.empty()) {
+    EventLog::Options log_options;
+    log_options.path = path;
+    log_options.max_bytes = absl::GetFlag(FLAGS_event_log_max_bytes);
+    log_options.max_files = absl::GetFlag(FLAGS_event_log_max_files);
+    absl::StatusOr<std::unique_ptr<EventLog>> opened = EventLog::Open(log_options);
+    if (!opened.ok()) {
+      ACCORD_LOG(ERROR) << "--event_log: " << opened.status().message();
+      return 2;
+    }
+    event_log = *std::move(opened);
+  }
+  MetricsRegistry registry;
+  CoordinatorMetricsOptions metrics_options;
+  metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
+  metrics_options.event_log = event_log.get();
+  CoordinatorMetrics metrics(&registry, metrics_options);
+  if (tokens != nullptr) {
+    tokens->SetDeniedCallback([&metrics](const std::string& job_id, const std::string& message) {
+      ObserveEvent e;
+      e.type = ObserveEvent::Type::kError;
+      e.job_id = job_id;
+      e.kind = v1::PERMISSION_DENIED;
+      e.message = message;
+      metrics.OnEvent(e);
+    });
   }
 
   CoordinatorOptions options;
+  options.observer = &metrics;
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   options.max_groups_per_job = absl::GetFlag(FLAGS_max_groups_per_job);
   options.max_params_per_group = absl::GetFlag(FLAGS_max_params_per_group);
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
+  options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
   Coordinator coordinator(options, RealClock::Get());
   KvOptions kv_options;
   kv_options.max_jobs = options.max_jobs;
   KvStore kv(kv_options, RealClock::Get());
-  CoordinatorGrpcService coordinator_service(&coordinator);
-  KeyValueGrpcService kv_service(&kv);
+  CoordinatorGrpcService coordinator_service(&coordinator, tokens.get());
+  KeyValueGrpcService kv_service(&kv, tokens.get());
+  ObserveGrpcService observe_service(
+      &coordinator, [&tokens](const std::string& job_id, const std::string& token) {
+        if (tokens == nullptr) return absl::OkStatus();
+        return job_id.empty() ? tokens->CheckAdmin(token, "observe request about every job")
+                              : tokens->CheckJobRead(job_id, token, "observe request");
+      });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
-  builder.AddListeningPort(listen, creds, &port);
+  builder.AddListeningPort(listen, *creds, &port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.RegisterService(&coordinator_service);
   builder.RegisterService(&kv_service);
+  builder.RegisterService(&observe_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     ACCORD_LOG(ERROR) << "cannot listen on " << listen
@@ -113,18 +221,66 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
+  // The health-only plaintext server: it registers no service of ours, so
+  // nothing but grpc.health.v1.Health is reachable on it.
+  std::unique_ptr<grpc::Server> health_server;
+  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
+    grpc::ServerBuilder health_builder;
+    int bound = 0;
+    health_builder.AddListeningPort(absl::StrCat(host, ":", health_port),
+                                    grpc::InsecureServerCredentials(), &bound);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || bound == 0) {
+      ACCORD_LOG(ERROR) << "cannot listen on " << host << ":" << health_port
+                        << " (--health_port); is the port in use?";
+      return 1;
+    }
+    std::printf("accord-coordinator health on %s:%d\n", host.c_str(), bound);
+  }
+  MetricsHttpServer metrics_server([&] {
+    metrics.Refresh(coordinator);
+    return registry.Render();
+  });
+  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
+    absl::StatusOr<int> bound = metrics_server.StartForDaemon(
+        "accord-coordinator", absl::GetFlag(FLAGS_metrics_host), metrics_port);
+    if (!bound.ok()) {
+      ACCORD_LOG(ERROR) << bound.status().message();
+      return 1;
+    }
+  }
   std::printf("accord-coordinator listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
 
-  const int sig = WaitForTerminationSignal();
+  int sig = 0;
+  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
+    if (tokens == nullptr) {
+      ACCORD_LOG(INFO) << "SIGHUP: no --tokens_file to reload";
+    } else if (absl::Status s = tokens->Reload(); !s.ok()) {
+      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
+    }
+  }
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping (finishing in-flight replies)";
-  if (auto* health = server->GetHealthCheckService(); health != nullptr) {
-    health->SetServingStatus(false);
+  for (grpc::Server* srv : {server.get(), health_server.get()}) {
+    if (srv == nullptr) continue;
+    if (auto* health = srv->GetHealthCheckService(); health != nullptr) {
+      health->SetServingStatus(false);
+    }
   }
   coordinator_service.FinishAll();
   kv.Stop();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(absl::Now()));
   coordinator.Stop();
+  metrics_server.Stop();
+  const CoordinatorStats stats = coordinator.stats();
+  std::printf(
+      "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
+      "cache_hits=%lld cache_misses=%lld errors=%lld\n",
+      static_cast<long long>(stats.decisions), static_cast<long long>(stats.same_as_previous),
+      static_cast<long long>(stats.manifests), static_cast<long long>(stats.cache_hits),
+      static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors));
+  std::fflush(stdout);
   ACCORD_LOG(INFO) << "stopped";
   return 0;
 }

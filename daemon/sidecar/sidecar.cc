@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "daemon/common/auth_tokens.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -30,6 +31,7 @@ SidecarStats Sidecar::stats() {
   absl::MutexLock l(&mu_);
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
+  s.job_id = job_id_;
   return s;
 }
 
@@ -46,12 +48,47 @@ void Sidecar::SendToRank(int rank, v1::RankReply reply) {
   it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
 }
 
+void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
+  last_batch_.clear();
+  wire::BatchKeyHasher hasher;
+  for (const v1::Manifest& m : batch.manifests()) {
+    last_batch_.emplace_back(m.group_id(), m.cache_key());
+    hasher.Add(m.group_id(), m.cache_key());
+  }
+  last_batch_key_ = last_batch_.empty() ? 0 : hasher.Finish();
+}
+
+void Sidecar::SendManifests(v1::NodeMessage up) {
+  const v1::ManifestBatch& batch = up.manifests();
+  const int n = batch.manifests_size();
+  if (n == 0) return;
+  bool same = upstream_batch_repeat_ && last_batch_key_ != 0 &&
+              static_cast<size_t>(n) == last_batch_.size();
+  const int64_t step = batch.manifests(0).step();
+  for (int i = 0; same && i < n; ++i) {
+    const v1::Manifest& m = batch.manifests(i);
+    same = m.repeat() && m.step() == step && m.cache_key() == last_batch_[i].second &&
+           m.group_id() == last_batch_[i].first;
+  }
+  if (same) {
+    v1::NodeMessage rep;
+    rep.mutable_manifests()->set_repeat_step(step);
+    rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
+    ++stats_.node_batch_repeats;
+    upstream_->Send(std::move(rep));
+    return;
+  }
+  RecordBatch(batch);
+  upstream_->Send(std::move(up));
+}
+
 v1::NodeMessage Sidecar::HelloMessage() {
   v1::NodeMessage m;
   v1::NodeHello* h = m.mutable_hello();
   h->set_job_id(job_id_);
   h->set_node_id(options_.node_id);
   h->set_world_size(world_size_);
+  h->set_token(options_.token.empty() ? rank_token_ : options_.token);
   for (int r : announced_) h->add_ranks(r);
   return m;
 }
@@ -111,6 +148,20 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
                         " must wait until that job's ranks have left or use another sidecar"));
     return;
   }
+  if (const std::string& expected = options_.token.empty() ? rank_token_ : options_.token;
+      (!hello.token().empty() && !expected.empty() && !TokensEqual(hello.token(), expected)) ||
+      (hello.token().empty() && options_.require_rank_token)) {
+    ACCORD_LOG(WARNING) << "permission denied: job " << hello.job_id() << " rank " << hello.rank()
+                        << ": RankHello token "
+                        << (hello.token().empty() ? "missing" : "differs from the job's");
+    refuse(v1::PERMISSION_DENIED, absl::StatusCode::kPermissionDenied,
+           absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
+                        hello.token().empty()
+                            ? " sent no token and this sidecar requires one (--require_rank_token)"
+                            : " sent a token that is not the one this sidecar holds for the job",
+                        "; check ACCORD_TOKEN / ClientOptions.token of the rank"));
+    return;
+  }
   if (hello.world_size() < 1) {
     refuse(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
            absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size()));
@@ -142,6 +193,7 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
     return;
   }
   const bool first = job_id_.empty();
+  if (first) rank_token_ = hello.token();
   job_id_ = hello.job_id();
   world_size_ = hello.world_size();
   s.rank = hello.rank();
@@ -221,6 +273,18 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
     d->mutable_error()->set_step(m.step());
     d->mutable_error()->add_ranks(rank);
   };
+  if (batch.repeat_batch_key() != 0) {
+    // Batch repeats are a sidecar -> coordinator form only.
+    v1::RankReply reply;
+    *reply.mutable_error() =
+        Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+              absl::StrCat("job ", job_id_, " rank ", rank, " step ", batch.repeat_step(),
+                           ": a rank must send manifests, not a batch repeat record; check the "
+                           "client library's version"));
+    reply.mutable_error()->add_ranks(rank);
+    SendToRank(rank, std::move(reply));
+    return;
+  }
   std::set<std::string> touched;
   for (const v1::Manifest& m : batch.manifests()) {
     ++stats_.rank_manifests;
@@ -245,10 +309,11 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
     if (m.repeat()) {
       auto last = g.last_full.find(rank);
       if (last == g.last_full.end() || last->second.cache_key() != m.cache_key()) {
-        reply_error(m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-                    absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
-                                 "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
-                                 " which is not this rank's previous manifest; send the full form"));
+        reply_error(
+            m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
+            absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
+                         m.step(), ": repeat of cache key ", m.cache_key(),
+                         " which is not this rank's previous manifest; send the full form"));
         continue;
       }
       resolved = last->second;
@@ -306,7 +371,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
   for (const std::string& gid : touched) {
     CollectComplete(gid, groups_[gid], up.mutable_manifests());
   }
-  if (up.manifests().manifests_size() > 0) upstream_->Send(std::move(up));
+  SendManifests(std::move(up));
 }
 
 void Sidecar::CollectComplete(const std::string& group_id, LocalGroup& g, v1::ManifestBatch* out) {
@@ -379,16 +444,20 @@ void Sidecar::CloseRank(SessionId id) {
     g.ranks.erase(rank);
     CollectComplete(gid, g, up.mutable_manifests());
   }
-  if (up.manifests().manifests_size() > 0) upstream_->Send(std::move(up));
+  SendManifests(std::move(up));
 }
 
 void Sidecar::ResetJob() {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
   job_id_.clear();
+  rank_token_.clear();
   world_size_ = 0;
   hello_sent_ = false;
   announced_.clear();
   groups_.clear();
+  upstream_batch_repeat_ = false;
+  last_batch_.clear();
+  last_batch_key_ = 0;
   upstream_->Reconnect();
 }
 
@@ -415,10 +484,15 @@ void Sidecar::OnUpstreamConnected() {
       // The coordinator may have lost its cache: the next manifest goes in full.
       g.have_last_sent = false;
     }
+    // A new stream: no batch repeat until its Welcome says so; its previous
+    // batch is the resend (or none).
+    RecordBatch(batch.manifests());
     if (batch.manifests().manifests_size() > 0) msgs.push_back(std::move(batch));
   } else {
     hello_sent_ = false;
+    RecordBatch(v1::ManifestBatch());
   }
+  upstream_batch_repeat_ = false;
   upstream_->Reset(std::move(msgs));
 }
 
@@ -426,6 +500,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   absl::MutexLock l(&mu_);
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
+      upstream_batch_repeat_ = message.welcome().batch_repeat();
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
@@ -501,7 +576,9 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         }
       }
       for (auto& [r, reply] : out) SendToRank(r, std::move(reply));
-      if (resend.manifests().manifests_size() > 0) upstream_->Send(std::move(resend));
+      // Full-form manifests never compact, but the resend is the stream's
+      // previous batch from now on.
+      SendManifests(std::move(resend));
       return;
     }
     default:

@@ -3,7 +3,8 @@
 //
 // Protocol (see accord.proto):
 //  - Rank hello: the job must match (--job, or the job of the ranks already
-//    here), the rank must be in range, the world size consistent and the rank
+//    here), the token must match (options.token, or the first rank's), the
+//    rank must be in range, the world size consistent and the rank
 //    not already connected (DUPLICATE_RANK). A refused rank gets an error and
 //    only its own stream is closed.
 //  - Registrations are validated and forwarded as NodeRegistration with the
@@ -15,7 +16,10 @@
 //    registered the group has reported, ONE node manifest goes upstream: in
 //    repeat form (cache key only) when identical to the previous one sent for
 //    the group. Everything completed by one incoming message travels in one
-//    upstream ManifestBatch.
+//    upstream ManifestBatch. When that batch is the previous batch sent on the
+//    stream again (same groups, same keys, all in repeat form, one step) and
+//    the coordinator's Welcome said batch_repeat, only a batch repeat record
+//    (repeat_step + repeat_batch_key) goes upstream.
 //  - Decisions fan out to the ranks. `same_as_previous` is passed through only
 //    to a rank that received the previous decision of the group; others get
 //    the full body.
@@ -75,14 +79,23 @@ struct SidecarOptions {
   std::string node_id;
   std::string job;  // empty: accept the first job that arrives
   int max_ranks = 64;
+  // The job's token (--token_file / ACCORD_TOKEN), sent in NodeHello. A rank
+  // whose RankHello carries a different non-empty token is refused
+  // (PERMISSION_DENIED). Empty: the first accepted rank's token is sent
+  // upstream and later ranks must carry the same one.
+  std::string token;
+  // Refuse ranks whose RankHello carries no token (--require_rank_token).
+  bool require_rank_token = false;
 };
 
 struct SidecarStats {
   int64_t rank_manifests = 0;
   int64_t node_manifests_full = 0;
   int64_t node_manifests_repeat = 0;
+  int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
   int ranks = 0;
+  std::string job_id;  // the job served now ("" before the first rank)
 };
 
 class Sidecar {
@@ -155,6 +168,10 @@ class Sidecar {
   void CollectComplete(const std::string& group_id, LocalGroup& g, v1::ManifestBatch* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
+  // previous batch, and records it as the stream's previous batch.
+  void SendManifests(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordBatch(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::NodeMessage HelloMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -164,12 +181,18 @@ class Sidecar {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::string job_id_ ABSL_GUARDED_BY(mu_);
+  std::string rank_token_ ABSL_GUARDED_BY(mu_);  // first rank's token, when options_.token is empty
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
   bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
   std::set<int> announced_ ABSL_GUARDED_BY(mu_);         // every rank announced upstream
   std::map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
+  // The current upstream stream: whether the coordinator accepts batch
+  // repeats, and the previous ManifestBatch sent on it (group, cache key).
+  bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::pair<std::string, uint64_t>> last_batch_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_batch_key_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace accord::daemon

@@ -125,5 +125,27 @@ TEST(MetricsHttpServer, BusyPortIsAClearError) {
   EXPECT_NE(again.status().message().find("port is taken"), std::string::npos);
 }
 
+TEST(MetricsHttpServer, StartForDaemonNamesTheFlagsWhenThePortIsTaken) {
+  MetricsHttpServer a([] { return std::string(); });
+  absl::StatusOr<int> port = a.StartForDaemon("accord-test", "127.0.0.1", 0);
+  ASSERT_TRUE(port.ok()) << port.status();
+  MetricsHttpServer b([] { return std::string(); });
+  absl::StatusOr<int> again = b.StartForDaemon("accord-test", "127.0.0.1", *port);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(again.status().message().find("--metrics_port"), std::string::npos)
+      << again.status();
+}
+
+TEST(Counter, SetTotalRaisesButNeverLowers) {
+  Counter c;
+  c.SetTotal(5);
+  EXPECT_EQ(c.value(), 5);
+  c.SetTotal(3);
+  EXPECT_EQ(c.value(), 5);
+  c.Increment(2);
+  c.SetTotal(6);
+  EXPECT_EQ(c.value(), 7);
+}
+
 }  // namespace
 }  // namespace accord

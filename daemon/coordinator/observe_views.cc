@@ -1,0 +1,456 @@
+// The coordinator's observe side: counters and the usage window kept per
+// group, events for the observer, and the read-only views of observe.proto.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/coordinator/coordinator.h"
+
+namespace accord::daemon {
+void Coordinator::QueueEvent(ObserveEvent event) {
+  if (options_.observer == nullptr) return;
+  events_.push_back(std::move(event));
+  have_events_.store(true, std::memory_order_release);
+}
+
+void Coordinator::NoteError(const v1::DecisionError& error) {
+  ++stats_.errors;
+  if (options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kError;
+  e.job_id = error.job_id();
+  e.group_id = error.group_id();
+  e.step = error.step();
+  e.kind = error.kind();
+  e.message = error.message();
+  e.ranks.assign(error.ranks().begin(), error.ranks().end());
+  e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
+  QueueEvent(std::move(e));
+}
+
+void Coordinator::ObserveNode(const Job& job, const NodeState& node, bool connected) {
+  if (options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = connected ? ObserveEvent::Type::kNodeConnected : ObserveEvent::Type::kNodeDisconnected;
+  e.job_id = job.job_id;
+  e.node_id = node.node_id;
+  e.ranks = node.ranks;
+  e.connected_nodes = job.connected_nodes;
+  QueueEvent(std::move(e));
+}
+
+void Coordinator::ObserveStall(const Job& job, const GroupState& g, int64_t step,
+                               const PendingStep& p, absl::Time now) {
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kStall;
+  e.job_id = job.job_id;
+  e.group_id = g.group_id;
+  e.step = step;
+  e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
+  e.deadline_in_ms = absl::ToInt64Milliseconds(p.deadline - now);
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  for (int r : covered.Missing()) {
+    e.ranks.push_back(r);
+    e.last_steps.push_back(RankLastStep(job, r));
+  }
+  QueueEvent(std::move(e));
+}
+
+void Coordinator::DeliverEvents() {
+  if (options_.observer == nullptr || !have_events_.load(std::memory_order_acquire)) return;
+  absl::MutexLock order(&deliver_mu_);
+  std::vector<ObserveEvent> events;
+  {
+    absl::MutexLock l(&mu_);
+    events.swap(events_);
+    have_events_.store(false, std::memory_order_relaxed);
+  }
+  for (const ObserveEvent& e : events) options_.observer->OnEvent(e);
+}
+
+void Coordinator::ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                  const v1::Decision& d, const Decision* decided) {
+  ++g.decisions;
+  const bool same = d.same_as_previous();
+  const bool ok = same || d.has_ok();
+  // Zero-fills: (included parameter, rank) pairs without a local gradient.
+  if (decided != nullptr) {
+    int64_t zero_fills = 0;
+    for (const Contribution& c : p.contributions) {
+      const Content& content = *c.content;
+      const size_t n = std::min(content.dtypes.size(), decided->included.size());
+      for (size_t i = 0; i < n; ++i) {
+        if (!decided->included[i]) continue;
+        if (content.dtypes[i] == 0) {
+          zero_fills += content.rank_count;
+          continue;
+        }
+        for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
+      }
+    }
+    int skipped = 0;
+    for (bool in : decided->included) skipped += in ? 0 : 1;
+    const bool changed = !g.have_last_ok || g.last_wire != decided->wire_dtype ||
+                         g.last_included != decided->included;
+    g.have_last_ok = true;
+    g.last_wire = decided->wire_dtype;
+    g.last_included = decided->included;
+    g.last_num_skipped = skipped;
+    g.last_zero_fills = zero_fills;
+    if (changed && options_.observer != nullptr) {
+      ObserveEvent e;
+      e.type = ObserveEvent::Type::kDecisionChanged;
+      e.job_id = job.job_id;
+      e.group_id = g.group_id;
+      e.step = step;
+      e.wire = std::string(DTypeName(decided->wire_dtype));
+      e.included = static_cast<int>(decided->included.size()) - skipped;
+      e.skipped = skipped;
+      const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+      for (size_t i = 0; i < decided->included.size() && i < spec.params.size(); ++i) {
+        if (decided->included[i]) continue;
+        if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
+        e.skipped_names.push_back(spec.params[i].name);
+      }
+      QueueEvent(std::move(e));
+    }
+  } else if (!ok) {
+    g.have_last_ok = false;
+  }
+  if (g.observer != nullptr) {
+    DecisionSummary s;
+    s.step = step;
+    s.ok = ok;
+    s.same_as_previous = same;
+    if (ok) {
+      s.wire = g.last_wire;
+      s.included = static_cast<int>(g.last_included.size()) - g.last_num_skipped;
+      s.skipped = g.last_num_skipped;
+      s.zero_fills = g.last_zero_fills;
+    }
+    s.wait = absl::Microseconds(d.wait_us());
+    g.observer->OnDecision(s);
+  }
+  // Usage window: extend the last run when the contents repeat the previous
+  // step; otherwise start a run with this step's contents.
+  if (options_.usage_window_steps <= 0) return;
+  if (same && !g.usage.empty() && g.usage.back().first_step + g.usage.back().steps == step) {
+    ++g.usage.back().steps;
+  } else {
+    UsageEntry entry;
+    entry.first_step = step;
+    entry.steps = 1;
+    entry.contents.reserve(p.contributions.size());
+    for (Contribution& c : p.contributions) entry.contents.push_back(std::move(c.content));
+    p.contributions.clear();
+    entry.bytes = ContentBytes(entry.contents);
+    g.usage_bytes += entry.bytes;
+    g.usage.push_back(std::move(entry));
+  }
+  ++g.usage_steps;
+  while (!g.usage.empty() &&
+         (g.usage_steps > options_.usage_window_steps ||
+          (g.usage_bytes > options_.usage_window_bytes && g.usage.size() > 1))) {
+    UsageEntry& front = g.usage.front();
+    const int64_t excess = g.usage_steps - options_.usage_window_steps;
+    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes) {
+      front.first_step += excess;
+      front.steps -= excess;
+      g.usage_steps -= excess;
+      break;
+    }
+    g.usage_steps -= front.steps;
+    g.usage_bytes -= front.bytes;
+    g.usage.pop_front();
+  }
+}
+
+int64_t Coordinator::ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents) {
+  int64_t bytes = 0;
+  for (const auto& c : contents) {
+    bytes += 64 + static_cast<int64_t>(c->dtypes.size()) * 2;
+    for (const auto& d : c->detail) bytes += 32 + static_cast<int64_t>(d.used.size() / 8);
+  }
+  return bytes;
+}
+
+// Adds one run of usage into the matrix rows (`rows[i].counts` sized to the
+// world) with weight `w`.
+void Coordinator::AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t w,
+                           int num_params, v1::GroupSkipMatrix* m) {
+  std::vector<bool> any(num_params, false);
+  for (const auto& c : contents) {
+    const int n = std::min<int>(num_params, static_cast<int>(c->dtypes.size()));
+    std::vector<int> members = c->ranks->Members();
+    for (int i = 0; i < n; ++i) {
+      if (c->dtypes[i] != 0) any[i] = true;
+    }
+    for (int r : members) {
+      const std::vector<bool>* used = nullptr;
+      for (const auto& d : c->detail) {
+        if (d.rank == r) used = &d.used;
+      }
+      for (int i = 0; i < num_params; ++i) {
+        v1::SkipRow* row = m->mutable_rows(i);
+        if (r < 0 || r >= row->counts_size()) continue;
+        const bool has = i < n && c->dtypes[i] != 0 &&
+                         (used == nullptr || (i < static_cast<int>(used->size()) && (*used)[i]));
+        if (!has) row->set_counts(r, row->counts(r) + w);
+      }
+    }
+  }
+  for (int i = 0; i < num_params; ++i) {
+    if (!any[i]) {
+      v1::SkipRow* row = m->mutable_rows(i);
+      row->set_skipped_everywhere(row->skipped_everywhere() + w);
+    }
+  }
+}
+
+// The skip matrix of one group over the last `window` decided steps (0: all).
+v1::GroupSkipMatrix Coordinator::MatrixOf(const std::string& group_id,
+                                          const std::vector<std::string>& names, int world,
+                                          const std::deque<UsageEntry>& usage, int64_t window) {
+  v1::GroupSkipMatrix m;
+  m.set_group_id(group_id);
+  const int num_params = static_cast<int>(names.size());
+  for (int i = 0; i < num_params; ++i) {
+    v1::SkipRow* row = m.add_rows();
+    row->set_param_index(i);
+    row->set_param_name(names[i]);
+    row->mutable_counts()->Resize(world, 0);
+  }
+  int64_t remaining = window > 0 ? window : INT64_MAX;
+  int64_t first = -1, last = -1, steps = 0;
+  for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
+    const int64_t w = std::min(remaining, it->steps);
+    remaining -= w;
+    steps += w;
+    if (last < 0) last = it->first_step + it->steps - 1;
+    first = it->first_step + it->steps - w;
+    AddUsage(it->contents, w, num_params, &m);
+  }
+  m.set_steps(steps);
+  m.set_first_step(first);
+  m.set_last_step(last);
+  return m;
+}
+
+v1::JobStatus Coordinator::JobStatusOf(const Job& job) {
+  v1::JobStatus js;
+  js.set_job_id(job.job_id);
+  js.set_world_size(job.world_size);
+  std::vector<const NodeState*> nodes;
+  for (const auto& [id, node] : job.nodes) nodes.push_back(&node);
+  std::sort(nodes.begin(), nodes.end(),
+            [](const NodeState* a, const NodeState* b) { return a->node_id < b->node_id; });
+  for (const NodeState* node : nodes) {
+    v1::NodeStatus* ns = js.add_nodes();
+    ns->set_node_id(node->node_id);
+    ns->set_connected(node->session != 0);
+    for (int r : node->ranks) ns->add_ranks(r);
+  }
+  for (int r = 0; r < job.world_size; ++r) {
+    v1::RankStatus* rs = js.add_ranks();
+    rs->set_rank(r);
+    const NodeState* owner = job.rank_owner[r];
+    if (owner != nullptr) rs->set_node_id(owner->node_id);
+    rs->set_connected(owner != nullptr && owner->session != 0 && job.rank_left_step[r] < 0);
+    rs->set_last_step(RankLastStep(job, r));
+  }
+  std::vector<const GroupState*> groups;
+  for (const auto& [id, g] : job.groups) groups.push_back(&g);
+  std::sort(groups.begin(), groups.end(),
+            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+  for (const GroupState* g : groups) {
+    v1::GroupStatus* gs = js.add_groups();
+    gs->set_group_id(g->group_id);
+    if (!g->variants.empty()) {
+      gs->set_num_params(static_cast<int>(
+          g->variants[g->spec_variant >= 0 ? g->spec_variant : 0].spec.params.size()));
+    }
+    gs->set_last_decided_step(g->last_decided_step);
+    gs->set_decisions(g->decisions);
+    gs->set_cache_hits(g->cache_hits);
+    gs->set_cache_misses(g->cache_misses);
+    if (g->have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g->last_wire)));
+    gs->set_last_num_skipped(g->last_num_skipped);
+    if (g->reg_state == RegState::kFailed) {
+      gs->set_failed(true);
+      gs->set_error(g->reg_error.message());
+    } else if (g->last_decision != nullptr && g->last_decision->has_error()) {
+      gs->set_failed(true);
+      gs->set_error(g->last_decision->error().message());
+    }
+  }
+  js.set_failed(job.failed);
+  if (job.failed) js.set_error(job.failure.message());
+  return js;
+}
+
+void Coordinator::RetireJob(Job& job) {
+  if (options_.retired_jobs <= 0) return;
+  RetiredJob r;
+  r.status = JobStatusOf(job);
+  for (auto& [id, g] : job.groups) {
+    if (g.variants.empty()) continue;
+    RetiredGroup& rg = r.groups[id];
+    for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+      rg.param_names.push_back(p.name);
+    }
+    rg.usage = std::move(g.usage);
+  }
+  retired_.erase(
+      std::remove_if(retired_.begin(), retired_.end(),
+                     [&](const RetiredJob& x) { return x.status.job_id() == job.job_id; }),
+      retired_.end());
+  retired_.push_back(std::move(r));
+  while (static_cast<int>(retired_.size()) > options_.retired_jobs) retired_.pop_front();
+}
+
+absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
+  absl::MutexLock l(&mu_);
+  v1::StatusResponse out;
+  std::vector<std::string> ids;
+  for (const auto& [id, job] : jobs_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  for (const std::string& id : ids) {
+    if (!job_id.empty() && id != job_id) continue;
+    *out.add_jobs() = JobStatusOf(jobs_.find(id)->second);
+  }
+  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+    if (!job_id.empty() && it->status.job_id() != job_id) continue;
+    if (jobs_.contains(it->status.job_id())) continue;
+    *out.add_jobs() = it->status;
+  }
+  if (!job_id.empty() && out.jobs().empty()) {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id,
+                                            "\" is unknown to this coordinator (not running "
+                                            "and not among the recently ended jobs); check the "
+                                            "job id with `accordctl status`"));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std::string& job_id,
+                                                                      const std::string& group_id,
+                                                                      int64_t window_steps) {
+  if (job_id.empty()) {
+    return absl::InvalidArgumentError("SkipMatrix needs a job_id (see `accordctl status`)");
+  }
+  if (window_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window_steps ", window_steps, " is negative; use 0 for every kept step"));
+  }
+  absl::MutexLock l(&mu_);
+  v1::SkipMatrixResponse out;
+  out.set_job_id(job_id);
+  auto unknown_group = [&] {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" has no registered group \"",
+                                            group_id,
+                                            "\"; check the group id with "
+                                            "`accordctl status --job=",
+                                            job_id, "`"));
+  };
+  if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+    const Job& job = it->second;
+    out.set_world_size(job.world_size);
+    std::vector<std::string> ids;
+    for (const auto& [id, g] : job.groups) {
+      if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
+    }
+    if (!group_id.empty() && ids.empty()) return unknown_group();
+    std::sort(ids.begin(), ids.end());
+    for (const std::string& id : ids) {
+      const GroupState& g = job.groups.find(id)->second;
+      std::vector<std::string> names;
+      for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+        names.push_back(p.name);
+      }
+      *out.add_groups() = MatrixOf(id, names, job.world_size, g.usage, window_steps);
+    }
+    return out;
+  }
+  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+    if (it->status.job_id() != job_id) continue;
+    out.set_world_size(it->status.world_size());
+    if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
+    for (const auto& [id, rg] : it->groups) {
+      if (!group_id.empty() && id != group_id) continue;
+      *out.add_groups() =
+          MatrixOf(id, rg.param_names, it->status.world_size(), rg.usage, window_steps);
+    }
+    return out;
+  }
+  return absl::NotFoundError(absl::StrCat("job \"", job_id,
+                                          "\" is unknown to this coordinator (not running and "
+                                          "not among the recently ended jobs); check the job id "
+                                          "with `accordctl status`"));
+}
+
+absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
+  absl::MutexLock l(&mu_);
+  if (!job_id.empty() && !jobs_.contains(job_id)) {
+    return absl::NotFoundError(
+        absl::StrCat("job \"", job_id,
+                     "\" is not running on this coordinator; check the job id with "
+                     "`accordctl status`"));
+  }
+  const absl::Time now = clock_->Now();
+  v1::StallsResponse out;
+  std::vector<std::string> ids;
+  for (const auto& [id, job] : jobs_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  for (const std::string& id : ids) {
+    if (!job_id.empty() && id != job_id) continue;
+    const Job& job = jobs_.find(id)->second;
+    std::vector<const GroupState*> groups;
+    for (const auto& [gid, g] : job.groups) {
+      if (!g.pending.empty()) groups.push_back(&g);
+    }
+    std::sort(groups.begin(), groups.end(),
+              [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+    for (const GroupState* g : groups) {
+      for (const auto& [step, p] : g->pending) {
+        v1::Stall* s = out.add_stalls();
+        s->set_job_id(job.job_id);
+        s->set_group_id(g->group_id);
+        s->set_step(step);
+        s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
+        s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
+        RankSet covered(job.world_size);
+        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+        for (int r : covered.Missing()) {
+          s->add_missing_ranks(r);
+          s->add_missing_last_steps(RankLastStep(job, r));
+        }
+        s->set_reported_ranks(covered.Count());
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
+  absl::MutexLock l(&mu_);
+  const absl::Time now = clock_->Now();
+  std::vector<JobGauges> out;
+  for (const auto& [id, job] : jobs_) {
+    JobGauges g;
+    g.job_id = id;
+    g.connected_nodes = job.connected_nodes;
+    for (const auto& [gid, group] : job.groups) {
+      for (const auto& [step, p] : group.pending) {
+        if (now - p.first_seen > options_.deadline / 2) {
+          ++g.stalled_groups;
+          break;
+        }
+      }
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+}  // namespace accord::daemon

@@ -1,0 +1,36 @@
+#include "daemon/sidecar/metrics_sidecar.h"
+
+namespace accord::daemon {
+
+SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
+  connected_ranks_ =
+      &registry->AddGauge("accord_connected_ranks", "Ranks connected to their sidecars.", {"job"});
+  rank_manifests_ = &registry->AddCounter("accord_sidecar_rank_manifests_total",
+                                          "Manifests received from local ranks.", {"job"});
+  node_manifests_ = &registry->AddCounter(
+      "accord_sidecar_node_manifests_total",
+      "Merged node manifests sent to the coordinator, by form (full or repeat).", {"job", "form"});
+  decisions_ = &registry->AddCounter("accord_sidecar_decisions_total",
+                                     "Decisions received from the coordinator.", {"job"});
+}
+
+void SidecarMetrics::Refresh(const SidecarStats& stats) {
+  absl::MutexLock l(&mu_);
+  if (stats.job_id != job_) {
+    if (!job_.empty()) connected_ranks_->WithLabels({job_}).Set(0);
+    job_ = stats.job_id;
+    base_ = stats;
+  }
+  if (job_.empty()) return;
+  connected_ranks_->WithLabels({job_}).Set(stats.ranks);
+  rank_manifests_->WithLabels({job_}).SetTotal(
+      static_cast<double>(stats.rank_manifests - base_.rank_manifests));
+  node_manifests_->WithLabels({job_, "full"})
+      .SetTotal(static_cast<double>(stats.node_manifests_full - base_.node_manifests_full));
+  node_manifests_->WithLabels({job_, "repeat"})
+      .SetTotal(static_cast<double>(stats.node_manifests_repeat - base_.node_manifests_repeat));
+  decisions_->WithLabels({job_}).SetTotal(
+      static_cast<double>(stats.decisions_in - base_.decisions_in));
+}
+
+}  // namespace accord::daemon

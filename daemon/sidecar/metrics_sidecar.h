@@ -1,0 +1,37 @@
+// Prometheus metrics of the sidecar, read from Sidecar::stats() at scrape
+// time (the sidecar's hot path is not touched). Counters carry the job
+// served; when the sidecar moves to another job, that job's series start
+// from zero and the previous job's keep their final values.
+//
+// Thread-safe.
+#ifndef ACCORD_DAEMON_SIDECAR_METRICS_SIDECAR_H_
+#define ACCORD_DAEMON_SIDECAR_METRICS_SIDECAR_H_
+
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/sidecar/sidecar.h"
+#include "observe/metrics.h"
+
+namespace accord::daemon {
+
+class SidecarMetrics {
+ public:
+  explicit SidecarMetrics(MetricsRegistry* registry);
+  // Mirrors `stats` into the registry; call before rendering.
+  void Refresh(const SidecarStats& stats);
+
+ private:
+  Family<Gauge>* connected_ranks_;
+  Family<Counter>* rank_manifests_;
+  Family<Counter>* node_manifests_;
+  Family<Counter>* decisions_;
+  absl::Mutex mu_;
+  std::string job_ ABSL_GUARDED_BY(mu_);
+  SidecarStats base_ ABSL_GUARDED_BY(mu_);  // totals when `job_` began
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_SIDECAR_METRICS_SIDECAR_H_
