@@ -66,7 +66,7 @@ def train(rank, world, client):
 
 
 if __name__ == "__main__":
-    without = report("FSDP2 without accord", launch(train, 2, with_accord=False))
-    with_ = report("FSDP2 with accord", launch(train, 2, with_accord=True, job="late-param"))
+    without = report("FSDP2 without accord", launch(train, 2, with_accord=False, timeout_s=180))
+    with_ = report("FSDP2 with accord", launch(train, 2, with_accord=True, timeout_s=180, job="late-param"))
     print(f"without accord: {'pass' if without else 'FAIL'}; with accord: {'pass' if with_ else 'FAIL'}")
     sys.exit(0 if (with_ and not without) else 1)
