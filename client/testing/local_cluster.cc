@@ -168,6 +168,25 @@ absl::StatusOr<std::string> ChildProcess::WaitForLine(absl::string_view needle,
                                                   output_));
 }
 
+absl::Status ChildProcess::WaitForCount(absl::string_view needle, int count, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto seen = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int n = 0;
+    for (size_t at = output_.find(needle.data(), 0, needle.size());
+         at != std::string::npos && n < count;
+         at = output_.find(needle.data(), at + 1, needle.size())) {
+      ++n;
+    }
+    return n >= count;
+  };
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return eof_ || seen(); };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  if (seen()) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat(name_, " (pid ", pid_, ") did not print \"",
+                                                  needle, "\" ", count, " times; its output:\n",
+                                                  output_));
+}
+
 absl::StatusOr<int> ChildProcess::Wait(absl::Time deadline) {
   if (exit_code_.has_value()) return *exit_code_;
   if (pidfd_ >= 0) {
@@ -295,9 +314,8 @@ absl::Status LocalCluster::StartSidecar(int i, const std::string& coordinator) {
   absl::StatusOr<std::string> bin = FindBinary(options_.bin_dir, "accord-sidecar");
   if (!bin.ok()) return bin.status();
   const std::string socket = absl::StrCat(dir_, "/sidecar", i, ".sock");
-  std::vector<std::string> argv = {*bin, "--coordinator=" + coordinator,
-                                   "--socket=" + socket, absl::StrCat("--node_id=node", i),
-                                   "--metrics_port=0"};
+  std::vector<std::string> argv = {*bin, "--coordinator=" + coordinator, "--socket=" + socket,
+                                   absl::StrCat("--node_id=node", i), "--metrics_port=0"};
   argv.insert(argv.end(), options_.sidecar_flags.begin(), options_.sidecar_flags.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> p =
       ChildProcess::Spawn(argv, absl::StrCat("sidecar", i), options_.echo);
@@ -406,5 +424,10 @@ std::string LocalCluster::CoordinatorOutput() const {
 }
 
 std::string LocalCluster::SidecarOutput(int i) const { return sidecars_[i]->Output(); }
+
+absl::Status LocalCluster::WaitForSidecarOutput(int i, absl::string_view needle, int count,
+                                                absl::Time deadline) {
+  return sidecars_[i]->WaitForCount(needle, count, deadline);
+}
 
 }  // namespace accord::testing

@@ -36,6 +36,8 @@ class ChildProcess {
   // Waits until a line containing `needle` is printed; returns the line.
   // DEADLINE_EXCEEDED at `deadline`, UNAVAILABLE when the process exits first.
   absl::StatusOr<std::string> WaitForLine(absl::string_view needle, absl::Time deadline);
+  // Waits until `needle` was printed at least `count` times.
+  absl::Status WaitForCount(absl::string_view needle, int count, absl::Time deadline);
   // Waits for exit; returns the exit code (128+signal when killed).
   // DEADLINE_EXCEEDED when still running at `deadline`.
   absl::StatusOr<int> Wait(absl::Time deadline);
@@ -97,17 +99,39 @@ class LocalCluster {
                                                    int world, const std::string& job,
                                                    absl::Duration timeout);
 
+  // Starts `world` rank processes like RunRanks but returns at once; collect
+  // them with WaitRanks. For tests that act while the ranks run.
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> StartRanks(
+      const std::vector<std::string>& command, int world, const std::string& job);
+  // Waits for every process (killing the rest at `deadline`); one result each.
+  static std::vector<RankResult> WaitRanks(std::vector<std::unique_ptr<ChildProcess>>& procs,
+                                           absl::Time deadline);
+
   // Stops the coordinator with SIGTERM and returns everything it printed.
   std::string StopCoordinator();
+  // Kills the coordinator with SIGKILL (no shutdown at all); returns its output.
+  std::string KillCoordinator();
+  // Kills sidecar `i` with SIGKILL.
+  void KillSidecar(int i);
+  // Starts one more sidecar that reaches the coordinator at `coordinator`
+  // (e.g. through a proxy); returns its index.
+  absl::StatusOr<int> AddSidecar(const std::string& coordinator);
+  // Process ids, e.g. for SIGSTOP/SIGCONT; -1 when not running.
+  int coordinator_pid() const { return coordinator_ ? coordinator_->pid() : -1; }
+  int sidecar_pid(int i) const { return sidecars_[i]->pid(); }
   // Starts a coordinator again on the same address (after StopCoordinator).
   absl::Status RestartCoordinator();
   std::string CoordinatorOutput() const;
   std::string SidecarOutput(int i) const;
+  // Waits until sidecar `i` printed `needle` at least `count` times (e.g. its
+  // "no rank left on this node" log line once a job's ranks are gone).
+  absl::Status WaitForSidecarOutput(int i, absl::string_view needle, int count,
+                                    absl::Time deadline);
 
  private:
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status StartCoordinator(const std::string& listen);
-  absl::Status StartSidecar(int i);
+  absl::Status StartSidecar(int i, const std::string& coordinator);
 
   LocalClusterOptions options_;
   std::string bin_dir_;

@@ -10,6 +10,9 @@
 // holds: RANK:PARAM:STEP:DTYPE, each field a number or '*', DTYPE a dtype name
 // or "none"; later rules win. Without a rule every parameter has a --dtype
 // gradient. Exit status 0 when every expectation (--expect_*) held.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -44,6 +47,9 @@ ABSL_FLAG(std::string, expect_wire, "", "expected wire dtype of every decision")
 ABSL_FLAG(std::string, expect_skipped, "",
           "expected skipped parameter indices (comma separated; \"-\" for none)");
 ABSL_FLAG(absl::Duration, wait, absl::Seconds(60), "how long to wait for each answer");
+ABSL_FLAG(int, gate_rank, -1, "this rank stops before submitting --gate_step ...");
+ABSL_FLAG(int, gate_step, -1, "... until the FIFO --gate_fifo is opened and closed by a writer");
+ABSL_FLAG(std::string, gate_fifo, "", "FIFO the gated rank waits on (fault tests)");
 
 namespace accord {
 namespace {
@@ -153,6 +159,21 @@ int Run() {
 
   const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
   for (int step = 0; step < steps && !first_error && !silent; ++step) {
+    if (rank == absl::GetFlag(FLAGS_gate_rank) && step == absl::GetFlag(FLAGS_gate_step)) {
+      // Blocks in open(2) until the test opens the FIFO for writing, then
+      // until it closes it (EOF): an event, not a timed wait.
+      printf("rank %d waiting at gate step %d\n", rank, step);
+      fflush(stdout);
+      const int fd = open(absl::GetFlag(FLAGS_gate_fifo).c_str(), O_RDONLY);
+      if (fd >= 0) {
+        char b;
+        while (read(fd, &b, 1) > 0) {
+        }
+        close(fd);
+      }
+      printf("rank %d passed gate\n", rank);
+      fflush(stdout);
+    }
     std::vector<GroupSubmission> batch;
     for (int g = 0; g < num_groups; ++g) {
       GroupSubmission sub{absl::StrCat("g", g), step, {}};
@@ -169,6 +190,8 @@ int Run() {
       batch.push_back(std::move(sub));
     }
     std::vector<DecisionFuture> futures = c.SubmitBatch(batch);
+    printf("rank %d step %d submitted\n", rank, step);
+    fflush(stdout);
     for (int g = 0; g < num_groups; ++g) {
       const std::string where = absl::StrCat("step ", step, " group g", g);
       absl::StatusOr<Decision> d = c.Wait(futures[g], absl::Now() + wait);

@@ -1,6 +1,7 @@
 // Bad input over a sidecar's socket, through raw RankService stubs: each gets
-// a precise error, and ranks of another job on the same sidecars are not
-// disturbed.
+// a precise error, and the sidecars then serve a good job undisturbed. A
+// sidecar serves one job at a time (see daemon/sidecar/sidecar.h), so the
+// good job runs once the bad sessions are gone and the sidecar has reset.
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "client/testing/local_cluster.h"
 #include "gmock/gmock.h"
@@ -110,6 +112,12 @@ class BadInputTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     cluster_ = *std::move(c);
   }
+  // Waits until sidecar `i` dropped the bad job (its ranks all left).
+  void WaitReset(int i) {
+    absl::Status s = cluster_->WaitForSidecarOutput(i, "no rank left on this node", 1,
+                                                    absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(s.ok()) << s;
+  }
   // A good job of 4 ranks on the same sidecars must still work.
   void ExpectGoodJobUndisturbed() {
     std::vector<std::string> cmd = {ACCORD_RANK_SCENARIO, "--socket={socket}",
@@ -124,14 +132,17 @@ class BadInputTest : public ::testing::Test {
 };
 
 TEST_F(BadInputTest, DuplicateRankIsAlreadyExists) {
-  RawSession a(cluster_->sidecar_sockets()[0]);
-  ASSERT_TRUE(a.Hello("bad", 0, 2));
-  ASSERT_TRUE(a.Welcomed());
-  RawSession b(cluster_->sidecar_sockets()[0]);
-  b.Hello("bad", 0, 2);
-  auto [code, msg] = b.NextError();
-  EXPECT_EQ(code, absl::StatusCode::kAlreadyExists) << msg;
-  EXPECT_THAT(msg, HasSubstr("0"));
+  {
+    RawSession a(cluster_->sidecar_sockets()[0]);
+    ASSERT_TRUE(a.Hello("bad", 0, 2));
+    ASSERT_TRUE(a.Welcomed());
+    RawSession b(cluster_->sidecar_sockets()[0]);
+    b.Hello("bad", 0, 2);
+    auto [code, msg] = b.NextError();
+    EXPECT_EQ(code, absl::StatusCode::kAlreadyExists) << msg;
+    EXPECT_THAT(msg, HasSubstr("rank 0 "));
+  }
+  WaitReset(0);
   ExpectGoodJobUndisturbed();
 }
 
@@ -152,51 +163,58 @@ TEST_F(BadInputTest, RankOutsideTheWorldIsInvalidArgument) {
 }
 
 TEST_F(BadInputTest, ManifestForAnUnknownGroupNamesIt) {
-  RawSession a(cluster_->sidecar_sockets()[0]);
-  ASSERT_TRUE(a.Hello("bad", 0, 1));
-  ASSERT_TRUE(a.Welcomed());
-  a.Send(ManifestMsg("no-such-group", 0, std::string(1, '\x03')));
-  auto [code, msg] = a.NextError();
-  EXPECT_EQ(code, absl::StatusCode::kNotFound) << msg;
-  EXPECT_THAT(msg, HasSubstr("no-such-group"));
+  {
+    RawSession a(cluster_->sidecar_sockets()[0]);
+    ASSERT_TRUE(a.Hello("bad", 0, 1));
+    ASSERT_TRUE(a.Welcomed());
+    a.Send(ManifestMsg("no-such-group", 0, std::string(1, '\x03')));
+    auto [code, msg] = a.NextError();
+    EXPECT_EQ(code, absl::StatusCode::kNotFound) << msg;
+    EXPECT_THAT(msg, HasSubstr("no-such-group"));
+  }
+  WaitReset(0);
   ExpectGoodJobUndisturbed();
 }
 
 TEST_F(BadInputTest, WrongBitsetLengthAndStepGoingBackwardsArePreciseErrors) {
-  RawSession a(cluster_->sidecar_sockets()[0]);
-  ASSERT_TRUE(a.Hello("bad", 0, 1));
-  ASSERT_TRUE(a.Welcomed());
-  a.Send(Registration("g"));
-  std::optional<v1::RankReply> reg = a.Next();
-  ASSERT_TRUE(reg.has_value() && reg->has_registration());
-  ASSERT_FALSE(reg->registration().has_error()) << reg->registration().error().message();
+  {
+    RawSession a(cluster_->sidecar_sockets()[0]);
+    ASSERT_TRUE(a.Hello("bad", 0, 1));
+    ASSERT_TRUE(a.Welcomed());
+    a.Send(Registration("g"));
+    std::optional<v1::RankReply> reg = a.Next();
+    ASSERT_TRUE(reg.has_value() && reg->has_registration());
+    ASSERT_FALSE(reg->registration().has_error()) << reg->registration().error().message();
 
-  a.Send(ManifestMsg("g", 0, std::string("\x03\x00", 2)));  // 2 bytes for 2 params
-  auto [code, msg] = a.NextError();
-  EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
-  EXPECT_THAT(msg, HasSubstr("\"g\""));
+    a.Send(ManifestMsg("g", 0, std::string("\x03\x00", 2)));  // 2 bytes for 2 params
+    auto [code, msg] = a.NextError();
+    EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
+    EXPECT_THAT(msg, HasSubstr("\"g\""));
 
-  a.Send(ManifestMsg("g", 5, std::string(1, '\x03')));
-  std::optional<v1::RankReply> ok = a.Next();
-  ASSERT_TRUE(ok.has_value() && ok->has_decisions()) << (ok ? ok->DebugString() : "ended");
-  a.Send(ManifestMsg("g", 3, std::string(1, '\x03')));
-  auto [code2, msg2] = a.NextError();
-  EXPECT_TRUE(code2 == absl::StatusCode::kFailedPrecondition ||
-              code2 == absl::StatusCode::kInvalidArgument)
-      << msg2;
-  EXPECT_THAT(msg2, HasSubstr("3"));
+    a.Send(ManifestMsg("g", 5, std::string(1, '\x03')));
+    std::optional<v1::RankReply> ok = a.Next();
+    ASSERT_TRUE(ok.has_value() && ok->has_decisions()) << (ok ? ok->DebugString() : "ended");
+    a.Send(ManifestMsg("g", 3, std::string(1, '\x03')));
+    auto [code2, msg2] = a.NextError();
+    EXPECT_EQ(code2, absl::StatusCode::kFailedPrecondition) << msg2;  // STEP_REGRESSION
+    EXPECT_THAT(msg2, HasSubstr("step 3: older than the last decided step 5"));
+  }
+  WaitReset(0);
   ExpectGoodJobUndisturbed();
 }
 
 TEST_F(BadInputTest, OversizedMessageIsRefused) {
-  RawSession a(cluster_->sidecar_sockets()[1]);
-  ASSERT_TRUE(a.Hello("bad", 0, 1));
-  ASSERT_TRUE(a.Welcomed());
-  a.Send(Registration(std::string(64 << 20, 'x')));  // 64 MiB group id
-  auto [code, msg] = a.NextError();
-  EXPECT_TRUE(code == absl::StatusCode::kResourceExhausted ||
-              code == absl::StatusCode::kInvalidArgument)
-      << absl::StatusCodeToString(code) << ": " << msg;
+  {
+    RawSession a(cluster_->sidecar_sockets()[1]);
+    ASSERT_TRUE(a.Hello("bad", 0, 1));
+    ASSERT_TRUE(a.Welcomed());
+    a.Send(Registration(std::string(64 << 20, 'x')));  // 64 MiB group id
+    auto [code, msg] = a.NextError();
+    // gRPC refuses it before the sidecar sees it.
+    EXPECT_EQ(code, absl::StatusCode::kResourceExhausted)
+        << absl::StatusCodeToString(code) << ": " << msg;
+  }
+  WaitReset(1);
   ExpectGoodJobUndisturbed();
 }
 
