@@ -26,6 +26,9 @@ def _entry(fn, rank, world, tmpdir, cluster, q):
     except BaseException as e:
         q.put((rank, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
         traceback.print_exc()
+    # Flush the queue's feeder thread before the hard exit, or the answer is lost.
+    q.close()
+    q.join_thread()
     os._exit(0)
 
 
