@@ -273,4 +273,14 @@ absl::Status ErrorToStatus(const v1::DecisionError& e) {
   return absl::Status(static_cast<absl::StatusCode>(code), e.message());
 }
 
+void BatchKeyHasher::Add(absl::string_view group_id, uint64_t cache_key) {
+  hasher_.AddBytes(group_id);
+  hasher_.AddU64(cache_key);
+}
+
+uint64_t BatchKeyHasher::Finish() const {
+  const uint64_t key = hasher_.Finish();
+  return key != 0 ? key : 1;
+}
+
 }  // namespace accord::wire

@@ -12,6 +12,7 @@
 #include "accord/v1/accord.pb.h"
 #include "core/decide.h"
 #include "core/group.h"
+#include "core/hash.h"
 #include "core/manifest.h"
 
 namespace accord::wire {
@@ -48,6 +49,17 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
 // rank_bits when `with_ranks`.
 void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,
                      v1::Manifest* out);
+
+// ManifestBatch.repeat_batch_key: a stable hash of a batch's (group_id,
+// cache_key) pairs in order. Never 0 (0 means "not a batch repeat").
+class BatchKeyHasher {
+ public:
+  void Add(absl::string_view group_id, uint64_t cache_key);
+  uint64_t Finish() const;
+
+ private:
+  StableHasher hasher_;
+};
 
 void DecisionToProto(const Decision& d, v1::DecisionOk* out);
 // INVALID_ARGUMENT on a malformed decision (bitset length, dtype).

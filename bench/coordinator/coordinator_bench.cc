@@ -1,11 +1,12 @@
 // Coordinator capacity: plays N sidecars x G groups per step against the
 // Coordinator logic class in-process and reports the coordinator's CPU time
 // per step and decisions per second, for (a) every node manifest repeating
-// (cache hits, same_as_previous) and (b) none repeating (full form, full
-// Decide). Baseline in the same run: protobuf parsing of the same messages
-// alone, so the logic's own cost is visible.
+// (cache hits, same_as_previous), sent per manifest in repeat form, (b) the
+// same sent as one batch repeat record per node (ManifestBatch.repeat_step +
+// repeat_batch_key), and (c) none repeating (full form, full Decide). Baseline in the same run:
+// protobuf parsing of the same messages alone, so the logic's own cost is visible.
 //
-//   accord_coordinator_bench --nodes=2048 --ranks_per_node=8 --groups=200 --params=16 --steps=5
+//   accord_coordinator_bench --nodes=2048 --ranks_per_node=8 --groups=200 --params=16 --steps=3
 #include <time.h>
 
 #include <atomic>
@@ -16,6 +17,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
 #include "proto/wire.h"
@@ -24,7 +26,10 @@ ABSL_FLAG(int, nodes, 2048, "sidecars");
 ABSL_FLAG(int, ranks_per_node, 8, "ranks per sidecar");
 ABSL_FLAG(int, groups, 200, "groups per step");
 ABSL_FLAG(int, params, 16, "parameters per group");
-ABSL_FLAG(int, steps, 5, "measured steps per mode");
+ABSL_FLAG(int, steps, 3, "measured steps per mode");
+ABSL_FLAG(std::string, modes, "repeat,batch,full",
+          "modes to run, in order: repeat (per-manifest repeat form), batch (batch repeat "
+          "record), full (every manifest in full form)");
 
 namespace accord::daemon {
 namespace {
@@ -67,15 +72,25 @@ struct Result {
   int64_t bytes = 0;
 };
 
+enum class Mode { kRepeat, kBatchRepeat, kFull };
+
 // One step: serializes every node's batch (untimed), then times parse +
 // HandleMessage for all nodes on this thread.
 Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, const Setup& s,
-               int64_t step, bool repeat, std::vector<std::vector<uint64_t>>& keys) {
+               int64_t step, Mode mode, std::vector<std::vector<uint64_t>>& keys) {
   std::vector<std::string> wire(s.nodes);
   Result r;
+  const bool repeat = mode == Mode::kRepeat;
   for (int n = 0; n < s.nodes; ++n) {
     v1::NodeMessage msg;
-    for (int g = 0; g < s.groups; ++g) {
+    if (mode == Mode::kBatchRepeat) {
+      // The previous batch (per-manifest repeats or full) had these keys.
+      wire::BatchKeyHasher hasher;
+      for (int g = 0; g < s.groups; ++g) hasher.Add("group" + std::to_string(g), keys[n][g]);
+      msg.mutable_manifests()->set_repeat_step(step);
+      msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+    }
+    for (int g = 0; mode != Mode::kBatchRepeat && g < s.groups; ++g) {
       v1::Manifest* m = msg.mutable_manifests()->add_manifests();
       if (repeat) {
         m->set_group_id("group" + std::to_string(g));
@@ -148,12 +163,18 @@ int Main(int argc, char** argv) {
               s.nodes, s.rpn, s.world, s.groups, s.params);
   std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
   int64_t step = 0;
-  RunStep(c, ids, s, step++, /*repeat=*/false, keys);  // warm-up, fills the cache
-  for (bool repeat : {true, false}) {
+  RunStep(c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+  std::vector<Mode> modes;
+  for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
+    if (m == "repeat") modes.push_back(Mode::kRepeat);
+    if (m == "batch") modes.push_back(Mode::kBatchRepeat);
+    if (m == "full") modes.push_back(Mode::kFull);
+  }
+  for (Mode mode : modes) {
     double cpu = 0, parse = 0, worst = 0;
     int64_t decisions = 0, bytes = 0;
     for (int i = 0; i < steps; ++i) {
-      Result r = RunStep(c, ids, s, step++, repeat, keys);
+      Result r = RunStep(c, ids, s, step++, mode, keys);
       cpu += r.cpu_s;
       parse += r.parse_s;
       worst = std::max(worst, r.cpu_s);
@@ -162,14 +183,17 @@ int Main(int argc, char** argv) {
     }
     CoordinatorStats st = c.stats();
     std::printf(
-        "%-11s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  "
+        "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  "
         "decisions/s %10.0f  node manifests/s %10.0f  in %6.1f MB/step  decisions %lld "
-        "(expected %lld)  cache hits %lld misses %lld same_as_previous %lld\n",
-        repeat ? "all-repeat" : "none-repeat", 1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps,
-        decisions / cpu, double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
+        "(expected %lld)  cache hits %lld misses %lld same_as_previous %lld errors %lld\n",
+        mode == Mode::kRepeat        ? "all-repeat"
+        : mode == Mode::kBatchRepeat ? "batch-repeat"
+                                     : "none-repeat",
+        1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, decisions / cpu,
+        double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
         static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
         static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
-        static_cast<long long>(st.same_as_previous));
+        static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors));
   }
   int64_t sent = 0;
   for (auto& k : sinks) sent += k.count_.load();

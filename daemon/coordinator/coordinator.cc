@@ -649,16 +649,15 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
       v1::CoordinatorMessage reply;
       *reply.mutable_error() = Error(
           v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
-                       node.node_id, "\" sent a batch repeat with key ",
-                       absl::Hex(batch.repeat_batch_key()),
-                       batch.manifests_size() > 0
-                           ? std::string(" together with manifests")
-                           : absl::StrCat(" but the previous batch on this stream has key ",
-                                          absl::Hex(record.key), " (", record.entries.size(),
-                                          " manifests)"),
-                       "; the sidecar and the coordinator disagree on the stream's history. "
-                       "Check the sidecar's version; restarting it resends in full form"),
+          absl::StrCat(
+              "job ", job.job_id, " step ", batch.repeat_step(), ": node \"", node.node_id,
+              "\" sent a batch repeat with key ", absl::Hex(batch.repeat_batch_key()),
+              batch.manifests_size() > 0
+                  ? std::string(" together with manifests")
+                  : absl::StrCat(" but the previous batch on this stream has key ",
+                                 absl::Hex(record.key), " (", record.entries.size(), " manifests)"),
+              "; the sidecar and the coordinator disagree on the stream's history. "
+              "Check the sidecar's version; restarting it resends in full form"),
           job.job_id, "", batch.repeat_step());
       NoteError(reply.error());
       out.direct.emplace_back(s.sink, std::move(reply));

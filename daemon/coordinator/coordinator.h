@@ -222,7 +222,7 @@ class Coordinator {
     absl::Time deadline;
     int ranks_covered = 0;
     bool all_repeat = true;
-    uint64_t combined_key = 0;  // sum of MixKey(content key) over contributions
+    uint64_t combined_key = 0;    // sum of MixKey(content key) over contributions
     bool stall_reported = false;  // the observer heard of it (half the deadline passed)
     std::vector<Contribution> contributions;
   };
@@ -285,7 +285,7 @@ class Coordinator {
   struct BatchEntry {
     std::string group_id;
     uint64_t cache_key = 0;
-    GroupState* group = nullptr;         // nullptr: unknown when recorded
+    GroupState* group = nullptr;  // nullptr: unknown when recorded
     NodeGroupState* node_group = nullptr;
   };
   // What a batch repeat on this stream stands for.

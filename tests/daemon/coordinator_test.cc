@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "daemon/common/clock.h"
 #include "gtest/gtest.h"
+#include "proto/wire.h"
 #include "tests/daemon/test_util.h"
 
 namespace accord::daemon {
@@ -423,6 +424,77 @@ TEST_F(CoordinatorTest, JobStateIsDroppedWhenTheLastNodeLeaves) {
   auto c = coord_.OpenSession(&s);
   coord_.HandleMessage(c, Hello("job1", "c", 2, {0, 1}));
   EXPECT_TRUE(s.messages()[0].has_welcome());
+}
+
+// A batch repeat record for `pairs` (group, cache key) at `step`.
+v1::NodeMessage BatchRepeat(int64_t step,
+                            const std::vector<std::pair<std::string, uint64_t>>& pairs) {
+  wire::BatchKeyHasher hasher;
+  for (const auto& [group, key] : pairs) hasher.Add(group, key);
+  v1::NodeMessage m;
+  m.mutable_manifests()->set_repeat_step(step);
+  m.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+  return m;
+}
+
+TEST_F(CoordinatorTest, BatchRepeatStandsForThePreviousBatchInRepeatForm) {
+  Join();
+  EXPECT_TRUE(sink_a_.messages()[0].welcome().batch_repeat());
+  RegisterAll(MakeSpec("g0", 2));
+  RegisterAll(MakeSpec("g1", 2));
+  v1::Manifest a0 = NodeManifest("g0", 0, {kBf16, kNone}, 4, {0, 1});
+  v1::Manifest a1 = NodeManifest("g1", 0, {kFp16, kFp16}, 4, {0, 1});
+  v1::Manifest b0 = NodeManifest("g0", 0, {kBf16, kNone}, 4, {2, 3});
+  v1::Manifest b1 = NodeManifest("g1", 0, {kNone, kFp16}, 4, {2, 3});
+  coord_.HandleMessage(a_, Batch({a0, a1}));
+  coord_.HandleMessage(b_, Batch({b0, b1}));
+  sink_a_.Clear();
+  // Step 1: node a as one record, node b per manifest; step 2: both records.
+  coord_.HandleMessage(a_, BatchRepeat(1, {{"g0", a0.cache_key()}, {"g1", a1.cache_key()}}));
+  coord_.HandleMessage(b_,
+                       Batch({Repeat("g0", 1, b0.cache_key()), Repeat("g1", 1, b1.cache_key())}));
+  coord_.HandleMessage(a_, BatchRepeat(2, {{"g0", a0.cache_key()}, {"g1", a1.cache_key()}}));
+  coord_.HandleMessage(b_, BatchRepeat(2, {{"g0", b0.cache_key()}, {"g1", b1.cache_key()}}));
+  std::vector<v1::Decision> d = sink_a_.decisions();
+  ASSERT_EQ(d.size(), 4u);
+  for (size_t i = 0; i < d.size(); ++i) {
+    EXPECT_TRUE(d[i].same_as_previous()) << i;
+    EXPECT_EQ(d[i].step(), i < 2 ? 1 : 2);
+  }
+  EXPECT_EQ(sink_b_.decisions().size(), 6u);  // step 0 as well
+  CoordinatorStats st = coord_.stats();
+  EXPECT_EQ(st.cache_hits, 8);
+  EXPECT_EQ(st.cache_misses, 4);
+  EXPECT_EQ(st.same_as_previous, 4);
+  EXPECT_EQ(st.errors, 0);
+}
+
+TEST_F(CoordinatorTest, BatchRepeatThatDoesNotMatchThePreviousBatchIsAnErrorToTheSender) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  // No previous batch on this stream.
+  coord_.HandleMessage(a_, BatchRepeat(0, {{"g0", 1234}}));
+  ASSERT_EQ(sink_a_.messages().size(), 1u);
+  EXPECT_EQ(sink_a_.messages()[0].error().kind(), v1::INVALID_REQUEST);
+  v1::Manifest a0 = NodeManifest("g0", 0, {kBf16, kNone}, 4, {0, 1});
+  coord_.HandleMessage(a_, Batch({a0}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16, kNone}, 4, {2, 3})}));
+  sink_a_.Clear();
+  // Wrong key: names both keys, goes to the sender only, decides nothing.
+  coord_.HandleMessage(a_, BatchRepeat(1, {{"g0", a0.cache_key() + 1}}));
+  ASSERT_EQ(sink_a_.messages().size(), 1u);
+  EXPECT_EQ(sink_a_.messages()[0].error().kind(), v1::INVALID_REQUEST);
+  EXPECT_TRUE(absl::StrContains(sink_a_.messages()[0].error().message(), "previous batch"));
+  EXPECT_EQ(sink_b_.decisions().size(), 1u);
+  // A reconnected node starts a new stream without a previous batch.
+  FakeNodeSink sink_a2;
+  Coordinator::SessionId a2 = coord_.OpenSession(&sink_a2);
+  coord_.HandleMessage(a2, Hello("job1", "a", 4, {0, 1}));
+  coord_.HandleMessage(a2, BatchRepeat(1, {{"g0", a0.cache_key()}}));
+  ASSERT_EQ(sink_a2.messages().size(), 2u);
+  EXPECT_EQ(sink_a2.messages()[1].error().kind(), v1::INVALID_REQUEST);
 }
 
 }  // namespace

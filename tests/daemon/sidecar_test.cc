@@ -207,5 +207,41 @@ TEST_F(SidecarTest, RankLeavingIsReportedAndCompletesStepsWaitingOnlyForIt) {
   EXPECT_EQ(up_.reconnects, 1);  // last rank gone: the node is free for another job
 }
 
+TEST_F(SidecarTest, RepeatedBatchGoesUpAsABatchRepeatOnlyWhenTheCoordinatorAcceptsIt) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  auto step = [&](int64_t s) {
+    sidecar_.HandleRankMessage(s0_, Man(s, {DType::kBFloat16, std::nullopt}));
+    sidecar_.HandleRankMessage(s1_, Man(s, {DType::kBFloat16, std::nullopt}));
+    return up_.sent.back();
+  };
+  const uint64_t key = step(0).manifests().manifests(0).cache_key();
+  // No Welcome with batch_repeat yet: per-manifest repeat form.
+  v1::NodeMessage m1 = step(1);
+  ASSERT_EQ(m1.manifests().manifests_size(), 1);
+  EXPECT_TRUE(m1.manifests().manifests(0).repeat());
+  EXPECT_EQ(m1.manifests().repeat_batch_key(), 0u);
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_batch_repeat(true);
+  sidecar_.HandleCoordinatorMessage(welcome);
+  v1::NodeMessage m2 = step(2);
+  wire::BatchKeyHasher hasher;
+  hasher.Add("g", key);
+  EXPECT_EQ(m2.manifests().manifests_size(), 0);
+  EXPECT_EQ(m2.manifests().repeat_step(), 2);
+  EXPECT_EQ(m2.manifests().repeat_batch_key(), hasher.Finish());
+  EXPECT_EQ(sidecar_.stats().node_batch_repeats, 1);
+  EXPECT_EQ(sidecar_.stats().node_manifests_repeat, 2);
+  // A new stream: full form again, and no batch repeat before its Welcome.
+  sidecar_.OnUpstreamConnected();
+  v1::NodeMessage m3 = step(3);
+  ASSERT_EQ(m3.manifests().manifests_size(), 1);
+  EXPECT_FALSE(m3.manifests().manifests(0).repeat());
+  sidecar_.HandleCoordinatorMessage(welcome);
+  // The previous batch (step 3, full form) had the same groups and keys.
+  EXPECT_EQ(step(4).manifests().repeat_step(), 4);
+  EXPECT_EQ(sidecar_.stats().node_batch_repeats, 2);
+}
+
 }  // namespace
 }  // namespace accord::daemon
