@@ -79,8 +79,7 @@ class GrpcAuthTest : public ::testing::Test {
   // Opens a node session, sends a hello, returns the first reply and the
   // stream's final status.
   std::pair<v1::CoordinatorMessage, grpc::Status> Hello(const std::string& job,
-                                                        const std::string& token,
-                                                        bool expect_end) {
+                                                        const std::string& token, bool expect_end) {
     auto stub = v1::CoordinatorService::NewStub(channel_);
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
@@ -129,7 +128,8 @@ class GrpcAuthTest : public ::testing::Test {
     req.set_token(token);
     v1::KeyValueGetResponse resp;
     grpc::Status s = stub->Get(&ctx, req, &resp);
-    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    if (!s.ok())
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
     return resp.values(0);
   }
 
@@ -192,8 +192,8 @@ TEST_F(GrpcAuthTest, SidecarForwarderRefusesAnotherTokenAndSendsItsOwn) {
   b.RegisterService(&forwarder);
   std::unique_ptr<grpc::Server> sidecar = b.BuildAndStart();
   ASSERT_NE(sidecar, nullptr);
-  auto local = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                   grpc::InsecureChannelCredentials());
+  auto local =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   ASSERT_TRUE(KvSet("job-a", "tokA", "k", "v").ok());
   // A rank without a token gets through with the sidecar's token.
   EXPECT_EQ(KvGet(local, "job-a", "", "k").value_or("?"), "v");

@@ -14,9 +14,9 @@
 namespace accord::daemon {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::Batch;
 using testing::FakeNodeSink;
+using ::testing::HasSubstr;
 using testing::Hello;
 using testing::MakeSpec;
 using testing::NodeManifest;

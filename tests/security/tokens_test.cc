@@ -116,9 +116,9 @@ TEST(TokensEqualTest, ComparesWholeStrings) {
 }
 
 TEST(PlaintextRuleTest, LoopbackAddresses) {
-  for (const char* a : {"127.0.0.1:7070", "localhost:7070", "[::1]:7070", "127.1.2.3:1",
-                        "unix:/run/accord/sidecar.sock", "ipv4:127.0.0.1:5", "dns:///localhost:1",
-                        "LOCALHOST:2"}) {
+  for (const char* a :
+       {"127.0.0.1:7070", "localhost:7070", "[::1]:7070", "127.1.2.3:1",
+        "unix:/run/accord/sidecar.sock", "ipv4:127.0.0.1:5", "dns:///localhost:1", "LOCALHOST:2"}) {
     EXPECT_TRUE(IsLoopbackAddress(a)) << a;
   }
   for (const char* a : {"0.0.0.0:7070", "[::]:7070", "10.0.0.1:7070", "accord-coordinator:7070",
