@@ -20,6 +20,7 @@
 #include "daemon/coordinator/kv_store.h"
 #include "daemon/coordinator/metrics_coordinator.h"
 #include "daemon/coordinator/observe_service.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "observe/event_log.h"
@@ -121,10 +122,27 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
 int Main(int argc, char** argv) {
   ParseFlagsWithEnv(
       argc, argv,
-      {"listen", "health_port", "deadline", "metrics_port", "max_message_bytes", "max_jobs",
-       "max_groups_per_job", "max_params_per_group", "max_ranks", "max_pending_steps", "log_level",
-       "event_log", "event_log_max_bytes", "event_log_max_files", "metrics_host",
-       "param_skip_metrics", "tls_cert", "tls_key", "tls_ca", "plaintext", "tokens_file"},
+      {"listen",
+       "health_port",
+       "deadline",
+       "metrics_port",
+       "max_message_bytes",
+       "max_jobs",
+       "max_groups_per_job",
+       "max_params_per_group",
+       "max_ranks",
+       "max_pending_steps",
+       "log_level",
+       "event_log",
+       "event_log_max_bytes",
+       "event_log_max_files",
+       "metrics_host",
+       "param_skip_metrics",
+       "tls_cert",
+       "tls_key",
+       "tls_ca",
+       "plaintext",
+       "tokens_file"},
       "agrees, per group and step, on the reduce-scatter layout and dtype of every rank of a "
       "job.\n\nWith no flags it serves on 127.0.0.1:7070 in plaintext (loopback only). To serve "
       "the network give --listen=0.0.0.0:7070 with --tls_cert/--tls_key (and --tls_ca for mutual "
@@ -224,8 +242,12 @@ int Main(int argc, char** argv) {
   // The health-only plaintext server: it registers no service of ours, so
   // nothing but grpc.health.v1.Health is reachable on it.
   std::unique_ptr<grpc::Server> health_server;
+  // Answers every other method with UNIMPLEMENTED; also gives the builder the
+  // callback queue it insists on before the health service is added at start.
+  grpc::CallbackGenericService unimplemented;
   if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
     grpc::ServerBuilder health_builder;
+    health_builder.RegisterCallbackGenericService(&unimplemented);
     int bound = 0;
     health_builder.AddListeningPort(absl::StrCat(host, ":", health_port),
                                     grpc::InsecureServerCredentials(), &bound);

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "daemon/common/auth_tokens.h"
 
 namespace accord::daemon {
 namespace {
@@ -12,6 +14,32 @@ namespace {
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// What to check next for a failed coordinator stream.
+std::string UpstreamHint(const grpc::Status& status) {
+  const std::string& m = status.error_message();
+  if (absl::StrContains(m, "CERTIFICATE_VERIFY_FAILED") || absl::StrContains(m, "certificate") ||
+      absl::StrContains(m, "Handshake") || absl::StrContains(m, "handshake") ||
+      absl::StrContains(m, "SSL") || absl::StrContains(m, "ssl")) {
+    return ". TLS handshake with the coordinator failed: check that --tls_ca holds the CA that "
+           "signed the coordinator's certificate, that the certificate's SANs cover the host in "
+           "--coordinator, and that --tls_cert/--tls_key are given (signed by the coordinator's "
+           "--tls_ca) when it requires client certificates";
+  }
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+      return ". Check --coordinator, that the coordinator runs, and that both sides agree on TLS "
+             "(a TLS coordinator needs --tls_ca here; a plaintext one needs no --tls_* flags)";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return ". A message exceeded a size limit: raise --max_message_bytes on the coordinator "
+             "and the sidecar";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return ". Check the job token (--token_file / ACCORD_TOKEN) against the coordinator's "
+             "--tokens_file";
+    default:
+      return "";
+  }
 }
 
 }  // namespace
@@ -138,6 +166,17 @@ void RankGrpcService::FinishAll() {
   for (RankSessionReactor* r : live_) r->FinishSoon();
 }
 
+grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
+                                           const std::string& token) const {
+  if (token_.empty() || token.empty() || TokensEqual(token, token_)) return grpc::Status::OK;
+  ACCORD_LOG(WARNING) << "permission denied: job " << job_id
+                      << ": key-value request with a token that is not this sidecar's";
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("job ", job_id,
+                                   ": key-value request carries a token that is not the one this "
+                                   "sidecar holds; check ACCORD_TOKEN of the rank"));
+}
+
 grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* context,
                                                  const v1::KeyValueSetRequest* request,
                                                  v1::KeyValueSetResponse* response) {
@@ -147,11 +186,19 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
                                  absl::StrCat("this sidecar serves job ", only_job_, " only")));
     return reactor;
   }
+  if (grpc::Status s = CheckToken(request->job_id(), request->token()); !s.ok()) {
+    reactor->Finish(s);
+    return reactor;
+  }
+  // The upstream request owns a copy carrying the sidecar's token.
+  auto* upstream = new v1::KeyValueSetRequest(*request);
+  if (!token_.empty()) upstream->set_token(token_);
   auto* call = new grpc::ClientContext();
-  call->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
-  stub_->async()->Set(call, request, response, [reactor, call](grpc::Status s) {
+  call->set_deadline(absl::ToChronoTime(absl::Now() + slack_));
+  stub_->async()->Set(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
     reactor->Finish(s);
     delete call;
+    delete upstream;
   });
   return reactor;
 }
@@ -165,13 +212,19 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
                                  absl::StrCat("this sidecar serves job ", only_job_, " only")));
     return reactor;
   }
+  if (grpc::Status s = CheckToken(request->job_id(), request->token()); !s.ok()) {
+    reactor->Finish(s);
+    return reactor;
+  }
+  auto* upstream = new v1::KeyValueGetRequest(*request);
+  if (!token_.empty()) upstream->set_token(token_);
   auto* call = new grpc::ClientContext();
   call->set_deadline(absl::ToChronoTime(
-      absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) +
-      absl::Seconds(30)));
-  stub_->async()->Get(call, request, response, [reactor, call](grpc::Status s) {
+      absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) + slack_));
+  stub_->async()->Get(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
     reactor->Finish(s);
     delete call;
+    delete upstream;
   });
   return reactor;
 }
@@ -279,8 +332,9 @@ void GrpcUpstream::ReadLoop() {
     if (got_any) backoff = absl::Milliseconds(100);
     absl::MutexLock l(&mu_);
     if (stopping_) return;
-    ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message()
-                        << "); reconnecting in " << absl::FormatDuration(backoff);
+    ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message() << ")"
+                        << UpstreamHint(status) << "; reconnecting in "
+                        << absl::FormatDuration(backoff);
     // Interruptible wait: Stop() sets stopping_.
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
     backoff = std::min(backoff * 2, max_backoff_);

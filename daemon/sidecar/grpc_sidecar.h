@@ -40,12 +40,20 @@ class RankGrpcService final : public v1::RankService::CallbackService {
   absl::flat_hash_set<RankSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
 };
 
-// KeyValueService on the socket: forwards to the coordinator unchanged (the
-// request already names its job); with --job only that job's keys pass.
+// KeyValueService on the socket: forwards to the coordinator (the request
+// already names its job); with --job only that job's keys pass. With a
+// `token` (the sidecar's job token) a request carrying a different non-empty
+// token is refused (PERMISSION_DENIED) and requests go upstream with `token`;
+// the coordinator then checks it belongs to the request's job.
 class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
  public:
-  KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator, std::string only_job)
-      : stub_(v1::KeyValueService::NewStub(coordinator)), only_job_(std::move(only_job)) {}
+  // `slack`: how long a forwarded request may take beyond its own wait.
+  KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator, std::string only_job,
+                    std::string token = "", absl::Duration slack = absl::Seconds(30))
+      : stub_(v1::KeyValueService::NewStub(coordinator)),
+        only_job_(std::move(only_job)),
+        token_(std::move(token)),
+        slack_(slack) {}
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -54,8 +62,13 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
                                 v1::KeyValueGetResponse* response) override;
 
  private:
+  // OK, or PERMISSION_DENIED for a request token that is not the sidecar's.
+  grpc::Status CheckToken(const std::string& job_id, const std::string& token) const;
+
   std::unique_ptr<v1::KeyValueService::Stub> stub_;
   const std::string only_job_;
+  const std::string token_;
+  const absl::Duration slack_;
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread
