@@ -16,21 +16,31 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
 
 void SidecarMetrics::Refresh(const SidecarStats& stats) {
   absl::MutexLock l(&mu_);
+  auto mirror = [&] {
+    if (job_.empty()) return;
+    rank_manifests_->WithLabels({job_}).SetTotal(
+        static_cast<double>(stats.rank_manifests - base_.rank_manifests));
+    node_manifests_->WithLabels({job_, "full"})
+        .SetTotal(static_cast<double>(stats.node_manifests_full - base_.node_manifests_full));
+    node_manifests_->WithLabels({job_, "repeat"})
+        .SetTotal(static_cast<double>(stats.node_manifests_repeat - base_.node_manifests_repeat));
+    decisions_->WithLabels({job_}).SetTotal(
+        static_cast<double>(stats.decisions_in - base_.decisions_in));
+  };
   if (stats.job_id != job_) {
+    // What happened since the last scrape belongs to the job that ended
+    // (scrapes are far more frequent than job changes).
+    // A job that starts after an idle period owns everything since the
+    // previous scrape.
+    mirror();
+    base_ = job_.empty() ? last_ : stats;
     if (!job_.empty()) connected_ranks_->WithLabels({job_}).Set(0);
     job_ = stats.job_id;
-    base_ = stats;
   }
+  last_ = stats;
   if (job_.empty()) return;
   connected_ranks_->WithLabels({job_}).Set(stats.ranks);
-  rank_manifests_->WithLabels({job_}).SetTotal(
-      static_cast<double>(stats.rank_manifests - base_.rank_manifests));
-  node_manifests_->WithLabels({job_, "full"})
-      .SetTotal(static_cast<double>(stats.node_manifests_full - base_.node_manifests_full));
-  node_manifests_->WithLabels({job_, "repeat"})
-      .SetTotal(static_cast<double>(stats.node_manifests_repeat - base_.node_manifests_repeat));
-  decisions_->WithLabels({job_}).SetTotal(
-      static_cast<double>(stats.decisions_in - base_.decisions_in));
+  mirror();
 }
 
 }  // namespace accord::daemon

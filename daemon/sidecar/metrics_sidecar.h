@@ -30,6 +30,7 @@ class SidecarMetrics {
   absl::Mutex mu_;
   std::string job_ ABSL_GUARDED_BY(mu_);
   SidecarStats base_ ABSL_GUARDED_BY(mu_);  // totals when `job_` began
+  SidecarStats last_ ABSL_GUARDED_BY(mu_);  // totals at the previous Refresh
 };
 
 }  // namespace accord::daemon

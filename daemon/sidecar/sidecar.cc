@@ -31,7 +31,7 @@ SidecarStats Sidecar::stats() {
   absl::MutexLock l(&mu_);
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
-  s.job_id = job_id_;
+  s.job_id = job_id_.empty() ? last_job_id_ : job_id_;
   return s;
 }
 
@@ -449,6 +449,7 @@ void Sidecar::CloseRank(SessionId id) {
 
 void Sidecar::ResetJob() {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
+  last_job_id_ = job_id_;
   job_id_.clear();
   rank_token_.clear();
   world_size_ = 0;

@@ -95,7 +95,7 @@ struct SidecarStats {
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
   int ranks = 0;
-  std::string job_id;  // the job served now ("" before the first rank)
+  std::string job_id;  // the job served now, else the last one ("" before the first)
 };
 
 class Sidecar {
@@ -181,6 +181,7 @@ class Sidecar {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::string job_id_ ABSL_GUARDED_BY(mu_);
+  std::string last_job_id_ ABSL_GUARDED_BY(mu_);  // for metrics after the job ended
   std::string rank_token_ ABSL_GUARDED_BY(mu_);  // first rank's token, when options_.token is empty
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
   bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
