@@ -52,9 +52,6 @@ describe` shows the effective configuration.
 - --log_level={{ .Values.logLevel }}
 - --deadline={{ .Values.deadline }}
 - --max_message_bytes={{ int64 .Values.limits.maxMessageBytes }}
-{{- if .Values.monitoring.paramSkipMetrics }}
-- --param_skip_metrics
-{{- end }}
 {{- if .Values.tls.enabled }}
 - --tls_cert=/etc/accord/tls/tls.crt
 - --tls_key=/etc/accord/tls/tls.key
