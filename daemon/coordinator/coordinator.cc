@@ -387,6 +387,9 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
   NodeState& node = *s.node;
   const v1::GroupRegistration& reg = nr.registration();
   auto reply = [&](v1::DecisionError err) {
+    // About this registration only: name its ranks so the sidecar answers
+    // just them, not every local rank of the group.
+    for (int r : nr.ranks()) err.add_ranks(r);
     v1::CoordinatorMessage msg;
     msg.mutable_registration()->set_group_id(reg.group_id());
     *msg.mutable_registration()->mutable_error() = std::move(err);

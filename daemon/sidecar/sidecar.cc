@@ -296,6 +296,12 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       continue;
     }
     LocalGroup& g = git->second;
+    if (m.step() == g.last_decided_step && g.last_error.has_value()) {
+      // The step already failed for the job (e.g. missing ranks) before this
+      // rank submitted it: the same error every other rank got.
+      *errors.mutable_decisions()->add_decisions() = *g.last_error;
+      continue;
+    }
     if (m.step() <= g.last_decided_step) {
       reply_error(
           m, v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
@@ -526,8 +532,16 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       const v1::RegistrationResult& res = message.registration();
       auto git = groups_.find(res.group_id());
       if (git == groups_.end()) return;
-      git->second.result = res;
+      // An error about one node registration (not a mismatch across ranks)
+      // names its ranks and goes to them only.
+      const bool targeted = res.has_error() && res.error().kind() != v1::REGISTRATION_MISMATCH &&
+                            res.error().ranks_size() > 0;
+      if (!targeted) git->second.result = res;
       for (int r : git->second.ranks) {
+        if (targeted && std::find(res.error().ranks().begin(), res.error().ranks().end(), r) ==
+                            res.error().ranks().end()) {
+          continue;
+        }
         auto it = ranks_.find(r);
         if (it == ranks_.end() || it->second.got_result[res.group_id()]) continue;
         it->second.got_result[res.group_id()] = true;
@@ -558,6 +572,13 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         if (d.step() > g.last_decided_step) g.last_decided_step = d.step();
         if (d.has_ok()) g.last_ok = d.ok();
         if (d.has_error()) g.last_ok.reset();
+        if (d.step() >= g.last_decided_step) {
+          if (d.has_error()) {
+            g.last_error = d;
+          } else {
+            g.last_error.reset();
+          }
+        }
         g.inflight.erase(g.inflight.begin(), g.inflight.upper_bound(d.step()));
         g.steps.erase(g.steps.begin(), g.steps.upper_bound(d.step()));
         for (int r : g.ranks) {

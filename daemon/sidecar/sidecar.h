@@ -154,6 +154,9 @@ class Sidecar {
     bool have_last_sent = false;
     int64_t last_decided_step = -1;
     std::optional<v1::DecisionOk> last_ok;
+    // The last decided step's decision when it was an error, for a rank that
+    // submits that step only afterwards.
+    std::optional<v1::Decision> last_error;
     // Per local rank: its last full-form manifest (step cleared), against
     // which its repeat-form manifests are resolved.
     std::map<int, v1::Manifest> last_full;

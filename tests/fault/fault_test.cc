@@ -1,0 +1,505 @@
+// Fault tests through the real daemons: a coordinator killed and restarted, a
+// sidecar killed, a rank killed, a sidecar's coordinator connection cut, and
+// requests the daemons must refuse precisely. Each test runs 8 rank
+// processes (accord-rank-scenario) on 2 sidecars. A rank can be held before a
+// step at a FIFO "gate" so that a fault happens while the others wait for
+// that step's decision; nothing waits on a timer.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/testing/local_cluster.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace accord::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kWorld = 8;
+
+// A TCP proxy between one sidecar and the coordinator that the test can cut
+// (close every connection) or make drop what the coordinator sends. Owns
+// one thread, stopped in the destructor.
+class CuttableProxy {
+ public:
+  explicit CuttableProxy(std::string target_port) : target_port_(std::stoi(target_port)) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(listen_fd_, 16);
+    socklen_t len = sizeof(a);
+    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    (void)!pipe2(wake_, O_CLOEXEC);
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~CuttableProxy() {
+    {
+      absl::MutexLock l(&mu_);
+      stop_ = true;
+    }
+    Wake();
+    thread_.join();
+    close(listen_fd_);
+    close(wake_[0]);
+    close(wake_[1]);
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  // Drop (instead of forwarding) what the coordinator sends from now on.
+  void DropDownstream(bool drop) {
+    absl::MutexLock l(&mu_);
+    drop_down_ = drop;
+  }
+  // Closes every current connection; returns once they are closed. New
+  // connections are accepted and forwarded as before.
+  int Cut() {
+    absl::MutexLock l(&mu_);
+    const int64_t want = ++cut_requested_;
+    Wake();
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cut_done_ >= want; };
+    mu_.Await(absl::Condition(&done));
+    return last_cut_count_;
+  }
+
+ private:
+  struct Conn {
+    int down;  // the sidecar's side
+    int up;    // the coordinator's side
+  };
+  void Wake() { (void)!write(wake_[1], "x", 1); }
+  void CloseAll(std::vector<Conn>& conns) {
+    for (Conn& c : conns) {
+      close(c.down);
+      close(c.up);
+    }
+    conns.clear();
+  }
+  void Loop() {
+    std::vector<Conn> conns;
+    char buf[16384];
+    while (true) {
+      {
+        absl::MutexLock l(&mu_);
+        if (stop_) break;
+        if (cut_done_ < cut_requested_) {
+          last_cut_count_ = static_cast<int>(conns.size());
+          CloseAll(conns);
+          cut_done_ = cut_requested_;
+        }
+      }
+      std::vector<pollfd> fds = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+      for (const Conn& c : conns) {
+        fds.push_back({c.down, POLLIN, 0});
+        fds.push_back({c.up, POLLIN, 0});
+      }
+      if (poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) break;
+      if (fds[0].revents) (void)!read(wake_[0], buf, sizeof(buf));
+      if (fds[1].revents & POLLIN) {
+        const int down = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        const int up = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons(static_cast<uint16_t>(target_port_));
+        if (down >= 0 && connect(up, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+          conns.push_back({down, up});
+        } else {
+          if (down >= 0) close(down);
+          close(up);
+        }
+      }
+      bool drop_down;
+      {
+        absl::MutexLock l(&mu_);
+        drop_down = drop_down_;
+      }
+      std::vector<Conn> keep;
+      for (size_t i = 0; i < conns.size(); ++i) {
+        bool alive = true;
+        for (int dir = 0; dir < 2 && alive; ++dir) {
+          const pollfd& p = fds[2 + 2 * i + dir];
+          if (!(p.revents & (POLLIN | POLLHUP | POLLERR))) continue;
+          const int from = dir == 0 ? conns[i].down : conns[i].up;
+          const int to = dir == 0 ? conns[i].up : conns[i].down;
+          const ssize_t n = read(from, buf, sizeof(buf));
+          if (n <= 0) {
+            alive = false;
+            break;
+          }
+          if (dir == 1 && drop_down) continue;
+          for (ssize_t off = 0; off < n;) {
+            const ssize_t w = write(to, buf + off, n - off);
+            if (w <= 0) {
+              alive = false;
+              break;
+            }
+            off += w;
+          }
+        }
+        if (alive) {
+          keep.push_back(conns[i]);
+        } else {
+          close(conns[i].down);
+          close(conns[i].up);
+        }
+      }
+      conns = std::move(keep);
+    }
+    CloseAll(conns);
+  }
+
+  const int target_port_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  int wake_[2] = {-1, -1};
+  std::thread thread_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool drop_down_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t cut_requested_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t cut_done_ ABSL_GUARDED_BY(mu_) = 0;
+  int last_cut_count_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A FIFO a gated rank blocks on until Release().
+class Gate {
+ public:
+  Gate() {
+    char tmpl[] = "/tmp/accord-gate-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    path_ = dir_ + "/gate";
+    mkfifo(path_.c_str(), 0600);
+  }
+  ~Gate() {
+    unlink(path_.c_str());
+    rmdir(dir_.c_str());
+  }
+  const std::string& path() const { return path_; }
+  // Lets the rank blocked in open(2) go; false when no rank waits there.
+  bool Release() {
+    const int fd = open(path_.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd < 0) return false;
+    close(fd);
+    return true;
+  }
+
+ private:
+  std::string dir_;
+  std::string path_;
+};
+
+class FaultTest : public ::testing::Test {
+ protected:
+  void StartCluster(int sidecars, std::vector<std::string> coordinator_flags = {}) {
+    LocalClusterOptions o;
+    o.num_sidecars = sidecars;
+    o.coordinator_flags = std::move(coordinator_flags);
+    o.sidecar_flags = {"--reconnect_max_backoff=500ms"};
+    absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cluster_ = *std::move(c);
+  }
+
+  static std::vector<std::string> Command(const std::vector<std::string>& flags) {
+    std::vector<std::string> cmd = {
+        ACCORD_RANK_SCENARIO,       "--socket={socket}", "--rank={rank}",
+        "--world={world}",          "--job={job}",       "--wait=30s",
+        "--local_rank={local_rank}"};
+    cmd.insert(cmd.end(), flags.begin(), flags.end());
+    return cmd;
+  }
+
+  std::vector<RankResult> Run(const std::vector<std::string>& flags, const std::string& job) {
+    absl::StatusOr<std::vector<RankResult>> r =
+        cluster_->RunRanks(Command(flags), kWorld, job, absl::Seconds(90));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : std::vector<RankResult>();
+  }
+
+  // Starts the ranks with `gated` held before `step`; returns once it waits
+  // there and every other rank has submitted `step`.
+  std::vector<std::unique_ptr<ChildProcess>> StartGated(std::vector<std::string> flags,
+                                                        const std::string& job, int gated,
+                                                        int step) {
+    flags.push_back(absl::StrCat("--gate_rank=", gated));
+    flags.push_back(absl::StrCat("--gate_step=", step));
+    flags.push_back("--gate_fifo=" + gate_.path());
+    absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+        cluster_->StartRanks(Command(flags), kWorld, job);
+    EXPECT_TRUE(procs.ok()) << procs.status();
+    if (!procs.ok()) return {};
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    for (int r = 0; r < kWorld; ++r) {
+      const std::string line = r == gated ? absl::StrCat("rank ", r, " waiting at gate")
+                                          : absl::StrCat("rank ", r, " step ", step, " submitted");
+      absl::StatusOr<std::string> got = (*procs)[r]->WaitForLine(line, deadline);
+      EXPECT_TRUE(got.ok()) << got.status();
+    }
+    return *std::move(procs);
+  }
+
+  static std::vector<RankResult> Finish(std::vector<std::unique_ptr<ChildProcess>>& procs) {
+    return LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(90));
+  }
+
+  static std::string Digest(const RankResult& r) {
+    std::smatch m;
+    if (std::regex_search(r.output, m, std::regex("rank \\d+ digest ([0-9a-f]+)"))) return m[1];
+    return "";
+  }
+
+  static void ExpectAllSucceededWith(const std::vector<RankResult>& results,
+                                     const std::string& digest) {
+    ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+    for (const RankResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << "rank " << r.rank << ":\n" << r.output;
+      EXPECT_EQ(Digest(r), digest) << "rank " << r.rank << " decided differently:\n" << r.output;
+    }
+  }
+
+  // The first "error CODE: message" line a rank printed.
+  static std::string FirstError(const RankResult& r) {
+    std::smatch m;
+    if (std::regex_search(r.output, m, std::regex(": error ([A-Z_]+: [^\n]*)"))) return m[1];
+    return "";
+  }
+
+  const std::vector<std::string> kFlags = {"--steps=4", "--groups=2",
+                                           "--rules=1:0:*:none 4:3:1:bfloat16 6:2:2:none"};
+  Gate gate_;
+  std::unique_ptr<LocalCluster> cluster_;
+};
+
+TEST_F(FaultTest, CoordinatorKilledMidStepAndRestartedGivesEveryRankTheSameDecisions) {
+  StartCluster(2);
+  std::vector<RankResult> ref = Run(kFlags, "reference");
+  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
+  const std::string digest = Digest(ref[0]);
+  ExpectAllSucceededWith(ref, digest);
+
+  // Rank 2 holds step 2 back; the others wait for its decision while the
+  // coordinator dies (SIGKILL: no goodbye) and comes back on the same address.
+  auto procs = StartGated(kFlags, "faulty", /*gated=*/2, /*step=*/2);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  cluster_->KillCoordinator();
+  ASSERT_TRUE(cluster_->RestartCoordinator().ok());
+  ASSERT_TRUE(gate_.Release());
+  std::vector<RankResult> results = Finish(procs);
+  ExpectAllSucceededWith(results, digest);
+  EXPECT_THAT(cluster_->SidecarOutput(0), HasSubstr("reconnecting"));
+}
+
+TEST_F(FaultTest, CoordinatorKilledTwiceBeforeAnyDecision) {
+  StartCluster(2);
+  std::vector<RankResult> ref = Run(kFlags, "reference");
+  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
+  const std::string digest = Digest(ref[0]);
+  auto procs = StartGated(kFlags, "faulty", /*gated=*/7, /*step=*/0);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  for (int i = 0; i < 2; ++i) {
+    cluster_->KillCoordinator();
+    ASSERT_TRUE(cluster_->RestartCoordinator().ok());
+  }
+  ASSERT_TRUE(gate_.Release());
+  ExpectAllSucceededWith(Finish(procs), digest);
+}
+
+TEST_F(FaultTest, SidecarKilledItsRanksGetUnavailableOthersGetTheLostRanksNamed) {
+  StartCluster(2, {"--deadline=3s"});
+  auto procs = StartGated(kFlags, "job", /*gated=*/4, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  cluster_->KillSidecar(1);
+  gate_.Release();  // rank 4 then finds its sidecar gone
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string err = FirstError(results[r]);
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    if (r >= 4) {
+      EXPECT_THAT(err, HasSubstr("UNAVAILABLE")) << results[r].output;
+      EXPECT_THAT(err, HasSubstr("sidecar")) << results[r].output;
+    } else {
+      EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED")) << results[r].output;
+      for (int lost = 4; lost < kWorld; ++lost) {
+        EXPECT_THAT(err, HasSubstr(absl::StrCat("rank ", lost, " ("))) << results[r].output;
+      }
+      EXPECT_EQ(err, FirstError(results[0])) << "the same error on every surviving rank";
+    }
+  }
+}
+
+TEST_F(FaultTest, RankKilledMidStepIsNamedInTheErrorOfEveryOtherRank) {
+  StartCluster(2, {"--deadline=3s"});
+  auto procs = StartGated(kFlags, "job", /*gated=*/5, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  kill(procs[5]->pid(), SIGKILL);
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  EXPECT_EQ(results[5].exit_code, 128 + SIGKILL);
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == 5) continue;
+    const std::string err = FirstError(results[r]);
+    EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED")) << results[r].output;
+    EXPECT_THAT(err, HasSubstr("rank 5")) << results[r].output;
+    EXPECT_EQ(err, FirstError(results[0])) << "the same error on every surviving rank";
+  }
+}
+
+TEST_F(FaultTest, SidecarCutOffFromTheCoordinatorLosesNoDecision) {
+  StartCluster(1);
+  const std::string port =
+      cluster_->coordinator_address().substr(cluster_->coordinator_address().rfind(':') + 1);
+  CuttableProxy proxy(port);
+  absl::StatusOr<int> added = cluster_->AddSidecar(proxy.address());
+  ASSERT_TRUE(added.ok()) << added.status();
+  std::vector<RankResult> ref = Run(kFlags, "reference");
+  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
+  const std::string digest = Digest(ref[0]);
+  ExpectAllSucceededWith(ref, digest);
+
+  // Rank 6 (behind the proxy) holds step 2 back. What the coordinator sends
+  // to its node is dropped, so step 2's decision is lost on the way; then the
+  // connection is cut and the sidecar must get the decision on reconnect.
+  auto procs = StartGated(kFlags, "faulty", /*gated=*/6, /*step=*/2);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  proxy.DropDownstream(true);
+  ASSERT_TRUE(gate_.Release());
+  // Node 0's ranks see step 2 decided, so the decision went out.
+  ASSERT_TRUE(
+      procs[0]->WaitForLine("rank 0 step 2 group g1:", absl::Now() + absl::Seconds(30)).ok());
+  proxy.DropDownstream(false);
+  EXPECT_GE(proxy.Cut(), 1);
+  ExpectAllSucceededWith(Finish(procs), digest);
+}
+
+TEST_F(FaultTest, CoordinatorPausedBrieflyDelaysButLosesNothing) {
+  StartCluster(2);
+  std::vector<RankResult> ref = Run(kFlags, "reference");
+  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
+  const std::string digest = Digest(ref[0]);
+  auto procs = StartGated(kFlags, "faulty", /*gated=*/3, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  kill(cluster_->coordinator_pid(), SIGSTOP);
+  ASSERT_TRUE(gate_.Release());
+  // Rank 3 submits into a stalled coordinator; nobody can be decided.
+  ASSERT_TRUE(
+      procs[3]->WaitForLine("rank 3 step 1 submitted", absl::Now() + absl::Seconds(30)).ok());
+  kill(cluster_->coordinator_pid(), SIGCONT);
+  ExpectAllSucceededWith(Finish(procs), digest);
+}
+
+// Requests that must be refused precisely, through the client library.
+class BadRequestTest : public FaultTest {
+ protected:
+  absl::StatusOr<std::unique_ptr<Client>> TryConnect(int sidecar, int rank, int world) {
+    ClientOptions o;
+    o.socket_path = cluster_->sidecar_sockets()[sidecar];
+    o.job_id = "job";
+    o.rank = rank;
+    o.world_size = world;
+    o.connect_timeout = absl::Seconds(30);
+    return Client::Connect(o);
+  }
+  std::unique_ptr<Client> Connect(int sidecar, int rank, int world) {
+    ClientOptions o;
+    o.socket_path = cluster_->sidecar_sockets()[sidecar];
+    o.job_id = "job";
+    o.rank = rank;
+    o.world_size = world;
+    o.connect_timeout = absl::Seconds(30);
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+  static GroupSpec Spec() { return GroupSpec{"g", {{"a", 4, 8}, {"b", 4, 4}}}; }
+};
+
+TEST_F(BadRequestTest, DuplicateRankOnAnotherNodeIsAlreadyExistsAndTheJobGoesOn) {
+  StartCluster(2, {"--deadline=30s"});
+  std::unique_ptr<Client> r0 = Connect(0, 0, 2);
+  std::unique_ptr<Client> r1 = Connect(1, 1, 2);
+  ASSERT_TRUE(r0 && r1);
+  {
+    // Rank 0 again, on node 1: the coordinator refuses it right after the
+    // sidecar welcomed it, so the refusal reaches Connect or the first call.
+    absl::StatusOr<std::unique_ptr<Client>> dup = TryConnect(1, 0, 2);
+    absl::Status s = dup.status();
+    if (dup.ok()) s = (*dup)->RegisterGroup(Spec(), Policy(), absl::Now() + absl::Seconds(30));
+    EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+    EXPECT_THAT(s.message(), HasSubstr("rank 0 joined node \"node1\" but is already served by"));
+  }  // its departure must not fail the job
+  std::thread t([&] {
+    absl::Status s1 = r1->RegisterGroup(Spec(), Policy(), absl::Now() + absl::Seconds(30));
+    EXPECT_TRUE(s1.ok()) << s1;
+  });
+  absl::Status s0 = r0->RegisterGroup(Spec(), Policy(), absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(s0.ok()) << s0;
+  t.join();
+  GroupSubmission sub{"g", 0, {DType::kFloat32, std::nullopt}};
+  DecisionFuture f0 = r0->Submit(sub);
+  DecisionFuture f1 = r1->Submit(sub);
+  absl::StatusOr<Decision> d0 = r0->Wait(f0, absl::Now() + absl::Seconds(30));
+  absl::StatusOr<Decision> d1 = r1->Wait(f1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(d0.ok()) << d0.status();
+  ASSERT_TRUE(d1.ok()) << d1.status();
+  EXPECT_EQ(*d0, *d1);
+}
+
+TEST_F(BadRequestTest, StepGoingBackwardsAndRequestsForAFailedJobArePreciseErrors) {
+  StartCluster(2, {"--deadline=2s"});
+  std::unique_ptr<Client> r0 = Connect(0, 0, 2);
+  std::unique_ptr<Client> r1 = Connect(1, 1, 2);
+  ASSERT_TRUE(r0 && r1);
+  std::thread t([&] {
+    EXPECT_TRUE(r1->RegisterGroup(Spec(), Policy(), absl::Now() + absl::Seconds(30)).ok());
+  });
+  EXPECT_TRUE(r0->RegisterGroup(Spec(), Policy(), absl::Now() + absl::Seconds(30)).ok());
+  t.join();
+  // Step 0 decided normally.
+  GroupSubmission s0{"g", 0, {DType::kFloat32, DType::kFloat32}};
+  DecisionFuture a = r0->Submit(s0);
+  DecisionFuture b = r1->Submit(s0);
+  ASSERT_TRUE(r0->Wait(a, absl::Now() + absl::Seconds(30)).ok());
+  ASSERT_TRUE(r1->Wait(b, absl::Now() + absl::Seconds(30)).ok());
+  // Step going backwards on rank 0: refused by the client library itself.
+  GroupSubmission back{"g", 0, {DType::kFloat32, DType::kFloat32}};
+  absl::StatusOr<Decision> e = r0->Wait(r0->Submit(back), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("already submitted step 0"));
+  // Rank 1 never submits step 1: rank 0 gets the deadline error naming it.
+  GroupSubmission s1{"g", 1, {DType::kFloat32, DType::kFloat32}};
+  e = r0->Wait(r0->Submit(s1), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kDeadlineExceeded) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("rank 1 ("));
+  // A decision request for the failed job: the job's failure, not a hang.
+  absl::StatusOr<Decision> late = r1->Wait(r1->Submit(s1), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_EQ(late.status().message(), e.status().message());
+}
+
+}  // namespace
+}  // namespace accord::testing
