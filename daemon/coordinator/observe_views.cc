@@ -76,17 +76,20 @@ void Coordinator::ObserveDecision(Job& job, GroupState& g, int64_t step, Pending
   const bool ok = same || d.has_ok();
   // Zero-fills: (included parameter, rank) pairs without a local gradient.
   if (decided != nullptr) {
+    // Only the metrics need it: O(nodes x params).
     int64_t zero_fills = 0;
-    for (const Contribution& c : p.contributions) {
-      const Content& content = *c.content;
-      const size_t n = std::min(content.dtypes.size(), decided->included.size());
-      for (size_t i = 0; i < n; ++i) {
-        if (!decided->included[i]) continue;
-        if (content.dtypes[i] == 0) {
-          zero_fills += content.rank_count;
-          continue;
+    if (g.observer != nullptr) {
+      for (const Contribution& c : p.contributions) {
+        const Content& content = *c.content;
+        const size_t n = std::min(content.dtypes.size(), decided->included.size());
+        for (size_t i = 0; i < n; ++i) {
+          if (!decided->included[i]) continue;
+          if (content.dtypes[i] == 0) {
+            zero_fills += content.rank_count;
+            continue;
+          }
+          for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
         }
-        for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
       }
     }
     int skipped = 0;
