@@ -68,14 +68,15 @@ absl::StatusOr<int> MetricsHttpServer::StartForDaemon(const std::string& daemon,
                                                       const std::string& host, int port) {
   absl::StatusOr<int> bound = Start(absl::StrCat(host, ":", port));
   if (!bound.ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        daemon, ": cannot serve metrics on ", host, ":", port, " (--metrics_host/--metrics_port): ",
-        bound.status().message(), ". Pick a free port, 0 for any free port, or -1 to turn "
-        "metrics off"));
+    return absl::UnavailableError(
+        absl::StrCat(daemon, ": cannot serve metrics on ", host, ":", port,
+                     " (--metrics_host/--metrics_port): ", bound.status().message(),
+                     ". Pick a free port, 0 for any free port, or -1 to turn "
+                     "metrics off"));
   }
   const std::string shown = (host == "0.0.0.0" || host.empty()) ? "127.0.0.1"
-                            : host == "::" || host == "[::]" ? "[::1]"
-                                                             : host;
+                            : host == "::" || host == "[::]"    ? "[::1]"
+                                                                : host;
   std::printf("%s metrics on http://%s:%d/metrics\n", daemon.c_str(), shown.c_str(), *bound);
   std::fflush(stdout);
   return bound;

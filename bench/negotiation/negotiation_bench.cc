@@ -119,8 +119,8 @@ int RunRank() {
   for (int i = 0; i < iters + 1; ++i) {
     std::vector<GroupSubmission> subs;
     for (int g = 0; g < ng; ++g) {
-      subs.push_back({absl::StrCat("b", g), step,
-                      std::vector<std::optional<DType>>(nbp, DType::kFloat32)});
+      subs.push_back(
+          {absl::StrCat("b", g), step, std::vector<std::optional<DType>>(nbp, DType::kFloat32)});
     }
     const absl::Time t0 = absl::Now();
     std::vector<DecisionFuture> fs = (*c)->SubmitBatch(subs);
@@ -163,13 +163,13 @@ int RunRank() {
                       g = Summarize(gloo_us);
     printf("negotiation, %d ranks, 1 node, %d iterations (rank 0's view)\n", world, iters);
     printf("%-44s %10s %10s\n", "case", "p50 us", "p99 us");
-    printf("%-44s %10.1f %10.1f\n", absl::StrCat("accord 1 group x ", n, " params, cache miss").c_str(),
-           m.p50_us, m.p99_us);
-    printf("%-44s %10.1f %10.1f\n", absl::StrCat("accord 1 group x ", n, " params, cache hit").c_str(),
-           h.p50_us, h.p99_us);
     printf("%-44s %10.1f %10.1f\n",
-           absl::StrCat("accord batch of ", ng, " groups x ", nbp, " params (hit)").c_str(), b.p50_us,
-           b.p99_us);
+           absl::StrCat("accord 1 group x ", n, " params, cache miss").c_str(), m.p50_us, m.p99_us);
+    printf("%-44s %10.1f %10.1f\n",
+           absl::StrCat("accord 1 group x ", n, " params, cache hit").c_str(), h.p50_us, h.p99_us);
+    printf("%-44s %10.1f %10.1f\n",
+           absl::StrCat("accord batch of ", ng, " groups x ", nbp, " params (hit)").c_str(),
+           b.p50_us, b.p99_us);
     printf("%-44s %10.1f %10.1f\n",
            absl::StrCat("gloo allreduce ", 2 * n, " x int32 (baseline)").c_str(), g.p50_us,
            g.p99_us);
@@ -192,16 +192,17 @@ int RunLauncher(const char* self) {
   }
   char tmpl[] = "/tmp/accord-negbench-XXXXXX";
   const std::string store_dir = mkdtemp(tmpl);
-  std::vector<std::string> cmd = {self,
-                                  "--role=rank",
-                                  "--socket={socket}",
-                                  "--rank={rank}",
-                                  absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
-                                  absl::StrCat("--iterations=", absl::GetFlag(FLAGS_iterations)),
-                                  absl::StrCat("--params=", absl::GetFlag(FLAGS_params)),
-                                  absl::StrCat("--batch_groups=", absl::GetFlag(FLAGS_batch_groups)),
-                                  absl::StrCat("--batch_params=", absl::GetFlag(FLAGS_batch_params)),
-                                  "--store_dir=" + store_dir};
+  std::vector<std::string> cmd = {
+      self,
+      "--role=rank",
+      "--socket={socket}",
+      "--rank={rank}",
+      absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
+      absl::StrCat("--iterations=", absl::GetFlag(FLAGS_iterations)),
+      absl::StrCat("--params=", absl::GetFlag(FLAGS_params)),
+      absl::StrCat("--batch_groups=", absl::GetFlag(FLAGS_batch_groups)),
+      absl::StrCat("--batch_params=", absl::GetFlag(FLAGS_batch_params)),
+      "--store_dir=" + store_dir};
   absl::StatusOr<std::vector<testing::RankResult>> results =
       (*cluster)->RunRanks(cmd, absl::GetFlag(FLAGS_ranks), "bench", absl::Minutes(10));
   std::string rm = "rm -rf " + store_dir;

@@ -188,7 +188,7 @@ class Coordinator {
   };
   struct NodeState;
   struct NodeGroupState {
-    int variant = -1;                        // index of this node's registration variant, -1: none
+    int variant = -1;  // index of this node's registration variant, -1: none
     // Pending steps this node spoke for (few: the pending window).
     absl::InlinedVector<int64_t, 4> contributed_steps;
     std::shared_ptr<const Content> cache;
@@ -317,7 +317,8 @@ class Coordinator {
   };
 
   // HandleMessage and CloseSession without the event delivery that follows.
-  void HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void CloseSessionUnderLock(SessionId id) ABSL_LOCKS_EXCLUDED(mu_);
   void CheckDeadlinesUnderLock() ABSL_LOCKS_EXCLUDED(mu_);
   void HandleHello(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
@@ -358,9 +359,8 @@ class Coordinator {
   // view; DeliverEvents hands queued events to the observer.
   void NoteError(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueEvent(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                       const v1::Decision& d, const Decision* decided)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p, const v1::Decision& d,
+                       const Decision* decided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveNode(const Job& job, const NodeState& node, bool connected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveStall(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
@@ -387,7 +387,7 @@ class Coordinator {
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> have_events_{false};  // events_ is not empty (read without mu_)
+  std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)
   std::deque<RetiredJob> retired_ ABSL_GUARDED_BY(mu_);  // oldest first
   // Held while delivering events so they reach the observer in order; taken
   // before mu_.

@@ -77,7 +77,8 @@ void BindClient(nb::module_& m) {
              double timeout_s) {
             Policy policy;
             policy.reduce_dtype = OptionalDType(reduce_dtype);
-            // "Exact" only means something with a configured dtype; the daemons reject it otherwise.
+            // "Exact" only means something with a configured dtype; the daemons reject it
+            // otherwise.
             policy.reduce_dtype_exact = reduce_dtype_exact && policy.reduce_dtype.has_value();
             GroupSpec spec = SpecFromPy(group_id, params);
             absl::Status status;
@@ -143,8 +144,8 @@ void BindClient(nb::module_& m) {
             absl::StatusOr<std::vector<std::string>> values;
             {
               nb::gil_scoped_release release;
-              values = c.kv().Get(keys, std::chrono::milliseconds(
-                                            static_cast<int64_t>(timeout_s * 1000.0)));
+              values = c.kv().Get(
+                  keys, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
             }
             std::vector<std::string> v = ValueOrThrow(std::move(values));
             nb::list out;

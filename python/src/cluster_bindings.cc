@@ -26,8 +26,7 @@ class PyLocalCluster {
  public:
   PyLocalCluster(const std::string& bin_dir, int num_sidecars,
                  const std::vector<std::string>& coordinator_flags,
-                 const std::vector<std::string>& sidecar_flags, double ready_timeout_s,
-                 bool echo) {
+                 const std::vector<std::string>& sidecar_flags, double ready_timeout_s, bool echo) {
     testing::LocalClusterOptions options;
     options.bin_dir = bin_dir;
     options.num_sidecars = num_sidecars;
@@ -69,8 +68,8 @@ void BindCluster(nb::module_& m) {
                     const std::vector<std::string>&, double, bool>(),
            nb::arg("bin_dir") = "", nb::arg("num_sidecars") = 1,
            nb::arg("coordinator_flags") = std::vector<std::string>{},
-           nb::arg("sidecar_flags") = std::vector<std::string>{},
-           nb::arg("ready_timeout_s") = 30.0, nb::arg("echo") = false)
+           nb::arg("sidecar_flags") = std::vector<std::string>{}, nb::arg("ready_timeout_s") = 30.0,
+           nb::arg("echo") = false)
       .def_prop_ro("coordinator_address",
                    [](PyLocalCluster& c) { return c.get().coordinator_address(); })
       .def_prop_ro("sidecar_sockets", [](PyLocalCluster& c) { return c.get().sidecar_sockets(); })

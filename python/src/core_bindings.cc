@@ -33,7 +33,8 @@ Policy MakePolicy(const std::optional<std::string>& reduce_dtype, bool exact) {
 // list indexed by rank). Used by tests and by agreements that gather
 // manifests themselves.
 Decision DecideFromRanks(const std::string& group_id, const std::vector<PyParam>& params,
-                         int64_t step, const std::vector<std::vector<std::optional<std::string>>>& ranks,
+                         int64_t step,
+                         const std::vector<std::vector<std::optional<std::string>>>& ranks,
                          const std::optional<std::string>& reduce_dtype, bool exact) {
   GroupSpec spec = SpecFromPy(group_id, params);
   ThrowIfError(ValidateGroupSpec(spec));
@@ -42,10 +43,10 @@ Decision DecideFromRanks(const std::string& group_id, const std::vector<PyParam>
   Manifest merged;
   for (int r = 0; r < world_size; ++r) {
     if (ranks[r].size() != spec.params.size()) {
-      ThrowIfError(absl::InvalidArgumentError(
-          "decide: group " + group_id + " rank " + std::to_string(r) + " gave " +
-          std::to_string(ranks[r].size()) + " dtypes for " + std::to_string(spec.params.size()) +
-          " parameters"));
+      ThrowIfError(absl::InvalidArgumentError("decide: group " + group_id + " rank " +
+                                              std::to_string(r) + " gave " +
+                                              std::to_string(ranks[r].size()) + " dtypes for " +
+                                              std::to_string(spec.params.size()) + " parameters"));
     }
     Manifest m = RankManifest(step, r, world_size, GradDTypesFromPy(ranks[r]));
     if (r == 0) {
@@ -77,12 +78,13 @@ void BindCore(nb::module_& m) {
       .def("__repr__", [](const Decision& d) {
         std::string inc;
         for (bool b : d.included) inc += b ? '1' : '0';
-        return "Decision(step=" + std::to_string(d.step) + ", wire_dtype=" +
-               std::string(DTypeName(d.wire_dtype)) + ", included=" + inc + ")";
+        return "Decision(step=" + std::to_string(d.step) +
+               ", wire_dtype=" + std::string(DTypeName(d.wire_dtype)) + ", included=" + inc + ")";
       });
 
   m.def(
-      "parse_dtype", [](const std::string& name) { return std::string(DTypeName(DTypeOrThrow(name))); },
+      "parse_dtype",
+      [](const std::string& name) { return std::string(DTypeName(DTypeOrThrow(name))); },
       nb::arg("name"), "Canonical name of a float dtype ('bf16' -> 'bfloat16'); Error otherwise.");
   m.def(
       "dtype_size", [](const std::string& name) { return DTypeSize(DTypeOrThrow(name)); },

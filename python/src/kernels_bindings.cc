@@ -36,9 +36,9 @@ void PackCpuPy(const std::string& group_id, const std::vector<PyParam>& params, 
   GroupSpec spec = SpecFromPy(group_id, params);
   Layout layout = LayoutOrThrow(spec, world_size, included, wire_dtype);
   if (out_nbytes != layout.total_bytes()) {
-    ThrowIfError(absl::InvalidArgumentError(
-        "pack_cpu: group " + group_id + " needs an output of " +
-        std::to_string(layout.total_bytes()) + " bytes, got " + std::to_string(out_nbytes)));
+    ThrowIfError(absl::InvalidArgumentError("pack_cpu: group " + group_id + " needs an output of " +
+                                            std::to_string(layout.total_bytes()) + " bytes, got " +
+                                            std::to_string(out_nbytes)));
   }
   std::vector<GradSource> src(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
@@ -85,9 +85,9 @@ void BindKernels(nb::module_& m) {
         nb::arg("included"), nb::arg("wire_dtype"), nb::arg("sources"), nb::arg("out"),
         nb::arg("out_nbytes"), nb::arg("num_threads") = 1, nb::arg("allow_narrowing") = false,
         "Packs gradients (address, dtype) or None per parameter into FSDP2's buffer at `out`.");
-  m.def("unpack_cpu", &UnpackCpuPy, nb::arg("group_id"), nb::arg("params"),
-        nb::arg("world_size"), nb::arg("included"), nb::arg("wire_dtype"), nb::arg("rank"),
-        nb::arg("shard"), nb::arg("targets"), nb::arg("drop_padding") = false,
+  m.def("unpack_cpu", &UnpackCpuPy, nb::arg("group_id"), nb::arg("params"), nb::arg("world_size"),
+        nb::arg("included"), nb::arg("wire_dtype"), nb::arg("rank"), nb::arg("shard"),
+        nb::arg("targets"), nb::arg("drop_padding") = false,
         "Converts this rank's reduced shard into per-parameter targets.");
   m.def(
       "unpacked_numel",

@@ -132,8 +132,7 @@ TEST(MetricsHttpServer, StartForDaemonNamesTheFlagsWhenThePortIsTaken) {
   MetricsHttpServer b([] { return std::string(); });
   absl::StatusOr<int> again = b.StartForDaemon("accord-test", "127.0.0.1", *port);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(again.status().message().find("--metrics_port"), std::string::npos)
-      << again.status();
+  EXPECT_NE(again.status().message().find("--metrics_port"), std::string::npos) << again.status();
 }
 
 TEST(Counter, SetTotalRaisesButNeverLowers) {
