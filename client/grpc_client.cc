@@ -18,7 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "client/client.h"
@@ -35,12 +35,12 @@ struct DecisionFuture::State {
   State(std::string g, int64_t s) : group_id(std::move(g)), step(s) {}
   const std::string group_id;
   const int64_t step;
-  absl::Mutex mu;
+  accord::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::StatusOr<Decision> result ABSL_GUARDED_BY(mu) = absl::UnknownError("pending");
 
   void Complete(absl::StatusOr<Decision> r) {
-    absl::MutexLock lock(&mu);
+    accord::MutexLock lock(&mu);
     if (done) return;
     result = std::move(r);
     done = true;
@@ -49,7 +49,7 @@ struct DecisionFuture::State {
 
 bool DecisionFuture::Ready() const {
   if (state_ == nullptr) return false;
-  absl::MutexLock lock(&state_->mu);
+  accord::MutexLock lock(&state_->mu);
   return state_->done;
 }
 
@@ -74,7 +74,7 @@ class GrpcClient : public Client {
 
   ~GrpcClient() override {
     {
-      absl::MutexLock lock(&mu_);
+      accord::MutexLock lock(&mu_);
       stopping_ = true;
     }
     ctx_.TryCancel();
@@ -94,13 +94,13 @@ class GrpcClient : public Client {
     h->set_token(options_.token);
     h->set_client_version(kClientVersion);
     {
-      absl::MutexLock lock(&mu_);
+      accord::MutexLock lock(&mu_);
       outbox_.push_back(std::move(hello));
     }
     writer_ = std::thread([this] { WriterLoop(); });
     reader_ = std::thread([this] { ReaderLoop(); });
 
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return welcomed_ || closed_ || !fatal_.ok();
     };
@@ -121,7 +121,7 @@ class GrpcClient : public Client {
   absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                              absl::Time deadline) override {
     if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     if (absl::Status s = ClosedStatus(); !s.ok()) return s;
     auto it = groups_.find(spec.group_id);
     if (it != groups_.end()) {
@@ -164,7 +164,7 @@ class GrpcClient : public Client {
     out.reserve(batch.size());
     v1::RankMessage msg;
     v1::ManifestBatch* mb = msg.mutable_manifests();
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     const absl::Status closed = ClosedStatus();
     for (const GroupSubmission& sub : batch) {
       auto state = std::make_shared<DecisionFuture::State>(sub.group_id, sub.step);
@@ -204,7 +204,7 @@ class GrpcClient : public Client {
       return absl::InvalidArgumentError("Wait on an empty DecisionFuture (not from Submit)");
     }
     DecisionFuture::State* st = future.state().get();
-    absl::MutexLock lock(&st->mu);
+    accord::MutexLock lock(&st->mu);
     st->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
     if (!st->done) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -220,7 +220,7 @@ class GrpcClient : public Client {
   const ClientOptions& options() const override { return options_; }
 
   absl::StatusOr<GroupSpec> Group(absl::string_view group_id) const override {
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     auto it = groups_.find(group_id);
     if (it == groups_.end() || it->second.reg != RegState::kOk) {
       return absl::NotFoundError(
@@ -290,7 +290,7 @@ class GrpcClient : public Client {
     while (true) {
       v1::RankMessage msg;
       {
-        absl::MutexLock lock(&mu_);
+        accord::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return !outbox_.empty() || read_ended_ || stopping_;
         };
@@ -301,7 +301,7 @@ class GrpcClient : public Client {
       }
       if (!stream_->Write(msg)) break;  // the reader sees the stream end
     }
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     writer_done_ = true;
   }
 
@@ -309,12 +309,12 @@ class GrpcClient : public Client {
     v1::RankReply reply;
     while (stream_->Read(&reply)) HandleReply(reply);
     {
-      absl::MutexLock lock(&mu_);
+      accord::MutexLock lock(&mu_);
       read_ended_ = true;
       mu_.Await(absl::Condition(&writer_done_));
     }
     const grpc::Status s = stream_->Finish();
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     if (!welcomed_) {
       closed_status_ = absl::UnavailableError(absl::StrCat(
           "cannot reach the sidecar at ", options_.socket_path, " (job \"", options_.job_id,
@@ -331,7 +331,7 @@ class GrpcClient : public Client {
   }
 
   void HandleReply(const v1::RankReply& reply) {
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     switch (reply.body_case()) {
       case v1::RankReply::kWelcome:
         welcomed_ = true;
@@ -487,7 +487,7 @@ class GrpcClient : public Client {
   // Write by the writer and Finish by the reader after the writer stopped.
   std::unique_ptr<grpc::ClientReaderWriter<v1::RankMessage, v1::RankReply>> stream_;
 
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::deque<v1::RankMessage> outbox_ ABSL_GUARDED_BY(mu_);
   bool welcomed_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_id_ ABSL_GUARDED_BY(mu_);

@@ -75,13 +75,13 @@ absl::StatusOr<std::unique_ptr<EventLog>> EventLog::Open(const Options& options)
     return absl::InvalidArgumentError("event log must keep at least 1 rotated file");
   }
   std::unique_ptr<EventLog> log(new EventLog(options));
-  absl::MutexLock lock(&log->mu_);
+  accord::MutexLock lock(&log->mu_);
   if (absl::Status s = log->OpenFile(); !s.ok()) return s;
   return log;
 }
 
 EventLog::~EventLog() {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   if (file_ != nullptr) std::fclose(file_);
 }
 
@@ -116,7 +116,7 @@ void EventLog::Write(const std::string& type, const JsonObject& fields) {
   const std::string body = fields.ToString();
   if (body.size() > 2) absl::StrAppend(&line, ",", body.substr(1, body.size() - 2));
   line += "}\n";
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   if (size_ > 0 && size_ + static_cast<int64_t>(line.size()) > options_.max_bytes) Rotate();
   if (file_ == nullptr) return;
   std::fwrite(line.data(), 1, line.size(), file_);
@@ -126,7 +126,7 @@ void EventLog::Write(const std::string& type, const JsonObject& fields) {
 }
 
 int64_t EventLog::lines_written() const {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   return lines_;
 }
 

@@ -13,7 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 
 namespace accord {
@@ -63,7 +63,7 @@ class EventLog {
   void Rotate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::FILE* file_ ABSL_GUARDED_BY(mu_) = nullptr;
   int64_t size_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t lines_ ABSL_GUARDED_BY(mu_) = 0;

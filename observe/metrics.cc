@@ -130,7 +130,7 @@ template <typename T>
 Family<T>& MetricsRegistry::Add(const std::string& name, const std::string& help,
                                 std::vector<std::string> labels, const char* type,
                                 std::vector<double> bounds) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   auto it = families_.find(name);
   if (it != families_.end()) {
     auto* f = dynamic_cast<Family<T>*>(it->second.get());
@@ -162,14 +162,14 @@ Family<Histogram>& MetricsRegistry::AddHistogram(const std::string& name, const 
 
 std::string MetricsRegistry::Render() const {
   std::string out;
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   for (const auto& [name, family] : families_) family->Render(&out);
   return out;
 }
 
 template <typename T>
 T& Family<T>::WithLabels(const LabelValues& values) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   auto it = children_.find(values);
   if (it != children_.end()) return *it->second;
   std::unique_ptr<T> child;
@@ -185,7 +185,7 @@ T& Family<T>::WithLabels(const LabelValues& values) {
 
 template <typename T>
 void Family<T>::RemoveByFirstLabel(const std::string& value) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   for (auto it = children_.begin(); it != children_.end();) {
     if (!it->first.empty() && it->first[0] == value) {
       it = children_.erase(it);
@@ -199,7 +199,7 @@ template <typename T>
 void Family<T>::Render(std::string* out) const {
   absl::StrAppend(out, "# HELP ", name_, " ", EscapeHelp(help_), "\n# TYPE ", name_, " ", type_,
                   "\n");
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   for (const auto& [values, child] : children_) {
     if constexpr (std::is_same_v<T, Histogram>) {
       const std::vector<uint64_t> cum = child->CumulativeCounts();

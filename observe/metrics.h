@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 
 namespace accord {
 
@@ -91,7 +91,7 @@ class MetricsRegistry {
   struct FamilyBase;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::map<std::string, std::unique_ptr<FamilyBase>> families_ ABSL_GUARDED_BY(mu_);
   template <typename T>
   Family<T>& Add(const std::string& name, const std::string& help, std::vector<std::string> labels,
@@ -134,7 +134,7 @@ class Family : public MetricsRegistry::FamilyBase {
   const std::vector<std::string> labels_;
   const std::string type_;
   const std::vector<double> bounds_;
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::map<LabelValues, std::unique_ptr<T>> children_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -121,7 +121,7 @@ void ChildProcess::DrainLoop() {
     const ssize_t n = read(out_fd_, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     output_.append(buf, n);
     if (echo_) {
       partial.append(buf, n);
@@ -133,7 +133,7 @@ void ChildProcess::DrainLoop() {
       }
     }
   }
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   if (echo_ && !partial.empty()) {
     const std::string line = absl::StrCat("[", name_, "] ", partial, "\n");
     (void)!write(STDERR_FILENO, line.data(), line.size());
@@ -143,7 +143,7 @@ void ChildProcess::DrainLoop() {
 
 absl::StatusOr<std::string> ChildProcess::WaitForLine(absl::string_view needle,
                                                       absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   size_t line_start = std::string::npos;
   auto found = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t at = output_.find(needle.data(), 0, needle.size());
@@ -169,7 +169,7 @@ absl::StatusOr<std::string> ChildProcess::WaitForLine(absl::string_view needle,
 }
 
 absl::Status ChildProcess::WaitForCount(absl::string_view needle, int count, absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   auto seen = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     int n = 0;
     for (size_t at = output_.find(needle.data(), 0, needle.size());
@@ -221,13 +221,13 @@ int ChildProcess::Terminate(absl::Duration grace) {
 }
 
 std::string ChildProcess::FinalOutput() {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(&eof_));
   return output_;
 }
 
 std::string ChildProcess::Output() const {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   return output_;
 }
 

@@ -18,7 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 
 namespace accord::testing {
@@ -57,7 +57,7 @@ class ChildProcess {
   const std::string name_;
   const bool echo_;
   std::thread drain_;
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::string output_ ABSL_GUARDED_BY(mu_);
   bool eof_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<int> exit_code_;  // owner thread only

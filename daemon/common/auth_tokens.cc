@@ -66,7 +66,7 @@ absl::Status JobTokens::Reload() {
   absl::StatusOr<Table> table = Parse(s.str(), absl::StrCat("--tokens_file=", path_));
   if (!table.ok()) return table.status();
   size_t jobs = table->size() - (table->contains(kAdminJob) ? 1 : 0);
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   table_ = *std::move(table);
   ACCORD_LOG(INFO) << "loaded tokens for " << jobs << " jobs from " << path_
                    << (table_.contains(kAdminJob) ? " (with an admin token)" : "");
@@ -74,7 +74,7 @@ absl::Status JobTokens::Reload() {
 }
 
 int JobTokens::jobs() const {
-  absl::ReaderMutexLock l(&mu_);
+  accord::ReaderMutexLock l(&mu_);
   return static_cast<int>(table_.size() - (table_.contains(kAdminJob) ? 1 : 0));
 }
 
@@ -97,7 +97,7 @@ absl::Status JobTokens::Deny(absl::string_view job_id, std::string message) cons
 absl::Status JobTokens::CheckJob(absl::string_view job_id, absl::string_view token,
                                  absl::string_view what) const {
   {
-    absl::ReaderMutexLock l(&mu_);
+    accord::ReaderMutexLock l(&mu_);
     if (job_id != kAdminJob && Matches(job_id, token)) return absl::OkStatus();
   }
   return Deny(job_id,
@@ -112,7 +112,7 @@ absl::Status JobTokens::CheckJob(absl::string_view job_id, absl::string_view tok
 absl::Status JobTokens::CheckJobRead(absl::string_view job_id, absl::string_view token,
                                      absl::string_view what) const {
   {
-    absl::ReaderMutexLock l(&mu_);
+    accord::ReaderMutexLock l(&mu_);
     if ((job_id != kAdminJob && Matches(job_id, token)) || Matches(kAdminJob, token)) {
       return absl::OkStatus();
     }
@@ -126,7 +126,7 @@ absl::Status JobTokens::CheckJobRead(absl::string_view job_id, absl::string_view
 
 absl::Status JobTokens::CheckAdmin(absl::string_view token, absl::string_view what) const {
   {
-    absl::ReaderMutexLock l(&mu_);
+    accord::ReaderMutexLock l(&mu_);
     if (Matches(kAdminJob, token)) return absl::OkStatus();
   }
   return Deny("",

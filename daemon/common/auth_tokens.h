@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 
 namespace accord::daemon {
 
@@ -72,7 +72,7 @@ class JobTokens {
   absl::Status Deny(absl::string_view job_id, std::string message) const;
 
   const std::string path_;
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   Table table_ ABSL_GUARDED_BY(mu_);
   mutable std::atomic<int64_t> denied_{0};
   DeniedCallback on_denied_;

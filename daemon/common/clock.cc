@@ -4,7 +4,7 @@
 
 namespace accord::daemon {
 
-void RealClock::WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline) {
+void RealClock::WaitUntil(accord::CondVar* cv, accord::Mutex* mu, absl::Time deadline) {
   cv->WaitWithDeadline(mu, deadline);
 }
 
@@ -14,20 +14,20 @@ RealClock* RealClock::Get() {
 }
 
 absl::Time FakeClock::Now() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   return now_;
 }
 
-void FakeClock::WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline) {
+void FakeClock::WaitUntil(accord::CondVar* cv, accord::Mutex* mu, absl::Time deadline) {
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (now_ >= deadline) return;
     waiters_.push_back({cv, mu});
   }
   // Advance() signals with `mu` held, so the signal cannot fall between the
   // registration above and this wait (which releases `mu` atomically).
   cv->Wait(mu);
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = std::find_if(waiters_.begin(), waiters_.end(),
                          [&](const Waiter& w) { return w.cv == cv && w.mu == mu; });
   if (it != waiters_.end()) waiters_.erase(it);
@@ -36,18 +36,18 @@ void FakeClock::WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadlin
 void FakeClock::Advance(absl::Duration d) {
   std::vector<Waiter> waiters;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     now_ += d;
     waiters = waiters_;
   }
   for (const Waiter& w : waiters) {
-    absl::MutexLock l(w.mu);
+    accord::MutexLock l(w.mu);
     w.cv->SignalAll();
   }
 }
 
 int FakeClock::NumWaiters() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   return static_cast<int>(waiters_.size());
 }
 
@@ -56,7 +56,7 @@ void FakeClock::AwaitWaiters(int n) {
     std::vector<Waiter>* waiters;
     int n;
   } arg{&waiters_, n};
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   mu_.Await(absl::Condition(
       +[](Arg* a) { return static_cast<int>(a->waiters->size()) >= a->n; }, &arg));
 }

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 
 namespace accord::daemon {
@@ -22,7 +22,7 @@ class Clock {
   // Waits on `cv` (with `mu` held, as for CondVar::Wait) until `deadline` by
   // this clock or a signal, whichever is first. Spurious returns are allowed;
   // callers re-check their condition.
-  virtual void WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline)
+  virtual void WaitUntil(accord::CondVar* cv, accord::Mutex* mu, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) = 0;
 };
 
@@ -30,7 +30,7 @@ class Clock {
 class RealClock : public Clock {
  public:
   absl::Time Now() override { return absl::Now(); }
-  void WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline) override
+  void WaitUntil(accord::CondVar* cv, accord::Mutex* mu, absl::Time deadline) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // A process-wide instance.
   static RealClock* Get();
@@ -42,7 +42,7 @@ class FakeClock : public Clock {
  public:
   explicit FakeClock(absl::Time start = absl::UnixEpoch() + absl::Hours(1)) : now_(start) {}
   absl::Time Now() override;
-  void WaitUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline) override
+  void WaitUntil(accord::CondVar* cv, accord::Mutex* mu, absl::Time deadline) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void Advance(absl::Duration d);
   // Number of threads currently blocked in WaitUntil (lets a test wait until a
@@ -53,10 +53,10 @@ class FakeClock : public Clock {
 
  private:
   struct Waiter {
-    absl::CondVar* cv;
-    absl::Mutex* mu;
+    accord::CondVar* cv;
+    accord::Mutex* mu;
   };
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   absl::Time now_ ABSL_GUARDED_BY(mu_);
   std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
 };

@@ -61,7 +61,7 @@ Coordinator::~Coordinator() { Stop(); }
 
 void Coordinator::Stop() {
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     stopping_ = true;
     timer_cv_.SignalAll();
   }
@@ -69,7 +69,7 @@ void Coordinator::Stop() {
 }
 
 void Coordinator::TimerLoop() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   while (!stopping_) {
     if (clock_->Now() >= next_deadline_) {
       mu_.Unlock();
@@ -82,7 +82,7 @@ void Coordinator::TimerLoop() {
 }
 
 Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   const SessionId id = next_session_++;
   sessions_[id].sink = sink;
   ++stats_.sessions;
@@ -95,7 +95,7 @@ void Coordinator::CloseSession(SessionId id) {
 }
 
 void Coordinator::CloseSessionUnderLock(SessionId id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   Session s = it->second;
@@ -132,7 +132,7 @@ void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
 }
 
 void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   Session& s = it->second;
@@ -1009,7 +1009,7 @@ void Coordinator::CheckDeadlines() {
 }
 
 void Coordinator::CheckDeadlinesUnderLock() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
   Outbox out;
   absl::Time next = absl::InfiniteFuture();
@@ -1061,12 +1061,12 @@ void Coordinator::CheckDeadlinesUnderLock() {
 }
 
 CoordinatorStats Coordinator::stats() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   return stats_;
 }
 
 absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::string& job_id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
   std::vector<int64_t> out(it->second.world_size);
@@ -1076,7 +1076,7 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
 
 absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
                                                    const std::string& group_id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
   Job& job = it->second;

@@ -53,7 +53,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
 #include "accord/v1/observe.pb.h"
@@ -378,8 +378,8 @@ class Coordinator {
   const CoordinatorOptions options_;
   Clock* const clock_;
 
-  absl::Mutex mu_;
-  absl::CondVar timer_cv_;
+  accord::Mutex mu_;
+  accord::CondVar timer_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time next_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
@@ -391,7 +391,7 @@ class Coordinator {
   std::deque<RetiredJob> retired_ ABSL_GUARDED_BY(mu_);  // oldest first
   // Held while delivering events so they reach the observer in order; taken
   // before mu_.
-  absl::Mutex deliver_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  accord::Mutex deliver_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::thread timer_;
 };
 

@@ -33,7 +33,7 @@ class NodeSessionReactor final
   }
 
   void Send(std::shared_ptr<const v1::CoordinatorMessage> message) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (finished_ || write_failed_) return;
     queue_.push_back(std::move(message));
     if (!writing_) {
@@ -45,7 +45,7 @@ class NodeSessionReactor final
   void OnReadDone(bool ok) override {
     if (!ok) {
       coordinator_->CloseSession(id_);
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       read_closed_ = true;
       MaybeFinishLocked(grpc::Status::OK);
       return;
@@ -64,7 +64,7 @@ class NodeSessionReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     queue_.pop_front();
     if (!ok) {
       write_failed_ = true;
@@ -85,7 +85,7 @@ class NodeSessionReactor final
     auto reply = std::make_shared<v1::CoordinatorMessage>();
     *reply->mutable_error() = wire::MakeError(v1::PERMISSION_DENIED, status);
     reply->mutable_error()->set_job_id(job_id);
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     finishing_ = true;
     finish_status_ = ToGrpcStatus(status);
     if (!write_failed_) {
@@ -100,7 +100,7 @@ class NodeSessionReactor final
 
   // Shutdown: finish after the queued replies.
   void FinishSoon() {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     finishing_ = true;
     finish_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                   "the coordinator is shutting down; reconnect to its replacement");
@@ -123,7 +123,7 @@ class NodeSessionReactor final
   Coordinator* const coordinator_;
   Coordinator::SessionId id_ = 0;
   v1::NodeMessage in_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   std::deque<std::shared_ptr<const v1::CoordinatorMessage>> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
@@ -135,19 +135,19 @@ class NodeSessionReactor final
 
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* CoordinatorGrpcService::Session(
     grpc::CallbackServerContext* context) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto* r = new NodeSessionReactor(this, shutting_down_);
   live_.insert(r);
   return r;
 }
 
 void CoordinatorGrpcService::Remove(NodeSessionReactor* r) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   live_.erase(r);
 }
 
 void CoordinatorGrpcService::FinishAll() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   shutting_down_ = true;
   for (NodeSessionReactor* r : live_) r->FinishSoon();
 }

@@ -7,7 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "daemon/common/auth_tokens.h"
 #include "daemon/coordinator/coordinator.h"
@@ -39,7 +39,7 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
 
   Coordinator* const coordinator_;
   const JobTokens* const tokens_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<NodeSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
 };

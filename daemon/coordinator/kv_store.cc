@@ -17,7 +17,7 @@ KvStore::~KvStore() { Stop(); }
 void KvStore::Stop() {
   Ready ready;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     stopping_ = true;
     for (Waiter& w : waiters_) {
       ready.emplace_back(std::move(w.done), absl::UnavailableError(absl::StrCat(
@@ -60,7 +60,7 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& key, std
   }
   Ready ready;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
     auto jit = data_.find(job_id);
     if (jit == data_.end() && static_cast<int>(data_.size()) >= options_.max_jobs) {
@@ -97,7 +97,7 @@ void KvStore::Get(const std::string& job_id, std::vector<std::string> keys, absl
   }
   std::vector<std::string> values, missing;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (stopping_) {
       mu_.Unlock();
       done(absl::UnavailableError("the coordinator is shutting down"));
@@ -120,12 +120,12 @@ void KvStore::Get(const std::string& job_id, std::vector<std::string> keys, absl
 }
 
 int KvStore::NumWaiting() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   return static_cast<int>(waiters_.size());
 }
 
 void KvStore::TimerLoop() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   while (!stopping_) {
     const absl::Time now = clock_->Now();
     absl::Time next = absl::InfiniteFuture();

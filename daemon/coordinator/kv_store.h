@@ -21,7 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 #include "daemon/common/clock.h"
 
@@ -67,8 +67,8 @@ class KvStore {
 
   const KvOptions options_;
   Clock* const clock_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;
+  accord::Mutex mu_;
+  accord::CondVar cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, absl::flat_hash_map<std::string, std::string>> data_
       ABSL_GUARDED_BY(mu_);

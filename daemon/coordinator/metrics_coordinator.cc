@@ -99,14 +99,14 @@ CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry* registry, CoordinatorMet
 
 std::unique_ptr<JobObserver> CoordinatorMetrics::ForJob(const std::string& job_id, int world_size) {
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     jobs_seen_.insert(job_id);
   }
   return std::make_unique<JobMetrics>(this, job_id);
 }
 
 void CoordinatorMetrics::NoteGroup(const std::string& job_id, const std::string& group_id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   groups_.emplace(job_id, group_id);
 }
 
@@ -185,7 +185,7 @@ void CoordinatorMetrics::Refresh(Coordinator& coordinator) {
   std::set<std::string> jobs;
   std::set<std::pair<std::string, std::string>> groups;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     jobs = jobs_seen_;
     if (options_.param_skip_metrics) groups = groups_;
   }
@@ -213,7 +213,7 @@ void CoordinatorMetrics::Refresh(Coordinator& coordinator) {
     }
   }
   if (!gone.empty()) {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     for (const auto& g : gone) groups_.erase(g);
   }
 }

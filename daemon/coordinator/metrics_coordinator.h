@@ -18,7 +18,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/observe_hooks.h"
 #include "observe/event_log.h"
@@ -67,7 +67,7 @@ class CoordinatorMetrics final : public CoordinatorObserver {
 
   const CoordinatorMetricsOptions options_;
   Families f_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   std::set<std::string> jobs_seen_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> groups_ ABSL_GUARDED_BY(mu_);  // (job, group)
 

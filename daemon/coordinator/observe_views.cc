@@ -59,10 +59,10 @@ void Coordinator::ObserveStall(const Job& job, const GroupState& g, int64_t step
 
 void Coordinator::DeliverEvents() {
   if (options_.observer == nullptr || !have_events_.load(std::memory_order_acquire)) return;
-  absl::MutexLock order(&deliver_mu_);
+  accord::MutexLock order(&deliver_mu_);
   std::vector<ObserveEvent> events;
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     events.swap(events_);
     have_events_.store(false, std::memory_order_relaxed);
   }
@@ -313,7 +313,7 @@ void Coordinator::RetireJob(Job& job) {
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   v1::StatusResponse out;
   std::vector<std::string> ids;
   for (const auto& [id, job] : jobs_) ids.push_back(id);
@@ -346,7 +346,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
     return absl::InvalidArgumentError(
         absl::StrCat("window_steps ", window_steps, " is negative; use 0 for every kept step"));
   }
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   v1::SkipMatrixResponse out;
   out.set_job_id(job_id);
   auto unknown_group = [&] {
@@ -393,7 +393,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
 }
 
 absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   if (!job_id.empty() && !jobs_.contains(job_id)) {
     return absl::NotFoundError(
         absl::StrCat("job \"", job_id,
@@ -436,7 +436,7 @@ absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string&
 }
 
 std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
   std::vector<JobGauges> out;
   for (const auto& [id, job] : jobs_) {

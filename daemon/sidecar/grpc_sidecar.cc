@@ -59,7 +59,7 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   }
 
   void Send(std::shared_ptr<const v1::RankReply> reply) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (finished_ || closing_ || write_failed_) return;
     queue_.push_back(std::move(reply));
     if (!writing_) {
@@ -69,7 +69,7 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   }
 
   void Close(const absl::Status& status) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (closing_) return;
     closing_ = true;
     finish_status_ = ToGrpc(status);
@@ -81,14 +81,14 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   void OnReadDone(bool ok) override {
     if (!ok) {
       sidecar_->CloseRank(id_);
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       read_closed_ = true;
       MaybeFinishLocked();
       return;
     }
     sidecar_->HandleRankMessage(id_, in_);
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       if (closing_) {
         // Stop reading; the stream ends once the error reply is written.
         read_closed_ = true;
@@ -97,7 +97,7 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
     }
     if (sidecar_closed_pending_) {
       sidecar_->CloseRank(id_);
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       MaybeFinishLocked();
       return;
     }
@@ -105,7 +105,7 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     queue_.pop_front();
     if (!ok) {
       write_failed_ = true;
@@ -137,7 +137,7 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   Sidecar::SessionId id_ = 0;
   v1::RankMessage in_;
   bool sidecar_closed_pending_ = false;  // reactor-thread only
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   std::deque<std::shared_ptr<const v1::RankReply>> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
@@ -149,19 +149,19 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
 
 grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* RankGrpcService::Session(
     grpc::CallbackServerContext* context) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto* r = new RankSessionReactor(this, shutting_down_);
   live_.insert(r);
   return r;
 }
 
 void RankGrpcService::Remove(RankSessionReactor* r) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   live_.erase(r);
 }
 
 void RankGrpcService::FinishAll() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   shutting_down_ = true;
   for (RankSessionReactor* r : live_) r->FinishSoon();
 }
@@ -244,7 +244,7 @@ void GrpcUpstream::Start() {
 
 void GrpcUpstream::Stop() {
   {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     stopping_ = true;
     if (context_ != nullptr) context_->TryCancel();
   }
@@ -253,24 +253,24 @@ void GrpcUpstream::Stop() {
 }
 
 void GrpcUpstream::Send(v1::NodeMessage message) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   if (!connected_) return;  // resent by OnUpstreamConnected
   queue_.push_back(std::move(message));
 }
 
 void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   queue_.clear();
   for (v1::NodeMessage& m : messages) queue_.push_back(std::move(m));
 }
 
 void GrpcUpstream::Reconnect() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   if (context_ != nullptr) context_->TryCancel();
 }
 
 void GrpcUpstream::WriteLoop() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
         +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) {
@@ -295,20 +295,20 @@ void GrpcUpstream::ReadLoop() {
   while (true) {
     auto context = std::make_unique<grpc::ClientContext>();
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       if (stopping_) return;
       context_ = context.get();
     }
     std::unique_ptr<grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>> stream =
         stub_->Session(context.get());
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       connected_ = true;
       queue_.clear();
     }
     sidecar_->OnUpstreamConnected();
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       stream_ = stream.get();
     }
     v1::CoordinatorMessage in;
@@ -318,7 +318,7 @@ void GrpcUpstream::ReadLoop() {
       sidecar_->HandleCoordinatorMessage(in);
     }
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       connected_ = false;
       context_->TryCancel();
       mu_.Await(absl::Condition(
@@ -330,7 +330,7 @@ void GrpcUpstream::ReadLoop() {
     }
     grpc::Status status = stream->Finish();
     if (got_any) backoff = absl::Milliseconds(100);
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     if (stopping_) return;
     ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message() << ")"
                         << UpstreamHint(status) << "; reconnecting in "

@@ -12,7 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "daemon/sidecar/sidecar.h"
@@ -35,7 +35,7 @@ class RankGrpcService final : public v1::RankService::CallbackService {
   friend class RankSessionReactor;
   void Remove(RankSessionReactor* r);
   Sidecar* const sidecar_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<RankSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
 };
@@ -94,7 +94,7 @@ class GrpcUpstream final : public UpstreamSink {
   std::unique_ptr<v1::CoordinatorService::Stub> stub_;
   Sidecar* const sidecar_;
   const absl::Duration max_backoff_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;

@@ -15,7 +15,7 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
 }
 
 void SidecarMetrics::Refresh(const SidecarStats& stats) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto mirror = [&] {
     if (job_.empty()) return;
     rank_manifests_->WithLabels({job_}).SetTotal(

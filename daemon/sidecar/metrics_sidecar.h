@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "daemon/sidecar/sidecar.h"
 #include "observe/metrics.h"
 
@@ -27,7 +27,7 @@ class SidecarMetrics {
   Family<Counter>* rank_manifests_;
   Family<Counter>* node_manifests_;
   Family<Counter>* decisions_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   std::string job_ ABSL_GUARDED_BY(mu_);
   SidecarStats base_ ABSL_GUARDED_BY(mu_);  // totals when `job_` began
   SidecarStats last_ ABSL_GUARDED_BY(mu_);  // totals at the previous Refresh

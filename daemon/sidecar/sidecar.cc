@@ -23,12 +23,12 @@ absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatu
 }  // namespace
 
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   upstream_ = upstream;
 }
 
 SidecarStats Sidecar::stats() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
   s.job_id = job_id_.empty() ? last_job_id_ : job_id_;
@@ -36,7 +36,7 @@ SidecarStats Sidecar::stats() {
 }
 
 Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   const SessionId id = next_session_++;
   sessions_[id].sink = sink;
   return id;
@@ -94,7 +94,7 @@ v1::NodeMessage Sidecar::HelloMessage() {
 }
 
 void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   Session& s = it->second;
@@ -424,7 +424,7 @@ void Sidecar::CollectComplete(const std::string& group_id, LocalGroup& g, v1::Ma
 }
 
 void Sidecar::CloseRank(SessionId id) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   const int rank = it->second.rank;
@@ -469,7 +469,7 @@ void Sidecar::ResetJob() {
 }
 
 void Sidecar::OnUpstreamConnected() {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   std::vector<v1::NodeMessage> msgs;
   if (!job_id_.empty()) {
     msgs.push_back(HelloMessage());
@@ -504,7 +504,7 @@ void Sidecar::OnUpstreamConnected() {
 }
 
 void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
-  absl::MutexLock l(&mu_);
+  accord::MutexLock l(&mu_);
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       upstream_batch_repeat_ = message.welcome().batch_repeat();

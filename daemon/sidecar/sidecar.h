@@ -46,7 +46,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "accord/v1/accord.pb.h"
 #include "core/decide.h"
 #include "core/group.h"
@@ -179,7 +179,7 @@ class Sidecar {
   void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SidecarOptions options_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);

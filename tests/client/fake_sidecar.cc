@@ -34,40 +34,40 @@ void FakeSidecar::Start() {
 }
 
 void FakeSidecar::RejectHellos(v1::DecisionError error) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   reject_hello_ = std::move(error);
 }
 
 void FakeSidecar::MutateDecisions(std::function<void(v1::Decision*)> f) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   mutate_ = std::move(f);
 }
 
 void FakeSidecar::CloseSessions() {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   close_all_ = true;
   for (Conn* c : conns_) c->ctx->TryCancel();
 }
 
 void FakeSidecar::SendErrorToAll(const v1::DecisionError& e) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   v1::RankReply r;
   *r.mutable_error() = e;
   Broadcast(r);
 }
 
 std::vector<v1::RankMessage> FakeSidecar::Received() const {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   return received_;
 }
 
 int FakeSidecar::sessions_started() const {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   return sessions_started_;
 }
 
 void FakeSidecar::Write(Conn* c, const v1::RankReply& r) {
-  absl::MutexLock lock(&c->write_mu);
+  accord::MutexLock lock(&c->write_mu);
   c->stream->Write(r);
 }
 
@@ -83,14 +83,14 @@ grpc::Status FakeSidecar::Session(
   conn.stream = stream;
   conn.ctx = ctx;
   {
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     ++sessions_started_;
     if (close_all_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake sidecar closing");
     conns_.push_back(&conn);
   }
   v1::RankMessage msg;
   while (stream->Read(&msg)) {
-    absl::MutexLock lock(&mu_);
+    accord::MutexLock lock(&mu_);
     received_.push_back(msg);
     switch (msg.body_case()) {
       case v1::RankMessage::kHello: {
@@ -122,7 +122,7 @@ grpc::Status FakeSidecar::Session(
         break;
     }
   }
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   conns_.erase(std::find(conns_.begin(), conns_.end(), &conn));
   return grpc::Status::OK;
 }
@@ -194,14 +194,14 @@ void FakeSidecar::OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* 
 
 grpc::Status FakeSidecar::Set(grpc::ServerContext*, const v1::KeyValueSetRequest* req,
                               v1::KeyValueSetResponse*) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   kv_[req->job_id() + "/" + req->key()] = req->value();
   return grpc::Status::OK;
 }
 
 grpc::Status FakeSidecar::Get(grpc::ServerContext*, const v1::KeyValueGetRequest* req,
                               v1::KeyValueGetResponse* resp) {
-  absl::MutexLock lock(&mu_);
+  accord::MutexLock lock(&mu_);
   for (const std::string& k : req->keys()) {
     auto it = kv_.find(req->job_id() + "/" + k);
     if (it == kv_.end()) {

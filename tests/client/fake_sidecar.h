@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/decide.h"
 #include "grpcpp/server.h"
@@ -53,7 +53,7 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
   struct Conn {
     grpc::ServerReaderWriter<v1::RankReply, v1::RankMessage>* stream;
     grpc::ServerContext* ctx;
-    absl::Mutex write_mu;
+    accord::Mutex write_mu;
     int rank = -1;
     bool closing = false;
   };
@@ -77,7 +77,7 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
   std::string socket_path_;
   std::unique_ptr<grpc::Server> server_;
 
-  mutable absl::Mutex mu_;
+  mutable accord::Mutex mu_;
   std::vector<Conn*> conns_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::RankMessage> received_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, GroupState> groups_ ABSL_GUARDED_BY(mu_);

@@ -1,7 +1,7 @@
 #include "daemon/coordinator/kv_store.h"
 
 #include "absl/strings/match.h"
-#include "absl/synchronization/notification.h"
+#include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "gtest/gtest.h"
 
@@ -9,7 +9,7 @@ namespace accord::daemon {
 namespace {
 
 struct Result {
-  absl::Notification done;
+  accord::Notification done;
   absl::StatusOr<std::vector<std::string>> value;
   KvStore::GetCallback Callback() {
     return [this](absl::StatusOr<std::vector<std::string>> v) {

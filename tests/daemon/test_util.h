@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "accord/v1/accord.pb.h"
 #include "core/manifest.h"
 #include "daemon/coordinator/coordinator.h"
@@ -19,16 +19,16 @@ namespace accord::daemon::testing {
 class FakeNodeSink : public NodeSink {
  public:
   void Send(std::shared_ptr<const v1::CoordinatorMessage> message) override {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     messages_.push_back(*message);
     cv_wait_.SignalAll();
   }
   std::vector<v1::CoordinatorMessage> messages() {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     return messages_;
   }
   void Clear() {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     messages_.clear();
   }
   // All decisions received, flattened.
@@ -56,7 +56,7 @@ class FakeNodeSink : public NodeSink {
     return out;
   }
   void AwaitDecisions(size_t n) {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       size_t k = 0;
       for (const auto& m : messages_) k += m.has_decisions() ? m.decisions().decisions_size() : 0;
@@ -66,8 +66,8 @@ class FakeNodeSink : public NodeSink {
   }
 
  private:
-  absl::Mutex mu_;
-  absl::CondVar cv_wait_;
+  accord::Mutex mu_;
+  accord::CondVar cv_wait_;
   std::vector<v1::CoordinatorMessage> messages_ ABSL_GUARDED_BY(mu_);
 };
 

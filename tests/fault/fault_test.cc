@@ -25,7 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "core/sync.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
@@ -59,7 +59,7 @@ class CuttableProxy {
   }
   ~CuttableProxy() {
     {
-      absl::MutexLock l(&mu_);
+      accord::MutexLock l(&mu_);
       stop_ = true;
     }
     Wake();
@@ -71,13 +71,13 @@ class CuttableProxy {
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
   // Drop (instead of forwarding) what the coordinator sends from now on.
   void DropDownstream(bool drop) {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     drop_down_ = drop;
   }
   // Closes every current connection; returns once they are closed. New
   // connections are accepted and forwarded as before.
   int Cut() {
-    absl::MutexLock l(&mu_);
+    accord::MutexLock l(&mu_);
     const int64_t want = ++cut_requested_;
     Wake();
     auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cut_done_ >= want; };
@@ -103,7 +103,7 @@ class CuttableProxy {
     char buf[16384];
     while (true) {
       {
-        absl::MutexLock l(&mu_);
+        accord::MutexLock l(&mu_);
         if (stop_) break;
         if (cut_done_ < cut_requested_) {
           last_cut_count_ = static_cast<int>(conns.size());
@@ -134,7 +134,7 @@ class CuttableProxy {
       }
       bool drop_down;
       {
-        absl::MutexLock l(&mu_);
+        accord::MutexLock l(&mu_);
         drop_down = drop_down_;
       }
       std::vector<Conn> keep;
@@ -177,7 +177,7 @@ class CuttableProxy {
   int port_ = 0;
   int wake_[2] = {-1, -1};
   std::thread thread_;
-  absl::Mutex mu_;
+  accord::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drop_down_ ABSL_GUARDED_BY(mu_) = false;
   int64_t cut_requested_ ABSL_GUARDED_BY(mu_) = 0;
