@@ -6,8 +6,8 @@
 // background threads belong to GrpcClient and are joined in its destructor.
 // The stream is gRPC's synchronous one: one Read and one Write may run
 // concurrently; Finish runs only after the writer has stopped.
+#include <algorithm>
 #include <deque>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,12 +18,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "core/sync.h"
 #include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "client/client.h"
 #include "client/grpc_kv_store.h"
 #include "core/log.h"
+#include "core/sync.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -31,25 +31,39 @@
 
 namespace accord {
 
+// The one mutex of all futures of a client: a batch of decisions completes
+// under one lock, and no mutex is created or destroyed per future (Abseil's
+// deadlock detection, on in Debian's build, tracks every mutex it sees).
+// Shared by the client and its futures, which may outlive it.
+struct FutureHub {
+  accord::Mutex mu;
+};
+
 struct DecisionFuture::State {
-  State(std::string g, int64_t s) : group_id(std::move(g)), step(s) {}
+  State(std::shared_ptr<FutureHub> h, std::string g, int64_t s)
+      : hub_owner(std::move(h)), hub(hub_owner.get()), group_id(std::move(g)), step(s) {}
+  const std::shared_ptr<FutureHub> hub_owner;
+  FutureHub* const hub;
   const std::string group_id;
   const int64_t step;
-  accord::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::StatusOr<Decision> result ABSL_GUARDED_BY(mu) = absl::UnknownError("pending");
+  bool done ABSL_GUARDED_BY(hub->mu) = false;
+  // Read only once done (an empty-message placeholder until then).
+  absl::StatusOr<Decision> result ABSL_GUARDED_BY(hub->mu);
 
-  void Complete(absl::StatusOr<Decision> r) {
-    accord::MutexLock lock(&mu);
+  void CompleteLocked(absl::StatusOr<Decision> r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hub->mu) {
     if (done) return;
     result = std::move(r);
     done = true;
+  }
+  void Complete(absl::StatusOr<Decision> r) {
+    accord::MutexLock lock(&hub->mu);
+    CompleteLocked(std::move(r));
   }
 };
 
 bool DecisionFuture::Ready() const {
   if (state_ == nullptr) return false;
-  accord::MutexLock lock(&state_->mu);
+  accord::MutexLock lock(&state_->hub->mu);
   return state_->done;
 }
 
@@ -70,6 +84,9 @@ class GrpcClient : public Client {
     stub_ = v1::RankService::NewStub(channel_);
     kv_ = MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
                                 options.job_id, options.token);
+    accord::MutexLock lock(&mu_);
+    scratch_.ranks = RankSet(options.world_size);
+    scratch_.ranks.Add(options.rank);
   }
 
   ~GrpcClient() override {
@@ -167,33 +184,40 @@ class GrpcClient : public Client {
     accord::MutexLock lock(&mu_);
     const absl::Status closed = ClosedStatus();
     for (const GroupSubmission& sub : batch) {
-      auto state = std::make_shared<DecisionFuture::State>(sub.group_id, sub.step);
+      auto state = std::make_shared<DecisionFuture::State>(hub_, sub.group_id, sub.step);
       out.emplace_back(state);
       if (!closed.ok()) {
         state->Complete(closed);
         continue;
       }
-      absl::Status s = CheckSubmission(sub);
+      GroupState* found = nullptr;
+      absl::Status s = CheckSubmission(sub, &found);
       if (!s.ok()) {
         state->Complete(s);
         continue;
       }
-      GroupState& g = groups_.find(sub.group_id)->second;
-      Manifest m = RankManifest(sub.step, options_.rank, options_.world_size, sub.grad_dtypes);
-      const uint64_t key = ManifestKey(m);
+      GroupState& g = *found;
+      // This rank's manifest, built in scratch_ (its rank set is made once).
+      scratch_.step = sub.step;
+      scratch_.dtypes.resize(sub.grad_dtypes.size());
+      for (size_t i = 0; i < sub.grad_dtypes.size(); ++i) {
+        scratch_.dtypes[i] = sub.grad_dtypes[i] ? MaskOf(*sub.grad_dtypes[i]) : DTypeMask{0};
+      }
       v1::Manifest* pm = mb->add_manifests();
-      if (g.last_key.has_value() && *g.last_key == key && g.last_content == m.dtypes) {
+      // The key is a function of the content (the rank set is fixed): the
+      // same content as the last full form is a repeat of its key.
+      if (g.last_key.has_value() && g.last_content == scratch_.dtypes) {
         pm->set_group_id(sub.group_id);
         pm->set_step(sub.step);
-        pm->set_cache_key(key);
+        pm->set_cache_key(*g.last_key);
         pm->set_repeat(true);
       } else {
-        wire::ManifestToProto(sub.group_id, m, /*with_ranks=*/false, pm);
-        g.last_key = key;
-        g.last_content = std::move(m.dtypes);
+        wire::ManifestToProto(sub.group_id, scratch_, /*with_ranks=*/false, pm);
+        g.last_key = pm->cache_key();
+        g.last_content = scratch_.dtypes;
       }
       g.last_step = sub.step;
-      g.pending[sub.step] = state;
+      g.pending.emplace_back(sub.step, std::move(state));
     }
     if (mb->manifests_size() > 0) EnqueueLocked(std::move(msg));
     return out;
@@ -204,8 +228,8 @@ class GrpcClient : public Client {
       return absl::InvalidArgumentError("Wait on an empty DecisionFuture (not from Submit)");
     }
     DecisionFuture::State* st = future.state().get();
-    accord::MutexLock lock(&st->mu);
-    st->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
+    accord::MutexLock lock(&st->hub->mu);
+    st->hub->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
     if (!st->done) {
       return absl::DeadlineExceededError(absl::StrCat(
           "no decision for group \"", st->group_id, "\" step ", st->step, " (job \"",
@@ -241,8 +265,14 @@ class GrpcClient : public Client {
     std::optional<uint64_t> last_key;       // key of the last full-form manifest sent
     std::vector<DTypeMask> last_content;    // its content (guards against key collisions)
     std::optional<Decision> last_decision;  // last successful decision received
-    std::map<int64_t, std::shared_ptr<DecisionFuture::State>> pending;
+    // Submitted steps without a decision, ascending (steps only increase).
+    std::deque<std::pair<int64_t, std::shared_ptr<DecisionFuture::State>>> pending;
   };
+
+  static auto FindPending(GroupState& g, int64_t step) {
+    return std::find_if(g.pending.begin(), g.pending.end(),
+                        [step](const auto& p) { return p.first == step; });
+  }
 
   absl::Status ClosedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!fatal_.ok()) return fatal_;
@@ -250,7 +280,9 @@ class GrpcClient : public Client {
     return absl::OkStatus();
   }
 
-  absl::Status CheckSubmission(const GroupSubmission& sub) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // OK (and *group set), or the submission's error.
+  absl::Status CheckSubmission(const GroupSubmission& sub, GroupState** group)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = groups_.find(sub.group_id);
     if (it == groups_.end()) {
       return absl::FailedPreconditionError(
@@ -279,6 +311,7 @@ class GrpcClient : public Client {
           "manifest for group \"", sub.group_id, "\" step ", sub.step, " on rank ", options_.rank,
           ": steps must increase; this rank already submitted step ", g.last_step));
     }
+    *group = &it->second;
     return absl::OkStatus();
   }
 
@@ -340,9 +373,12 @@ class GrpcClient : public Client {
       case v1::RankReply::kRegistration:
         HandleRegistrationLocked(reply.registration());
         break;
-      case v1::RankReply::kDecisions:
+      case v1::RankReply::kDecisions: {
+        // Every future of the reply completes under one lock of the hub.
+        accord::MutexLock hub_lock(&hub_->mu);
         for (const v1::Decision& d : reply.decisions().decisions()) HandleDecisionLocked(d);
         break;
+      }
       case v1::RankReply::kError:
         HandleErrorLocked(reply.error());
         break;
@@ -377,7 +413,7 @@ class GrpcClient : public Client {
     }
   }
 
-  void HandleDecisionLocked(const v1::Decision& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void HandleDecisionLocked(const v1::Decision& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, hub_->mu) {
     auto it = groups_.find(d.group_id());
     if (it == groups_.end()) {
       ACCORD_LOG(WARNING) << "decision for unknown group \"" << d.group_id() << "\" step "
@@ -386,14 +422,20 @@ class GrpcClient : public Client {
     }
     GroupState& g = it->second;
     absl::StatusOr<Decision> result = DecodeDecision(g, d);
-    if (result.ok()) g.last_decision = *result;
-    auto p = g.pending.find(d.step());
+    if (result.ok()) {
+      if (d.same_as_previous()) {
+        g.last_decision->step = result->step;  // the same content
+      } else {
+        g.last_decision = *result;
+      }
+    }
+    auto p = FindPending(g, d.step());
     if (p == g.pending.end()) {
       ACCORD_LOG(WARNING) << "decision for group \"" << d.group_id() << "\" step " << d.step()
                           << " that rank " << options_.rank << " is not waiting for; ignored";
       return;
     }
-    p->second->Complete(std::move(result));
+    p->second->CompleteLocked(std::move(result));
     g.pending.erase(p);
   }
 
@@ -448,7 +490,7 @@ class GrpcClient : public Client {
       auto it = groups_.find(e.group_id());
       if (it != groups_.end()) {
         GroupState& g = it->second;
-        auto p = g.pending.find(e.step());
+        auto p = FindPending(g, e.step());
         if (p != g.pending.end()) {
           p->second->Complete(s);
           g.pending.erase(p);
@@ -498,6 +540,9 @@ class GrpcClient : public Client {
   absl::Status closed_status_ ABSL_GUARDED_BY(mu_);
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);  // a session/job-wide error from the sidecar
   absl::flat_hash_map<std::string, GroupState> groups_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<FutureHub> hub_ = std::make_shared<FutureHub>();
+  // This rank's manifest, reused by SubmitBatch (rank set built once).
+  Manifest scratch_ ABSL_GUARDED_BY(mu_);
 
   std::thread writer_;
   std::thread reader_;

@@ -126,8 +126,10 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
   return r;
 }
 
-absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params, int world_size,
-                                           int sender_rank) {
+absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
+                                     std::vector<DTypeMask>* out) {
+  // Messages are built only on the error paths: the common path allocates
+  // nothing beyond `out`'s first use.
   auto where = [&] {
     return absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step());
   };
@@ -136,11 +138,18 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
         absl::StrCat(where(), ": repeat form must be resolved against the sender's cache"));
   }
   if (m.step() < 0) return absl::InvalidArgumentError(absl::StrCat(where(), ": negative step"));
-  Manifest out;
-  out.step = m.step();
-  absl::StatusOr<std::vector<bool>> used =
-      UnpackBits(m.used_bits(), num_params, absl::StrCat(where(), " used_bits"));
-  if (!used.ok()) return used.status();
+  const std::string& bits = m.used_bits();
+  if (bits.size() != (num_params + 7) / 8) {
+    return absl::InvalidArgumentError(absl::StrCat(where(), " used_bits: bitset of ", bits.size(),
+                                                   " bytes for ", num_params, " entries (expected ",
+                                                   (num_params + 7) / 8, " bytes)"));
+  }
+  if (num_params % 8 != 0 && !bits.empty() &&
+      (static_cast<unsigned char>(bits.back()) >> (num_params % 8)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where(), " used_bits: bits set past entry ", num_params, " in the bitset"));
+  }
+  auto used = [&](size_t i) { return (static_cast<unsigned char>(bits[i / 8]) >> (i % 8)) & 1; };
   const bool uniform = m.uniform_dtype() != v1::DTYPE_UNSPECIFIED;
   const bool masks = !m.dtype_masks().empty();
   if (uniform && masks) {
@@ -148,18 +157,19 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
         absl::StrCat(where(), ": both uniform_dtype and dtype_masks are set; send one"));
   }
   bool any_used = false;
-  for (bool b : *used) any_used |= b;
+  for (char c : bits) any_used |= c != 0;
   if (any_used && !uniform && !masks) {
     return absl::InvalidArgumentError(
         absl::StrCat(where(), ": parameters are used but no dtype is given"));
   }
-  out.dtypes.assign(num_params, 0);
+  out->assign(num_params, 0);
   if (uniform) {
     absl::StatusOr<DType> d = DTypeFromProto(m.uniform_dtype());
     if (!d.ok())
       return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
+    const DTypeMask mask = MaskOf(*d);
     for (size_t i = 0; i < num_params; ++i) {
-      if ((*used)[i]) out.dtypes[i] = MaskOf(*d);
+      if (used(i)) (*out)[i] = mask;
     }
   } else if (masks) {
     if (m.dtype_masks().size() != num_params) {
@@ -173,14 +183,25 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
                                                        " has a non-float or unknown dtype (mask 0x",
                                                        absl::Hex(mask), ")"));
       }
-      if ((mask != 0) != (*used)[i]) {
+      if ((mask != 0) != (used(i) != 0)) {
         return absl::InvalidArgumentError(
             absl::StrCat(where(), ": parameter ", i,
-                         (*used)[i] ? " is used but has no dtype" : " is unused but has a dtype"));
+                         used(i) ? " is used but has no dtype" : " is unused but has a dtype"));
       }
-      out.dtypes[i] = mask;
+      (*out)[i] = mask;
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params, int world_size,
+                                           int sender_rank) {
+  auto where = [&] {
+    return absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step());
+  };
+  Manifest out;
+  if (absl::Status s = ManifestDTypesFromProto(m, num_params, &out.dtypes); !s.ok()) return s;
+  out.step = m.step();
   if (sender_rank >= 0) {
     if (!m.rank_bits().empty()) {
       return absl::InvalidArgumentError(

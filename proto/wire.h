@@ -45,6 +45,11 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
 // cache first. Errors are INVALID_ARGUMENT naming group, step and field.
 absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_params, int world_size,
                                            int sender_rank);
+// The dtypes of a full-form manifest: ManifestFromProto's checks and errors
+// for step, used_bits and dtypes, without building a rank set. `out` is
+// resized to num_params (its capacity is reused).
+absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
+                                     std::vector<DTypeMask>* out);
 // Core -> full-form message, compact (uniform_dtype) when possible. Includes
 // rank_bits when `with_ranks`.
 void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,

@@ -17,6 +17,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
@@ -61,7 +62,7 @@ v1::Manifest FullManifest(const Setup& s, int n, int g, int64_t step, int varian
   Manifest m = RankManifest(step, n * s.rpn, s.world, dtypes);
   for (int r = 0; r < s.rpn; ++r) m.ranks.Add(n * s.rpn + r);
   v1::Manifest out;
-  wire::ManifestToProto("group" + std::to_string(g), m, /*with_ranks=*/false, &out);
+  wire::ManifestToProto(absl::StrCat("group", g), m, /*with_ranks=*/false, &out);
   return out;
 }
 
@@ -86,14 +87,14 @@ Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, c
     if (mode == Mode::kBatchRepeat) {
       // The previous batch (per-manifest repeats or full) had these keys.
       wire::BatchKeyHasher hasher;
-      for (int g = 0; g < s.groups; ++g) hasher.Add("group" + std::to_string(g), keys[n][g]);
+      for (int g = 0; g < s.groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
       msg.mutable_manifests()->set_repeat_step(step);
       msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
     }
     for (int g = 0; mode != Mode::kBatchRepeat && g < s.groups; ++g) {
       v1::Manifest* m = msg.mutable_manifests()->add_manifests();
       if (repeat) {
-        m->set_group_id("group" + std::to_string(g));
+        m->set_group_id(absl::StrCat("group", g));
         m->set_step(step);
         m->set_repeat(true);
         m->set_cache_key(keys[n][g]);
@@ -140,16 +141,16 @@ int Main(int argc, char** argv) {
     ids[n] = c.OpenSession(&sinks[n]);
     v1::NodeMessage hello;
     hello.mutable_hello()->set_job_id("bench");
-    hello.mutable_hello()->set_node_id("node" + std::to_string(n));
+    hello.mutable_hello()->set_node_id(absl::StrCat("node", n));
     hello.mutable_hello()->set_world_size(s.world);
     for (int r = 0; r < s.rpn; ++r) hello.mutable_hello()->add_ranks(n * s.rpn + r);
     c.HandleMessage(ids[n], hello);
   }
   for (int g = 0; g < s.groups; ++g) {
     GroupSpec spec;
-    spec.group_id = "group" + std::to_string(g);
+    spec.group_id = absl::StrCat("group", g);
     for (int p = 0; p < s.params; ++p) {
-      spec.params.push_back(ParamSpec{"p" + std::to_string(p), 1024, 1024 * 64});
+      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
     }
     v1::NodeMessage reg;
     *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());

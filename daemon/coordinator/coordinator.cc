@@ -590,19 +590,24 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
     return absl::InvalidArgumentError(
         absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
   }
-  absl::StatusOr<Manifest> parsed =
-      all_node_ranks
-          // The node's own set is used below; a one-rank placeholder avoids
-          // building a world-sized set per manifest.
-          ? wire::ManifestFromProto(m, num_params, /*world_size=*/1, /*sender_rank=*/0)
-          : wire::ManifestFromProto(m, num_params, world, -1);
-  if (!parsed.ok()) return parsed.status();
   auto content = std::make_shared<Content>();
+  // The node's own rank set is shared when the manifest speaks for all its
+  // ranks: only the dtypes are decoded (no rank set per manifest).
+  absl::StatusOr<Manifest> parsed;
   if (all_node_ranks) {
+    if (absl::Status s = wire::ManifestDTypesFromProto(m, num_params, &content->dtypes); !s.ok()) {
+      return s;
+    }
     content->ranks = node.rank_set;
     content->rank_count = static_cast<int>(node.ranks.size());
-    if (m.cache_key() == 0) parsed->ranks = *node.rank_set;  // only the key needs it
+    if (m.cache_key() == 0) {  // only the key needs a Manifest
+      parsed.emplace();
+      parsed->dtypes = content->dtypes;
+      parsed->ranks = *node.rank_set;
+    }
   } else {
+    parsed = wire::ManifestFromProto(m, num_params, world, -1);
+    if (!parsed.ok()) return parsed.status();
     const auto& words = parsed->ranks.words();
     const auto& node_words = node.rank_set->words();
     for (size_t i = 0; i < words.size(); ++i) {
@@ -639,7 +644,7 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
   content->word_lo = lo;
   content->word_hi = hi;
   content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
-  content->dtypes = std::move(parsed->dtypes);
+  if (!all_node_ranks) content->dtypes = std::move(parsed->dtypes);
   return std::shared_ptr<const Content>(std::move(content));
 }
 

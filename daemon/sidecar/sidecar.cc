@@ -1,6 +1,7 @@
 #include "daemon/sidecar/sidecar.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -200,6 +201,9 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
   RankState& rs = ranks_[s.rank];
   rs.session = id;
   rs.sink = s.sink;
+  rs.key_scratch = Manifest();
+  rs.key_scratch.ranks = RankSet(world_size_);
+  rs.key_scratch.ranks.Add(s.rank);
   v1::RankReply welcome;
   welcome.mutable_welcome()->set_node_id(options_.node_id);
   welcome.mutable_welcome()->set_server_version(kServerVersion);
@@ -239,7 +243,13 @@ void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
                                    "\": ", p.status().message())));
     return;
   }
-  LocalGroup& g = groups_[reg.group_id()];
+  auto [git, inserted] = groups_.try_emplace(reg.group_id());
+  LocalGroup& g = git->second;
+  if (inserted) {
+    g.group_id = reg.group_id();
+    g.index = static_cast<int>(group_order_.size());
+    group_order_.push_back(&g);
+  }
   if (g.variants.empty()) g.spec = *spec;
   const std::string bytes = reg.SerializeAsString();
   Variant* v = nullptr;
@@ -251,12 +261,42 @@ void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
     v = &g.variants.back();
   }
   v->ranks.insert(rank);
-  g.ranks.insert(rank);
+  if (auto it = std::lower_bound(g.ranks.begin(), g.ranks.end(), rank);
+      it == g.ranks.end() || *it != rank) {
+    g.ranks.insert(it, rank);
+  }
   rs.got_result[reg.group_id()] = false;
   v1::NodeMessage up;
   *up.mutable_registration()->mutable_registration() = reg;
   up.mutable_registration()->add_ranks(rank);
   upstream_->Send(std::move(up));
+}
+
+Sidecar::LocalStep& Sidecar::StepFor(LocalGroup& g, int64_t step) {
+  auto it = std::lower_bound(g.steps.begin(), g.steps.end(), step,
+                             [](const LocalStep& st, int64_t s) { return st.step < s; });
+  if (it != g.steps.end() && it->step == step) return *it;
+  LocalStep fresh;
+  if (!g.spare.empty()) {
+    fresh = std::move(g.spare.back());
+    g.spare.pop_back();
+  }
+  fresh.step = step;
+  fresh.sent = false;
+  fresh.ranks.clear();
+  fresh.rows.clear();
+  fresh.merged.clear();
+  return *g.steps.insert(it, std::move(fresh));
+}
+
+void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step) {
+  size_t n = 0;
+  while (n < g.steps.size() && g.steps[n].step <= step) ++n;
+  for (size_t i = 0; i < n; ++i) g.spare.push_back(std::move(g.steps[i]));
+  g.steps.erase(g.steps.begin(), g.steps.begin() + n);
+  size_t k = 0;
+  while (k < g.inflight.size() && g.inflight[k].step <= step) ++k;
+  g.inflight.erase(g.inflight.begin(), g.inflight.begin() + k);
 }
 
 void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
@@ -285,11 +325,14 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
     SendToRank(rank, std::move(reply));
     return;
   }
-  std::set<std::string> touched;
+  const uint64_t epoch = ++touch_epoch_;
+  touched_.clear();
+  std::vector<DTypeMask>& parsed = rs.key_scratch.dtypes;
   for (const v1::Manifest& m : batch.manifests()) {
     ++stats_.rank_manifests;
     auto git = groups_.find(m.group_id());
-    if (git == groups_.end() || !git->second.ranks.count(rank)) {
+    if (git == groups_.end() ||
+        !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
       reply_error(m, v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
                   absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
                                m.group_id(), "\" which this rank has not registered"));
@@ -309,12 +352,16 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                        m.step(), ": older than the last decided step ", g.last_decided_step));
       continue;
     }
-    // A repeat names this rank's previous full manifest for the group by
-    // its key; resolve it to that content at the new step.
-    v1::Manifest resolved;
+    const size_t num_params = g.spec.params.size();
+    auto last = std::lower_bound(g.last_full.begin(), g.last_full.end(), rank,
+                                 [](const LastFull& l, int r) { return l.rank < r; });
+    const bool have_last = last != g.last_full.end() && last->rank == rank;
+    // The content: a repeat names this rank's previous full manifest for the
+    // group by its key (validated when it arrived); a full one is decoded.
+    const std::vector<DTypeMask>* content;
+    uint64_t full_key = 0;
     if (m.repeat()) {
-      auto last = g.last_full.find(rank);
-      if (last == g.last_full.end() || last->second.cache_key() != m.cache_key()) {
+      if (!have_last || last->key != m.cache_key()) {
         reply_error(
             m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
             absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
@@ -322,27 +369,33 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                          " which is not this rank's previous manifest; send the full form"));
         continue;
       }
-      resolved = last->second;
-      resolved.set_step(m.step());
+      content = &last->dtypes;
     } else {
-      resolved = m;
+      absl::Status valid = wire::ManifestDTypesFromProto(m, num_params, &parsed);
+      if (valid.ok() && !m.rank_bits().empty()) {
+        valid = absl::InvalidArgumentError(
+            absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
+                         ": a rank's manifest must not carry rank_bits"));
+      }
+      if (!valid.ok()) {
+        const bool non_float = absl::StrContains(valid.message(), "not a float dtype");
+        reply_error(m, non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                    absl::StatusCode::kInvalidArgument,
+                    absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message()));
+        continue;
+      }
+      // The key covers content, not the step; recompute it so a client that
+      // did not set one still gets repeats resolved correctly.
+      full_key = ManifestKey(rs.key_scratch);
+      content = &parsed;
     }
-    absl::StatusOr<Manifest> parsed =
-        wire::ManifestFromProto(resolved, g.spec.params.size(), world_size_, rank);
-    absl::Status valid =
-        parsed.ok() ? ValidateManifest(*parsed, m.group_id(), g.spec.params.size(), world_size_)
-                    : parsed.status();
-    if (!valid.ok()) {
-      const bool non_float = absl::StrContains(valid.message(), "not a float dtype");
-      reply_error(m, non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                  absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message()));
-      continue;
-    }
-    LocalStep& st = g.steps[m.step()];
-    const std::string raw = m.SerializeAsString();
-    if (auto prev = st.raw.find(rank); prev != st.raw.end()) {
-      if (prev->second != raw) {
+    LocalStep& st = StepFor(g, m.step());
+    auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
+    const size_t row = static_cast<size_t>(pos - st.ranks.begin());
+    if (pos != st.ranks.end() && *pos == rank) {
+      // A second manifest for the step: a resend of the same content is a
+      // no-op, different content is an error.
+      if (!std::equal(content->begin(), content->end(), st.rows.begin() + row * num_params)) {
         reply_error(
             m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
             absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
@@ -350,76 +403,115 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       }
       continue;
     }
-    if (st.raw.empty()) {
-      st.merged = *parsed;
-    } else if (absl::Status s = Merge(st.merged, *parsed); !s.ok()) {
-      reply_error(m, v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", job_id_, " rank ", rank, ": ", s.message()));
-      continue;
-    }
-    st.raw[rank] = raw;
+    st.ranks.insert(pos, rank);
+    st.rows.insert(st.rows.begin() + row * num_params, content->begin(), content->end());
+    if (st.merged.size() != num_params) st.merged.assign(num_params, 0);
+    for (size_t i = 0; i < num_params; ++i) st.merged[i] |= (*content)[i];
     if (!m.repeat()) {
-      v1::Manifest keep = m;
-      keep.clear_step();
-      // The key covers content, not the step; recompute it so a client that
-      // did not set one still gets repeats resolved correctly.
-      keep.set_cache_key(ManifestKey(*parsed));
-      g.last_full[rank] = std::move(keep);
+      if (!have_last) last = g.last_full.insert(last, LastFull{rank, 0, {}});
+      last->key = full_key;
+      last->dtypes.assign(parsed.begin(), parsed.end());
     }
-    std::vector<bool> used(parsed->dtypes.size());
-    for (size_t i = 0; i < used.size(); ++i) used[i] = parsed->dtypes[i] != 0;
-    st.used[rank] = std::move(used);
     rs.last_step = std::max(rs.last_step, m.step());
-    touched.insert(m.group_id());
+    if (g.touched_epoch != epoch) {
+      g.touched_epoch = epoch;
+      touched_.push_back(&g);
+    }
   }
   if (errors.decisions().decisions_size() > 0) SendToRank(rank, std::move(errors));
+  if (touched_.empty()) return;
+  // Registration order: the same groups go up in the same order every step,
+  // whichever rank completes them (what batch repeats match on).
+  std::sort(touched_.begin(), touched_.end(),
+            [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
   v1::NodeMessage up;
-  for (const std::string& gid : touched) {
-    CollectComplete(gid, groups_[gid], up.mutable_manifests());
-  }
+  v1::ManifestBatch* out = up.mutable_manifests();
+  out->mutable_manifests()->Reserve(static_cast<int>(touched_.size()));
+  for (LocalGroup* g : touched_) CollectComplete(*g, out);
   SendManifests(std::move(up));
 }
 
-void Sidecar::CollectComplete(const std::string& group_id, LocalGroup& g, v1::ManifestBatch* out) {
-  for (auto& [step, st] : g.steps) {
-    if (st.sent || st.raw.empty()) continue;
+void Sidecar::CollectComplete(LocalGroup& g, v1::ManifestBatch* out) {
+  const size_t num_params = g.spec.params.size();
+  for (LocalStep& st : g.steps) {
+    if (st.sent || st.ranks.empty()) continue;
     bool complete = true;
     for (int r : g.ranks) {
-      if (ranks_.count(r) && !st.raw.count(r)) complete = false;
+      if (ranks_.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r)) {
+        complete = false;
+        break;
+      }
     }
     if (!complete) break;  // later steps wait for this one (per-stream order)
     st.sent = true;
-    // Ranks whose usage differs from the node's merged usage travel as detail.
-    std::vector<bool> merged_used(st.merged.dtypes.size());
-    for (size_t i = 0; i < merged_used.size(); ++i) merged_used[i] = st.merged.dtypes[i] != 0;
-    v1::Manifest full;
-    std::set<int> covered;
-    for (const auto& [r, used] : st.used) covered.insert(r);
-    wire::ManifestToProto(group_id, st.merged, /*with_ranks=*/covered != announced_, &full);
-    for (const auto& [r, used] : st.used) {
-      if (used != merged_used) {
-        v1::RankUsage* u = full.add_rank_detail();
-        u->set_rank(r);
-        u->set_used_bits(wire::PackBits(used));
+    // Ranks whose usage differs from the node's merged usage travel as detail;
+    // their (rank, used bits) pairs form the detail signature.
+    std::string& detail = detail_scratch_;
+    detail.clear();
+    for (size_t k = 0; k < st.ranks.size(); ++k) {
+      const DTypeMask* row = st.rows.data() + k * num_params;
+      bool differs = false;
+      for (size_t i = 0; i < num_params && !differs; ++i) {
+        differs = (row[i] != 0) != (st.merged[i] != 0);
+      }
+      if (!differs) continue;
+      const int r = st.ranks[k];
+      detail.append(reinterpret_cast<const char*>(&r), sizeof(r));
+      const size_t at = detail.size();
+      detail.append((num_params + 7) / 8, '\0');
+      for (size_t i = 0; i < num_params; ++i) {
+        if (row[i] != 0)
+          detail[at + i / 8] = static_cast<char>(detail[at + i / 8] | (1 << (i % 8)));
       }
     }
-    std::string detail;
-    for (const v1::RankUsage& u : full.rank_detail()) detail += u.SerializeAsString();
-    g.inflight[step] = full;
-    if (g.have_last_sent && g.last_sent_key == full.cache_key() && g.last_sent_detail == detail) {
+    const bool with_ranks =
+        !std::equal(st.ranks.begin(), st.ranks.end(), announced_.begin(), announced_.end());
+    const bool same_content = g.last_node_full != nullptr && st.ranks == g.last_node_covered &&
+                              st.merged == g.last_node_merged && detail == g.last_node_detail;
+    if (!same_content || with_ranks != g.last_node_with_ranks) {
+      // A new node manifest: build its full form once; later steps with the
+      // same content share it.
+      Manifest merged;
+      merged.step = st.step;
+      merged.dtypes = st.merged;
+      merged.ranks = RankSet(world_size_);
+      for (int r : st.ranks) merged.ranks.Add(r);
+      auto full = std::make_shared<v1::Manifest>();
+      wire::ManifestToProto(g.group_id, merged, with_ranks, full.get());
+      full->clear_step();
+      for (size_t at = 0; at < detail.size();) {
+        int r;
+        std::memcpy(&r, detail.data() + at, sizeof(r));
+        at += sizeof(r);
+        v1::RankUsage* u = full->add_rank_detail();
+        u->set_rank(r);
+        u->set_used_bits(detail.substr(at, (num_params + 7) / 8));
+        at += (num_params + 7) / 8;
+      }
+      g.last_node_key = full->cache_key();
+      g.last_node_covered = st.ranks;
+      g.last_node_merged = st.merged;
+      g.last_node_detail = detail;
+      g.last_node_with_ranks = with_ranks;
+      g.last_node_full = std::move(full);
+    }
+    g.inflight.insert(std::lower_bound(g.inflight.begin(), g.inflight.end(), st.step,
+                                       [](const Inflight& f, int64_t s) { return f.step < s; }),
+                      Inflight{st.step, g.last_node_full});
+    if (g.have_last_sent && same_content) {
       v1::Manifest* rep = out->add_manifests();
-      rep->set_group_id(group_id);
-      rep->set_step(step);
+      rep->set_group_id(g.group_id);
+      rep->set_step(st.step);
       rep->set_repeat(true);
-      rep->set_cache_key(full.cache_key());
+      rep->set_cache_key(g.last_node_key);
       ++stats_.node_manifests_repeat;
     } else {
-      *out->add_manifests() = full;
+      v1::Manifest* full = out->add_manifests();
+      *full = *g.last_node_full;
+      full->set_step(st.step);
       ++stats_.node_manifests_full;
     }
     g.have_last_sent = true;
-    g.last_sent_key = full.cache_key();
-    g.last_sent_detail = std::move(detail);
   }
 }
 
@@ -446,9 +538,9 @@ void Sidecar::CloseRank(SessionId id) {
   upstream_->Send(std::move(left));
   // Steps that only waited for this rank are now complete.
   v1::NodeMessage up;
-  for (auto& [gid, g] : groups_) {
-    g.ranks.erase(rank);
-    CollectComplete(gid, g, up.mutable_manifests());
+  for (LocalGroup* g : group_order_) {
+    g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
+    CollectComplete(*g, up.mutable_manifests());
   }
   SendManifests(std::move(up));
 }
@@ -461,6 +553,7 @@ void Sidecar::ResetJob() {
   world_size_ = 0;
   hello_sent_ = false;
   announced_.clear();
+  group_order_.clear();
   groups_.clear();
   upstream_batch_repeat_ = false;
   last_batch_.clear();
@@ -475,7 +568,8 @@ void Sidecar::OnUpstreamConnected() {
     msgs.push_back(HelloMessage());
     hello_sent_ = true;
     v1::NodeMessage batch;
-    for (auto& [gid, g] : groups_) {
+    for (LocalGroup* gp : group_order_) {
+      LocalGroup& g = *gp;
       for (const Variant& v : g.variants) {
         std::vector<int> live;
         for (int r : v.ranks) {
@@ -487,7 +581,11 @@ void Sidecar::OnUpstreamConnected() {
         for (int r : live) reg.mutable_registration()->add_ranks(r);
         msgs.push_back(std::move(reg));
       }
-      for (const auto& [step, m] : g.inflight) *batch.mutable_manifests()->add_manifests() = m;
+      for (const Inflight& f : g.inflight) {
+        v1::Manifest* m = batch.mutable_manifests()->add_manifests();
+        *m = *f.full;
+        m->set_step(f.step);
+      }
       // The coordinator may have lost its cache: the next manifest goes in full.
       g.have_last_sent = false;
     }
@@ -551,61 +649,105 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       }
       return;
     }
-    case v1::CoordinatorMessage::kDecisions: {
-      std::map<int, v1::RankReply> out;
-      v1::NodeMessage resend;
-      for (const v1::Decision& d : message.decisions().decisions()) {
-        ++stats_.decisions_in;
-        auto git = groups_.find(d.group_id());
-        if (git == groups_.end()) continue;
-        LocalGroup& g = git->second;
-        // A repeat the coordinator could not resolve: resend in full form.
-        if (d.has_error() && d.error().kind() == v1::INVALID_MANIFEST &&
-            absl::StrContains(d.error().message(), "full form")) {
-          if (auto in = g.inflight.find(d.step()); in != g.inflight.end()) {
-            *resend.mutable_manifests()->add_manifests() = in->second;
-            g.have_last_sent = false;
-            continue;
-          }
-        }
-        const int64_t previous = g.last_decided_step;
-        if (d.step() > g.last_decided_step) g.last_decided_step = d.step();
-        if (d.has_ok()) g.last_ok = d.ok();
-        if (d.has_error()) g.last_ok.reset();
-        if (d.step() >= g.last_decided_step) {
-          if (d.has_error()) {
-            g.last_error = d;
-          } else {
-            g.last_error.reset();
-          }
-        }
-        g.inflight.erase(g.inflight.begin(), g.inflight.upper_bound(d.step()));
-        g.steps.erase(g.steps.begin(), g.steps.upper_bound(d.step()));
-        for (int r : g.ranks) {
-          auto rit = ranks_.find(r);
-          if (rit == ranks_.end()) continue;
-          v1::Decision* rd = out[r].mutable_decisions()->add_decisions();
-          *rd = d;
-          int64_t& delivered =
-              rit->second.delivered.try_emplace(d.group_id(), int64_t{-1}).first->second;
-          if (d.same_as_previous() && (delivered != previous || previous < 0)) {
-            if (g.last_ok.has_value()) {
-              rd->set_same_as_previous(false);
-              *rd->mutable_ok() = *g.last_ok;
-            }
-          }
-          delivered = d.step();
-        }
-      }
-      for (auto& [r, reply] : out) SendToRank(r, std::move(reply));
-      // Full-form manifests never compact, but the resend is the stream's
-      // previous batch from now on.
-      SendManifests(std::move(resend));
+    case v1::CoordinatorMessage::kDecisions:
+      HandleDecisions(message.decisions());
       return;
-    }
     default:
       return;
   }
+}
+
+void Sidecar::HandleDecisions(const v1::DecisionBatch& batch) {
+  // Pass 1: group state, and per decision which ranks need the full body
+  // instead of the coordinator's `same_as_previous`.
+  struct Routed {
+    const v1::Decision* decision;
+    LocalGroup* group;
+    std::vector<int> expand;   // ranks that get the full body (usually none)
+    v1::DecisionOk expand_ok;  // that body (the group's last ok at this decision)
+  };
+  std::vector<Routed> routed;
+  routed.reserve(batch.decisions_size());
+  bool uniform = true;  // every connected rank gets every routed decision as is
+  v1::NodeMessage resend;
+  for (const v1::Decision& d : batch.decisions()) {
+    ++stats_.decisions_in;
+    auto git = groups_.find(d.group_id());
+    if (git == groups_.end()) continue;
+    LocalGroup& g = git->second;
+    // A repeat the coordinator could not resolve: resend in full form.
+    if (d.has_error() && d.error().kind() == v1::INVALID_MANIFEST &&
+        absl::StrContains(d.error().message(), "full form")) {
+      auto in = std::lower_bound(g.inflight.begin(), g.inflight.end(), d.step(),
+                                 [](const Inflight& f, int64_t s) { return f.step < s; });
+      if (in != g.inflight.end() && in->step == d.step()) {
+        v1::Manifest* m = resend.mutable_manifests()->add_manifests();
+        *m = *in->full;
+        m->set_step(d.step());
+        g.have_last_sent = false;
+        continue;
+      }
+    }
+    const int64_t previous = g.last_decided_step;
+    if (d.step() > g.last_decided_step) g.last_decided_step = d.step();
+    if (d.has_ok()) g.last_ok = d.ok();
+    if (d.has_error()) g.last_ok.reset();
+    if (d.step() >= g.last_decided_step) {
+      if (d.has_error()) {
+        g.last_error = d;
+      } else {
+        g.last_error.reset();
+      }
+    }
+    DropStepsUpTo(g, d.step());
+    Routed& out = routed.emplace_back(Routed{&d, &g, {}});
+    size_t connected = 0;
+    for (int r : g.ranks) {
+      auto rit = ranks_.find(r);
+      if (rit == ranks_.end()) continue;
+      ++connected;
+      std::vector<int64_t>& delivered = rit->second.delivered;
+      if (delivered.size() <= static_cast<size_t>(g.index)) {
+        delivered.resize(group_order_.size(), -1);
+      }
+      int64_t& last = delivered[g.index];
+      if (d.same_as_previous() && (last != previous || previous < 0) && g.last_ok.has_value()) {
+        if (out.expand.empty()) out.expand_ok = *g.last_ok;
+        out.expand.push_back(r);
+      }
+      last = d.step();
+    }
+    if (connected != ranks_.size() || !out.expand.empty()) uniform = false;
+  }
+  // Pass 2: one shared reply when every rank gets the same decisions (the
+  // common case), else one reply per rank.
+  if (!routed.empty() && uniform) {
+    auto reply = std::make_shared<v1::RankReply>();
+    v1::DecisionBatch* b = reply->mutable_decisions();
+    b->mutable_decisions()->Reserve(static_cast<int>(routed.size()));
+    for (const Routed& x : routed) *b->add_decisions() = *x.decision;
+    std::shared_ptr<const v1::RankReply> shared = std::move(reply);
+    for (auto& [r, rs] : ranks_) {
+      if (rs.sink != nullptr) rs.sink->Send(shared);
+    }
+  } else if (!routed.empty()) {
+    for (auto& [r, rs] : ranks_) {
+      v1::RankReply reply;
+      for (const Routed& x : routed) {
+        if (!std::binary_search(x.group->ranks.begin(), x.group->ranks.end(), r)) continue;
+        v1::Decision* rd = reply.mutable_decisions()->add_decisions();
+        *rd = *x.decision;
+        if (std::find(x.expand.begin(), x.expand.end(), r) != x.expand.end()) {
+          rd->set_same_as_previous(false);
+          *rd->mutable_ok() = x.expand_ok;
+        }
+      }
+      if (reply.has_decisions()) SendToRank(r, std::move(reply));
+    }
+  }
+  // Full-form manifests never compact, but the resend is the stream's
+  // previous batch from now on.
+  SendManifests(std::move(resend));
 }
 
 }  // namespace accord::daemon

@@ -45,12 +45,13 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
-#include "core/sync.h"
 #include "accord/v1/accord.pb.h"
 #include "core/decide.h"
 #include "core/group.h"
 #include "core/manifest.h"
+#include "core/sync.h"
 
 namespace accord::daemon {
 
@@ -123,44 +124,77 @@ class Sidecar {
     SessionId session = 0;
     RankSink* sink = nullptr;
     int64_t last_step = -1;
-    // group -> the step of the last decision delivered to this rank
-    absl::flat_hash_map<std::string, int64_t> delivered;
+    // Indexed by LocalGroup::index: the step of the last decision delivered
+    // to this rank (-1: none).
+    std::vector<int64_t> delivered;
     absl::flat_hash_map<std::string, bool> got_result;
+    // This rank's one-rank manifest, for recomputing rank manifest keys
+    // without building a world-sized rank set per manifest.
+    Manifest key_scratch;
   };
   struct Session {
     RankSink* sink = nullptr;
     int rank = -1;  // -1 until a hello is accepted
   };
+  // One (group, step) being collected. Rows are per reporting rank, sorted by
+  // rank; storage is reused across steps (see LocalGroup::spare).
   struct LocalStep {
-    Manifest merged;
-    std::map<int, std::vector<bool>> used;  // per reporting rank
-    std::map<int, std::string> raw;         // rank -> its manifest, for resend checks
+    int64_t step = 0;
     bool sent = false;
+    std::vector<int> ranks;         // reporting ranks, ascending
+    std::vector<DTypeMask> rows;    // ranks.size() x num_params dtype sets
+    std::vector<DTypeMask> merged;  // OR of the rows
   };
   struct Variant {
     v1::GroupRegistration registration;
     std::string bytes;
     std::set<int> ranks;
   };
+  // A local rank's last full-form manifest content for a group, against
+  // which its repeat-form manifests are resolved.
+  struct LastFull {
+    int rank = -1;
+    uint64_t key = 0;
+    std::vector<DTypeMask> dtypes;
+  };
+  // A node manifest sent without a decision yet (for resends).
+  struct Inflight {
+    int64_t step = 0;
+    std::shared_ptr<const v1::Manifest> full;  // full form, step not set
+  };
   struct LocalGroup {
+    std::string group_id;
+    int index = 0;  // dense, in registration order
     GroupSpec spec;
     std::vector<Variant> variants;
-    std::set<int> ranks;  // local ranks that registered it
+    std::vector<int> ranks;  // local ranks that registered it, ascending
     std::optional<v1::RegistrationResult> result;
-    std::map<int64_t, LocalStep> steps;
-    std::map<int64_t, v1::Manifest> inflight;  // full form, sent without a decision yet
-    uint64_t last_sent_key = 0;
-    std::string last_sent_detail;
+    std::vector<LocalStep> steps;    // ascending step
+    std::vector<LocalStep> spare;    // emptied steps, kept for their storage
+    std::vector<Inflight> inflight;  // ascending step
+    // The last node manifest produced for the group (content, detail
+    // signature, whether it carried rank_bits, and its full form).
+    uint64_t last_node_key = 0;
+    std::vector<int> last_node_covered;
+    std::vector<DTypeMask> last_node_merged;
+    std::string last_node_detail;
+    bool last_node_with_ranks = false;
+    std::shared_ptr<const v1::Manifest> last_node_full;
+    // Whether the upstream holds last_node_* as this node's previous manifest
+    // for the group (repeat form allowed).
     bool have_last_sent = false;
     int64_t last_decided_step = -1;
     std::optional<v1::DecisionOk> last_ok;
     // The last decided step's decision when it was an error, for a rank that
     // submits that step only afterwards.
     std::optional<v1::Decision> last_error;
-    // Per local rank: its last full-form manifest (step cleared), against
-    // which its repeat-form manifests are resolved.
-    std::map<int, v1::Manifest> last_full;
+    std::vector<LastFull> last_full;  // per local rank, ascending rank
+    uint64_t touched_epoch = 0;       // HandleManifests dedup
   };
+  // The group's LocalStep for `step`, created (from spare storage) if absent.
+  static LocalStep& StepFor(LocalGroup& g, int64_t step);
+  // Drops every step and inflight entry <= `step`, keeping step storage.
+  static void DropStepsUpTo(LocalGroup& g, int64_t step);
 
   void HandleHello(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -168,8 +202,8 @@ class Sidecar {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
-  void CollectComplete(const std::string& group_id, LocalGroup& g, v1::ManifestBatch* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CollectComplete(LocalGroup& g, v1::ManifestBatch* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleDecisions(const v1::DecisionBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
@@ -190,7 +224,12 @@ class Sidecar {
   bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
   std::set<int> announced_ ABSL_GUARDED_BY(mu_);         // every rank announced upstream
-  std::map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
+  // node_hash_map: LocalGroup addresses are stable (group_order_ points at them).
+  absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
+  std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
+  uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifests
+  std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
   // The current upstream stream: whether the coordinator accepts batch
   // repeats, and the previous ManifestBatch sent on it (group, cache key).
