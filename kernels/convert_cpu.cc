@@ -7,6 +7,7 @@
 #include "kernels/element_convert.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define ACCORD_X86 1
 #endif
@@ -44,8 +45,16 @@ __attribute__((target("avx,f16c"))) void HalfToFloatF16C(const void* src, void* 
 
 bool DetectF16C() {
 #if defined(ACCORD_X86)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // CPUID leaf 1, ECX: bit 27 OSXSAVE, bit 28 AVX, bit 29 F16C; then XCR0
+  // must show the OS saves XMM and YMM state. (Clang 14's
+  // __builtin_cpu_supports does not know "f16c".)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const unsigned need = (1u << 27) | (1u << 28) | (1u << 29);
+  if ((ecx & need) != need) return false;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  return (xcr0_lo & 0x6u) == 0x6u;
 #else
   return false;
 #endif

@@ -57,13 +57,14 @@ class GroupReducer {
   Layout layout_;
   bool have_layout_ = false;
   bool reduced_ = false;
-  // Host buffers (kCpu) or device buffers (kCuda).
+  // Host buffers (kCpu) or device buffers (kCuda; unused in builds without
+  // the CUDA kernels).
   std::vector<char> host_packed_;
   std::vector<char> host_shard_;
-  void* device_packed_ = nullptr;
-  void* device_shard_ = nullptr;
-  size_t device_packed_bytes_ = 0;
-  size_t device_shard_bytes_ = 0;
+  [[maybe_unused]] void* device_packed_ = nullptr;
+  [[maybe_unused]] void* device_shard_ = nullptr;
+  [[maybe_unused]] size_t device_packed_bytes_ = 0;
+  [[maybe_unused]] size_t device_shard_bytes_ = 0;
   void* packed_ = nullptr;
   void* shard_ = nullptr;
 };
