@@ -7,6 +7,7 @@
 // The stream is gRPC's synchronous one: one Read and one Write may run
 // concurrently; Finish runs only after the writer has stopped.
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -50,10 +51,19 @@ struct DecisionFuture::State {
   // Read only once done (an empty-message placeholder until then).
   absl::StatusOr<Decision> result ABSL_GUARDED_BY(hub->mu);
 
+  // Set (release) after `result` is written, which then never changes:
+  // a reader that sees it true (acquire) may read `result` without the lock.
+  std::atomic<bool> completed{false};
+
   void CompleteLocked(absl::StatusOr<Decision> r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hub->mu) {
     if (done) return;
     result = std::move(r);
     done = true;
+    completed.store(true, std::memory_order_release);
+  }
+  // Only after `completed` was seen true.
+  const absl::StatusOr<Decision>& CompletedResult() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return result;
   }
   void Complete(absl::StatusOr<Decision> r) {
     accord::MutexLock lock(&hub->mu);
@@ -62,9 +72,7 @@ struct DecisionFuture::State {
 };
 
 bool DecisionFuture::Ready() const {
-  if (state_ == nullptr) return false;
-  accord::MutexLock lock(&state_->hub->mu);
-  return state_->done;
+  return state_ != nullptr && state_->completed.load(std::memory_order_acquire);
 }
 
 namespace {
@@ -228,6 +236,8 @@ class GrpcClient : public Client {
       return absl::InvalidArgumentError("Wait on an empty DecisionFuture (not from Submit)");
     }
     DecisionFuture::State* st = future.state().get();
+    // Usually the decision is already there (a batch completes at once): no lock.
+    if (st->completed.load(std::memory_order_acquire)) return st->CompletedResult();
     accord::MutexLock lock(&st->hub->mu);
     st->hub->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
     if (!st->done) {

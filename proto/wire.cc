@@ -1,5 +1,7 @@
 #include "proto/wire.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace accord::wire {
@@ -128,6 +130,11 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
 
 absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
                                      std::vector<DTypeMask>* out) {
+  out->resize(num_params);
+  return ManifestDTypesFromProto(m, num_params, out->data());
+}
+
+absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params, DTypeMask* out) {
   // Messages are built only on the error paths: the common path allocates
   // nothing beyond `out`'s first use.
   auto where = [&] {
@@ -162,14 +169,14 @@ absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
     return absl::InvalidArgumentError(
         absl::StrCat(where(), ": parameters are used but no dtype is given"));
   }
-  out->assign(num_params, 0);
+  std::fill(out, out + num_params, DTypeMask{0});
   if (uniform) {
     absl::StatusOr<DType> d = DTypeFromProto(m.uniform_dtype());
     if (!d.ok())
       return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
     const DTypeMask mask = MaskOf(*d);
     for (size_t i = 0; i < num_params; ++i) {
-      if (used(i)) (*out)[i] = mask;
+      out[i] = used(i) ? mask : DTypeMask{0};
     }
   } else if (masks) {
     if (m.dtype_masks().size() != num_params) {
@@ -188,7 +195,7 @@ absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
             absl::StrCat(where(), ": parameter ", i,
                          used(i) ? " is used but has no dtype" : " is unused but has a dtype"));
       }
-      (*out)[i] = mask;
+      out[i] = mask;
     }
   }
   return absl::OkStatus();

@@ -50,6 +50,8 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
 // resized to num_params (its capacity is reused).
 absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params,
                                      std::vector<DTypeMask>* out);
+// The same into `out[0..num_params)`, which the caller sized.
+absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params, DTypeMask* out);
 // Core -> full-form message, compact (uniform_dtype) when possible. Includes
 // rank_bits when `with_ranks`.
 void ManifestToProto(absl::string_view group_id, const Manifest& m, bool with_ranks,

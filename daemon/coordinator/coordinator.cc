@@ -299,7 +299,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
     set->Add(r);
   }
   node.ranks = ranks;
-  node.rank_set = std::move(set);
+  SetRankSet(node, std::move(set));
   node.session = id;
   node.sink = s.sink;
   ++job.connected_nodes;
@@ -357,7 +357,7 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
     std::sort(node.ranks.begin(), node.ranks.end());
     auto set = std::make_shared<RankSet>(*node.rank_set);
     set->Add(r);
-    node.rank_set = std::move(set);
+    SetRankSet(node, std::move(set));
     return;
   }
   // A rank this node does not serve (e.g. one refused as a duplicate) leaving
@@ -595,14 +595,16 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
   // ranks: only the dtypes are decoded (no rank set per manifest).
   absl::StatusOr<Manifest> parsed;
   if (all_node_ranks) {
-    if (absl::Status s = wire::ManifestDTypesFromProto(m, num_params, &content->dtypes); !s.ok()) {
+    content->dtypes.resize(num_params);
+    if (absl::Status s = wire::ManifestDTypesFromProto(m, num_params, content->dtypes.data());
+        !s.ok()) {
       return s;
     }
     content->ranks = node.rank_set;
     content->rank_count = static_cast<int>(node.ranks.size());
     if (m.cache_key() == 0) {  // only the key needs a Manifest
       parsed.emplace();
-      parsed->dtypes = content->dtypes;
+      parsed->dtypes.assign(content->dtypes.begin(), content->dtypes.end());
       parsed->ranks = *node.rank_set;
     }
   } else {
@@ -636,15 +638,20 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
     if (!used.ok()) return used.status();
     content->detail.push_back(RankDetail{u.rank(), *std::move(used)});
   }
-  const std::vector<uint64_t>& words = content->ranks->words();
-  int lo = 0;
-  int hi = static_cast<int>(words.size());
-  while (lo < hi && words[lo] == 0) ++lo;
-  while (hi > lo && words[hi - 1] == 0) --hi;
-  content->word_lo = lo;
-  content->word_hi = hi;
+  if (all_node_ranks) {
+    content->word_lo = node.word_lo;
+    content->word_hi = node.word_hi;
+  } else {
+    const std::vector<uint64_t>& words = content->ranks->words();
+    int lo = 0;
+    int hi = static_cast<int>(words.size());
+    while (lo < hi && words[lo] == 0) ++lo;
+    while (hi > lo && words[hi - 1] == 0) --hi;
+    content->word_lo = lo;
+    content->word_hi = hi;
+  }
   content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
-  if (!all_node_ranks) content->dtypes = std::move(parsed->dtypes);
+  if (!all_node_ranks) content->dtypes.assign(parsed->dtypes.begin(), parsed->dtypes.end());
   return std::shared_ptr<const Content>(std::move(content));
 }
 
@@ -653,19 +660,19 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
   NodeState& node = *s.node;
   BatchRecord& record = s.last_batch;
   if (batch.repeat_batch_key() != 0) {
-    if (batch.manifests_size() > 0 || record.key != batch.repeat_batch_key()) {
+    if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
       v1::CoordinatorMessage reply;
       *reply.mutable_error() = Error(
           v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat(
-              "job ", job.job_id, " step ", batch.repeat_step(), ": node \"", node.node_id,
-              "\" sent a batch repeat with key ", absl::Hex(batch.repeat_batch_key()),
-              batch.manifests_size() > 0
-                  ? std::string(" together with manifests")
-                  : absl::StrCat(" but the previous batch on this stream has key ",
-                                 absl::Hex(record.key), " (", record.entries.size(), " manifests)"),
-              "; the sidecar and the coordinator disagree on the stream's history. "
-              "Check the sidecar's version; restarting it resends in full form"),
+          absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"", node.node_id,
+                       "\" sent a batch repeat with key ", absl::Hex(batch.repeat_batch_key()),
+                       batch.manifests_size() > 0
+                           ? std::string(" together with manifests")
+                           : absl::StrCat(" but the previous batch on this stream has key ",
+                                          absl::Hex(record.Key()), " (", record.entries.size(),
+                                          " manifests)"),
+                       "; the sidecar and the coordinator disagree on the stream's history. "
+                       "Check the sidecar's version; restarting it resends in full form"),
           job.job_id, "", batch.repeat_step());
       NoteError(reply.error());
       out.direct.emplace_back(s.sink, std::move(reply));
@@ -691,24 +698,52 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
     return;
   }
   if (batch.manifests_size() == 0) return;
-  record.entries.clear();
-  record.entries.reserve(batch.manifests_size());
-  wire::BatchKeyHasher hasher;
-  for (const v1::Manifest& m : batch.manifests()) {
-    auto git = job.groups.find(m.group_id());
-    auto ngit = node.groups.find(m.group_id());
-    BatchEntry& e = record.entries.emplace_back();
-    e.group_id = m.group_id();
-    e.cache_key = m.cache_key();
-    if (git != job.groups.end() && ngit != node.groups.end()) {
-      e.group = &git->second;
-      e.node_group = &ngit->second;
+  // The new record. An entry naming the same group as the old record's entry
+  // at its position (the common case: the same groups every step) keeps its
+  // resolved pointers instead of two hash lookups.
+  const size_t n = static_cast<size_t>(batch.manifests_size());
+  if (record.entries.size() > n) record.entries.resize(n);
+  record.entries.reserve(n);
+  record.key = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::Manifest& m = batch.manifests(static_cast<int>(i));
+    if (i == record.entries.size()) record.entries.emplace_back();
+    BatchEntry& e = record.entries[i];
+    if (e.group == nullptr || e.node_group == nullptr || e.group_id != m.group_id()) {
+      e.group_id = m.group_id();
+      e.group = nullptr;
+      e.node_group = nullptr;
+      auto git = job.groups.find(m.group_id());
+      auto ngit = node.groups.find(m.group_id());
+      if (git != job.groups.end() && ngit != node.groups.end()) {
+        e.group = &git->second;
+        e.node_group = &ngit->second;
+      }
     }
-    hasher.Add(m.group_id(), m.cache_key());
+    e.cache_key = m.cache_key();
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
     HandleManifest(s, ref, e.group, e.node_group, out);
   }
-  record.key = hasher.Finish();
+}
+
+uint64_t Coordinator::BatchRecord::Key() {
+  if (key == 0 && !entries.empty()) {
+    wire::BatchKeyHasher hasher;
+    for (const BatchEntry& e : entries) hasher.Add(e.group_id, e.cache_key);
+    key = hasher.Finish();
+  }
+  return key;
+}
+
+void Coordinator::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set) {
+  const std::vector<uint64_t>& words = set->words();
+  int lo = 0;
+  int hi = static_cast<int>(words.size());
+  while (lo < hi && words[lo] == 0) ++lo;
+  while (hi > lo && words[hi - 1] == 0) --hi;
+  node.word_lo = lo;
+  node.word_hi = hi;
+  node.rank_set = std::move(set);
 }
 
 void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* gp,
@@ -761,7 +796,10 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
   if (step <= g.last_decided_step) {
     if (step == g.last_decided_step && g.last_decision != nullptr) {
       // A resend after a reconnect whose decision was lost: answer again.
-      *out.ReplyBatch(s.sink)->add_decisions() = *g.last_decision;
+      v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
+      *again = *g.last_decision;
+      again->set_step(step);
+      again->set_wait_us(g.last_decision_wait_us);
       return;
     }
     reply_error(v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
@@ -908,11 +946,9 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
     d->set_same_as_previous(true);
     ++stats_.same_as_previous;
     g.last_decided_step = step;
-    // Keep the stored full decision current for resends of this step.
-    auto full = std::make_shared<v1::Decision>(*g.last_decision);
-    full->set_step(step);
-    full->set_wait_us(d->wait_us());
-    g.last_decision = std::move(full);
+    // The stored full decision stands for this step too (resends patch the
+    // step and wait; no copy per repeated decision).
+    g.last_decision_wait_us = d->wait_us();
     ObserveDecision(job, g, step, p, *d, nullptr);
     return;
   }
@@ -947,6 +983,7 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
   g.last_decided_step = step;
   g.last_combined_key = combined;
   g.last_decision = std::make_shared<const v1::Decision>(*d);
+  g.last_decision_wait_us = d->wait_us();
   ObserveDecision(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 

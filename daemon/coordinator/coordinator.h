@@ -53,13 +53,13 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
 #include "accord/v1/observe.pb.h"
 #include "core/decide.h"
 #include "core/group.h"
 #include "core/manifest.h"
+#include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/observe_hooks.h"
 
@@ -170,7 +170,8 @@ class Coordinator {
   // contributed to).
   struct Content {
     uint64_t key = 0;
-    std::vector<DTypeMask> dtypes;
+    // Inline for typical groups: one allocation per Content (make_shared).
+    absl::InlinedVector<DTypeMask, 32> dtypes;
     std::shared_ptr<const RankSet> ranks;
     int rank_count = 0;
     // ranks->words() is zero outside [word_lo, word_hi): merges OR only those.
@@ -209,6 +210,9 @@ class Coordinator {
     NodeSink* sink = nullptr;
     std::vector<int> ranks;
     std::shared_ptr<const RankSet> rank_set;
+    // rank_set->words() is zero outside [word_lo, word_hi) (see SetRankSet).
+    int word_lo = 0;
+    int word_hi = 0;
     int64_t last_step = -1;
     // node_hash_map: sessions' batch records point at the values.
     absl::node_hash_map<std::string, NodeGroupState> groups;
@@ -242,7 +246,11 @@ class Coordinator {
     int spec_variant = -1;
     uint64_t spec_fingerprint = 0;
     int64_t last_decided_step = -1;
-    std::shared_ptr<const v1::Decision> last_decision;  // full form (ok body or error)
+    // Full form (ok body or error) of the last decided step; its step and
+    // wait_us are those of the step that computed it (a same_as_previous
+    // step reuses it: the step is last_decided_step, the wait below).
+    std::shared_ptr<const v1::Decision> last_decision;
+    int64_t last_decision_wait_us = 0;
     bool last_ok = false;
     uint64_t last_combined_key = 0;
     std::map<int64_t, PendingStep> pending;
@@ -291,7 +299,10 @@ class Coordinator {
   // What a batch repeat on this stream stands for.
   struct BatchRecord {
     std::vector<BatchEntry> entries;
-    uint64_t key = 0;  // wire::BatchKeyHasher over entries; 0: none
+    // wire::BatchKeyHasher over entries, computed when a batch repeat first
+    // needs it; 0: not yet computed.
+    uint64_t key = 0;
+    uint64_t Key();
   };
   struct Session {
     NodeSink* sink = nullptr;
@@ -345,6 +356,7 @@ class Coordinator {
                                       const PendingStep& p, const std::vector<int>& missing,
                                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t RankLastStep(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
   void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);
   static void FlushSkips(NodeGroupState& ng);
   void Flush(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

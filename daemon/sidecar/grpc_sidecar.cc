@@ -315,7 +315,7 @@ void GrpcUpstream::ReadLoop() {
     bool got_any = false;
     while (stream->Read(&in)) {
       got_any = true;
-      sidecar_->HandleCoordinatorMessage(in);
+      sidecar_->HandleCoordinatorMessage(&in);
     }
     {
       accord::MutexLock l(&mu_);

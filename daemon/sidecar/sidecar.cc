@@ -601,6 +601,15 @@ void Sidecar::OnUpstreamConnected() {
   upstream_->Reset(std::move(msgs));
 }
 
+void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  if (message->has_decisions()) {
+    accord::MutexLock l(&mu_);
+    HandleDecisions(message->decisions(), message->mutable_decisions());
+    return;
+  }
+  HandleCoordinatorMessage(*message);
+}
+
 void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   accord::MutexLock l(&mu_);
   switch (message.body_case()) {
@@ -650,14 +659,14 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kDecisions:
-      HandleDecisions(message.decisions());
+      HandleDecisions(message.decisions(), nullptr);
       return;
     default:
       return;
   }
 }
 
-void Sidecar::HandleDecisions(const v1::DecisionBatch& batch) {
+void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
   // Pass 1: group state, and per decision which ranks need the full body
   // instead of the coordinator's `same_as_previous`.
   struct Routed {
@@ -724,8 +733,12 @@ void Sidecar::HandleDecisions(const v1::DecisionBatch& batch) {
   if (!routed.empty() && uniform) {
     auto reply = std::make_shared<v1::RankReply>();
     v1::DecisionBatch* b = reply->mutable_decisions();
-    b->mutable_decisions()->Reserve(static_cast<int>(routed.size()));
-    for (const Routed& x : routed) *b->add_decisions() = *x.decision;
+    if (take != nullptr && static_cast<int>(routed.size()) == batch.decisions_size()) {
+      b->Swap(take);  // every decision, unchanged: forward the batch itself
+    } else {
+      b->mutable_decisions()->Reserve(static_cast<int>(routed.size()));
+      for (const Routed& x : routed) *b->add_decisions() = *x.decision;
+    }
     std::shared_ptr<const v1::RankReply> shared = std::move(reply);
     for (auto& [r, rs] : ranks_) {
       if (rs.sink != nullptr) rs.sink->Send(shared);

@@ -116,6 +116,9 @@ class Sidecar {
 
   void OnUpstreamConnected();
   void HandleCoordinatorMessage(const v1::CoordinatorMessage& message);
+  // The same; may move the message's contents out (a decision batch that goes
+  // to every rank unchanged is forwarded without a copy).
+  void HandleCoordinatorMessage(v1::CoordinatorMessage* message);
 
   SidecarStats stats();
 
@@ -203,7 +206,9 @@ class Sidecar {
   void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
   void CollectComplete(LocalGroup& g, v1::ManifestBatch* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleDecisions(const v1::DecisionBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `take`: null, or `batch` itself, whose decisions may be moved out.
+  void HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
