@@ -118,6 +118,9 @@ class CuttableProxy {
       }
       if (poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) break;
       if (fds[0].revents) (void)!read(wake_[0], buf, sizeof(buf));
+      // Only connections that were polled have an entry in fds; one accepted
+      // below joins the next round.
+      const size_t polled = conns.size();
       if (fds[1].revents & POLLIN) {
         const int down = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
         const int up = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -140,7 +143,7 @@ class CuttableProxy {
       std::vector<Conn> keep;
       for (size_t i = 0; i < conns.size(); ++i) {
         bool alive = true;
-        for (int dir = 0; dir < 2 && alive; ++dir) {
+        for (int dir = 0; dir < 2 && alive && i < polled; ++dir) {
           const pollfd& p = fds[2 + 2 * i + dir];
           if (!(p.revents & (POLLIN | POLLHUP | POLLERR))) continue;
           const int from = dir == 0 ? conns[i].down : conns[i].up;
