@@ -726,6 +726,14 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
   }
 }
 
+std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
+  if (group->cache.get() == content) return group->cache;
+  for (const std::shared_ptr<const Content>& r : group->retained) {
+    if (r.get() == content) return r;
+  }
+  return nullptr;  // unreachable: a pending contribution's content is owned
+}
+
 uint64_t Coordinator::BatchRecord::Key() {
   if (key == 0 && !entries.empty()) {
     wire::BatchKeyHasher hasher;
@@ -809,8 +817,16 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                              "only moves forward (was the process restarted alone?)"));
     return;
   }
+  // Steps this node already contributed to (few: the pending window).
+  auto& mine = ng.contributed_steps;
+  mine.erase(
+      std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
+      mine.end());
+  // Contributions point at contents without owning them: ng.cache owns the
+  // current one and `retained` older ones still named by pending steps.
+  if (mine.empty()) ng.retained.clear();
   // Resolve the content.
-  std::shared_ptr<const Content> content;
+  const Content* content = nullptr;
   if (m.repeat) {
     if (ng.cache == nullptr || ng.cache_key != m.cache_key) {
       ++stats_.repeat_key_mismatches;
@@ -823,7 +839,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                        "; resend this step in full form"));
       return;
     }
-    content = ng.cache;
+    content = ng.cache.get();
     ++stats_.cache_hits;
     ++g.cache_hits;
     if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/true);
@@ -837,8 +853,9 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                   absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
       return;
     }
-    content = *std::move(parsed);
-    ng.cache = content;
+    if (!mine.empty() && ng.cache != nullptr) ng.retained.push_back(std::move(ng.cache));
+    ng.cache = *std::move(parsed);
+    content = ng.cache.get();
     ng.cache_key = content->key;
     ng.cache_rank_count = content->rank_count;
     ++stats_.cache_misses;
@@ -868,11 +885,6 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
     pit = g.pending.find(step);
   }
   PendingStep& p = pit->second;
-  // Steps this node already contributed to (few: the pending window).
-  auto& mine = ng.contributed_steps;
-  mine.erase(
-      std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
-      mine.end());
   if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.
@@ -895,12 +907,14 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
   } else {
     mine.push_back(step);
   }
-  p.ranks_covered += ng.cache == content ? ng.cache_rank_count : content->rank_count;
-  p.combined_key += MixKey(ng.cache == content ? ng.cache_key : content->key);
-  p.contributions.push_back(Contribution{&node, std::move(content)});
+  // content == ng.cache here: its key and rank count are in ng (no Content
+  // access, and no reference count traffic, per repeat).
+  p.ranks_covered += ng.cache_rank_count;
+  p.combined_key += MixKey(ng.cache_key);
+  p.contributions.push_back(Contribution{&node, content, &ng});
   p.all_repeat = p.all_repeat && m.repeat;
   node.last_step = std::max(node.last_step, step);
-  CountSkips(ng, p.contributions.back().content);
+  CountSkips(ng, ng.cache);
   if (p.ranks_covered >= job.world_size) {
     DecideStep(job, g, step, p, out);
     g.pending.erase(step);

@@ -193,6 +193,9 @@ class Coordinator {
     // Pending steps this node spoke for (few: the pending window).
     absl::InlinedVector<int64_t, 4> contributed_steps;
     std::shared_ptr<const Content> cache;
+    // Earlier contents still named by this node's pending contributions
+    // (the cache moved on before those steps were decided).
+    std::vector<std::shared_ptr<const Content>> retained;
     // cache->key and cache->rank_count, kept here so a repeat does not touch
     // the Content (one cache miss fewer per node and group at scale).
     uint64_t cache_key = 0;
@@ -219,7 +222,11 @@ class Coordinator {
   };
   struct Contribution {
     NodeState* node;
-    std::shared_ptr<const Content> content;
+    // Kept alive by `group`'s cache or retained contents until the step is
+    // decided (see NodeGroupState); Owner() finds the owning pointer.
+    const Content* content;
+    NodeGroupState* group;
+    std::shared_ptr<const Content> Owner() const;
   };
   struct PendingStep {
     absl::Time first_seen;

@@ -145,7 +145,9 @@ void Coordinator::ObserveDecision(Job& job, GroupState& g, int64_t step, Pending
     entry.first_step = step;
     entry.steps = 1;
     entry.contents.reserve(p.contributions.size());
-    for (Contribution& c : p.contributions) entry.contents.push_back(std::move(c.content));
+    for (const Contribution& c : p.contributions) {
+      entry.contents.push_back(c.Owner());
+    }
     p.contributions.clear();
     entry.bytes = ContentBytes(entry.contents);
     g.usage_bytes += entry.bytes;
