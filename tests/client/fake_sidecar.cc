@@ -18,6 +18,16 @@ FakeSidecar::FakeSidecar(int world_size) : world_size_(world_size) {}
 
 FakeSidecar::~FakeSidecar() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now());
+  // The sessions are over; clear their state under the lock so the handoff
+  // from the server's threads is visible (also to ThreadSanitizer, which
+  // cannot see the synchronisation inside gRPC's shutdown).
+  accord::MutexLock lock(&mu_);
+  conns_.clear();
+  received_.clear();
+  groups_.clear();
+  kv_.clear();
+  reject_hello_.reset();
+  mutate_ = nullptr;
   if (!socket_path_.empty()) unlink(socket_path_.c_str());
   if (!dir_.empty()) rmdir(dir_.c_str());
 }
