@@ -188,8 +188,14 @@ class GrpcClient : public Client {
     std::vector<DecisionFuture> out;
     out.reserve(batch.size());
     v1::RankMessage msg;
-    v1::ManifestBatch* mb = msg.mutable_manifests();
     accord::MutexLock lock(&mu_);
+    // A batch the writer already sent, cleared: its manifests and strings are
+    // reused instead of allocated again.
+    if (!spare_batches_.empty()) {
+      msg.set_allocated_manifests(spare_batches_.back().release());
+      spare_batches_.pop_back();
+    }
+    v1::ManifestBatch* mb = msg.mutable_manifests();
     const absl::Status closed = ClosedStatus();
     for (const GroupSubmission& sub : batch) {
       auto state = std::make_shared<DecisionFuture::State>(hub_, sub.group_id, sub.step);
@@ -330,10 +336,15 @@ class GrpcClient : public Client {
   }
 
   void WriterLoop() {
+    std::unique_ptr<v1::ManifestBatch> sent;  // returned to spare_batches_
     while (true) {
       v1::RankMessage msg;
       {
         accord::MutexLock lock(&mu_);
+        if (sent != nullptr && spare_batches_.size() < kMaxSpareBatches) {
+          spare_batches_.push_back(std::move(sent));
+        }
+        sent.reset();
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return !outbox_.empty() || read_ended_ || stopping_;
         };
@@ -343,6 +354,10 @@ class GrpcClient : public Client {
         outbox_.pop_front();
       }
       if (!stream_->Write(msg)) break;  // the reader sees the stream end
+      if (msg.has_manifests()) {
+        sent.reset(msg.release_manifests());
+        sent->Clear();
+      }
     }
     accord::MutexLock lock(&mu_);
     writer_done_ = true;
@@ -551,6 +566,8 @@ class GrpcClient : public Client {
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);  // a session/job-wide error from the sidecar
   absl::flat_hash_map<std::string, GroupState> groups_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<FutureHub> hub_ = std::make_shared<FutureHub>();
+  static constexpr size_t kMaxSpareBatches = 4;
+  std::vector<std::unique_ptr<v1::ManifestBatch>> spare_batches_ ABSL_GUARDED_BY(mu_);
   // This rank's manifest, reused by SubmitBatch (rank set built once).
   Manifest scratch_ ABSL_GUARDED_BY(mu_);
 

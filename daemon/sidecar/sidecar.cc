@@ -83,6 +83,43 @@ void Sidecar::SendManifests(v1::NodeMessage up) {
   upstream_->Send(std::move(up));
 }
 
+void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
+  if (items.empty()) return;
+  const int64_t step = items[0].step;
+  bool same = upstream_batch_repeat_ && last_batch_key_ != 0 && items.size() == last_batch_.size();
+  for (size_t i = 0; same && i < items.size(); ++i) {
+    const Outgoing& o = items[i];
+    same = o.repeat && o.step == step && o.key == last_batch_[i].second &&
+           o.group->group_id == last_batch_[i].first;
+  }
+  if (same) {
+    v1::NodeMessage rep;
+    rep.mutable_manifests()->set_repeat_step(step);
+    rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
+    ++stats_.node_batch_repeats;
+    upstream_->Send(std::move(rep));
+    items.clear();
+    return;
+  }
+  v1::NodeMessage up;
+  v1::ManifestBatch* batch = up.mutable_manifests();
+  batch->mutable_manifests()->Reserve(static_cast<int>(items.size()));
+  for (const Outgoing& o : items) {
+    v1::Manifest* m = batch->add_manifests();
+    if (o.repeat) {
+      m->set_group_id(o.group->group_id);
+      m->set_repeat(true);
+      m->set_cache_key(o.key);
+    } else {
+      *m = *o.full;
+    }
+    m->set_step(o.step);
+  }
+  items.clear();
+  RecordBatch(*batch);
+  upstream_->Send(std::move(up));
+}
+
 v1::NodeMessage Sidecar::HelloMessage() {
   v1::NodeMessage m;
   v1::NodeHello* h = m.mutable_hello();
@@ -424,14 +461,13 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
   // whichever rank completes them (what batch repeats match on).
   std::sort(touched_.begin(), touched_.end(),
             [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
-  v1::NodeMessage up;
-  v1::ManifestBatch* out = up.mutable_manifests();
-  out->mutable_manifests()->Reserve(static_cast<int>(touched_.size()));
-  for (LocalGroup* g : touched_) CollectComplete(*g, out);
-  SendManifests(std::move(up));
+  // Collected as (group, step, key) first: a batch that repeats the previous
+  // one goes up as a batch repeat without building its manifests.
+  for (LocalGroup* g : touched_) CollectComplete(*g, &outgoing_);
+  SendOutgoing(outgoing_);
 }
 
-void Sidecar::CollectComplete(LocalGroup& g, v1::ManifestBatch* out) {
+void Sidecar::CollectComplete(LocalGroup& g, std::vector<Outgoing>* out) {
   const size_t num_params = g.spec.params.size();
   for (LocalStep& st : g.steps) {
     if (st.sent || st.ranks.empty()) continue;
@@ -499,16 +535,10 @@ void Sidecar::CollectComplete(LocalGroup& g, v1::ManifestBatch* out) {
                                        [](const Inflight& f, int64_t s) { return f.step < s; }),
                       Inflight{st.step, g.last_node_full});
     if (g.have_last_sent && same_content) {
-      v1::Manifest* rep = out->add_manifests();
-      rep->set_group_id(g.group_id);
-      rep->set_step(st.step);
-      rep->set_repeat(true);
-      rep->set_cache_key(g.last_node_key);
+      out->push_back(Outgoing{&g, st.step, /*repeat=*/true, g.last_node_key, nullptr});
       ++stats_.node_manifests_repeat;
     } else {
-      v1::Manifest* full = out->add_manifests();
-      *full = *g.last_node_full;
-      full->set_step(st.step);
+      out->push_back(Outgoing{&g, st.step, /*repeat=*/false, g.last_node_key, g.last_node_full});
       ++stats_.node_manifests_full;
     }
     g.have_last_sent = true;
@@ -537,12 +567,11 @@ void Sidecar::CloseRank(SessionId id) {
   left.mutable_rank_event()->set_last_step(last_step);
   upstream_->Send(std::move(left));
   // Steps that only waited for this rank are now complete.
-  v1::NodeMessage up;
   for (LocalGroup* g : group_order_) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectComplete(*g, up.mutable_manifests());
+    CollectComplete(*g, &outgoing_);
   }
-  SendManifests(std::move(up));
+  SendOutgoing(outgoing_);
 }
 
 void Sidecar::ResetJob() {

@@ -205,7 +205,19 @@ class Sidecar {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
-  void CollectComplete(LocalGroup& g, v1::ManifestBatch* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A node manifest ready to go upstream.
+  struct Outgoing {
+    const LocalGroup* group;
+    int64_t step;
+    bool repeat;
+    uint64_t key;
+    std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
+  };
+  void CollectComplete(LocalGroup& g, std::vector<Outgoing>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SendManifests for collected node manifests (builds them only when the
+  // batch does not repeat the previous one); clears `items`.
+  void SendOutgoing(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `take`: null, or `batch` itself, whose decisions may be moved out.
   void HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -234,6 +246,7 @@ class Sidecar {
   std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
   uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifests
+  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoing
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
   // The current upstream stream: whether the coordinator accepts batch
