@@ -144,6 +144,7 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
     case v1::NodeMessage::kRegistration:
     case v1::NodeMessage::kManifests:
     case v1::NodeMessage::kRankEvent:
+    case v1::NodeMessage::kProgress:
       if (s.node == nullptr) {
         v1::CoordinatorMessage reply;
         *reply.mutable_error() =
@@ -157,6 +158,8 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
         HandleRegistration(s, message.registration(), out);
       } else if (message.has_rank_event()) {
         HandleRankEvent(s, message.rank_event(), out);
+      } else if (message.has_progress()) {
+        HandleProgress(s, message.progress());
       } else {
         HandleManifests(s, message.manifests(), out);
       }
@@ -275,6 +278,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
   }
   NodeState& node = job.nodes[hello.node_id()];
   node.node_id = hello.node_id();
+  node.answers_progress = hello.answers_progress();
   if (node.session != 0) {
     // The same node reconnected before its old stream was noticed as gone.
     auto old = sessions_.find(node.session);
@@ -1016,7 +1020,10 @@ v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupStat
   std::vector<std::string> parts;
   v1::DecisionError err;
   for (int r : missing) {
-    const int64_t last = RankLastStep(job, r);
+    int64_t last = RankLastStep(job, r);
+    for (const auto& [pr, pl] : p.progress_last) {
+      if (pr == r) last = pl;  // the rank's own last step, from its sidecar
+    }
     err.add_ranks(r);
     err.add_last_steps(last);
     if (parts.size() < 32) {
@@ -1059,6 +1066,61 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
   }
 }
 
+bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                              absl::Time now, Outbox& out) {
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  std::vector<NodeState*> asked;
+  for (int r : covered.Missing()) {
+    NodeState* owner = job.rank_owner[r];
+    if (owner == nullptr || owner->session == 0 || owner->sink == nullptr ||
+        !owner->answers_progress) {
+      continue;
+    }
+    if (std::find(asked.begin(), asked.end(), owner) == asked.end()) asked.push_back(owner);
+  }
+  if (asked.empty()) return false;
+  p.progress_asked = true;
+  p.progress_waiting = static_cast<int>(asked.size());
+  // A short grace past the deadline: a quarter of it, at most one second.
+  p.progress_deadline = now + std::min(absl::Seconds(1), options_.deadline / 4);
+  for (NodeState* node : asked) {
+    v1::CoordinatorMessage q;
+    q.mutable_progress_query()->set_group_id(g.group_id);
+    q.mutable_progress_query()->set_step(step);
+    out.direct.emplace_back(node->sink, std::move(q));
+  }
+  ACCORD_LOG(WARNING) << "job " << job.job_id << " group \"" << g.group_id << "\" step " << step
+                      << ": deadline passed; asking " << asked.size()
+                      << " node(s) which of their ranks submitted";
+  return true;
+}
+
+void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
+  Job& job = *s.job;
+  auto git = job.groups.find(progress.group_id());
+  if (git == job.groups.end()) return;
+  auto pit = git->second.pending.find(progress.step());
+  if (pit == git->second.pending.end() || !pit->second.progress_asked) return;
+  PendingStep& p = pit->second;
+  // Trust a node only about its own ranks.
+  const NodeState* node = s.node;
+  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == node; };
+  for (int r : progress.reported()) {
+    if (own(r)) p.progress_reported.push_back(r);
+  }
+  const int n = std::min(progress.ranks_size(), progress.last_steps_size());
+  for (int i = 0; i < n; ++i) {
+    if (own(progress.ranks(i))) p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+  }
+  if (--p.progress_waiting <= 0) {
+    // Everyone asked has answered: fail now rather than at the grace's end.
+    p.progress_deadline = clock_->Now();
+    next_deadline_ = p.progress_deadline;
+    timer_cv_.SignalAll();
+  }
+}
+
 void Coordinator::CheckDeadlines() {
   CheckDeadlinesUnderLock();
   DeliverEvents();
@@ -1087,8 +1149,21 @@ void Coordinator::CheckDeadlinesUnderLock() {
           }
           continue;
         }
+        if (!p.progress_asked && AskProgress(job, g, step, p, now, out)) {
+          next = std::min(next, p.progress_deadline);
+          continue;
+        }
+        if (p.progress_asked && p.progress_waiting > 0 && p.progress_deadline > now) {
+          next = std::min(next, p.progress_deadline);
+          continue;
+        }
         RankSet covered(job.world_size);
         for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+        // Ranks their sidecar saw submit are not missing (their node waits
+        // for a node-mate); name only the others.
+        for (int r : p.progress_reported) {
+          if (r >= 0 && r < job.world_size) covered.Add(r);
+        }
         v1::DecisionError err = MissingRanksError(
             job, g, step, p, covered.Missing(),
             absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),

@@ -217,6 +217,7 @@ class Coordinator {
     int word_lo = 0;
     int word_hi = 0;
     int64_t last_step = -1;
+    bool answers_progress = false;  // NodeHello.answers_progress
     // node_hash_map: sessions' batch records point at the values.
     absl::node_hash_map<std::string, NodeGroupState> groups;
   };
@@ -236,6 +237,14 @@ class Coordinator {
     uint64_t combined_key = 0;    // sum of MixKey(content key) over contributions
     bool stall_reported = false;  // the observer heard of it (half the deadline passed)
     std::vector<Contribution> contributions;
+    // Past the deadline, the nodes with missing ranks were asked which of
+    // their ranks did submit (ProgressQuery). The step fails once every asked
+    // node answered or at progress_deadline, whichever comes first.
+    bool progress_asked = false;
+    int progress_waiting = 0;
+    absl::Time progress_deadline;
+    std::vector<int> progress_reported;                   // submitted, per their sidecar
+    std::vector<std::pair<int, int64_t>> progress_last;  // rank, last step per its sidecar
   };
   struct RegVariant {
     GroupSpec spec;
@@ -363,6 +372,13 @@ class Coordinator {
                                       const PendingStep& p, const std::vector<int>& missing,
                                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t RankLastStep(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At a step's deadline: asks the nodes whose ranks are missing (and that
+  // answer progress queries) which of their ranks submitted. Returns whether
+  // any was asked (then the step fails when they answer or after a grace).
+  bool AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                   Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleProgress(Session& s, const v1::NodeProgress& progress)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
   void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);
   static void FlushSkips(NodeGroupState& ng);

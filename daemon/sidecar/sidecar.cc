@@ -128,6 +128,7 @@ v1::NodeMessage Sidecar::HelloMessage() {
   h->set_world_size(world_size_);
   h->set_token(options_.token.empty() ? rank_token_ : options_.token);
   for (int r : announced_) h->add_ranks(r);
+  h->set_answers_progress(true);
   return m;
 }
 
@@ -690,9 +691,33 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
     case v1::CoordinatorMessage::kDecisions:
       HandleDecisions(message.decisions(), nullptr);
       return;
+    case v1::CoordinatorMessage::kProgressQuery:
+      AnswerProgress(message.progress_query());
+      return;
     default:
       return;
   }
+}
+
+void Sidecar::AnswerProgress(const v1::ProgressQuery& query) {
+  v1::NodeMessage up;
+  v1::NodeProgress* p = up.mutable_progress();
+  p->set_group_id(query.group_id());
+  p->set_step(query.step());
+  if (auto git = groups_.find(query.group_id()); git != groups_.end()) {
+    for (const LocalStep& ls : git->second.steps) {
+      if (ls.step != query.step()) continue;
+      for (int r : ls.ranks) p->add_reported(r);
+    }
+  }
+  for (const auto& [r, rs] : ranks_) {
+    p->add_ranks(r);
+    p->add_last_steps(rs.last_step);
+  }
+  ACCORD_LOG(INFO) << "coordinator asked about group \"" << query.group_id() << "\" step "
+                   << query.step() << ": " << p->reported_size() << " of " << ranks_.size()
+                   << " local ranks submitted it";
+  if (upstream_ != nullptr) upstream_->Send(std::move(up));
 }
 
 void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {

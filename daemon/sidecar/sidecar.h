@@ -204,6 +204,9 @@ class Sidecar {
   void HandleRegistration(int rank, const v1::GroupRegistration& reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the coordinator's question about a (group, step) past its
+  // deadline: which local ranks submitted it, and each one's last step.
+  void AnswerProgress(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
   // A node manifest ready to go upstream.
   struct Outgoing {

@@ -317,6 +317,101 @@ TEST_F(CoordinatorTest, DeadlineNamesMissingRanksAndTheirLastStepsAndFailsTheJob
   EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::JOB_FAILED);
 }
 
+// A node whose sidecar answers progress queries: past the deadline the
+// coordinator asks it which ranks submitted, and names only the rank that
+// really is missing, with the last step its sidecar saw from it.
+TEST(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMissing) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(8);
+  o.start_timer_thread = false;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sa, sb;
+  auto a = coord.OpenSession(&sa);
+  auto b = coord.OpenSession(&sb);
+  v1::NodeMessage hb = Hello("j", "b", 4, {2, 3});
+  hb.mutable_hello()->set_answers_progress(true);
+  coord.HandleMessage(a, Hello("j", "a", 4, {0, 1}));
+  coord.HandleMessage(b, hb);
+  GroupSpec spec = MakeSpec("g", 1);
+  coord.HandleMessage(a, Registration(spec, {0, 1}));
+  coord.HandleMessage(b, Registration(spec, {2, 3}));
+  coord.HandleMessage(a, Batch({NodeManifest("g", 4, {kBf16}, 4, {0, 1})}));
+  sa.Clear();
+  sb.Clear();
+  clock.Advance(absl::Seconds(9));
+  coord.CheckDeadlines();
+  // Nobody failed yet; node b (not a: its ranks all reported) was asked.
+  EXPECT_TRUE(sa.decisions().empty());
+  EXPECT_TRUE(sa.messages().empty());
+  std::vector<v1::CoordinatorMessage> asked = sb.messages();
+  ASSERT_EQ(asked.size(), 1u);
+  ASSERT_TRUE(asked[0].has_progress_query());
+  EXPECT_EQ(asked[0].progress_query().group_id(), "g");
+  EXPECT_EQ(asked[0].progress_query().step(), 4);
+  sb.Clear();
+  // Rank 2 submitted step 4; rank 3 is stuck at step 3. A claim about rank 0
+  // (not b's) is ignored.
+  v1::NodeMessage answer;
+  v1::NodeProgress* p = answer.mutable_progress();
+  p->set_group_id("g");
+  p->set_step(4);
+  p->add_reported(2);
+  p->add_reported(0);
+  p->add_ranks(2);
+  p->add_last_steps(4);
+  p->add_ranks(3);
+  p->add_last_steps(3);
+  coord.HandleMessage(b, answer);
+  coord.CheckDeadlines();  // the answer is complete: fails now, no grace wait
+  for (FakeNodeSink* s : {&sa, &sb}) {
+    std::vector<v1::Decision> ds = s->decisions();
+    ASSERT_EQ(ds.size(), 1u);
+    const v1::DecisionError& e = ds[0].error();
+    EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+    EXPECT_EQ(std::vector<int>(e.ranks().begin(), e.ranks().end()), (std::vector<int>{3}));
+    EXPECT_EQ(std::vector<int64_t>(e.last_steps().begin(), e.last_steps().end()),
+              (std::vector<int64_t>{3}));
+    EXPECT_TRUE(absl::StrContains(e.message(), "rank 3 (last step 3, node \"b\")"))
+        << e.message();
+  }
+}
+
+// A node that never answers: the step fails at the end of the grace (a
+// quarter of the deadline, at most 1 s), naming all of that node's ranks.
+TEST(CoordinatorProgressTest, UnansweredQueryFailsAfterTheGraceNamingTheWholeNode) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(2);
+  o.start_timer_thread = false;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sa, sb;
+  auto a = coord.OpenSession(&sa);
+  auto b = coord.OpenSession(&sb);
+  v1::NodeMessage hb = Hello("j", "b", 4, {2, 3});
+  hb.mutable_hello()->set_answers_progress(true);
+  coord.HandleMessage(a, Hello("j", "a", 4, {0, 1}));
+  coord.HandleMessage(b, hb);
+  GroupSpec spec = MakeSpec("g", 1);
+  coord.HandleMessage(a, Registration(spec, {0, 1}));
+  coord.HandleMessage(b, Registration(spec, {2, 3}));
+  coord.HandleMessage(a, Batch({NodeManifest("g", 0, {kBf16}, 4, {0, 1})}));
+  sa.Clear();
+  clock.Advance(absl::Milliseconds(2100));
+  coord.CheckDeadlines();
+  EXPECT_TRUE(sa.decisions().empty());
+  clock.Advance(absl::Milliseconds(400));  // grace = 500 ms
+  coord.CheckDeadlines();
+  EXPECT_TRUE(sa.decisions().empty());
+  clock.Advance(absl::Milliseconds(200));
+  coord.CheckDeadlines();
+  std::vector<v1::Decision> ds = sa.decisions();
+  ASSERT_EQ(ds.size(), 1u);
+  EXPECT_EQ(ds[0].error().kind(), v1::MISSING_RANKS);
+  EXPECT_EQ(std::vector<int>(ds[0].error().ranks().begin(), ds[0].error().ranks().end()),
+            (std::vector<int>{2, 3}));
+}
+
 TEST(CoordinatorTimerTest, TimerThreadFiresTheDeadlineOnTheInjectedClock) {
   FakeClock clock;
   CoordinatorOptions o;

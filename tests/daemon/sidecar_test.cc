@@ -131,6 +131,35 @@ TEST_F(SidecarTest, MergesLocalRanksIntoOneNodeManifestThenRepeats) {
   EXPECT_EQ(sidecar_.stats().node_manifests_repeat, 1);
 }
 
+TEST_F(SidecarTest, AnswersTheCoordinatorsProgressQueryWithWhoSubmittedAndLastSteps) {
+  EXPECT_TRUE(up_.sent[0].hello().answers_progress());
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar_.HandleRankMessage(s1_, Man(0, {DType::kBFloat16, DType::kBFloat16}));
+  sidecar_.HandleRankMessage(s0_, Man(1, {DType::kBFloat16, std::nullopt}));  // rank 1 lags
+  up_.sent.clear();
+  v1::CoordinatorMessage q;
+  q.mutable_progress_query()->set_group_id("g");
+  q.mutable_progress_query()->set_step(1);
+  sidecar_.HandleCoordinatorMessage(q);
+  ASSERT_EQ(up_.sent.size(), 1u);
+  ASSERT_TRUE(up_.sent[0].has_progress());
+  const v1::NodeProgress& p = up_.sent[0].progress();
+  EXPECT_EQ(p.group_id(), "g");
+  EXPECT_EQ(p.step(), 1);
+  EXPECT_EQ(std::vector<int>(p.reported().begin(), p.reported().end()), std::vector<int>{0});
+  EXPECT_EQ(std::vector<int>(p.ranks().begin(), p.ranks().end()), (std::vector<int>{0, 1}));
+  EXPECT_EQ(std::vector<int64_t>(p.last_steps().begin(), p.last_steps().end()),
+            (std::vector<int64_t>{1, 0}));
+  // An unknown group or step: nobody submitted it.
+  up_.sent.clear();
+  q.mutable_progress_query()->set_group_id("nope");
+  sidecar_.HandleCoordinatorMessage(q);
+  ASSERT_EQ(up_.sent.size(), 1u);
+  EXPECT_EQ(up_.sent[0].progress().reported_size(), 0);
+}
+
 TEST_F(SidecarTest, LocalRegistrationsAreForwardedPerVariantForTheCoordinatorToCompare) {
   sidecar_.HandleRankMessage(s0_, Reg(Spec()));
   sidecar_.HandleRankMessage(s1_, Reg(Spec(128)));
