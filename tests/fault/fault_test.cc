@@ -447,6 +447,22 @@ TEST_F(BadRequestTest, DuplicateRankOnAnotherNodeIsAlreadyExistsAndTheJobGoesOn)
   std::unique_ptr<Client> r1 = Connect(1, 1, 2);
   ASSERT_TRUE(r0 && r1);
   {
+    // The two sidecars announce their ranks to the coordinator
+    // independently; a group registered by both (answered only once every
+    // rank registered it) proves the coordinator knows rank 0 is node 0's
+    // before the duplicate shows up. Otherwise whichever node's hello
+    // arrives first owns rank 0.
+    GroupSpec warmup = Spec();
+    warmup.group_id = "warmup";
+    std::thread t([&] {
+      absl::Status s1 = r1->RegisterGroup(warmup, Policy(), absl::Now() + absl::Seconds(30));
+      EXPECT_TRUE(s1.ok()) << s1;
+    });
+    absl::Status s0 = r0->RegisterGroup(warmup, Policy(), absl::Now() + absl::Seconds(30));
+    t.join();
+    ASSERT_TRUE(s0.ok()) << s0;
+  }
+  {
     // Rank 0 again, on node 1: the coordinator refuses it right after the
     // sidecar welcomed it, so the refusal reaches Connect or the first call.
     absl::StatusOr<std::unique_ptr<Client>> dup = TryConnect(1, 0, 2);
