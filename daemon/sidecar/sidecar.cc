@@ -59,6 +59,14 @@ void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
   last_batch_key_ = last_batch_.empty() ? 0 : hasher.Finish();
 }
 
+void Sidecar::SendBatchRepeat(int64_t step) {
+  v1::NodeMessage rep;
+  rep.mutable_manifests()->set_repeat_step(step);
+  rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
+  ++stats_.node_batch_repeats;
+  upstream_->Send(std::move(rep));
+}
+
 void Sidecar::SendManifests(v1::NodeMessage up) {
   const v1::ManifestBatch& batch = up.manifests();
   const int n = batch.manifests_size();
@@ -72,11 +80,7 @@ void Sidecar::SendManifests(v1::NodeMessage up) {
            m.group_id() == last_batch_[i].first;
   }
   if (same) {
-    v1::NodeMessage rep;
-    rep.mutable_manifests()->set_repeat_step(step);
-    rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
-    ++stats_.node_batch_repeats;
-    upstream_->Send(std::move(rep));
+    SendBatchRepeat(step);
     return;
   }
   RecordBatch(batch);
@@ -93,11 +97,7 @@ void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
            o.group->group_id == last_batch_[i].first;
   }
   if (same) {
-    v1::NodeMessage rep;
-    rep.mutable_manifests()->set_repeat_step(step);
-    rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
-    ++stats_.node_batch_repeats;
-    upstream_->Send(std::move(rep));
+    SendBatchRepeat(step);
     items.clear();
     return;
   }

@@ -228,6 +228,8 @@ class Sidecar {
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
   void SendManifests(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the 16-byte record "step `step` repeats the previous batch".
+  void SendBatchRepeat(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordBatch(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::NodeMessage HelloMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

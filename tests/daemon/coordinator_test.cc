@@ -1,5 +1,6 @@
 #include "daemon/coordinator/coordinator.h"
 
+#include <memory>
 #include <optional>
 
 #include "absl/strings/match.h"
@@ -317,39 +318,49 @@ TEST_F(CoordinatorTest, DeadlineNamesMissingRanksAndTheirLastStepsAndFailsTheJob
   EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::JOB_FAILED);
 }
 
-// A node whose sidecar answers progress queries: past the deadline the
-// coordinator asks it which ranks submitted, and names only the rank that
-// really is missing, with the last step its sidecar saw from it.
-TEST(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMissing) {
-  FakeClock clock;
-  CoordinatorOptions o;
-  o.deadline = absl::Seconds(8);
-  o.start_timer_thread = false;
-  Coordinator coord(o, &clock);
-  FakeNodeSink sa, sb;
-  auto a = coord.OpenSession(&sa);
-  auto b = coord.OpenSession(&sb);
-  v1::NodeMessage hb = Hello("j", "b", 4, {2, 3});
-  hb.mutable_hello()->set_answers_progress(true);
-  coord.HandleMessage(a, Hello("j", "a", 4, {0, 1}));
-  coord.HandleMessage(b, hb);
-  GroupSpec spec = MakeSpec("g", 1);
-  coord.HandleMessage(a, Registration(spec, {0, 1}));
-  coord.HandleMessage(b, Registration(spec, {2, 3}));
-  coord.HandleMessage(a, Batch({NodeManifest("g", 4, {kBf16}, 4, {0, 1})}));
-  sa.Clear();
-  sb.Clear();
-  clock.Advance(absl::Seconds(9));
-  coord.CheckDeadlines();
+// Two nodes of a world of 4: a (ranks 0, 1) and b (ranks 2, 3), whose
+// sidecar answers progress queries; group "g". Node a submits `step`.
+class CoordinatorProgressTest : public ::testing::Test {
+ protected:
+  void Start(absl::Duration deadline, int64_t step) {
+    CoordinatorOptions o;
+    o.deadline = deadline;
+    o.start_timer_thread = false;
+    coord_ = std::make_unique<Coordinator>(o, &clock_);
+    a_ = coord_->OpenSession(&sa_);
+    b_ = coord_->OpenSession(&sb_);
+    v1::NodeMessage hb = Hello("j", "b", 4, {2, 3});
+    hb.mutable_hello()->set_answers_progress(true);
+    coord_->HandleMessage(a_, Hello("j", "a", 4, {0, 1}));
+    coord_->HandleMessage(b_, hb);
+    GroupSpec spec = MakeSpec("g", 1);
+    coord_->HandleMessage(a_, Registration(spec, {0, 1}));
+    coord_->HandleMessage(b_, Registration(spec, {2, 3}));
+    coord_->HandleMessage(a_, Batch({NodeManifest("g", step, {kBf16}, 4, {0, 1})}));
+    sa_.Clear();
+    sb_.Clear();
+  }
+  FakeClock clock_;
+  std::unique_ptr<Coordinator> coord_;
+  FakeNodeSink sa_, sb_;
+  Coordinator::SessionId a_ = 0, b_ = 0;
+};
+
+// Past the deadline the coordinator asks node b which ranks submitted, and
+// names only the rank that really is missing, with the last step its sidecar
+// saw from it.
+TEST_F(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMissing) {
+  Start(absl::Seconds(8), /*step=*/4);
+  clock_.Advance(absl::Seconds(9));
+  coord_->CheckDeadlines();
   // Nobody failed yet; node b (not a: its ranks all reported) was asked.
-  EXPECT_TRUE(sa.decisions().empty());
-  EXPECT_TRUE(sa.messages().empty());
-  std::vector<v1::CoordinatorMessage> asked = sb.messages();
+  EXPECT_TRUE(sa_.messages().empty());
+  std::vector<v1::CoordinatorMessage> asked = sb_.messages();
   ASSERT_EQ(asked.size(), 1u);
   ASSERT_TRUE(asked[0].has_progress_query());
   EXPECT_EQ(asked[0].progress_query().group_id(), "g");
   EXPECT_EQ(asked[0].progress_query().step(), 4);
-  sb.Clear();
+  sb_.Clear();
   // Rank 2 submitted step 4; rank 3 is stuck at step 3. A claim about rank 0
   // (not b's) is ignored.
   v1::NodeMessage answer;
@@ -362,9 +373,9 @@ TEST(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMissin
   p->add_last_steps(4);
   p->add_ranks(3);
   p->add_last_steps(3);
-  coord.HandleMessage(b, answer);
-  coord.CheckDeadlines();  // the answer is complete: fails now, no grace wait
-  for (FakeNodeSink* s : {&sa, &sb}) {
+  coord_->HandleMessage(b_, answer);
+  coord_->CheckDeadlines();  // the answer is complete: fails now, no grace wait
+  for (FakeNodeSink* s : {&sa_, &sb_}) {
     std::vector<v1::Decision> ds = s->decisions();
     ASSERT_EQ(ds.size(), 1u);
     const v1::DecisionError& e = ds[0].error();
@@ -379,33 +390,17 @@ TEST(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMissin
 
 // A node that never answers: the step fails at the end of the grace (a
 // quarter of the deadline, at most 1 s), naming all of that node's ranks.
-TEST(CoordinatorProgressTest, UnansweredQueryFailsAfterTheGraceNamingTheWholeNode) {
-  FakeClock clock;
-  CoordinatorOptions o;
-  o.deadline = absl::Seconds(2);
-  o.start_timer_thread = false;
-  Coordinator coord(o, &clock);
-  FakeNodeSink sa, sb;
-  auto a = coord.OpenSession(&sa);
-  auto b = coord.OpenSession(&sb);
-  v1::NodeMessage hb = Hello("j", "b", 4, {2, 3});
-  hb.mutable_hello()->set_answers_progress(true);
-  coord.HandleMessage(a, Hello("j", "a", 4, {0, 1}));
-  coord.HandleMessage(b, hb);
-  GroupSpec spec = MakeSpec("g", 1);
-  coord.HandleMessage(a, Registration(spec, {0, 1}));
-  coord.HandleMessage(b, Registration(spec, {2, 3}));
-  coord.HandleMessage(a, Batch({NodeManifest("g", 0, {kBf16}, 4, {0, 1})}));
-  sa.Clear();
-  clock.Advance(absl::Milliseconds(2100));
-  coord.CheckDeadlines();
-  EXPECT_TRUE(sa.decisions().empty());
-  clock.Advance(absl::Milliseconds(400));  // grace = 500 ms
-  coord.CheckDeadlines();
-  EXPECT_TRUE(sa.decisions().empty());
-  clock.Advance(absl::Milliseconds(200));
-  coord.CheckDeadlines();
-  std::vector<v1::Decision> ds = sa.decisions();
+TEST_F(CoordinatorProgressTest, UnansweredQueryFailsAfterTheGraceNamingTheWholeNode) {
+  Start(absl::Seconds(2), /*step=*/0);
+  clock_.Advance(absl::Milliseconds(2100));
+  coord_->CheckDeadlines();
+  EXPECT_TRUE(sa_.decisions().empty());
+  clock_.Advance(absl::Milliseconds(300));  // grace = 500 ms
+  coord_->CheckDeadlines();
+  EXPECT_TRUE(sa_.decisions().empty());
+  clock_.Advance(absl::Milliseconds(200));
+  coord_->CheckDeadlines();
+  std::vector<v1::Decision> ds = sa_.decisions();
   ASSERT_EQ(ds.size(), 1u);
   EXPECT_EQ(ds[0].error().kind(), v1::MISSING_RANKS);
   EXPECT_EQ(std::vector<int>(ds[0].error().ranks().begin(), ds[0].error().ranks().end()),
