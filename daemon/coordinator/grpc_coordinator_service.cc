@@ -1,11 +1,11 @@
 #include "daemon/coordinator/grpc_coordinator_service.h"
 
-#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/queued_stream_reactor.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -18,36 +18,28 @@ grpc::Status ToGrpcStatus(const absl::Status& s) {
 // One sidecar stream. Reads feed Coordinator::HandleMessage; the coordinator
 // sends through NodeSink::Send, which queues and writes one message at a time.
 class NodeSessionReactor final
-    : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>,
+    : public QueuedStreamReactor<v1::NodeMessage, v1::CoordinatorMessage>,
       public NodeSink {
  public:
   NodeSessionReactor(CoordinatorGrpcService* service, bool refuse)
       : service_(service), coordinator_(service->coordinator_) {
     if (refuse) {
-      finished_ = true;
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
+      FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
       return;
     }
     id_ = coordinator_->OpenSession(this);
     StartRead(&in_);
   }
 
+  // Replies queued while the stream is being ended (shutdown) still go out.
   void Send(std::shared_ptr<const v1::CoordinatorMessage> message) override {
-    accord::MutexLock l(&mu_);
-    if (finished_ || write_failed_) return;
-    queue_.push_back(std::move(message));
-    if (!writing_) {
-      writing_ = true;
-      StartWrite(queue_.front().get());
-    }
+    Enqueue(std::move(message), /*after_end=*/true);
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
       coordinator_->CloseSession(id_);
-      accord::MutexLock l(&mu_);
-      read_closed_ = true;
-      MaybeFinishLocked(grpc::Status::OK);
+      ReadEnded();
       return;
     }
     if (in_.has_hello() && service_->tokens_ != nullptr) {
@@ -63,21 +55,6 @@ class NodeSessionReactor final
     StartRead(&in_);
   }
 
-  void OnWriteDone(bool ok) override {
-    accord::MutexLock l(&mu_);
-    queue_.pop_front();
-    if (!ok) {
-      write_failed_ = true;
-      queue_.clear();
-    }
-    if (!queue_.empty()) {
-      StartWrite(queue_.front().get());
-      return;
-    }
-    writing_ = false;
-    MaybeFinishLocked(finish_status_);
-  }
-
   // A refused hello: the error message, then the stream ends with `status`.
   // The session is closed at once (it never joined a job); no further reads.
   void Deny(const std::string& job_id, const absl::Status& status) {
@@ -85,26 +62,14 @@ class NodeSessionReactor final
     auto reply = std::make_shared<v1::CoordinatorMessage>();
     *reply->mutable_error() = wire::MakeError(v1::PERMISSION_DENIED, status);
     reply->mutable_error()->set_job_id(job_id);
-    accord::MutexLock l(&mu_);
-    finishing_ = true;
-    finish_status_ = ToGrpcStatus(status);
-    if (!write_failed_) {
-      queue_.push_back(std::move(reply));
-      if (!writing_) {
-        writing_ = true;
-        StartWrite(queue_.front().get());
-      }
-    }
-    MaybeFinishLocked(finish_status_);
+    Enqueue(std::move(reply), /*after_end=*/true);
+    EndAfterWrites(ToGrpcStatus(status));
   }
 
   // Shutdown: finish after the queued replies.
   void FinishSoon() {
-    accord::MutexLock l(&mu_);
-    finishing_ = true;
-    finish_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                  "the coordinator is shutting down; reconnect to its replacement");
-    MaybeFinishLocked(finish_status_);
+    EndAfterWrites(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                "the coordinator is shutting down; reconnect to its replacement"));
   }
 
   void OnDone() override {
@@ -113,24 +78,10 @@ class NodeSessionReactor final
   }
 
  private:
-  void MaybeFinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || writing_ || !(read_closed_ || finishing_)) return;
-    finished_ = true;
-    Finish(status);
-  }
-
   CoordinatorGrpcService* const service_;
   Coordinator* const coordinator_;
   Coordinator::SessionId id_ = 0;
   v1::NodeMessage in_;
-  accord::Mutex mu_;
-  std::deque<std::shared_ptr<const v1::CoordinatorMessage>> queue_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
-  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* CoordinatorGrpcService::Session(

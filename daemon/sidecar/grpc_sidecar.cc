@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/queued_stream_reactor.h"
 
 namespace accord::daemon {
 namespace {
@@ -44,79 +45,44 @@ std::string UpstreamHint(const grpc::Status& status) {
 
 }  // namespace
 
-class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>,
+class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1::RankReply>,
                                  public RankSink {
  public:
   RankSessionReactor(RankGrpcService* service, bool refuse)
       : service_(service), sidecar_(service->sidecar_) {
     if (refuse) {
-      finished_ = true;
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"));
+      FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"));
       return;
     }
     id_ = sidecar_->OpenRank(this);
     StartRead(&in_);
   }
 
+  // Nothing is written after Close: the error reply queued before it is the
+  // last message the rank sees.
   void Send(std::shared_ptr<const v1::RankReply> reply) override {
-    accord::MutexLock l(&mu_);
-    if (finished_ || closing_ || write_failed_) return;
-    queue_.push_back(std::move(reply));
-    if (!writing_) {
-      writing_ = true;
-      StartWrite(queue_.front().get());
-    }
+    Enqueue(std::move(reply), /*after_end=*/false);
   }
 
-  void Close(const absl::Status& status) override {
-    accord::MutexLock l(&mu_);
-    if (closing_) return;
-    closing_ = true;
-    finish_status_ = ToGrpc(status);
-    MaybeFinishLocked();
-  }
+  void Close(const absl::Status& status) override { EndAfterWrites(ToGrpc(status)); }
 
   void FinishSoon() { Close(absl::UnavailableError("the sidecar is shutting down")); }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
       sidecar_->CloseRank(id_);
-      accord::MutexLock l(&mu_);
-      read_closed_ = true;
-      MaybeFinishLocked();
+      ReadEnded();
       return;
     }
     sidecar_->HandleRankMessage(id_, in_);
-    {
-      accord::MutexLock l(&mu_);
-      if (closing_) {
-        // Stop reading; the stream ends once the error reply is written.
-        read_closed_ = true;
-        sidecar_closed_pending_ = true;
-      }
-    }
-    if (sidecar_closed_pending_) {
+    if (EndRequested()) {
+      // The sidecar closed this rank (its error reply is queued): stop
+      // reading; the stream ends once the reply is written.
       sidecar_->CloseRank(id_);
-      accord::MutexLock l(&mu_);
-      MaybeFinishLocked();
+      ReadEnded();
       return;
     }
     StartRead(&in_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    accord::MutexLock l(&mu_);
-    queue_.pop_front();
-    if (!ok) {
-      write_failed_ = true;
-      queue_.clear();
-    }
-    if (!queue_.empty()) {
-      StartWrite(queue_.front().get());
-      return;
-    }
-    writing_ = false;
-    MaybeFinishLocked();
   }
 
   void OnDone() override {
@@ -125,26 +91,10 @@ class RankSessionReactor final : public grpc::ServerBidiReactor<v1::RankMessage,
   }
 
  private:
-  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || writing_) return;
-    if (!closing_ && !read_closed_) return;
-    finished_ = true;
-    Finish(closing_ ? finish_status_ : grpc::Status::OK);
-  }
-
   RankGrpcService* const service_;
   Sidecar* const sidecar_;
   Sidecar::SessionId id_ = 0;
   v1::RankMessage in_;
-  bool sidecar_closed_pending_ = false;  // reactor-thread only
-  accord::Mutex mu_;
-  std::deque<std::shared_ptr<const v1::RankReply>> queue_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
-  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool closing_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* RankGrpcService::Session(

@@ -202,12 +202,20 @@ class Gate {
     rmdir(dir_.c_str());
   }
   const std::string& path() const { return path_; }
-  // Lets the rank blocked in open(2) go; false when no rank waits there.
+  // Lets the rank blocked in open(2) go. The rank prints "waiting at gate"
+  // just before it opens the FIFO, so on a loaded machine it may not be in
+  // open(2) yet (ENXIO): retry for up to 30 s; false when no rank came.
   bool Release() {
-    const int fd = open(path_.c_str(), O_WRONLY | O_NONBLOCK);
-    if (fd < 0) return false;
-    close(fd);
-    return true;
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (true) {
+      const int fd = open(path_.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) {
+        close(fd);
+        return true;
+      }
+      if (errno != ENXIO || absl::Now() > give_up) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
   }
 
  private:
