@@ -13,8 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
+#include "core/sync.h"
 
 namespace accord {
 

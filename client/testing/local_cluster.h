@@ -18,8 +18,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
+#include "core/sync.h"
 
 namespace accord::testing {
 

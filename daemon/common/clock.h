@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
+#include "core/sync.h"
 
 namespace accord::daemon {
 

@@ -1066,8 +1066,8 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
   }
 }
 
-bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                              absl::Time now, Outbox& out) {
+bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                              Outbox& out) {
   RankSet covered(job.world_size);
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   std::vector<NodeState*> asked;
@@ -1111,7 +1111,8 @@ void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   }
   const int n = std::min(progress.ranks_size(), progress.last_steps_size());
   for (int i = 0; i < n; ++i) {
-    if (own(progress.ranks(i))) p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+    if (own(progress.ranks(i)))
+      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
   }
   if (--p.progress_waiting <= 0) {
     // Everyone asked has answered: fail now rather than at the grace's end.

@@ -243,7 +243,7 @@ class Coordinator {
     bool progress_asked = false;
     int progress_waiting = 0;
     absl::Time progress_deadline;
-    std::vector<int> progress_reported;                   // submitted, per their sidecar
+    std::vector<int> progress_reported;                  // submitted, per their sidecar
     std::vector<std::pair<int, int64_t>> progress_last;  // rank, last step per its sidecar
   };
   struct RegVariant {

@@ -21,8 +21,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
+#include "core/sync.h"
 #include "daemon/common/clock.h"
 
 namespace accord::daemon {

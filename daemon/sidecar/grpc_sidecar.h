@@ -12,9 +12,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "core/sync.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.grpc.pb.h"
+#include "core/sync.h"
 #include "daemon/sidecar/sidecar.h"
 #include "grpcpp/grpcpp.h"
 

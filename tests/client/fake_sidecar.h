@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "core/sync.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/decide.h"
+#include "core/sync.h"
 #include "grpcpp/server.h"
 
 namespace accord::testing {

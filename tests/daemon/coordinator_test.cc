@@ -383,8 +383,7 @@ TEST_F(CoordinatorProgressTest, DeadlineAsksTheNodeAndNamesOnlyTheRankThatIsMiss
     EXPECT_EQ(std::vector<int>(e.ranks().begin(), e.ranks().end()), (std::vector<int>{3}));
     EXPECT_EQ(std::vector<int64_t>(e.last_steps().begin(), e.last_steps().end()),
               (std::vector<int64_t>{3}));
-    EXPECT_TRUE(absl::StrContains(e.message(), "rank 3 (last step 3, node \"b\")"))
-        << e.message();
+    EXPECT_TRUE(absl::StrContains(e.message(), "rank 3 (last step 3, node \"b\")")) << e.message();
   }
 }
 

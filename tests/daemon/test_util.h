@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "core/sync.h"
 #include "accord/v1/accord.pb.h"
 #include "core/manifest.h"
+#include "core/sync.h"
 #include "daemon/coordinator/coordinator.h"
 #include "proto/wire.h"
 

@@ -25,10 +25,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "core/sync.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
+#include "core/sync.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
