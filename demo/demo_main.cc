@@ -4,9 +4,6 @@
 // coordinator's observe API for the skip matrix and status, scrapes the
 // metrics, and prints a readable summary. Exit code 0 only when every reduced
 // shard matched its float64 reference and every rank saw the same decisions.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +31,7 @@
 #include "demo/report.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
+#include "observe/http_client.h"
 
 ABSL_FLAG(int, ranks, 8, "Rank processes (the world size).");
 ABSL_FLAG(int, sidecars, 2, "Sidecars (nodes).");
@@ -46,28 +44,6 @@ ABSL_FLAG(bool, quiet, false, "Do not echo the daemons' and ranks' output.");
 
 namespace accord::demo {
 namespace {
-
-std::string HttpGet(const std::string& host, int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string req =
-      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: ", host, "\r\nConnection: close\r\n\r\n");
-  (void)!::write(fd, req.data(), req.size());
-  std::string resp;
-  char buf[8192];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) resp.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  return body == std::string::npos ? "" : resp.substr(body + 4);
-}
 
 // "metrics on http://127.0.0.1:PORT/metrics" in a daemon's output.
 std::vector<std::string> MetricsUrls(const std::string& output) {
@@ -284,7 +260,8 @@ int Run() {
     const size_t colon = hostport.rfind(':');
     int port = 0;
     if (colon != std::string::npos && absl::SimpleAtoi(hostport.substr(colon + 1), &port)) {
-      const std::string text = HttpGet(hostport.substr(0, colon), port, "/metrics");
+      absl::StatusOr<HttpResponse> r = HttpGet(hostport.substr(0, colon), port, "/metrics");
+      const std::string text = r.ok() ? r->body : "";
       metric_skips = MetricSum(text, "accord_skips_total");
       if (hit_rate < 0) {
         const double h = MetricSum(text, "accord_cache_hits_total");

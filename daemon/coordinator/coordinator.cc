@@ -1066,13 +1066,12 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
   }
 }
 
-bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
-                              Outbox& out) {
-  RankSet covered(job.world_size);
-  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-  std::vector<NodeState*> asked;
+bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                              const RankSet& covered, absl::Time now, Outbox& out) {
+  std::vector<const NodeState*>& asked = p.progress_unanswered;
+  asked.clear();
   for (int r : covered.Missing()) {
-    NodeState* owner = job.rank_owner[r];
+    const NodeState* owner = job.rank_owner[r];
     if (owner == nullptr || owner->session == 0 || owner->sink == nullptr ||
         !owner->answers_progress) {
       continue;
@@ -1081,10 +1080,9 @@ bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep
   }
   if (asked.empty()) return false;
   p.progress_asked = true;
-  p.progress_waiting = static_cast<int>(asked.size());
   // A short grace past the deadline: a quarter of it, at most one second.
   p.progress_deadline = now + std::min(absl::Seconds(1), options_.deadline / 4);
-  for (NodeState* node : asked) {
+  for (const NodeState* node : asked) {
     v1::CoordinatorMessage q;
     q.mutable_progress_query()->set_group_id(g.group_id);
     q.mutable_progress_query()->set_step(step);
@@ -1103,18 +1101,22 @@ void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   auto pit = git->second.pending.find(progress.step());
   if (pit == git->second.pending.end() || !pit->second.progress_asked) return;
   PendingStep& p = pit->second;
-  // Trust a node only about its own ranks.
   const NodeState* node = s.node;
+  auto asked = std::find(p.progress_unanswered.begin(), p.progress_unanswered.end(), node);
+  if (asked == p.progress_unanswered.end()) return;  // not asked, or answered already
+  p.progress_unanswered.erase(asked);
+  // Trust a node only about its own ranks.
   auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == node; };
   for (int r : progress.reported()) {
     if (own(r)) p.progress_reported.push_back(r);
   }
   const int n = std::min(progress.ranks_size(), progress.last_steps_size());
   for (int i = 0; i < n; ++i) {
-    if (own(progress.ranks(i)))
+    if (own(progress.ranks(i))) {
       p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+    }
   }
-  if (--p.progress_waiting <= 0) {
+  if (p.progress_unanswered.empty()) {
     // Everyone asked has answered: fail now rather than at the grace's end.
     p.progress_deadline = clock_->Now();
     next_deadline_ = p.progress_deadline;
@@ -1150,16 +1152,16 @@ void Coordinator::CheckDeadlinesUnderLock() {
           }
           continue;
         }
-        if (!p.progress_asked && AskProgress(job, g, step, p, now, out)) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
-        if (p.progress_asked && p.progress_waiting > 0 && p.progress_deadline > now) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
         RankSet covered(job.world_size);
         for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+        if (!p.progress_asked && AskProgress(job, g, step, p, covered, now, out)) {
+          next = std::min(next, p.progress_deadline);
+          continue;
+        }
+        if (p.progress_asked && p.progress_deadline > now) {
+          next = std::min(next, p.progress_deadline);
+          continue;
+        }
         // Ranks their sidecar saw submit are not missing (their node waits
         // for a node-mate); name only the others.
         for (int r : p.progress_reported) {

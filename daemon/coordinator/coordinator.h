@@ -241,9 +241,9 @@ class Coordinator {
     // their ranks did submit (ProgressQuery). The step fails once every asked
     // node answered or at progress_deadline, whichever comes first.
     bool progress_asked = false;
-    int progress_waiting = 0;
-    absl::Time progress_deadline;
-    std::vector<int> progress_reported;                  // submitted, per their sidecar
+    std::vector<const NodeState*> progress_unanswered;  // asked, no answer yet
+    absl::Time progress_deadline;        // moved to the answer's time once all answered
+    std::vector<int> progress_reported;  // submitted, per their sidecar
     std::vector<std::pair<int, int64_t>> progress_last;  // rank, last step per its sidecar
   };
   struct RegVariant {
@@ -375,8 +375,9 @@ class Coordinator {
   // At a step's deadline: asks the nodes whose ranks are missing (and that
   // answer progress queries) which of their ranks submitted. Returns whether
   // any was asked (then the step fails when they answer or after a grace).
-  bool AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
-                   Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `covered`: the ranks the step's contributions cover.
+  bool AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, const RankSet& covered,
+                   absl::Time now, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleProgress(Session& s, const v1::NodeProgress& progress)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);

@@ -4,9 +4,11 @@
 #
 #   sanitizer_configure asan|tsan <build-dir>
 
+# scripts/deps installs clang and its runtimes; say so if they are missing.
 sanitizer_need_clang() {
-  command -v clang++ >/dev/null && [[ -n $(ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a 2>/dev/null) ]] && return
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-14-dev >/dev/null
+  command -v clang++ >/dev/null && compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null && return
+  echo "sanitize: clang++ or its sanitizer runtimes are missing; run scripts/deps (installs clang, libclang-rt-14-dev, llvm)" >&2
+  return 1
 }
 
 sanitizer_configure() {

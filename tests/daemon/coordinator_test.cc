@@ -394,6 +394,13 @@ TEST_F(CoordinatorProgressTest, UnansweredQueryFailsAfterTheGraceNamingTheWholeN
   clock_.Advance(absl::Milliseconds(2100));
   coord_->CheckDeadlines();
   EXPECT_TRUE(sa_.decisions().empty());
+  // An answer from a node that was not asked (a) does not end the grace.
+  v1::NodeMessage unasked;
+  unasked.mutable_progress()->set_group_id("g");
+  unasked.mutable_progress()->set_step(0);
+  coord_->HandleMessage(a_, unasked);
+  coord_->CheckDeadlines();
+  EXPECT_TRUE(sa_.decisions().empty());
   clock_.Advance(absl::Milliseconds(300));  // grace = 500 ms
   coord_->CheckDeadlines();
   EXPECT_TRUE(sa_.decisions().empty());

@@ -283,6 +283,16 @@ class FaultTest : public ::testing::Test {
     return "";
   }
 
+  // Runs the job once undisturbed ("reference"); every rank must succeed with
+  // the same digest, which the faulty run must then reproduce.
+  void RunReference(std::string* digest) {
+    std::vector<RankResult> ref = Run(kFlags, "reference");
+    ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
+    *digest = Digest(ref[0]);
+    ASSERT_FALSE(digest->empty()) << ref[0].output;
+    ExpectAllSucceededWith(ref, *digest);
+  }
+
   static void ExpectAllSucceededWith(const std::vector<RankResult>& results,
                                      const std::string& digest) {
     ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
@@ -307,10 +317,8 @@ class FaultTest : public ::testing::Test {
 
 TEST_F(FaultTest, CoordinatorKilledMidStepAndRestartedGivesEveryRankTheSameDecisions) {
   StartCluster(2);
-  std::vector<RankResult> ref = Run(kFlags, "reference");
-  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
-  const std::string digest = Digest(ref[0]);
-  ExpectAllSucceededWith(ref, digest);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
 
   // Rank 2 holds step 2 back; the others wait for its decision while the
   // coordinator dies (SIGKILL: no goodbye) and comes back on the same address.
@@ -326,9 +334,8 @@ TEST_F(FaultTest, CoordinatorKilledMidStepAndRestartedGivesEveryRankTheSameDecis
 
 TEST_F(FaultTest, CoordinatorKilledTwiceBeforeAnyDecision) {
   StartCluster(2);
-  std::vector<RankResult> ref = Run(kFlags, "reference");
-  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
-  const std::string digest = Digest(ref[0]);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
   auto procs = StartGated(kFlags, "faulty", /*gated=*/7, /*step=*/0);
   ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
   for (int i = 0; i < 2; ++i) {
@@ -387,10 +394,8 @@ TEST_F(FaultTest, SidecarCutOffFromTheCoordinatorLosesNoDecision) {
   CuttableProxy proxy(port);
   absl::StatusOr<int> added = cluster_->AddSidecar(proxy.address());
   ASSERT_TRUE(added.ok()) << added.status();
-  std::vector<RankResult> ref = Run(kFlags, "reference");
-  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
-  const std::string digest = Digest(ref[0]);
-  ExpectAllSucceededWith(ref, digest);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
 
   // Rank 6 (behind the proxy) holds step 2 back. What the coordinator sends
   // to its node is dropped, so step 2's decision is lost on the way; then the
@@ -409,9 +414,8 @@ TEST_F(FaultTest, SidecarCutOffFromTheCoordinatorLosesNoDecision) {
 
 TEST_F(FaultTest, CoordinatorPausedBrieflyDelaysButLosesNothing) {
   StartCluster(2);
-  std::vector<RankResult> ref = Run(kFlags, "reference");
-  ASSERT_EQ(ref.size(), static_cast<size_t>(kWorld));
-  const std::string digest = Digest(ref[0]);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
   auto procs = StartGated(kFlags, "faulty", /*gated=*/3, /*step=*/1);
   ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
   kill(cluster_->coordinator_pid(), SIGSTOP);

@@ -22,6 +22,7 @@
 #include "client/testing/local_cluster.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "observe/http_client.h"
 
 namespace accord::testing {
 namespace {
@@ -34,30 +35,6 @@ constexpr char kJob[] = "obsjob";
 // Nobody has p3 (skipped at every step); rank 1 never has p1; rank 2 lacks p2
 // at step 0 only.
 constexpr char kRules[] = "--rules=*:3:*:none,1:1:*:none,2:2:0:none";
-
-// GET http://127.0.0.1:port/path; the body ("" on failure).
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string req =
-      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-  (void)!::write(fd, req.data(), req.size());
-  std::string resp;
-  char buf[8192];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) resp.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  return body == std::string::npos ? "" : resp.substr(body + 4);
-}
 
 std::string UrlEncode(const std::string& s) {
   std::string out;
@@ -220,7 +197,9 @@ TEST_F(ObserveIntegrationTest, PrometheusScrapesTheRunsOwnCounts) {
     std::string body;
     double got = -1;
     while (absl::Now() < deadline) {
-      body = HttpGet(port, "/api/v1/query?query=" + UrlEncode(q));
+      absl::StatusOr<HttpResponse> r =
+          HttpGet("127.0.0.1", port, "/api/v1/query?query=" + UrlEncode(q));
+      body = r.ok() ? r->body : r.status().ToString();
       std::smatch m;
       static const std::regex value_re(R"re("value":\[[0-9.]+,"([^"]+)"\])re");
       if (std::regex_search(body, m, value_re) && absl::SimpleAtod(m[1].str(), &got) &&

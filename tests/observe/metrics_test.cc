@@ -1,15 +1,11 @@
 #include "observe/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "observe/http_client.h"
 #include "observe/http_server.h"
 
 namespace accord {
@@ -78,27 +74,6 @@ TEST(MetricsRegistry, ConcurrentIncrementsAreNotLost) {
   EXPECT_EQ(c.WithLabels({"x"}).value(), 40000);
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string req =
-      "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-  (void)::write(fd, req.data(), req.size());
-  std::string resp;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) resp.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  return resp;
-}
-
 TEST(MetricsHttpServer, ServesMetricsAndHealthOnAnEphemeralPort) {
   MetricsRegistry r;
   r.AddCounter("accord_cache_hits_total", "hits", {"job"}).WithLabels({"j"}).Increment(7);
@@ -106,13 +81,18 @@ TEST(MetricsHttpServer, ServesMetricsAndHealthOnAnEphemeralPort) {
   absl::StatusOr<int> port = server.Start("127.0.0.1:0");
   ASSERT_TRUE(port.ok()) << port.status();
   ASSERT_GT(*port, 0);
-  const std::string metrics = HttpGet(*port, "/metrics");
-  EXPECT_NE(metrics.find("200 OK"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("text/plain; version=0.0.4"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("accord_cache_hits_total{job=\"j\"} 7"), std::string::npos) << metrics;
-  EXPECT_NE(HttpGet(*port, "/healthz").find("ok"), std::string::npos);
+  absl::StatusOr<HttpResponse> metrics = HttpGet("127.0.0.1", *port, "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->status, 200) << metrics->headers;
+  EXPECT_NE(metrics->headers.find("text/plain; version=0.0.4"), std::string::npos)
+      << metrics->headers;
+  EXPECT_NE(metrics->body.find("accord_cache_hits_total{job=\"j\"} 7"), std::string::npos)
+      << metrics->body;
+  absl::StatusOr<HttpResponse> health = HttpGet("127.0.0.1", *port, "/healthz");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_NE(health->body.find("ok"), std::string::npos);
   server.Stop();
-  EXPECT_EQ(HttpGet(*port, "/metrics"), "");
+  EXPECT_FALSE(HttpGet("127.0.0.1", *port, "/metrics").ok());
 }
 
 TEST(MetricsHttpServer, BusyPortIsAClearError) {
