@@ -39,10 +39,47 @@ skipped (gradient None, no bytes reduced) instead of reduce-scattering zeros,
 and the switch's value is restored afterwards. You may leave it set or not; the
 result is the same.
 
-Limits: a rank that never ran the forward of an FSDP unit since the model was
-built has no unsharded parameters to zero-fill for that unit; the wrapper then
-fails with a message that names the group and the rank instead of hanging.
-Ranks must reduce the groups in the same order (as FSDP2 itself requires).
+Units whose forward runs on some ranks only (``optional=``)
+------------------------------------------------------------
+FSDP2 all-gathers a unit's parameters in that unit's pre-forward. When a rank
+skips a unit (a vision tower on a text-only batch, a layer dropped by
+LayerDrop) or enters it twice (images and video through one tower), its
+all-gathers pair with other units' all-gathers on the other ranks: Gloo aborts
+with a collective mismatch, NCCL hangs, before any gradient exists. Name such
+units at install time::
+
+    accord.torch.install(model, client, optional=[model.vision_tower])
+
+For each optional unit accord then makes every collective rank-independent:
+
+- forward: right after the root's pre-forward (a fixed point of every rank's
+  sequence) every rank all-gathers every optional unit, in install order, and
+  keeps it unsharded until the end of that backward; the unit's own
+  pre-forward and pre-backward then find it unsharded and issue nothing, so
+  running it 0, 1 or 2 times issues the same collectives;
+- the unit is left out of FSDP2's record of the forward order, so the
+  implicit backward prefetch of the other units follows the same order on
+  every rank;
+- backward: the unit's reduce-scatter is deferred to FSDP2's end-of-backward
+  callback, where every rank reaches it at the same place; accord's agreement
+  then decides it like any other group (a rank that did not run the unit
+  contributes zeros, parameters used on no rank keep gradient None);
+- after that callback (or after a forward under ``torch.no_grad``) the unit
+  is resharded.
+
+No extra round trip is added: the participation agreement is the group's
+ordinary decision. The cost is one all-gather of each optional unit per
+forward on every rank (also where it is not used) and its unsharded
+parameters held for the whole step, so mark the units that can really be
+skipped, not every unit. ``installation.participation`` counts, per optional
+unit, the steps in which this rank ran it 0, 1 or more times.
+
+Limits: install right after ``fully_shard`` and before the model's first
+forward (each group's step count starts there on every rank); the model itself
+must be an FSDP unit when ``optional`` is given. An optional unit must not be
+resharded explicitly (``unit.reshard()``, ``state_dict()``) between a forward
+and its backward. Ranks must reduce the other groups in the same order (as
+FSDP2 itself requires). docs/PARTICIPATION.md has the collective sequences.
 """
 
 from __future__ import annotations
@@ -161,6 +198,7 @@ class _HookedGroup:
         self.step = 0
         self.stats = GroupStats()
         self.original = group.post_backward  # bound method of the group
+        self.optional: Optional["_OptionalUnit"] = None
 
     def _register(self) -> None:
         reduce_dtype = getattr(self.group, "_reduce_dtype", None)
@@ -174,6 +212,10 @@ class _HookedGroup:
 
     def post_backward(self, *args, **kwargs):
         group = self.group
+        if self.optional is not None and not self.installation.in_final_callback:
+            # Deferred to FSDP2's end-of-backward callback, which reaches this
+            # group at the same place on every rank (see _OptionalUnit).
+            return None
         if not getattr(group, "reduce_grads", True):
             return self.original(*args, **kwargs)  # accumulation-only microbatch
         fsdp_params = group.fsdp_params
@@ -255,6 +297,82 @@ class _HookedGroup:
                 stats.widened += 1
 
 
+@dataclasses.dataclass
+class UnitParticipation:
+    """How often this rank ran one optional unit's forward, per step."""
+
+    steps: int = 0
+    skipped: int = 0  # steps with no forward call
+    ran: int = 0  # steps with exactly one
+    repeated: int = 0  # steps with two or more
+    calls_this_step: int = 0
+
+
+class _OptionalUnit:
+    """One FSDP unit whose forward may run on some ranks only.
+
+    Pinned (unsharded by accord) from the root's pre-forward to the end of the
+    backward; while pinned, FSDP2's own reshards after forward and after
+    backward do nothing. Owned by the training thread.
+    """
+
+    def __init__(self, name: str, module, groups: list):
+        self.name = name
+        self.module = module
+        self.groups = groups
+        self.pinned = False
+        self.participation = UnitParticipation()
+        self._originals = {}
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        in_step = (TrainingState.FORWARD, TrainingState.POST_BACKWARD)
+        for g in groups:
+            original = g.reshard  # bound method
+
+            def reshard(g=g, original=original):
+                if self.pinned and g._training_state in in_step:
+                    return None  # kept unsharded until end_step
+                if g._training_state not in in_step:
+                    self.pinned = False  # an explicit reshard (state_dict, .to())
+                return original()
+
+            g.__dict__["reshard"] = reshard
+            # Not recorded in FSDP2's forward order: the implicit backward
+            # prefetch of the other units must not depend on this unit.
+            g.__dict__["_record_post_forward"] = lambda: None
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.participation.calls_this_step += 1
+
+    def begin_step(self) -> None:
+        if self.pinned:  # a forward without backward left it pinned
+            self.end_step(count=False)
+        self.module.unshard()  # one all-gather, on every rank, at the same place
+        self.pinned = True
+
+    def end_step(self, count: bool = True) -> None:
+        self.pinned = False
+        for g in self.groups:
+            g.reshard()
+        if count:
+            p = self.participation
+            p.steps += 1
+            if p.calls_this_step == 0:
+                p.skipped += 1
+            elif p.calls_this_step == 1:
+                p.ran += 1
+            else:
+                p.repeated += 1
+        self.participation.calls_this_step = 0
+
+    def remove(self) -> None:
+        self._handle.remove()
+        for g in self.groups:
+            g.__dict__.pop("reshard", None)
+            g.__dict__.pop("_record_post_forward", None)
+
+
 class Installation:
     """accord hooked into one FSDP2 model. `stats` maps group id to GroupStats."""
 
@@ -263,15 +381,83 @@ class Installation:
         self.agreement = agreement
         self.prefix = prefix
         self.groups: Dict[str, _HookedGroup] = {}
+        self.optional: List[_OptionalUnit] = []
+        self.in_final_callback = False
+        self._handles: list = []
+        self._patched_states: list = []
         self._lock = threading.Lock()
 
     @property
     def stats(self) -> Dict[str, GroupStats]:
         return {gid: h.stats for gid, h in self.groups.items()}
 
+    @property
+    def participation(self) -> Dict[str, UnitParticipation]:
+        """Per optional unit (module path): this rank's forward calls per step."""
+        return {u.name: u.participation for u in self.optional}
+
+    def _hook_optional(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
+        for name, module in units:
+            groups = _param_groups(module._get_fsdp_state())
+            unit = _OptionalUnit(name, module, groups)
+            for h in self.groups.values():
+                if any(h.group is g for g in groups):
+                    h.optional = unit
+            self.optional.append(unit)
+        # After FSDP2's root pre-forward (its hook is prepended; this one is
+        # appended), before any other unit's all-gather.
+        self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
+        self._handles.append(self.model.register_forward_hook(self._after_forward))
+        for module in self.model.modules():
+            if hasattr(module, "_get_fsdp_state"):
+                state = module._get_fsdp_state()
+                if "_root_post_backward_final_callback" in state.__dict__:
+                    continue
+                original = state._root_post_backward_final_callback
+                state.__dict__["_root_post_backward_final_callback"] = self._final_callback(
+                    original
+                )
+                self._patched_states.append(state)
+
+    def _begin_step(self, module, args):
+        if torch._C._current_graph_task_id() != -1:
+            return None  # recomputation inside backward (activation checkpointing)
+        for unit in self.optional:
+            unit.begin_step()
+        return None
+
+    def _after_forward(self, module, args, output):
+        if not torch.is_grad_enabled():  # no backward will follow
+            for unit in self.optional:
+                unit.end_step()
+        return None
+
+    def _final_callback(self, original):
+        def callback():
+            self.in_final_callback = True
+            try:
+                original()
+            finally:
+                self.in_final_callback = False
+                for unit in self.optional:
+                    unit.end_step()
+
+        return callback
+
     def uninstall(self) -> None:
         """Restores FSDP2's own post-backward on every hooked group."""
         with self._lock:
+            for unit in self.optional:
+                if unit.pinned:
+                    unit.end_step(count=False)
+                unit.remove()
+            self.optional.clear()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for state in self._patched_states:
+                state.__dict__.pop("_root_post_backward_final_callback", None)
+            self._patched_states.clear()
             for h in self.groups.values():
                 if h.group.__dict__.get("post_backward") is not None:
                     del h.group.__dict__["post_backward"]
@@ -280,23 +466,104 @@ class Installation:
             self.model.__dict__.pop("_accord_installation", None)
 
 
+def fix_transformers_output_capture(model: torch.nn.Module) -> int:
+    """Lets `transformers` record hidden states inside FSDP units.
+
+    transformers 5.x looks up which outputs a model can record by the name of
+    the model's class; fully_shard swaps a unit's class for a subclass
+    (`FSDPCLIPVisionModel`), so a vision tower sharded as its own unit stops
+    returning hidden states and LLaVA-style models fail with "'NoneType' object
+    is not subscriptable". This registers each such unit's class under its own
+    name. Called by install(); safe to call again. Returns how many units it
+    registered (0 without transformers).
+    """
+    import sys
+
+    capture = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capture, "_CAN_RECORD_REGISTRY", None)
+    if registry is None:
+        return 0
+    FSDPModule, _ = _fsdp_internals()
+    count = 0
+    for module in model.modules():
+        flags = getattr(module, "_can_record_outputs", None)
+        if isinstance(module, FSDPModule) and flags and not registry.get(module):
+            registry[module] = flags
+            count += 1
+    return count
+
+
+def _resolve_optional(model: torch.nn.Module, optional, FSDPModule) -> List[Tuple[str, torch.nn.Module]]:
+    """(path, module) of each optional unit, checked; raises ValueError."""
+    if isinstance(optional, (str, torch.nn.Module)):
+        optional = [optional]
+    names = {id(m): n for n, m in model.named_modules()}
+    out: List[Tuple[str, torch.nn.Module]] = []
+    for item in optional:
+        if isinstance(item, str):
+            try:
+                module = model.get_submodule(item)
+            except AttributeError as e:
+                raise ValueError(
+                    f"accord.torch.install: optional unit {item!r} is not a submodule of the "
+                    f"model ({e})"
+                ) from None
+            name = item
+        elif isinstance(item, torch.nn.Module):
+            if id(item) not in names:
+                raise ValueError(
+                    f"accord.torch.install: optional unit {type(item).__name__} is not a "
+                    f"submodule of the model"
+                )
+            module, name = item, names[id(item)]
+        else:
+            raise TypeError(
+                f"accord.torch.install: optional takes modules or module paths, got "
+                f"{type(item).__name__}"
+            )
+        if module is model:
+            raise ValueError(
+                "accord.torch.install: the root module cannot be optional (every rank runs "
+                "the root's forward)"
+            )
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"accord.torch.install: optional unit '{name}' ({type(module).__name__}) is "
+                f"not an FSDP unit; call fully_shard on it (before fully_shard on the model) "
+                f"so that it has its own all-gather and reduce-scatter"
+            )
+        if any(m is module for _, m in out):
+            continue
+        out.append((name, module))
+    if out and not isinstance(model, FSDPModule):
+        raise ValueError(
+            "accord.torch.install: optional units need the model itself to be an FSDP unit "
+            "(call fully_shard(model) after sharding its submodules)"
+        )
+    return out
+
+
 def install(
     model: torch.nn.Module,
     client_or_agreement,
     *,
     prefix: str = "fsdp",
     timeout_s: float = 300.0,
+    optional: Sequence = (),
 ) -> Installation:
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
     `client_or_agreement` is an accord client (accord.connect()) or any
-    accord.Agreement. Call after fully_shard and before the first backward.
-    Idempotent: installing again with the same client returns the existing
-    Installation; installing with a different one raises ValueError.
-    Raises UnsupportedTorchError for torch outside SUPPORTED_TORCH.
+    accord.Agreement. Call after fully_shard and before the model's first
+    forward. `optional`: FSDP units (modules or module paths) whose forward
+    may run a different number of times on different ranks (see the module
+    docstring). Idempotent: installing again with the same client and units
+    returns the existing Installation; installing with a different one raises
+    ValueError. Raises UnsupportedTorchError for torch outside SUPPORTED_TORCH.
     """
     check_torch_version()
     FSDPModule, _ = _fsdp_internals()
+    units = _resolve_optional(model, optional, FSDPModule)
     existing = model.__dict__.get("_accord_installation")
     if existing is not None:
         same = existing.agreement is client_or_agreement or getattr(
@@ -307,7 +574,19 @@ def install(
                 "accord.torch.install: this model is already hooked with another client; "
                 "call installation.uninstall() first"
             )
+        if [m for _, m in units] != [u.module for u in existing.optional]:
+            raise ValueError(
+                "accord.torch.install: this model is already hooked with other optional "
+                "units; call installation.uninstall() first"
+            )
         return existing
+    for module_name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._is_root is not None:
+            raise ValueError(
+                "accord.torch.install: the model has already run a forward under FSDP2; "
+                "install accord right after fully_shard, before the first forward, on "
+                "every rank (each group's step count must start at the same point)"
+            )
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
     installation = Installation(model, agreement, prefix)
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -336,5 +615,7 @@ def install(
             "accord.torch.install: the model has no FSDP2 parameter groups; call "
             "fully_shard(...) on it (and its submodules) first"
         )
+    installation._hook_optional(units)
+    fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = installation
     return installation
