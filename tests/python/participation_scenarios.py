@@ -306,3 +306,61 @@ of step after it)."""
             out.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             break
     return out
+
+
+class _NoAgreement:
+    """Never consulted: the install calls below fail before any agreement."""
+
+    rank, world_size = 0, 1
+
+    def register(self, *a):
+        raise AssertionError("not reached")
+
+    def submit(self, *a):
+        raise AssertionError("not reached")
+
+
+def bad_installs(rank, world_size):
+    """Each misuse of install(..., optional=...) and the error it raised."""
+    import accord.torch
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = "no error"
+        except (ValueError, TypeError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
+
+    def sharded(shard_tower=True, shard_root=True):
+        job = build("vlm")
+        units, _ = units_of(job, "vlm")
+        for path, unit in units:
+            if shard_tower or "vision_tower" not in path:
+                fully_shard(unit, mesh=mesh)
+        if shard_root:
+            fully_shard(job, mesh=mesh)
+        return job
+
+    job = sharded(shard_tower=False)
+    attempt("not_fsdp_unit", lambda: accord.torch.install(
+        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+    job = sharded()
+    attempt("not_a_submodule", lambda: accord.torch.install(
+        job, _NoAgreement(), optional=["llava.model.no_such_tower"]))
+    attempt("foreign_module", lambda: accord.torch.install(
+        job, _NoAgreement(), optional=[nn.Linear(2, 2)]))
+    attempt("root", lambda: accord.torch.install(job, _NoAgreement(), optional=[job]))
+    attempt("wrong_type", lambda: accord.torch.install(job, _NoAgreement(), optional=[3]))
+    job = sharded(shard_root=False)
+    attempt("root_not_fsdp", lambda: accord.torch.install(
+        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+    attempt("not_fsdp_model", lambda: accord.torch.install(build("vlm"), _NoAgreement()))
+    job = sharded()
+    accord.torch.fix_transformers_output_capture(job)
+    job(**batch("vlm", "image", rank, 0))
+    attempt("after_first_forward", lambda: accord.torch.install(
+        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+    return out

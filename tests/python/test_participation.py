@@ -68,15 +68,18 @@ def check_case(results, case, rtol):
 
 
 def run_accord(cluster, world_size, cases):
-    jobs = [cluster_info(cluster, world_size, f"part-{c['model_kind']}") for c in cases]
-    results = check_results(
-        run_ranks(ps.run_cases, world_size, TIMEOUT_S, cases=cases, cluster_jobs=jobs)
-    )
-    for rank, per_rank in enumerate(results):
-        for i, out in enumerate(per_rank):
-            assert not isinstance(out, str), f"rank {rank} case {cases[i]}: {out}"
-        assert len(per_rank) == len(cases)
-    return [[results[r][i] for r in range(world_size)] for i in range(len(cases))]
+    """Each case in its own processes (a sidecar serves one job at a time, and
+    a finished job's ranks leave when their processes exit)."""
+    out = []
+    for case in cases:
+        job = cluster_info(cluster, world_size, f"part-{case['model_kind']}")
+        results = check_results(
+            run_ranks(ps.run_cases, world_size, TIMEOUT_S, cases=[case], cluster_jobs=[job])
+        )
+        for rank, per_rank in enumerate(results):
+            assert not isinstance(per_rank[0], str), f"rank {rank} case {case}: {per_rank[0]}"
+        out.append([per_rank[0] for per_rank in results])
+    return out
 
 
 VLM = "vlm"
@@ -145,3 +148,26 @@ def test_plain_fsdp2_fails_on_the_same_jobs(case):
         elif isinstance(r, list) and isinstance(r[0], str):
             errors.append(r[0])
     assert errors, f"plain FSDP2 trained on rank-divergent units: {results}"
+
+
+def test_bad_installs_get_precise_errors():
+    (out,) = check_results(run_ranks(ps.bad_installs, 1, 120.0))
+    expect = {
+        "not_fsdp_unit": "ValueError: accord.torch.install: optional unit "
+        "'llava.model.vision_tower' (CLIPVisionModel) is not an FSDP unit; call fully_shard",
+        "not_a_submodule": "ValueError: accord.torch.install: optional unit "
+        "'llava.model.no_such_tower' is not a submodule of the model",
+        "foreign_module": "ValueError: accord.torch.install: optional unit Linear is not a "
+        "submodule of the model",
+        "root": "ValueError: accord.torch.install: the root module cannot be optional",
+        "wrong_type": "TypeError: accord.torch.install: optional takes modules or module "
+        "paths, got int",
+        "root_not_fsdp": "ValueError: accord.torch.install: optional units need the model "
+        "itself to be an FSDP unit",
+        "not_fsdp_model": "ValueError: accord.torch.install: the model has no FSDP2 parameter "
+        "groups",
+        "after_first_forward": "ValueError: accord.torch.install: the model has already run a "
+        "forward under FSDP2; install accord right after fully_shard",
+    }
+    for key, prefix in expect.items():
+        assert out[key].startswith(prefix), f"{key}: {out[key]!r}"
