@@ -60,6 +60,19 @@ class ClientAgreement:
         future = self.client.submit(group_id, step, list(dtypes))
         return self.client.wait(future, timeout_s=self.timeout_s)
 
+    # Optional part of the protocol, used by accord.torch to overlap the
+    # round trip with backward compute: submit now, wait later.
+    def submit_async(self, group_id, step, dtypes):
+        """Submits one manifest without blocking; returns a handle for wait()."""
+        return self.client.submit(group_id, step, list(dtypes))
+
+    def wait(self, handle) -> "_accord.Decision":
+        """The decision of a submit_async handle (blocks until it is there)."""
+        return self.client.wait(handle, timeout_s=self.timeout_s)
+
+    def ready(self, handle) -> bool:
+        return handle.ready()
+
 
 def as_agreement(obj, timeout_s: float = 300.0) -> Agreement:
     """Accepts an Agreement or an accord client and returns an Agreement."""

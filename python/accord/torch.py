@@ -85,8 +85,10 @@ FSDP2 itself requires). docs/PARTICIPATION.md has the collective sequences.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -210,15 +212,9 @@ class _HookedGroup:
         )
         self.registered = True
 
-    def post_backward(self, *args, **kwargs):
-        group = self.group
-        if self.optional is not None and not self.installation.in_final_callback:
-            # Deferred to FSDP2's end-of-backward callback, which reaches this
-            # group at the same place on every rank (see _OptionalUnit).
-            return None
-        if not getattr(group, "reduce_grads", True):
-            return self.original(*args, **kwargs)  # accumulation-only microbatch
-        fsdp_params = group.fsdp_params
+    def _local_grads(self) -> List[Optional[torch.Tensor]]:
+        """This rank's gradient per parameter (None where it has none)."""
+        fsdp_params = self.group.fsdp_params
         # FSDP2 folds this microbatch's gradient into an accumulated one first;
         # doing it here (it is idempotent) makes the manifest see the final dtype.
         for fp in fsdp_params:
@@ -232,14 +228,47 @@ class _HookedGroup:
                 elif fp._unsharded_param.grad is not None:
                     grad = fp._unsharded_param.grad
             local.append(grad)
+        return local
+
+    def _next_manifest(self) -> Tuple[int, List[Optional[torch.Tensor]], List[Optional[str]]]:
         if not self.registered:
             self._register()
+        local = self._local_grads()
         step = self.step
         self.step += 1
-        decision = self.installation.agreement.submit(
-            self.group_id, step, [dtype_name(g.dtype) if g is not None else None for g in local]
-        )
-        self._apply(decision, step, fsdp_params, local)
+        return step, local, [dtype_name(g.dtype) if g is not None else None for g in local]
+
+    def post_backward(self, *args, **kwargs):
+        inst = self.installation
+        if self.optional is not None and not inst.in_final_callback:
+            # Deferred to FSDP2's end-of-backward callback, which reaches this
+            # group at the same place on every rank (see _OptionalUnit).
+            return None
+        # Earlier groups' reduce-scatters go first: all of them when this
+        # group is already waiting (a unit entered twice), else all but the
+        # newest overlap_depth - 1 (this group joins them).
+        deferring = inst.overlap and not inst.in_final_callback
+        again = any(p.hooked is self for p in inst.pending)
+        inst.flush(keep=inst.overlap_depth - 1 if deferring and not again else 0)
+        if not getattr(self.group, "reduce_grads", True):
+            return self.original(*args, **kwargs)  # accumulation-only microbatch
+        early = inst.presubmitted.pop(self.group_id, None)
+        if early is not None:
+            step, local, handle = early
+        else:
+            step, local, dtypes = self._next_manifest()
+            handle = inst.submit(self.group_id, step, dtypes)
+        if inst.overlap and not inst.in_final_callback and handle is not None:
+            # Reduce later: the wait overlaps the next group's backward.
+            inst.defer(self, step, local, handle, args, kwargs)
+            return None
+        decision = inst.wait(handle, self.group_id, step, local)
+        return self._reduce(decision, step, local, args, kwargs)
+
+    def _reduce(self, decision, step, local, args, kwargs):
+        """Applies the decision, then runs FSDP2's own post-backward."""
+        group = self.group
+        self._apply(decision, step, group.fsdp_params, local)
         saved_reduce_dtype = getattr(group, "_reduce_dtype", None)
         saved_unused = getattr(group, "reduce_scatter_unused_params", None)
         group._reduce_dtype = torch_dtype(decision.wire_dtype)
@@ -295,6 +324,32 @@ class _HookedGroup:
                 if fp._unsharded_param.grad is grad:
                     fp._unsharded_param.grad = None
                 stats.widened += 1
+
+
+@dataclasses.dataclass
+class NegotiationTiming:
+    """Where this rank waited for decisions (for benchmarks and dashboards)."""
+
+    exposed_s: float = 0.0  # training thread blocked waiting for decisions
+    waits: int = 0
+    deferred: int = 0  # reductions whose wait was moved behind the next group
+
+
+@dataclasses.dataclass
+class _Deferred:
+    hooked: "_HookedGroup"
+    step: int
+    local: list
+    handle: object
+    args: tuple
+    kwargs: dict
+    stash: list
+
+
+def _can_overlap(agreement) -> bool:
+    return callable(getattr(agreement, "submit_async", None)) and callable(
+        getattr(agreement, "wait", None)
+    )
 
 
 @dataclasses.dataclass
@@ -383,6 +438,11 @@ class Installation:
         self.groups: Dict[str, _HookedGroup] = {}
         self.optional: List[_OptionalUnit] = []
         self.in_final_callback = False
+        self.overlap = False
+        self.timing = NegotiationTiming()
+        self.overlap_depth = 1
+        self.pending: List[_Deferred] = []
+        self.presubmitted: Dict[str, tuple] = {}
         self._handles: list = []
         self._patched_states: list = []
         self._lock = threading.Lock()
@@ -396,7 +456,82 @@ class Installation:
         """Per optional unit (module path): this rank's forward calls per step."""
         return {u.name: u.participation for u in self.optional}
 
-    def _hook_optional(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
+    def submit(self, group_id: str, step: int, dtypes):
+        """A handle to wait on, or None after a blocking submit without one
+        (an Agreement without submit_async); then wait() submits."""
+        if not self.overlap:
+            return ("blocking", group_id, step, dtypes)
+        return self.agreement.submit_async(group_id, step, dtypes)
+
+    def wait(self, handle, group_id: str, step: int, local) -> object:
+        t0 = time.perf_counter()
+        if isinstance(handle, tuple) and handle and handle[0] == "blocking":
+            decision = self.agreement.submit(*handle[1:])
+        else:
+            decision = self.agreement.wait(handle)
+        self.timing.exposed_s += time.perf_counter() - t0
+        self.timing.waits += 1
+        return decision
+
+    def defer(self, hooked, step, local, handle, args, kwargs) -> None:
+        """Holds this group's gradients aside until flush(), so that more
+        gradients arriving for the group meanwhile (a unit entered twice) do
+        not join this reduce-scatter."""
+        stash = []
+        for fp in hooked.group.fsdp_params:
+            if hasattr(fp, "_unsharded_param"):
+                stash.append((fp.unsharded_accumulated_grad, fp._unsharded_param.grad))
+                fp.unsharded_accumulated_grad = None
+                fp._unsharded_param.grad = None
+            else:
+                stash.append(None)
+        self.pending.append(_Deferred(hooked, step, local, handle, args, kwargs, stash))
+        self.timing.deferred += 1
+
+    def flush(self, keep: int = 0) -> None:
+        """Reduce-scatters deferred groups, oldest first, until `keep` remain.
+        Called only at points every rank reaches in the same order (group
+        post-backwards, the end-of-backward callback), never on timing, so the
+        reduce-scatters keep the same place in every rank's sequence."""
+        while len(self.pending) > keep:
+            self._flush_one(self.pending.pop(0))
+
+    def _flush_one(self, p: "_Deferred") -> None:
+        decision = self.wait(p.handle, p.hooked.group_id, p.step, p.local)
+        fsdp_params = p.hooked.group.fsdp_params
+        arrived = []
+        for fp, held in zip(fsdp_params, p.stash):
+            if held is None:
+                arrived.append(None)
+                continue
+            arrived.append((fp.unsharded_accumulated_grad, fp._unsharded_param.grad))
+            fp.unsharded_accumulated_grad, fp._unsharded_param.grad = held
+        try:
+            p.hooked._reduce(decision, p.step, p.local, p.args, p.kwargs)
+        finally:
+            for fp, later in zip(fsdp_params, arrived):
+                if later is not None:
+                    acc, grad = later
+                    if acc is not None:
+                        fp.unsharded_accumulated_grad = acc
+                    if grad is not None:
+                        fp._unsharded_param.grad = grad
+
+    def _presubmit_final(self) -> None:
+        """Submits, together, the manifests of every group that FSDP2's
+        end-of-backward callback will reduce (their gradients are final)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for h in self.groups.values():
+            g = h.group
+            if g._training_state == TrainingState.POST_BACKWARD:
+                continue
+            if not getattr(g, "reduce_grads", True) or h.group_id in self.presubmitted:
+                continue
+            step, local, dtypes = h._next_manifest()
+            self.presubmitted[h.group_id] = (step, local, self.submit(h.group_id, step, dtypes))
+
+    def _hook_step(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
         for name, module in units:
             groups = _param_groups(module._get_fsdp_state())
             unit = _OptionalUnit(name, module, groups)
@@ -404,10 +539,11 @@ class Installation:
                 if any(h.group is g for g in groups):
                     h.optional = unit
             self.optional.append(unit)
-        # After FSDP2's root pre-forward (its hook is prepended; this one is
-        # appended), before any other unit's all-gather.
-        self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
-        self._handles.append(self.model.register_forward_hook(self._after_forward))
+        if self.optional:
+            # After FSDP2's root pre-forward (its hook is prepended; this one
+            # is appended), before any other unit's all-gather.
+            self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
+            self._handles.append(self.model.register_forward_hook(self._after_forward))
         for module in self.model.modules():
             if hasattr(module, "_get_fsdp_state"):
                 state = module._get_fsdp_state()
@@ -434,11 +570,15 @@ class Installation:
 
     def _final_callback(self, original):
         def callback():
+            self.flush()
             self.in_final_callback = True
             try:
+                if self.overlap:
+                    self._presubmit_final()
                 original()
             finally:
                 self.in_final_callback = False
+                self.presubmitted.clear()
                 for unit in self.optional:
                     unit.end_step()
 
@@ -447,6 +587,7 @@ class Installation:
     def uninstall(self) -> None:
         """Restores FSDP2's own post-backward on every hooked group."""
         with self._lock:
+            self.flush()
             for unit in self.optional:
                 if unit.pinned:
                     unit.end_step(count=False)
@@ -550,6 +691,7 @@ def install(
     prefix: str = "fsdp",
     timeout_s: float = 300.0,
     optional: Sequence = (),
+    overlap: Optional[bool] = None,
 ) -> Installation:
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
@@ -557,7 +699,9 @@ def install(
     accord.Agreement. Call after fully_shard and before the model's first
     forward. `optional`: FSDP units (modules or module paths) whose forward
     may run a different number of times on different ranks (see the module
-    docstring). Idempotent: installing again with the same client and units
+    docstring). `overlap` (default on; ACCORD_TORCH_OVERLAP=0 turns it off)
+    moves each group's wait for its decision behind the next group's backward
+    compute (see the module docstring). Idempotent: installing again with the same client and units
     returns the existing Installation; installing with a different one raises
     ValueError. Raises UnsupportedTorchError for torch outside SUPPORTED_TORCH.
     """
@@ -588,6 +732,8 @@ def install(
                 "every rank (each group's step count must start at the same point)"
             )
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
+    if overlap is None:
+        overlap = os.environ.get("ACCORD_TORCH_OVERLAP", "1") not in ("0", "false", "off")
     installation = Installation(model, agreement, prefix)
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     for module_name, module in model.named_modules():
@@ -615,7 +761,9 @@ def install(
             "accord.torch.install: the model has no FSDP2 parameter groups; call "
             "fully_shard(...) on it (and its submodules) first"
         )
-    installation._hook_optional(units)
+    installation.overlap = overlap and _can_overlap(agreement)
+    installation.overlap_depth = max(1, int(os.environ.get("ACCORD_TORCH_OVERLAP_DEPTH", "2")))
+    installation._hook_step(units)
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = installation
     return installation

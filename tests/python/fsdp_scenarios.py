@@ -324,3 +324,78 @@ def _stats(inst):
         gid: (s.reductions, s.zero_filled, s.widened, s.skipped)
         for gid, s in inst.stats.items()
     }
+
+
+# ---------------------------------------------------------------- case 5
+
+
+class DeepBlock(nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.main = nn.Linear(D_HID, D_HID)
+        self.side = nn.Linear(D_HID, D_HID)
+
+    def forward(self, y, use_side):
+        z = torch.relu(self.main(y))
+        if self.index == 4 and use_side:
+            z = z + self.side(y)
+        return z
+
+
+class DeepNet(nn.Module):
+    """Six blocks, each its own FSDP unit: block 2 runs twice on every rank,
+    block 4's `side` layer only on even ranks, `side` of the others nowhere.
+    The blocks' inputs require grad, so their post-backwards run during
+    autograd (overlap defers them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D_HID)
+        self.blocks = nn.ModuleList(DeepBlock(i) for i in range(6))
+
+    def forward(self, x, use_side):
+        y = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            y = b(y, use_side)
+            if i == 2:
+                y = y + b(y, use_side)  # the unit entered twice
+        return y
+
+
+def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=True, steps=2):
+    """Case 5: gradients with and without overlap (bit-identical expected)."""
+    torch.manual_seed(0)
+    ref_model = DeepNet()
+    model = copy.deepcopy(ref_model)
+    mesh = init_device_mesh("cpu", (world_size,))
+    _shard(model, list(model.blocks), mesh)
+    ag = make_agreement(agreement, rank, world_size, cluster)
+    import accord.torch
+
+    inst = accord.torch.install(model, ag, overlap=overlap)
+    spy = WireSpy()
+    try:
+        for k in range(steps):
+            model.zero_grad(set_to_none=True)
+            _loss(model(_data(rank, k), use_side=rank % 2 == 0)).backward()
+    finally:
+        spy.close()
+    grads = _full_grads(model)
+    ref = {n: None for n, _ in ref_model.named_parameters()}
+    for r in range(world_size):
+        m = copy.deepcopy(ref_model)
+        _loss(m(_data(r, steps - 1), use_side=r % 2 == 0)).backward()
+        for n, p in m.named_parameters():
+            if p.grad is not None:
+                ref[n] = p.grad.clone() if ref[n] is None else ref[n] + p.grad
+    ref = {n: (g / world_size if g is not None else None) for n, g in ref.items()}
+    t = inst.timing
+    return {
+        "grads": grads,
+        "ref": ref,
+        "wire": spy.calls,
+        "stats": _stats(inst),
+        "timing": (t.exposed_s, t.waits, t.deferred),
+        "overlap": inst.overlap,
+    }

@@ -77,3 +77,25 @@ def test_fp16_and_bf16_grads_go_as_fp32(cluster, world_size):
     for r in results:
         assert [dt for dt, _ in r["wire"]] == ["float32"], r["wire"]
         assert_grads_match(r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlap_defers_waits_and_keeps_grads_bit_identical(cluster, world_size):
+    on = run(cluster, sc.deep_overlap, world_size, overlap=True)
+    off = run(cluster, sc.deep_overlap, world_size, overlap=False)
+    for rank, (a, b) in enumerate(zip(on, off)):
+        assert a["overlap"] and not b["overlap"]
+        assert a["wire"] == b["wire"], (rank, a["wire"], b["wire"])
+        for name, g in a["grads"].items():
+            assert not isinstance(g, str), (name, g)
+            if g is None:
+                assert b["grads"][name] is None, name
+                continue
+            assert torch.equal(g, b["grads"][name]), f"rank {rank} {name} differs with overlap"
+        assert_grads_match(a, rtol=1e-5, atol=1e-6)
+        assert a["stats"] == b["stats"]
+        # 7 units x 2 steps reduce; all but the end-of-backward ones are deferred.
+        _, waits_on, deferred_on = a["timing"]
+        _, waits_off, deferred_off = b["timing"]
+        assert deferred_off == 0 and deferred_on >= 2 * 6, a["timing"]
+        assert waits_on == waits_off, (a["timing"], b["timing"])
