@@ -39,6 +39,25 @@ skipped (gradient None, no bytes reduced) instead of reduce-scattering zeros,
 and the switch's value is restored afterwards. You may leave it set or not; the
 result is the same.
 
+Overlap (on by default)
+-----------------------
+Waiting for a decision inside every group's post-backward would put one
+round trip per group on the backward critical path. With overlap, a group's
+post-backward submits its manifest without waiting, holds its gradients
+aside and returns; the wait, the zero-fill and FSDP2's reduce-scatter for it
+run when later groups reach their post-backward (``overlap_depth`` groups
+later, default 2, ``ACCORD_TORCH_OVERLAP_DEPTH``), so the round trip overlaps
+their backward compute. Groups that FSDP2 reduces in its end-of-backward
+callback (the root, units with gradient-free inputs, optional units) are
+submitted together when the callback starts. Flushes happen only at points
+every rank reaches in the same order, so every rank's reduce-scatters keep
+the same place in its collective sequence, and the decisions, hence the
+gradients, are the same as without overlap. The cost: up to
+``overlap_depth`` groups keep their unsharded gradients (and parameters)
+somewhat longer. ``install(..., overlap=False)`` or ``ACCORD_TORCH_OVERLAP=0``
+turns it off; ``installation.timing`` says how long the training thread
+waited.
+
 Units whose forward runs on some ranks only (``optional=``)
 ------------------------------------------------------------
 FSDP2 all-gathers a unit's parameters in that unit's pre-forward. When a rank
