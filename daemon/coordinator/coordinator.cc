@@ -158,6 +158,8 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
         HandleRegistration(s, message.registration(), out);
       } else if (message.has_rank_event()) {
         HandleRankEvent(s, message.rank_event(), out);
+      } else if (message.has_progress() && message.progress().partial()) {
+        HandlePartialProgressLocked(s, message.progress());
       } else if (message.has_progress()) {
         HandleProgress(s, message.progress());
       } else {
@@ -315,6 +317,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
   reply.mutable_welcome()->set_node_id(node.node_id);
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
+  reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
   out.direct.emplace_back(s.sink, std::move(reply));
   if (job.failed) {
     v1::CoordinatorMessage fail;
@@ -374,6 +377,7 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+      for (int x : p.progress_reported) covered.Add(x);
       if (covered.Contains(r)) continue;
       std::vector<int> missing = covered.Missing();
       v1::DecisionError err =
@@ -758,6 +762,23 @@ void Coordinator::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set
   node.rank_set = std::move(set);
 }
 
+std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(
+    Job& job, GroupState& g, int64_t step, absl::Time first_seen) {
+  auto [pit, inserted] = g.pending.try_emplace(step);
+  PendingStep& p = pit->second;
+  p.first_seen = first_seen;
+  p.deadline = p.first_seen + options_.deadline;
+  p.contributions.reserve(job.connected_nodes);
+  // With an observer the timer also wakes at half the deadline (stall event).
+  const absl::Time wake =
+      options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
+  if (wake < next_deadline_) {
+    next_deadline_ = wake;
+    timer_cv_.SignalAll();
+  }
+  return pit;
+}
+
 void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* gp,
                                  NodeGroupState* ngp, Outbox& out) {
   Job& job = *s.job;
@@ -875,18 +896,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                                "(--max_pending_steps); some ranks are far behind"));
       return;
     }
-    PendingStep& p = g.pending[step];
-    p.first_seen = clock_->Now();
-    p.deadline = p.first_seen + options_.deadline;
-    p.contributions.reserve(job.connected_nodes);
-    // With an observer the timer also wakes at half the deadline (stall event).
-    const absl::Time wake =
-        options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
-    if (wake < next_deadline_) {
-      next_deadline_ = wake;
-      timer_cv_.SignalAll();
-    }
-    pit = g.pending.find(step);
+    pit = StartStepLocked(job, g, step, clock_->Now());
   }
   PendingStep& p = pit->second;
   if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
@@ -1028,18 +1038,31 @@ v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupStat
     err.add_last_steps(last);
     if (parts.size() < 32) {
       const NodeState* owner = job.rank_owner[r];
-      parts.push_back(absl::StrCat(
-          "rank ", r, " (last step ", last, ", node ",
-          owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"), ")"));
+      parts.push_back(
+          absl::StrCat("rank ", r, " (last step ", last, ", node ",
+                       owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
+                       // A rank already past this step skipped it (e.g. its step counter
+                       // moved on across a restart): it will never submit it.
+                       last > step ? ", past this step: it skipped it" : "", ")"));
     }
   }
   if (missing.size() > parts.size()) {
     parts.push_back(absl::StrCat("and ", missing.size() - parts.size(), " more"));
   }
-  std::string msg =
-      absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why,
-                   "; missing ranks ", FormatRanks(missing), ": ", absl::StrJoin(parts, ", "),
-                   ". Check those ranks' processes and their sidecars' logs; the job is failed");
+  // Every rank not missing submitted the step (a node manifest covers it, or
+  // its sidecar said so).
+  std::vector<int> submitted;
+  for (int r = 0, k = 0; r < job.world_size; ++r) {
+    while (k < static_cast<int>(missing.size()) && missing[k] < r) ++k;
+    if (k < static_cast<int>(missing.size()) && missing[k] == r) continue;
+    submitted.push_back(r);
+  }
+  std::string msg = absl::StrCat(
+      "job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why, "; missing ranks ",
+      FormatRanks(missing), ": ", absl::StrJoin(parts, ", "), "; ",
+      submitted.empty() ? std::string("no rank submitted it")
+                        : absl::StrCat("ranks ", FormatRanks(submitted), " submitted it"),
+      ". Check the missing ranks' processes and their sidecars' logs; the job is failed");
   v1::DecisionError e = Error(v1::MISSING_RANKS, absl::StatusCode::kDeadlineExceeded,
                               std::move(msg), job.job_id, g.group_id, step);
   *e.mutable_ranks() = err.ranks();
@@ -1094,6 +1117,21 @@ bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep
   return true;
 }
 
+void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
+                                       const v1::NodeProgress& progress, PendingStep& p) {
+  // Trust a node only about its own ranks.
+  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == &node; };
+  for (int r : progress.reported()) {
+    if (own(r)) p.progress_reported.push_back(r);
+  }
+  const int n = std::min(progress.ranks_size(), progress.last_steps_size());
+  for (int i = 0; i < n; ++i) {
+    if (own(progress.ranks(i))) {
+      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+    }
+  }
+}
+
 void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   Job& job = *s.job;
   auto git = job.groups.find(progress.group_id());
@@ -1105,23 +1143,37 @@ void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   auto asked = std::find(p.progress_unanswered.begin(), p.progress_unanswered.end(), node);
   if (asked == p.progress_unanswered.end()) return;  // not asked, or answered already
   p.progress_unanswered.erase(asked);
-  // Trust a node only about its own ranks.
-  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == node; };
-  for (int r : progress.reported()) {
-    if (own(r)) p.progress_reported.push_back(r);
-  }
-  const int n = std::min(progress.ranks_size(), progress.last_steps_size());
-  for (int i = 0; i < n; ++i) {
-    if (own(progress.ranks(i))) {
-      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
-    }
-  }
+  RecordProgressLocked(job, *node, progress, p);
   if (p.progress_unanswered.empty()) {
     // Everyone asked has answered: fail now rather than at the grace's end.
     p.progress_deadline = clock_->Now();
     next_deadline_ = p.progress_deadline;
     timer_cv_.SignalAll();
   }
+}
+
+void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress) {
+  Job& job = *s.job;
+  if (job.failed) return;  // every rank already has the job's failure
+  auto git = job.groups.find(progress.group_id());
+  if (git == job.groups.end() || git->second.reg_state != RegState::kOk) return;
+  GroupState& g = git->second;
+  const int64_t step = progress.step();
+  // Decided already (the decision is on its way) or nonsense: nothing to time.
+  if (step < 0 || step <= g.last_decided_step) return;
+  auto pit = g.pending.find(step);
+  if (pit == g.pending.end()) {
+    if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) return;
+    // The step began when the node's first rank submitted it, not now.
+    const absl::Duration waited = std::clamp(absl::Microseconds(progress.waited_us()),
+                                             absl::ZeroDuration(), options_.deadline);
+    pit = StartStepLocked(job, g, step, clock_->Now() - waited);
+    ACCORD_LOG(INFO) << "job " << job.job_id << " group \"" << g.group_id << "\" step " << step
+                     << ": node \"" << s.node->node_id << "\" reports " << progress.reported_size()
+                     << " of its ranks submitted it " << absl::FormatDuration(waited)
+                     << " ago and others not; the deadline clock runs";
+  }
+  RecordProgressLocked(job, *s.node, progress, pit->second);
 }
 
 void Coordinator::CheckDeadlines() {
@@ -1170,7 +1222,7 @@ void Coordinator::CheckDeadlinesUnderLock() {
         v1::DecisionError err = MissingRanksError(
             job, g, step, p, covered.Missing(),
             absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
-                         " of the first manifest (--deadline)"));
+                         " of the step's first submission (--deadline)"));
         if (options_.observer != nullptr) {
           ObserveEvent e;
           e.type = ObserveEvent::Type::kDeadlineFailure;

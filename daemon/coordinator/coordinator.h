@@ -21,8 +21,15 @@
 //     from the session's record of that batch (group pointers resolved once)
 //     and each entry is handled exactly like the repeat-form manifest.
 //  4. A pending (group, step) that has not heard from every rank within
-//     `deadline` of its first manifest fails the whole JOB: that step gets
-//     MISSING_RANKS (naming the ranks and the last step each reached) and every
+//     `deadline` of its first submission fails the whole JOB. A step starts
+//     pending at its first node manifest, or at a sidecar's partial report
+//     (NodeProgress.partial: some of its ranks submitted it `waited_us` ago,
+//     others not), whichever comes first; the Welcome tells sidecars the
+//     deadline so they report at half of it. At the deadline the nodes with
+//     missing ranks are asked (ProgressQuery) which of their ranks submitted;
+//     after their answers or a grace of min(1 s, deadline / 4) that step gets
+//     MISSING_RANKS (naming the missing ranks, the last step each reached and
+//     the ranks that submitted; see docs/ARCHITECTURE.md) and every
 //     other pending or later step gets JOB_FAILED, on every node. A rank that
 //     leaves (RankEvent) while a pending step still needs it fails the job at
 //     once. The job is failed rather than the group because a collective
@@ -379,6 +386,19 @@ class Coordinator {
   bool AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, const RankSet& covered,
                    absl::Time now, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleProgress(Session& s, const v1::NodeProgress& progress)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A sidecar's own report (NodeProgress.partial) of a step some of its ranks
+  // submitted and others did not: starts the step's deadline clock at the
+  // node's first submission when no node manifest for it arrived yet.
+  void HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps what `node` says about its own ranks (submitted, last steps).
+  static void RecordProgressLocked(const Job& job, const NodeState& node,
+                                   const v1::NodeProgress& progress, PendingStep& p);
+  // Creates the pending (group, step) whose clock started at `first_seen`
+  // and wakes the timer if its deadline is the earliest.
+  std::map<int64_t, PendingStep>::iterator StartStepLocked(Job& job, GroupState& g, int64_t step,
+                                                           absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
   void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);

@@ -260,6 +260,7 @@ int Main(int argc, char** argv) {
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
   rank_service.FinishAll();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  sidecar.Stop();  // its timer sends upstream
   upstream.Stop();
   metrics_server.Stop();
   ::unlink(path.c_str());

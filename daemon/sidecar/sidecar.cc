@@ -23,6 +23,94 @@ absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatu
 
 }  // namespace
 
+Sidecar::Sidecar(SidecarOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()) {
+  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Sidecar::~Sidecar() { Stop(); }
+
+void Sidecar::Stop() {
+  {
+    accord::MutexLock l(&mu_);
+    stopping_ = true;
+    timer_cv_.SignalAll();
+  }
+  if (timer_.joinable()) timer_.join();
+}
+
+void Sidecar::TimerLoop() {
+  accord::MutexLock l(&mu_);
+  while (!stopping_) {
+    if (timer_armed_ && clock_->Now() >= timer_at_) {
+      CheckPartialStepsLocked();
+      continue;
+    }
+    clock_->WaitUntil(&timer_cv_, &mu_, timer_armed_ ? timer_at_ : absl::InfiniteFuture());
+  }
+}
+
+void Sidecar::ArmTimerLocked(absl::Time at) {
+  if (timer_armed_ && timer_at_ <= at) return;
+  timer_armed_ = true;
+  timer_at_ = at;
+  timer_cv_.SignalAll();
+}
+
+void Sidecar::NoteStepStartedLocked(LocalStep& st) {
+  st.first_seen = clock_->Now();
+  st.partial_reported = false;
+  if (report_after_ > absl::ZeroDuration() && !timer_armed_) {
+    ArmTimerLocked(st.first_seen + report_after_);
+  }
+}
+
+void Sidecar::CheckPartialSteps() {
+  accord::MutexLock l(&mu_);
+  CheckPartialStepsLocked();
+}
+
+void Sidecar::CheckPartialStepsLocked() {
+  timer_armed_ = false;
+  timer_at_ = absl::InfiniteFuture();
+  if (report_after_ <= absl::ZeroDuration() || upstream_ == nullptr) return;
+  const absl::Time now = clock_->Now();
+  absl::Time next = absl::InfiniteFuture();
+  for (LocalGroup* g : group_order_) {
+    for (LocalStep& st : g->steps) {
+      if (st.sent || st.ranks.empty() || st.partial_reported) continue;
+      const absl::Time due = st.first_seen + report_after_;
+      if (due > now) {
+        next = std::min(next, due);
+        continue;
+      }
+      // Some local ranks submitted this step long ago and the node manifest
+      // still waits for the others: tell the coordinator, so that its
+      // deadline runs even when no node sends a manifest for the step.
+      st.partial_reported = true;
+      v1::NodeMessage up;
+      v1::NodeProgress* p = up.mutable_progress();
+      p->set_group_id(g->group_id);
+      p->set_step(st.step);
+      p->set_partial(true);
+      p->set_waited_us(absl::ToInt64Microseconds(now - st.first_seen));
+      for (int r : st.ranks) p->add_reported(r);
+      for (const auto& [r, rs] : ranks_) {
+        p->add_ranks(r);
+        p->add_last_steps(rs.last_step);
+      }
+      ACCORD_LOG(WARNING) << "job " << job_id_ << " group \"" << g->group_id << "\" step "
+                          << st.step << ": " << st.ranks.size() << " of " << g->ranks.size()
+                          << " local ranks submitted it "
+                          << absl::FormatDuration(now - st.first_seen)
+                          << " ago; reporting the partial step to the coordinator";
+      upstream_->Send(std::move(up));
+    }
+  }
+  if (next != absl::InfiniteFuture()) ArmTimerLocked(next);
+}
+
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
   upstream_ = upstream;
@@ -428,6 +516,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       content = &parsed;
     }
     LocalStep& st = StepFor(g, m.step());
+    if (st.ranks.empty()) NoteStepStartedLocked(st);
     auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
     const size_t row = static_cast<size_t>(pos - st.ranks.begin());
     if (pos != st.ranks.end() && *pos == rank) {
@@ -618,6 +707,8 @@ void Sidecar::OnUpstreamConnected() {
       }
       // The coordinator may have lost its cache: the next manifest goes in full.
       g.have_last_sent = false;
+      // ... and its pending steps: partial steps are reported again.
+      for (LocalStep& st : g.steps) st.partial_reported = false;
     }
     // A new stream: no batch repeat until its Welcome says so; its previous
     // batch is the resend (or none).
@@ -628,6 +719,7 @@ void Sidecar::OnUpstreamConnected() {
     RecordBatch(v1::ManifestBatch());
   }
   upstream_batch_repeat_ = false;
+  report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
   upstream_->Reset(std::move(msgs));
 }
 
@@ -645,6 +737,9 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       upstream_batch_repeat_ = message.welcome().batch_repeat();
+      report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
+      // Steps that began before this stream are checked now.
+      if (report_after_ > absl::ZeroDuration()) ArmTimerLocked(clock_->Now());
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();

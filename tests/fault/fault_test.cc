@@ -31,6 +31,7 @@
 #include "core/sync.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/fault/gate.h"
 
 namespace accord::testing {
 namespace {
@@ -186,41 +187,6 @@ class CuttableProxy {
   int64_t cut_requested_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t cut_done_ ABSL_GUARDED_BY(mu_) = 0;
   int last_cut_count_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// A FIFO a gated rank blocks on until Release().
-class Gate {
- public:
-  Gate() {
-    char tmpl[] = "/tmp/accord-gate-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    path_ = dir_ + "/gate";
-    mkfifo(path_.c_str(), 0600);
-  }
-  ~Gate() {
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
-  }
-  const std::string& path() const { return path_; }
-  // Lets the rank blocked in open(2) go. The rank prints "waiting at gate"
-  // just before it opens the FIFO, so on a loaded machine it may not be in
-  // open(2) yet (ENXIO): retry for up to 30 s; false when no rank came.
-  bool Release() {
-    const absl::Time give_up = absl::Now() + absl::Seconds(30);
-    while (true) {
-      const int fd = open(path_.c_str(), O_WRONLY | O_NONBLOCK);
-      if (fd >= 0) {
-        close(fd);
-        return true;
-      }
-      if (errno != ENXIO || absl::Now() > give_up) return false;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  }
-
- private:
-  std::string dir_;
-  std::string path_;
 };
 
 class FaultTest : public ::testing::Test {
