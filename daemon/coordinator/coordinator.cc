@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
@@ -790,6 +789,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
     d->set_step(m.step);
     *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id, m.step);
     NoteError(d->error());
+    return d->mutable_error();
   };
   // Built only on the error paths: the common path allocates nothing here.
   auto where = [&] {
@@ -861,7 +861,8 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
                        ng.cache == nullptr ? std::string("is unknown here")
                                            : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
-                       "; resend this step in full form"));
+                       "; resend this step in full form"))
+          ->set_resend_full_form(true);
       return;
     }
     content = ng.cache.get();
@@ -872,7 +873,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
     absl::StatusOr<std::shared_ptr<const Content>> parsed =
         ParseFull(node, g, g.variants[ng.variant], job.world_size, *m.full);
     if (!parsed.ok()) {
-      const bool non_float = absl::StrContains(parsed.status().message(), "not a float dtype");
+      const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
       reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
                   absl::StatusCode::kInvalidArgument,
                   absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
@@ -504,7 +503,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                          ": a rank's manifest must not carry rank_bits"));
       }
       if (!valid.ok()) {
-        const bool non_float = absl::StrContains(valid.message(), "not a float dtype");
+        const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
         reply_error(m, non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
                     absl::StatusCode::kInvalidArgument,
                     absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message()));
@@ -834,8 +833,7 @@ void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch*
     if (git == groups_.end()) continue;
     LocalGroup& g = git->second;
     // A repeat the coordinator could not resolve: resend in full form.
-    if (d.has_error() && d.error().kind() == v1::INVALID_MANIFEST &&
-        absl::StrContains(d.error().message(), "full form")) {
+    if (d.has_error() && d.error().resend_full_form()) {
       auto in = std::lower_bound(g.inflight.begin(), g.inflight.end(), d.step(),
                                  [](const Inflight& f, int64_t s) { return f.step < s; });
       if (in != g.inflight.end() && in->step == d.step()) {

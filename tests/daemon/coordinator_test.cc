@@ -185,6 +185,7 @@ TEST_F(CoordinatorTest, RepeatWithUnknownKeyAsksOnlyThatNodeForTheFullForm) {
   ASSERT_EQ(sink_a_.decisions().size(), 1u);
   EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
   EXPECT_TRUE(absl::StrContains(sink_a_.decisions()[0].error().message(), "full form"));
+  EXPECT_TRUE(sink_a_.decisions()[0].error().resend_full_form());
   EXPECT_TRUE(sink_b_.decisions().empty());
   EXPECT_EQ(coord_.stats().repeat_key_mismatches, 1);
 }
@@ -198,6 +199,7 @@ TEST_F(CoordinatorTest, InvalidManifestGoesToTheSenderOnly) {
   coord_.HandleMessage(a_, Batch({bad}));
   ASSERT_EQ(sink_a_.decisions().size(), 1u);
   EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_FALSE(sink_a_.decisions()[0].error().resend_full_form());
   EXPECT_TRUE(sink_b_.decisions().empty());
 }
 

@@ -243,6 +243,37 @@ TEST(SidecarPartialTest, NothingIsReportedToACoordinatorThatDidNotSayItsDeadline
   EXPECT_TRUE(up.sent.empty());
 }
 
+// The coordinator asks for a full-form resend with a field, not with words:
+// an INVALID_MANIFEST whose message merely mentions the full form is passed
+// to the ranks.
+TEST_F(SidecarTest, ResendsInFullFormOnlyWhenTheErrorSaysSoInItsField) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  for (int64_t step : {0, 1, 2}) {
+    sidecar_.HandleRankMessage(s0_, Man(step, {DType::kBFloat16, std::nullopt}));
+    sidecar_.HandleRankMessage(s1_, Man(step, {DType::kBFloat16, std::nullopt}));
+  }
+  ASSERT_TRUE(up_.manifests().back().repeat());
+  up_.sent.clear();
+  v1::CoordinatorMessage reply;
+  v1::Decision* d = reply.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(1);
+  *d->mutable_error() = wire::MakeError(
+      v1::INVALID_MANIFEST, absl::FailedPreconditionError("unknown key; resend in full form"));
+  sidecar_.HandleCoordinatorMessage(reply);
+  EXPECT_TRUE(up_.manifests().empty()) << "keyed on the text";
+  EXPECT_EQ(r0_.decisions().back().error().kind(), v1::INVALID_MANIFEST);
+  d->set_step(2);
+  d->mutable_error()->set_resend_full_form(true);
+  const size_t delivered = r0_.decisions().size();
+  sidecar_.HandleCoordinatorMessage(reply);
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_FALSE(up_.manifests()[0].repeat());
+  EXPECT_EQ(up_.manifests()[0].step(), 2);
+  EXPECT_EQ(r0_.decisions().size(), delivered) << "the ranks wait for the real decision";
+}
+
 TEST_F(SidecarTest, LocalRegistrationsAreForwardedPerVariantForTheCoordinatorToCompare) {
   sidecar_.HandleRankMessage(s0_, Reg(Spec()));
   sidecar_.HandleRankMessage(s1_, Reg(Spec(128)));
