@@ -130,13 +130,13 @@ Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
   return id;
 }
 
-void Sidecar::SendToRank(int rank, v1::RankReply reply) {
+void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
   auto it = ranks_.find(rank);
   if (it == ranks_.end() || it->second.sink == nullptr) return;
   it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
 }
 
-void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
+void Sidecar::RecordBatchLocked(const v1::ManifestBatch& batch) {
   last_batch_.clear();
   wire::BatchKeyHasher hasher;
   for (const v1::Manifest& m : batch.manifests()) {
@@ -146,7 +146,7 @@ void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
   last_batch_key_ = last_batch_.empty() ? 0 : hasher.Finish();
 }
 
-void Sidecar::SendBatchRepeat(int64_t step) {
+void Sidecar::SendBatchRepeatLocked(int64_t step) {
   v1::NodeMessage rep;
   rep.mutable_manifests()->set_repeat_step(step);
   rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
@@ -154,7 +154,7 @@ void Sidecar::SendBatchRepeat(int64_t step) {
   upstream_->Send(std::move(rep));
 }
 
-void Sidecar::SendManifests(v1::NodeMessage up) {
+void Sidecar::SendManifestsLocked(v1::NodeMessage up) {
   const v1::ManifestBatch& batch = up.manifests();
   const int n = batch.manifests_size();
   if (n == 0) return;
@@ -167,14 +167,14 @@ void Sidecar::SendManifests(v1::NodeMessage up) {
            m.group_id() == last_batch_[i].first;
   }
   if (same) {
-    SendBatchRepeat(step);
+    SendBatchRepeatLocked(step);
     return;
   }
-  RecordBatch(batch);
+  RecordBatchLocked(batch);
   upstream_->Send(std::move(up));
 }
 
-void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
+void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
   if (items.empty()) return;
   const int64_t step = items[0].step;
   bool same = upstream_batch_repeat_ && last_batch_key_ != 0 && items.size() == last_batch_.size();
@@ -184,7 +184,7 @@ void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
            o.group->group_id == last_batch_[i].first;
   }
   if (same) {
-    SendBatchRepeat(step);
+    SendBatchRepeatLocked(step);
     items.clear();
     return;
   }
@@ -203,11 +203,11 @@ void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
     m->set_step(o.step);
   }
   items.clear();
-  RecordBatch(*batch);
+  RecordBatchLocked(*batch);
   upstream_->Send(std::move(up));
 }
 
-v1::NodeMessage Sidecar::HelloMessage() {
+v1::NodeMessage Sidecar::HelloMessageLocked() {
   v1::NodeMessage m;
   v1::NodeHello* h = m.mutable_hello();
   h->set_job_id(job_id_);
@@ -225,7 +225,7 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
   if (it == sessions_.end()) return;
   Session& s = it->second;
   if (message.has_hello()) {
-    HandleHello(id, s, message.hello());
+    HandleHelloLocked(id, s, message.hello());
     return;
   }
   if (s.rank < 0) {
@@ -237,13 +237,13 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
     return;
   }
   if (message.has_registration()) {
-    HandleRegistration(s.rank, message.registration());
+    HandleRegistrationLocked(s.rank, message.registration());
   } else if (message.has_manifests()) {
-    HandleManifests(s.rank, message.manifests());
+    HandleManifestsLocked(s.rank, message.manifests());
   }
 }
 
-void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) {
+void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
   auto refuse = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
     v1::RankReply reply;
     *reply.mutable_error() = Error(kind, code, std::move(msg));
@@ -336,7 +336,7 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
   const bool new_rank = announced_.insert(s.rank).second;
   if (first || !hello_sent_) {
     hello_sent_ = true;
-    upstream_->Send(HelloMessage());
+    upstream_->Send(HelloMessageLocked());
   } else if (new_rank) {
     v1::NodeMessage joined;
     joined.mutable_rank_event()->set_rank(s.rank);
@@ -345,7 +345,7 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
   }
 }
 
-void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
+void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
   RankState& rs = ranks_[rank];
   auto reply_error = [&](v1::DecisionError e) {
     v1::RankReply reply;
@@ -353,7 +353,7 @@ void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
     e.set_job_id(job_id_);
     e.set_group_id(reg.group_id());
     *reply.mutable_registration()->mutable_error() = std::move(e);
-    SendToRank(rank, std::move(reply));
+    SendToRankLocked(rank, std::move(reply));
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
@@ -424,7 +424,7 @@ void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step) {
   g.inflight.erase(g.inflight.begin(), g.inflight.begin() + k);
 }
 
-void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
+void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   RankState& rs = ranks_[rank];
   v1::RankReply errors;
   auto reply_error = [&](const v1::Manifest& m, v1::ErrorKind kind, absl::StatusCode code,
@@ -447,7 +447,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                            ": a rank must send manifests, not a batch repeat record; check the "
                            "client library's version"));
     reply.mutable_error()->add_ranks(rank);
-    SendToRank(rank, std::move(reply));
+    SendToRankLocked(rank, std::move(reply));
     return;
   }
   const uint64_t epoch = ++touch_epoch_;
@@ -544,7 +544,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       touched_.push_back(&g);
     }
   }
-  if (errors.decisions().decisions_size() > 0) SendToRank(rank, std::move(errors));
+  if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
   if (touched_.empty()) return;
   // Registration order: the same groups go up in the same order every step,
   // whichever rank completes them (what batch repeats match on).
@@ -552,11 +552,11 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
             [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
   // Collected as (group, step, key) first: a batch that repeats the previous
   // one goes up as a batch repeat without building its manifests.
-  for (LocalGroup* g : touched_) CollectComplete(*g, &outgoing_);
-  SendOutgoing(outgoing_);
+  for (LocalGroup* g : touched_) CollectCompleteLocked(*g, &outgoing_);
+  SendOutgoingLocked(outgoing_);
 }
 
-void Sidecar::CollectComplete(LocalGroup& g, std::vector<Outgoing>* out) {
+void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
   const size_t num_params = g.spec.params.size();
   for (LocalStep& st : g.steps) {
     if (st.sent || st.ranks.empty()) continue;
@@ -647,7 +647,7 @@ void Sidecar::CloseRank(SessionId id) {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": rank " << rank << " left (last step " << last_step
                    << ")";
   if (ranks_.empty()) {
-    ResetJob();
+    ResetJobLocked();
     return;
   }
   v1::NodeMessage left;
@@ -658,12 +658,12 @@ void Sidecar::CloseRank(SessionId id) {
   // Steps that only waited for this rank are now complete.
   for (LocalGroup* g : group_order_) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectComplete(*g, &outgoing_);
+    CollectCompleteLocked(*g, &outgoing_);
   }
-  SendOutgoing(outgoing_);
+  SendOutgoingLocked(outgoing_);
 }
 
-void Sidecar::ResetJob() {
+void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
   last_job_id_ = job_id_;
   job_id_.clear();
@@ -683,7 +683,7 @@ void Sidecar::OnUpstreamConnected() {
   accord::MutexLock l(&mu_);
   std::vector<v1::NodeMessage> msgs;
   if (!job_id_.empty()) {
-    msgs.push_back(HelloMessage());
+    msgs.push_back(HelloMessageLocked());
     hello_sent_ = true;
     v1::NodeMessage batch;
     for (LocalGroup* gp : group_order_) {
@@ -711,11 +711,11 @@ void Sidecar::OnUpstreamConnected() {
     }
     // A new stream: no batch repeat until its Welcome says so; its previous
     // batch is the resend (or none).
-    RecordBatch(batch.manifests());
+    RecordBatchLocked(batch.manifests());
     if (batch.manifests().manifests_size() > 0) msgs.push_back(std::move(batch));
   } else {
     hello_sent_ = false;
-    RecordBatch(v1::ManifestBatch());
+    RecordBatchLocked(v1::ManifestBatch());
   }
   upstream_batch_repeat_ = false;
   report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
@@ -725,7 +725,7 @@ void Sidecar::OnUpstreamConnected() {
 void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   if (message->has_decisions()) {
     accord::MutexLock l(&mu_);
-    HandleDecisions(message->decisions(), message->mutable_decisions());
+    HandleDecisionsLocked(message->decisions(), message->mutable_decisions());
     return;
   }
   HandleCoordinatorMessage(*message);
@@ -778,22 +778,22 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         it->second.got_result[res.group_id()] = true;
         v1::RankReply reply;
         *reply.mutable_registration() = res;
-        SendToRank(r, std::move(reply));
+        SendToRankLocked(r, std::move(reply));
       }
       return;
     }
     case v1::CoordinatorMessage::kDecisions:
-      HandleDecisions(message.decisions(), nullptr);
+      HandleDecisionsLocked(message.decisions(), nullptr);
       return;
     case v1::CoordinatorMessage::kProgressQuery:
-      AnswerProgress(message.progress_query());
+      AnswerProgressLocked(message.progress_query());
       return;
     default:
       return;
   }
 }
 
-void Sidecar::AnswerProgress(const v1::ProgressQuery& query) {
+void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   v1::NodeMessage up;
   v1::NodeProgress* p = up.mutable_progress();
   p->set_group_id(query.group_id());
@@ -814,7 +814,7 @@ void Sidecar::AnswerProgress(const v1::ProgressQuery& query) {
   if (upstream_ != nullptr) upstream_->Send(std::move(up));
 }
 
-void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
+void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
   // Pass 1: group state, and per decision which ranks need the full body
   // instead of the coordinator's `same_as_previous`.
   struct Routed {
@@ -902,12 +902,12 @@ void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch*
           *rd->mutable_ok() = x.expand_ok;
         }
       }
-      if (reply.has_decisions()) SendToRank(r, std::move(reply));
+      if (reply.has_decisions()) SendToRankLocked(r, std::move(reply));
     }
   }
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
-  SendManifests(std::move(resend));
+  SendManifestsLocked(std::move(resend));
 }
 
 }  // namespace accord::daemon

@@ -217,21 +217,22 @@ class Sidecar {
     // submits that step only afterwards.
     std::optional<v1::Decision> last_error;
     std::vector<LastFull> last_full;  // per local rank, ascending rank
-    uint64_t touched_epoch = 0;       // HandleManifests dedup
+    uint64_t touched_epoch = 0;       // HandleManifestsLocked dedup
   };
   // The group's LocalStep for `step`, created (from spare storage) if absent.
   static LocalStep& StepFor(LocalGroup& g, int64_t step);
   // Drops every step and inflight entry <= `step`, keeping step storage.
   static void DropStepsUpTo(LocalGroup& g, int64_t step);
 
-  void HandleHello(SessionId id, Session& s, const v1::RankHello& hello)
+  void HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleRegistration(int rank, const v1::GroupRegistration& reg)
+  void HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleManifestsLocked(int rank, const v1::ManifestBatch& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the coordinator's question about a (group, step) past its
   // deadline: which local ranks submitted it, and each one's last step.
-  void AnswerProgress(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnswerProgressLocked(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
   // A node manifest ready to go upstream.
   struct Outgoing {
@@ -241,23 +242,23 @@ class Sidecar {
     uint64_t key;
     std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
   };
-  void CollectComplete(LocalGroup& g, std::vector<Outgoing>* out)
+  void CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // SendManifests for collected node manifests (builds them only when the
+  // SendManifestsLocked for collected node manifests (builds them only when the
   // batch does not repeat the previous one); clears `items`.
-  void SendOutgoing(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendOutgoingLocked(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `take`: null, or `batch` itself, whose decisions may be moved out.
-  void HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
+  void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToRankLocked(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
-  void SendManifests(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendManifestsLocked(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the 16-byte record "step `step` repeats the previous batch".
-  void SendBatchRepeat(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordBatch(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::NodeMessage HelloMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordBatchLocked(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -291,8 +292,8 @@ class Sidecar {
   absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
   std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
   uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifests
-  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoing
+  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifestsLocked
+  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoingLocked
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
   // The current upstream stream: whether the coordinator accepts batch
