@@ -1,4 +1,4 @@
-// The lossless widening lattice of DESIGN.md ("Lossless lattice").
+// The lossless widening lattice of docs/ARCHITECTURE.md ("Lossless lattice").
 //
 //   e4m3 ⊑ fp16, e4m3 ⊑ bf16, e5m2 ⊑ fp16, e5m2 ⊑ bf16,
 //   fp16 ⊑ fp32, bf16 ⊑ fp32, fp32 ⊑ fp64, and transitively.

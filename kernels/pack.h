@@ -1,4 +1,4 @@
-// Pack and unpack of a group's reduce-scatter buffer (DESIGN.md, "Buffer
+// Pack and unpack of a group's reduce-scatter buffer (docs/ARCHITECTURE.md, "Buffer
 // layout"): host API. CPU implementations here; the CUDA ones, with the same
 // arguments plus a stream, are in kernels/pack_cuda.h.
 //

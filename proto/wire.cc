@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace accord::wire {
@@ -58,10 +60,12 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType d) {
   const int n = static_cast<int>(d);
   if (n >= 1 && n <= kNumDTypes) return static_cast<DType>(n);
   if (n >= v1::INT8 && n <= v1::COMPLEX128) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gradient dtype ", v1::DType_Name(d),
-        " is not a float dtype; accord reduces float8_e4m3fn, float8_e5m2, float16, bfloat16, "
-        "float32 and float64 gradients only"));
+    return WithKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "gradient dtype ", v1::DType_Name(d),
+            " is not a float dtype; accord reduces float8_e4m3fn, float8_e5m2, float16, "
+            "bfloat16, float32 and float64 gradients only")),
+        v1::NON_FLOAT_DTYPE);
   }
   return DTypeFromNumber(n).status();
 }
@@ -172,8 +176,10 @@ absl::Status ManifestDTypesFromProto(const v1::Manifest& m, size_t num_params, D
   std::fill(out, out + num_params, DTypeMask{0});
   if (uniform) {
     absl::StatusOr<DType> d = DTypeFromProto(m.uniform_dtype());
-    if (!d.ok())
-      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message()));
+    if (!d.ok()) {
+      return WithKind(absl::InvalidArgumentError(absl::StrCat(where(), ": ", d.status().message())),
+                      KindOf(d.status()));
+    }
     const DTypeMask mask = MaskOf(*d);
     for (size_t i = 0; i < num_params; ++i) {
       out[i] = used(i) ? mask : DTypeMask{0};
@@ -286,9 +292,64 @@ absl::StatusOr<Decision> DecisionFromProto(int64_t step, const v1::DecisionOk& o
   return d;
 }
 
+absl::Status WithKind(absl::Status status, v1::ErrorKind kind) {
+  if (status.ok() || kind == v1::ERROR_KIND_UNSPECIFIED) return status;
+  status.SetPayload(kErrorKindPayloadUrl, absl::Cord(absl::StrCat(static_cast<int>(kind))));
+  return status;
+}
+
+v1::ErrorKind KindOf(const absl::Status& status) {
+  const auto payload = status.GetPayload(kErrorKindPayloadUrl);  // absl or std optional
+  int n = 0;
+  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &n) ||
+      !v1::ErrorKind_IsValid(n)) {
+    return v1::ERROR_KIND_UNSPECIFIED;
+  }
+  return static_cast<v1::ErrorKind>(n);
+}
+
+absl::StatusCode CodeOfKind(v1::ErrorKind kind) {
+  switch (kind) {
+    case v1::REGISTRATION_MISMATCH:
+      return absl::StatusCode::kFailedPrecondition;
+    case v1::INVALID_MANIFEST:
+      return absl::StatusCode::kInvalidArgument;
+    case v1::NON_FLOAT_DTYPE:
+      return absl::StatusCode::kInvalidArgument;
+    case v1::UNKNOWN_GROUP:
+      return absl::StatusCode::kNotFound;
+    case v1::MISSING_RANKS:
+      return absl::StatusCode::kDeadlineExceeded;
+    case v1::STEP_REGRESSION:
+      return absl::StatusCode::kFailedPrecondition;
+    case v1::DUPLICATE_RANK:
+      return absl::StatusCode::kAlreadyExists;
+    case v1::JOB_FAILED:
+      // A JOB_FAILED decision repeats the code of the failure that failed
+      // the job; this is the code of one raised without such a failure.
+      return absl::StatusCode::kAborted;
+    case v1::PERMISSION_DENIED:
+      return absl::StatusCode::kPermissionDenied;
+    case v1::LIMIT_EXCEEDED:
+      return absl::StatusCode::kResourceExhausted;
+    case v1::UNAVAILABLE:
+      return absl::StatusCode::kUnavailable;
+    case v1::WORLD_SIZE_MISMATCH:
+      return absl::StatusCode::kFailedPrecondition;
+    case v1::INVALID_REQUEST:
+      return absl::StatusCode::kInvalidArgument;
+    default:
+      return absl::StatusCode::kUnknown;
+  }
+}
+
+absl::Status KindError(v1::ErrorKind kind, absl::string_view message) {
+  return WithKind(absl::Status(CodeOfKind(kind), message), kind);
+}
+
 v1::DecisionError MakeError(v1::ErrorKind kind, const absl::Status& status) {
   v1::DecisionError e;
-  e.set_kind(kind);
+  e.set_kind(kind != v1::ERROR_KIND_UNSPECIFIED ? kind : KindOf(status));
   e.set_code(static_cast<int>(status.code()));
   e.set_message(std::string(status.message()));
   e.set_param_index(-1);
@@ -298,7 +359,7 @@ v1::DecisionError MakeError(v1::ErrorKind kind, const absl::Status& status) {
 absl::Status ErrorToStatus(const v1::DecisionError& e) {
   int code = e.code();
   if (code <= 0 || code > 16) code = static_cast<int>(absl::StatusCode::kUnknown);
-  return absl::Status(static_cast<absl::StatusCode>(code), e.message());
+  return WithKind(absl::Status(static_cast<absl::StatusCode>(code), e.message()), e.kind());
 }
 
 void BatchKeyHasher::Add(absl::string_view group_id, uint64_t cache_key) {

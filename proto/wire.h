@@ -73,7 +73,23 @@ void DecisionToProto(const Decision& d, v1::DecisionOk* out);
 absl::StatusOr<Decision> DecisionFromProto(int64_t step, const v1::DecisionOk& ok,
                                            size_t num_params);
 
-// Structured errors. ErrorToStatus keeps the message and the canonical code.
+// Typed errors (docs/ARCHITECTURE.md, "Errors"). An absl::Status carries
+// its ErrorKind as a payload, so callers branch on the kind, never on the
+// message text.
+inline constexpr char kErrorKindPayloadUrl[] = "type.accord.dev/accord.v1.ErrorKind";
+// `status` with `kind` attached (unchanged for OK or ERROR_KIND_UNSPECIFIED).
+absl::Status WithKind(absl::Status status, v1::ErrorKind kind);
+// The kind `status` carries; ERROR_KIND_UNSPECIFIED when none.
+v1::ErrorKind KindOf(const absl::Status& status);
+// The one table from error kind to canonical code (kUnknown for
+// ERROR_KIND_UNSPECIFIED and values this build does not know).
+absl::StatusCode CodeOfKind(v1::ErrorKind kind);
+// A status of `kind`, with the kind's code from CodeOfKind and `message`.
+absl::Status KindError(v1::ErrorKind kind, absl::string_view message);
+
+// Structured errors. MakeError takes the code and message of `status` (and
+// its kind when `kind` is unspecified); ErrorToStatus keeps the message and
+// the canonical code and attaches the kind.
 v1::DecisionError MakeError(v1::ErrorKind kind, const absl::Status& status);
 absl::Status ErrorToStatus(const v1::DecisionError& e);
 

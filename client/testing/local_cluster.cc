@@ -430,4 +430,10 @@ absl::Status LocalCluster::WaitForSidecarOutput(int i, absl::string_view needle,
   return sidecars_[i]->WaitForCount(needle, count, deadline);
 }
 
+absl::Status LocalCluster::WaitForCoordinatorOutput(absl::string_view needle, int count,
+                                                    absl::Time deadline) {
+  if (coordinator_ == nullptr) return absl::FailedPreconditionError("no coordinator is running");
+  return coordinator_->WaitForCount(needle, count, deadline);
+}
+
 }  // namespace accord::testing

@@ -127,6 +127,8 @@ class LocalCluster {
   // "no rank left on this node" log line once a job's ranks are gone).
   absl::Status WaitForSidecarOutput(int i, absl::string_view needle, int count,
                                     absl::Time deadline);
+  // The same for the coordinator's output (the running coordinator's).
+  absl::Status WaitForCoordinatorOutput(absl::string_view needle, int count, absl::Time deadline);
 
  private:
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}

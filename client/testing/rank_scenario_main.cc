@@ -50,6 +50,12 @@ ABSL_FLAG(absl::Duration, wait, absl::Seconds(60), "how long to wait for each an
 ABSL_FLAG(int, gate_rank, -1, "this rank stops before submitting --gate_step ...");
 ABSL_FLAG(int, gate_step, -1, "... until the FIFO --gate_fifo is opened and closed by a writer");
 ABSL_FLAG(std::string, gate_fifo, "", "FIFO the gated rank waits on (fault tests)");
+ABSL_FLAG(std::string, gate_ranks, "",
+          "more ranks gated like --gate_rank (comma separated; one FIFO opening releases all)");
+ABSL_FLAG(int, skip_rank, -1, "this rank does not submit --skip_step (goes on with the next)");
+ABSL_FLAG(int, skip_step, -1, "the step --skip_rank skips");
+ABSL_FLAG(bool, print_times, false,
+          "also print \"rank R time submitted|error step S at_ms T\" (Unix ms) lines");
 
 namespace accord {
 namespace {
@@ -158,8 +164,20 @@ int Run() {
   }
 
   const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
+  bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
+  for (absl::string_view r :
+       absl::StrSplit(absl::GetFlag(FLAGS_gate_ranks), ',', absl::SkipEmpty())) {
+    int x = -1;
+    if (absl::SimpleAtoi(r, &x) && x == rank) gated = true;
+  }
+  const bool print_times = absl::GetFlag(FLAGS_print_times);
+  auto print_time = [&](const char* what, int step) {
+    if (!print_times) return;
+    printf("rank %d time %s step %d at_ms %lld\n", rank, what, step,
+           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+  };
   for (int step = 0; step < steps && !first_error && !silent; ++step) {
-    if (rank == absl::GetFlag(FLAGS_gate_rank) && step == absl::GetFlag(FLAGS_gate_step)) {
+    if (gated && step == absl::GetFlag(FLAGS_gate_step)) {
       // Blocks in open(2) until the test opens the FIFO for writing, then
       // until it closes it (EOF): an event, not a timed wait.
       printf("rank %d waiting at gate step %d\n", rank, step);
@@ -173,6 +191,10 @@ int Run() {
       }
       printf("rank %d passed gate\n", rank);
       fflush(stdout);
+    }
+    if (rank == absl::GetFlag(FLAGS_skip_rank) && step == absl::GetFlag(FLAGS_skip_step)) {
+      printf("rank %d skips step %d\n", rank, step);
+      continue;
     }
     std::vector<GroupSubmission> batch;
     for (int g = 0; g < num_groups; ++g) {
@@ -190,12 +212,14 @@ int Run() {
       batch.push_back(std::move(sub));
     }
     std::vector<DecisionFuture> futures = c.SubmitBatch(batch);
+    print_time("submitted", step);
     printf("rank %d step %d submitted\n", rank, step);
     fflush(stdout);
     for (int g = 0; g < num_groups; ++g) {
       const std::string where = absl::StrCat("step ", step, " group g", g);
       absl::StatusOr<Decision> d = c.Wait(futures[g], absl::Now() + wait);
       if (!d.ok()) {
+        print_time("error", step);
         note_error(where, d.status());
         continue;
       }

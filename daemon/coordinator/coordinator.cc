@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
@@ -90,11 +89,11 @@ Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
 }
 
 void Coordinator::CloseSession(SessionId id) {
-  CloseSessionUnderLock(id);
+  CloseSessionWithoutDelivery(id);
   DeliverEvents();
 }
 
-void Coordinator::CloseSessionUnderLock(SessionId id) {
+void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -105,15 +104,15 @@ void Coordinator::CloseSessionUnderLock(SessionId id) {
   s.node->session = 0;
   s.node->sink = nullptr;
   --s.job->connected_nodes;
-  ObserveNode(*s.job, *s.node, /*connected=*/false);
+  ObserveNodeLocked(*s.job, *s.node, /*connected=*/false);
   if (s.job->connected_nodes == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
-    RemoveJob(s.job);
+    RemoveJobLocked(s.job);
   }
 }
 
-void Coordinator::RemoveJob(Job* job) {
+void Coordinator::RemoveJobLocked(Job* job) {
   for (auto& [id, s] : sessions_) {
     if (s.job == job) {
       s.job = nullptr;
@@ -121,17 +120,17 @@ void Coordinator::RemoveJob(Job* job) {
       s.last_batch = BatchRecord();
     }
   }
-  if (!job->groups.empty()) RetireJob(*job);
+  if (!job->groups.empty()) RetireJobLocked(*job);
   jobs_.erase(job->job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
-  HandleMessageUnderLock(id, message);
+  HandleMessageWithoutDelivery(id, message);
   DeliverEvents();
 }
 
-void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message) {
+void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message) {
   accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -139,7 +138,7 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
   Outbox out;
   switch (message.body_case()) {
     case v1::NodeMessage::kHello:
-      HandleHello(id, s, message.hello(), out);
+      HandleHelloLocked(id, s, message.hello(), out);
       break;
     case v1::NodeMessage::kRegistration:
     case v1::NodeMessage::kManifests:
@@ -155,13 +154,15 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
         break;
       }
       if (message.has_registration()) {
-        HandleRegistration(s, message.registration(), out);
+        HandleRegistrationLocked(s, message.registration(), out);
       } else if (message.has_rank_event()) {
-        HandleRankEvent(s, message.rank_event(), out);
+        HandleRankEventLocked(s, message.rank_event(), out);
+      } else if (message.has_progress() && message.progress().partial()) {
+        HandlePartialProgressLocked(s, message.progress());
       } else if (message.has_progress()) {
-        HandleProgress(s, message.progress());
+        HandleProgressLocked(s, message.progress());
       } else {
-        HandleManifests(s, message.manifests(), out);
+        HandleManifestsLocked(s, message.manifests(), out);
       }
       break;
     default: {
@@ -171,10 +172,10 @@ void Coordinator::HandleMessageUnderLock(SessionId id, const v1::NodeMessage& me
       out.direct.emplace_back(s.sink, std::move(reply));
     }
   }
-  Flush(out);
+  FlushLocked(out);
 }
 
-void Coordinator::Flush(Outbox& out) {
+void Coordinator::FlushLocked(Outbox& out) {
   for (auto& [sink, msg] : out.direct) {
     if (sink != nullptr) sink->Send(std::make_shared<const v1::CoordinatorMessage>(std::move(msg)));
   }
@@ -189,13 +190,14 @@ void Coordinator::Flush(Outbox& out) {
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
 }
 
-void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out) {
+void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                                    Outbox& out) {
   auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg,
                          std::vector<int> ranks = {}) {
     v1::CoordinatorMessage reply;
     *reply.mutable_error() = Error(kind, code, std::move(msg), hello.job_id());
     for (int r : ranks) reply.mutable_error()->add_ranks(r);
-    NoteError(reply.error());
+    NoteErrorLocked(reply.error());
     out.direct.emplace_back(s.sink, std::move(reply));
   };
   if (s.node != nullptr) {
@@ -260,7 +262,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
                 absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(),
                              "\" says world size ", world, " but the job has world size ",
                              job.world_size, "; check WORLD_SIZE of every launcher"));
-    if (job.connected_nodes == 0) RemoveJob(&job);
+    if (job.connected_nodes == 0) RemoveJobLocked(&job);
     return;
   }
   // Ranks held by another connected node are refused.
@@ -272,7 +274,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
                                owner->node_id, "\"; node \"", hello.node_id(),
                                "\" announced it too. Check RANK of the processes on both nodes"),
                   {r});
-      if (job.connected_nodes == 0) RemoveJob(&job);
+      if (job.connected_nodes == 0) RemoveJobLocked(&job);
       return;
     }
   }
@@ -310,11 +312,12 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
   s.job = &job;
   s.node = &node;
   s.last_batch = BatchRecord();
-  ObserveNode(job, node, /*connected=*/true);
+  ObserveNodeLocked(job, node, /*connected=*/true);
   v1::CoordinatorMessage reply;
   reply.mutable_welcome()->set_node_id(node.node_id);
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
+  reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
   out.direct.emplace_back(s.sink, std::move(reply));
   if (job.failed) {
     v1::CoordinatorMessage fail;
@@ -323,7 +326,7 @@ void Coordinator::HandleHello(SessionId id, Session& s, const v1::NodeHello& hel
   }
 }
 
-void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& out) {
+void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   const int r = e.rank();
@@ -348,7 +351,7 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
                              "\"; check RANK of the processes on both nodes"),
                 job.job_id);
       reply.mutable_error()->add_ranks(r);
-      NoteError(reply.error());
+      NoteErrorLocked(reply.error());
       out.direct.emplace_back(s.sink, std::move(reply));
       return;
     }
@@ -374,19 +377,21 @@ void Coordinator::HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& ou
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+      for (int x : p.progress_reported) covered.Add(x);
       if (covered.Contains(r)) continue;
       std::vector<int> missing = covered.Missing();
-      v1::DecisionError err =
-          MissingRanksError(job, g, step, p, missing,
-                            absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"",
-                                         node.node_id, "\" ended)"));
-      FailJob(job, &g, step, std::move(err), out);
+      v1::DecisionError err = MissingRanksErrorLocked(
+          job, g, step, p, missing,
+          absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"", node.node_id,
+                       "\" ended)"));
+      FailJobLocked(job, &g, step, std::move(err), out);
       return;
     }
   }
 }
 
-void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr, Outbox& out) {
+void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistration& nr,
+                                           Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   const v1::GroupRegistration& reg = nr.registration();
@@ -397,7 +402,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
     v1::CoordinatorMessage msg;
     msg.mutable_registration()->set_group_id(reg.group_id());
     *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteError(msg.registration().error());
+    NoteErrorLocked(msg.registration().error());
     out.direct.emplace_back(s.sink, std::move(msg));
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
@@ -475,7 +480,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
   ng.variant = variant;
   switch (g.reg_state) {
     case RegState::kCollecting:
-      if (g.registered.Full()) FinishRegistration(job, g, out);
+      if (g.registered.Full()) FinishRegistrationLocked(job, g, out);
       break;
     case RegState::kOk: {
       v1::CoordinatorMessage msg;
@@ -490,7 +495,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
                                "\" registered a spec or policy different from the one every rank "
                                "agreed on; check the model definition on those ranks"),
                   job.job_id, g.group_id);
-        NoteError(msg.registration().error());
+        NoteErrorLocked(msg.registration().error());
       }
       out.direct.emplace_back(s.sink, std::move(msg));
       break;
@@ -505,7 +510,7 @@ void Coordinator::HandleRegistration(Session& s, const v1::NodeRegistration& nr,
   }
 }
 
-void Coordinator::FinishRegistration(Job& job, GroupState& g, Outbox& out) {
+void Coordinator::FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out) {
   v1::CoordinatorMessage msg;
   msg.mutable_registration()->set_group_id(g.group_id);
   // The reference is the variant of the lowest rank.
@@ -569,7 +574,7 @@ void Coordinator::FinishRegistration(Job& job, GroupState& g, Outbox& out) {
     g.reg_state = RegState::kFailed;
     g.reg_error = err;
     *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteError(g.reg_error);
+    NoteErrorLocked(g.reg_error);
     ACCORD_LOG(WARNING) << g.reg_error.message();
     // Pending steps of the group can never be decided.
     v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
@@ -659,7 +664,7 @@ absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFu
   return std::shared_ptr<const Content>(std::move(content));
 }
 
-void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
+void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   BatchRecord& record = s.last_batch;
@@ -678,7 +683,7 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
                        "; the sidecar and the coordinator disagree on the stream's history. "
                        "Check the sidecar's version; restarting it resends in full form"),
           job.job_id, "", batch.repeat_step());
-      NoteError(reply.error());
+      NoteErrorLocked(reply.error());
       out.direct.emplace_back(s.sink, std::move(reply));
       return;
     }
@@ -697,7 +702,7 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
       }
       ref.group_id = e.group_id;
       ref.cache_key = e.cache_key;
-      HandleManifest(s, ref, e.group, e.node_group, out);
+      HandleManifestLocked(s, ref, e.group, e.node_group, out);
     }
     return;
   }
@@ -726,7 +731,7 @@ void Coordinator::HandleManifests(Session& s, const v1::ManifestBatch& batch, Ou
     }
     e.cache_key = m.cache_key();
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
-    HandleManifest(s, ref, e.group, e.node_group, out);
+    HandleManifestLocked(s, ref, e.group, e.node_group, out);
   }
 }
 
@@ -758,8 +763,25 @@ void Coordinator::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set
   node.rank_set = std::move(set);
 }
 
-void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* gp,
-                                 NodeGroupState* ngp, Outbox& out) {
+std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(
+    Job& job, GroupState& g, int64_t step, absl::Time first_seen) {
+  auto [pit, inserted] = g.pending.try_emplace(step);
+  PendingStep& p = pit->second;
+  p.first_seen = first_seen;
+  p.deadline = p.first_seen + options_.deadline;
+  p.contributions.reserve(job.connected_nodes);
+  // With an observer the timer also wakes at half the deadline (stall event).
+  const absl::Time wake =
+      options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
+  if (wake < next_deadline_) {
+    next_deadline_ = wake;
+    timer_cv_.SignalAll();
+  }
+  return pit;
+}
+
+void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
+                                       NodeGroupState* ngp, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   ++stats_.manifests;
@@ -768,7 +790,8 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
     d->set_group_id(std::string(m.group_id));
     d->set_step(m.step);
     *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id, m.step);
-    NoteError(d->error());
+    NoteErrorLocked(d->error());
+    return d->mutable_error();
   };
   // Built only on the error paths: the common path allocates nothing here.
   auto where = [&] {
@@ -840,7 +863,8 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
                        ng.cache == nullptr ? std::string("is unknown here")
                                            : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
-                       "; resend this step in full form"));
+                       "; resend this step in full form"))
+          ->set_resend_full_form(true);
       return;
     }
     content = ng.cache.get();
@@ -851,7 +875,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
     absl::StatusOr<std::shared_ptr<const Content>> parsed =
         ParseFull(node, g, g.variants[ng.variant], job.world_size, *m.full);
     if (!parsed.ok()) {
-      const bool non_float = absl::StrContains(parsed.status().message(), "not a float dtype");
+      const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
       reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
                   absl::StatusCode::kInvalidArgument,
                   absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
@@ -875,18 +899,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
                                "(--max_pending_steps); some ranks are far behind"));
       return;
     }
-    PendingStep& p = g.pending[step];
-    p.first_seen = clock_->Now();
-    p.deadline = p.first_seen + options_.deadline;
-    p.contributions.reserve(job.connected_nodes);
-    // With an observer the timer also wakes at half the deadline (stall event).
-    const absl::Time wake =
-        options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
-    if (wake < next_deadline_) {
-      next_deadline_ = wake;
-      timer_cv_.SignalAll();
-    }
-    pit = g.pending.find(step);
+    pit = StartStepLocked(job, g, step, clock_->Now());
   }
   PendingStep& p = pit->second;
   if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
@@ -920,7 +933,7 @@ void Coordinator::HandleManifest(Session& s, const ManifestRef& m, GroupState* g
   node.last_step = std::max(node.last_step, step);
   CountSkips(ng, ng.cache);
   if (p.ranks_covered >= job.world_size) {
-    DecideStep(job, g, step, p, out);
+    DecideStepLocked(job, g, step, p, out);
     g.pending.erase(step);
   }
 }
@@ -953,7 +966,8 @@ void Coordinator::FlushSkips(NodeGroupState& ng) {
   ng.skip_steps = 0;
 }
 
-void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out) {
+void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                   Outbox& out) {
   const uint64_t combined = p.combined_key;
   v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
   d->set_group_id(g.group_id);
@@ -967,7 +981,7 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
     // The stored full decision stands for this step too (resends patch the
     // step and wait; no copy per repeated decision).
     g.last_decision_wait_us = d->wait_us();
-    ObserveDecision(job, g, step, p, *d, nullptr);
+    ObserveDecisionLocked(job, g, step, p, *d, nullptr);
     return;
   }
   const RegVariant& v = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0];
@@ -996,16 +1010,16 @@ void Coordinator::DecideStep(Job& job, GroupState& g, int64_t step, PendingStep&
                                 absl::StrCat("job ", job.job_id, ": ", decision.status().message()),
                                 job.job_id, g.group_id, step);
     g.last_ok = false;
-    NoteError(d->error());
+    NoteErrorLocked(d->error());
   }
   g.last_decided_step = step;
   g.last_combined_key = combined;
   g.last_decision = std::make_shared<const v1::Decision>(*d);
   g.last_decision_wait_us = d->wait_us();
-  ObserveDecision(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
+  ObserveDecisionLocked(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 
-int64_t Coordinator::RankLastStep(const Job& job, int rank) const {
+int64_t Coordinator::RankLastStepLocked(const Job& job, int rank) const {
   int64_t last = job.rank_left_step[rank];
   if (const NodeState* owner = job.rank_owner[rank]; owner != nullptr) {
     last = std::max(last, owner->last_step);
@@ -1013,14 +1027,14 @@ int64_t Coordinator::RankLastStep(const Job& job, int rank) const {
   return last;
 }
 
-v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupState& g, int64_t step,
-                                                 const PendingStep& p,
-                                                 const std::vector<int>& missing,
-                                                 absl::string_view why) {
+v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const GroupState& g,
+                                                       int64_t step, const PendingStep& p,
+                                                       const std::vector<int>& missing,
+                                                       absl::string_view why) {
   std::vector<std::string> parts;
   v1::DecisionError err;
   for (int r : missing) {
-    int64_t last = RankLastStep(job, r);
+    int64_t last = RankLastStepLocked(job, r);
     for (const auto& [pr, pl] : p.progress_last) {
       if (pr == r) last = pl;  // the rank's own last step, from its sidecar
     }
@@ -1028,18 +1042,31 @@ v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupStat
     err.add_last_steps(last);
     if (parts.size() < 32) {
       const NodeState* owner = job.rank_owner[r];
-      parts.push_back(absl::StrCat(
-          "rank ", r, " (last step ", last, ", node ",
-          owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"), ")"));
+      parts.push_back(
+          absl::StrCat("rank ", r, " (last step ", last, ", node ",
+                       owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
+                       // A rank already past this step skipped it (e.g. its step counter
+                       // moved on across a restart): it will never submit it.
+                       last > step ? ", past this step: it skipped it" : "", ")"));
     }
   }
   if (missing.size() > parts.size()) {
     parts.push_back(absl::StrCat("and ", missing.size() - parts.size(), " more"));
   }
-  std::string msg =
-      absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why,
-                   "; missing ranks ", FormatRanks(missing), ": ", absl::StrJoin(parts, ", "),
-                   ". Check those ranks' processes and their sidecars' logs; the job is failed");
+  // Every rank not missing submitted the step (a node manifest covers it, or
+  // its sidecar said so).
+  std::vector<int> submitted;
+  for (int r = 0, k = 0; r < job.world_size; ++r) {
+    while (k < static_cast<int>(missing.size()) && missing[k] < r) ++k;
+    if (k < static_cast<int>(missing.size()) && missing[k] == r) continue;
+    submitted.push_back(r);
+  }
+  std::string msg = absl::StrCat(
+      "job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why, "; missing ranks ",
+      FormatRanks(missing), ": ", absl::StrJoin(parts, ", "), "; ",
+      submitted.empty() ? std::string("no rank submitted it")
+                        : absl::StrCat("ranks ", FormatRanks(submitted), " submitted it"),
+      ". Check the missing ranks' processes and their sidecars' logs; the job is failed");
   v1::DecisionError e = Error(v1::MISSING_RANKS, absl::StatusCode::kDeadlineExceeded,
                               std::move(msg), job.job_id, g.group_id, step);
   *e.mutable_ranks() = err.ranks();
@@ -1047,12 +1074,12 @@ v1::DecisionError Coordinator::MissingRanksError(const Job& job, const GroupStat
   return e;
 }
 
-void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
-                          v1::DecisionError error, Outbox& out) {
+void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step,
+                                v1::DecisionError error, Outbox& out) {
   ACCORD_LOG(ERROR) << error.message();
   job.failed = true;
   job.failure = error;
-  NoteError(error);
+  NoteErrorLocked(error);
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
@@ -1066,8 +1093,8 @@ void Coordinator::FailJob(Job& job, GroupState* culprit, int64_t culprit_step,
   }
 }
 
-bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                              const RankSet& covered, absl::Time now, Outbox& out) {
+bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                    const RankSet& covered, absl::Time now, Outbox& out) {
   std::vector<const NodeState*>& asked = p.progress_unanswered;
   asked.clear();
   for (int r : covered.Missing()) {
@@ -1094,7 +1121,22 @@ bool Coordinator::AskProgress(Job& job, GroupState& g, int64_t step, PendingStep
   return true;
 }
 
-void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
+void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
+                                       const v1::NodeProgress& progress, PendingStep& p) {
+  // Trust a node only about its own ranks.
+  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == &node; };
+  for (int r : progress.reported()) {
+    if (own(r)) p.progress_reported.push_back(r);
+  }
+  const int n = std::min(progress.ranks_size(), progress.last_steps_size());
+  for (int i = 0; i < n; ++i) {
+    if (own(progress.ranks(i))) {
+      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+    }
+  }
+}
+
+void Coordinator::HandleProgressLocked(Session& s, const v1::NodeProgress& progress) {
   Job& job = *s.job;
   auto git = job.groups.find(progress.group_id());
   if (git == job.groups.end()) return;
@@ -1105,17 +1147,7 @@ void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   auto asked = std::find(p.progress_unanswered.begin(), p.progress_unanswered.end(), node);
   if (asked == p.progress_unanswered.end()) return;  // not asked, or answered already
   p.progress_unanswered.erase(asked);
-  // Trust a node only about its own ranks.
-  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == node; };
-  for (int r : progress.reported()) {
-    if (own(r)) p.progress_reported.push_back(r);
-  }
-  const int n = std::min(progress.ranks_size(), progress.last_steps_size());
-  for (int i = 0; i < n; ++i) {
-    if (own(progress.ranks(i))) {
-      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
-    }
-  }
+  RecordProgressLocked(job, *node, progress, p);
   if (p.progress_unanswered.empty()) {
     // Everyone asked has answered: fail now rather than at the grace's end.
     p.progress_deadline = clock_->Now();
@@ -1124,12 +1156,36 @@ void Coordinator::HandleProgress(Session& s, const v1::NodeProgress& progress) {
   }
 }
 
+void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress) {
+  Job& job = *s.job;
+  if (job.failed) return;  // every rank already has the job's failure
+  auto git = job.groups.find(progress.group_id());
+  if (git == job.groups.end() || git->second.reg_state != RegState::kOk) return;
+  GroupState& g = git->second;
+  const int64_t step = progress.step();
+  // Decided already (the decision is on its way) or nonsense: nothing to time.
+  if (step < 0 || step <= g.last_decided_step) return;
+  auto pit = g.pending.find(step);
+  if (pit == g.pending.end()) {
+    if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) return;
+    // The step began when the node's first rank submitted it, not now.
+    const absl::Duration waited = std::clamp(absl::Microseconds(progress.waited_us()),
+                                             absl::ZeroDuration(), options_.deadline);
+    pit = StartStepLocked(job, g, step, clock_->Now() - waited);
+    ACCORD_LOG(INFO) << "job " << job.job_id << " group \"" << g.group_id << "\" step " << step
+                     << ": node \"" << s.node->node_id << "\" reports " << progress.reported_size()
+                     << " of its ranks submitted it " << absl::FormatDuration(waited)
+                     << " ago and others not; the deadline clock runs";
+  }
+  RecordProgressLocked(job, *s.node, progress, pit->second);
+}
+
 void Coordinator::CheckDeadlines() {
-  CheckDeadlinesUnderLock();
+  CheckDeadlinesWithoutDelivery();
   DeliverEvents();
 }
 
-void Coordinator::CheckDeadlinesUnderLock() {
+void Coordinator::CheckDeadlinesWithoutDelivery() {
   accord::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
   Outbox out;
@@ -1145,7 +1201,7 @@ void Coordinator::CheckDeadlinesUnderLock() {
             const absl::Time half = p.first_seen + options_.deadline / 2;
             if (half <= now) {
               p.stall_reported = true;
-              ObserveStall(job, g, step, p, now);
+              ObserveStallLocked(job, g, step, p, now);
             } else {
               next = std::min(next, half);
             }
@@ -1154,7 +1210,7 @@ void Coordinator::CheckDeadlinesUnderLock() {
         }
         RankSet covered(job.world_size);
         for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-        if (!p.progress_asked && AskProgress(job, g, step, p, covered, now, out)) {
+        if (!p.progress_asked && AskProgressLocked(job, g, step, p, covered, now, out)) {
           next = std::min(next, p.progress_deadline);
           continue;
         }
@@ -1167,10 +1223,10 @@ void Coordinator::CheckDeadlinesUnderLock() {
         for (int r : p.progress_reported) {
           if (r >= 0 && r < job.world_size) covered.Add(r);
         }
-        v1::DecisionError err = MissingRanksError(
+        v1::DecisionError err = MissingRanksErrorLocked(
             job, g, step, p, covered.Missing(),
             absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
-                         " of the first manifest (--deadline)"));
+                         " of the step's first submission (--deadline)"));
         if (options_.observer != nullptr) {
           ObserveEvent e;
           e.type = ObserveEvent::Type::kDeadlineFailure;
@@ -1182,16 +1238,16 @@ void Coordinator::CheckDeadlinesUnderLock() {
           e.ranks.assign(err.ranks().begin(), err.ranks().end());
           e.last_steps.assign(err.last_steps().begin(), err.last_steps().end());
           e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
-          QueueEvent(std::move(e));
+          QueueEventLocked(std::move(e));
         }
-        FailJob(job, &g, step, std::move(err), out);
+        FailJobLocked(job, &g, step, std::move(err), out);
         failed_now = true;
         break;
       }
     }
   }
   next_deadline_ = next;
-  Flush(out);
+  FlushLocked(out);
 }
 
 CoordinatorStats Coordinator::stats() {
@@ -1204,7 +1260,7 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
   std::vector<int64_t> out(it->second.world_size);
-  for (int r = 0; r < it->second.world_size; ++r) out[r] = RankLastStep(it->second, r);
+  for (int r = 0; r < it->second.world_size; ++r) out[r] = RankLastStepLocked(it->second, r);
   return out;
 }
 

@@ -21,8 +21,15 @@
 //     from the session's record of that batch (group pointers resolved once)
 //     and each entry is handled exactly like the repeat-form manifest.
 //  4. A pending (group, step) that has not heard from every rank within
-//     `deadline` of its first manifest fails the whole JOB: that step gets
-//     MISSING_RANKS (naming the ranks and the last step each reached) and every
+//     `deadline` of its first submission fails the whole JOB. A step starts
+//     pending at its first node manifest, or at a sidecar's partial report
+//     (NodeProgress.partial: some of its ranks submitted it `waited_us` ago,
+//     others not), whichever comes first; the Welcome tells sidecars the
+//     deadline so they report at half of it. At the deadline the nodes with
+//     missing ranks are asked (ProgressQuery) which of their ranks submitted;
+//     after their answers or a grace of min(1 s, deadline / 4) that step gets
+//     MISSING_RANKS (naming the missing ranks, the last step each reached and
+//     the ranks that submitted; see docs/ARCHITECTURE.md) and every
 //     other pending or later step gets JOB_FAILED, on every node. A rank that
 //     leaves (RankEvent) while a pending step still needs it fails the job at
 //     once. The job is failed rather than the group because a collective
@@ -344,65 +351,82 @@ class Coordinator {
   };
 
   // HandleMessage and CloseSession without the event delivery that follows.
-  void HandleMessageUnderLock(SessionId id, const v1::NodeMessage& message)
+  void HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void CloseSessionUnderLock(SessionId id) ABSL_LOCKS_EXCLUDED(mu_);
-  void CheckDeadlinesUnderLock() ABSL_LOCKS_EXCLUDED(mu_);
-  void HandleHello(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
+  void CloseSessionWithoutDelivery(SessionId id) ABSL_LOCKS_EXCLUDED(mu_);
+  void CheckDeadlinesWithoutDelivery() ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleRegistration(Session& s, const v1::NodeRegistration& reg, Outbox& out)
+  void HandleRegistrationLocked(Session& s, const v1::NodeRegistration& reg, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleManifests(Session& s, const v1::ManifestBatch& batch, Outbox& out)
+  void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `g`/`ng` are the resolved group states (nullptr: unknown group).
-  void HandleManifest(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
-                      Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleRankEvent(Session& s, const v1::RankEvent& e, Outbox& out)
+  void HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
+                            Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const Content>> ParseFull(const NodeState& node,
                                                            const GroupState& group,
                                                            const RegVariant& variant, int world,
                                                            const v1::Manifest& m);
-  void FinishRegistration(Job& job, GroupState& g, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DecideStep(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
+  void FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailJob(Job& job, GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
-               Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::DecisionError MissingRanksError(const Job& job, const GroupState& g, int64_t step,
-                                      const PendingStep& p, const std::vector<int>& missing,
-                                      absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t RankLastStep(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
+                     Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::DecisionError MissingRanksErrorLocked(const Job& job, const GroupState& g, int64_t step,
+                                            const PendingStep& p, const std::vector<int>& missing,
+                                            absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t RankLastStepLocked(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At a step's deadline: asks the nodes whose ranks are missing (and that
   // answer progress queries) which of their ranks submitted. Returns whether
   // any was asked (then the step fails when they answer or after a grace).
   // `covered`: the ranks the step's contributions cover.
-  bool AskProgress(Job& job, GroupState& g, int64_t step, PendingStep& p, const RankSet& covered,
-                   absl::Time now, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleProgress(Session& s, const v1::NodeProgress& progress)
+  bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                         const RankSet& covered, absl::Time now, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleProgressLocked(Session& s, const v1::NodeProgress& progress)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A sidecar's own report (NodeProgress.partial) of a step some of its ranks
+  // submitted and others did not: starts the step's deadline clock at the
+  // node's first submission when no node manifest for it arrived yet.
+  void HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps what `node` says about its own ranks (submitted, last steps).
+  static void RecordProgressLocked(const Job& job, const NodeState& node,
+                                   const v1::NodeProgress& progress, PendingStep& p);
+  // Creates the pending (group, step) whose clock started at `first_seen`
+  // and wakes the timer if its deadline is the earliest.
+  std::map<int64_t, PendingStep>::iterator StartStepLocked(Job& job, GroupState& g, int64_t step,
+                                                           absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
   void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);
   static void FlushSkips(NodeGroupState& ng);
-  void Flush(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveJob(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TimerLoop();
 
-  // Observe hooks (observe_views.cc). NoteError counts an error sent to a
-  // node and queues its event; ObserveDecision updates the group's counters,
+  // Observe hooks (observe_views.cc). NoteErrorLocked counts an error sent to a
+  // node and queues its event; ObserveDecisionLocked updates the group's counters,
   // usage window and metrics for a decision just made (`decided`: the core
   // decision when one was computed, nullptr for same_as_previous or errors)
-  // and takes the step's contents; RetireJob keeps a leaving job's observe
+  // and takes the step's contents; RetireJobLocked keeps a leaving job's observe
   // view; DeliverEvents hands queued events to the observer.
-  void NoteError(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void QueueEvent(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p, const v1::Decision& d,
-                       const Decision* decided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ObserveNode(const Job& job, const NodeState& node, bool connected)
+  void NoteErrorLocked(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void QueueEventLocked(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                             const v1::Decision& d, const Decision* decided)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ObserveStall(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
-                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RetireJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::JobStatus JobStatusOf(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveNodeLocked(const Job& job, const NodeState& node, bool connected)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveStallLocked(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
+                          absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
   static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);
   static void AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t weight,

@@ -2,6 +2,7 @@
 // packs for its reduce-scatter; also serves the job's key-value rendezvous.
 #include <signal.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -37,6 +38,13 @@ ABSL_FLAG(int, health_port, 0,
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60),
           "a (group, step) that has not heard from every rank this long after its first "
           "manifest fails the job with MISSING_RANKS, naming the ranks and their last steps");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(10),
+          "ping each sidecar connection this often (gRPC keepalive); a sidecar gone without "
+          "closing its connection (half-open) is dropped, with its job when it was the job's "
+          "last node, within --keepalive_time + --keepalive_timeout. Give the sidecars the "
+          "same value; pings from them are accepted as often as every --keepalive_time / 2");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
+          "a keepalive ping not answered within this closes the connection");
 ABSL_FLAG(int, metrics_port, 9090,
           "serve Prometheus metrics (/metrics) and /healthz over HTTP on this port (0: any free "
           "port; -1: off). The URL is printed on stdout");
@@ -125,6 +133,8 @@ int Main(int argc, char** argv) {
       {"listen",
        "health_port",
        "deadline",
+       "keepalive_time",
+       "keepalive_timeout",
        "metrics_port",
        "max_message_bytes",
        "max_jobs",
@@ -229,6 +239,26 @@ int Main(int argc, char** argv) {
   builder.AddListeningPort(listen, *creds, &port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  // Liveness (docs/ARCHITECTURE.md, "Liveness"): both ends ping, so a
+  // half-open node stream ends within keepalive_time + keepalive_timeout and
+  // CloseSession drops the node (and the job with its last node).
+  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  const int64_t keepalive_timeout_ms =
+      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
+      keepalive_timeout_ms > INT32_MAX) {
+    ACCORD_LOG(ERROR) << "--keepalive_time and --keepalive_timeout must be between 1ms and "
+                         "about 24 days";
+    return 2;
+  }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Sidecars ping on their own --keepalive_time; gRPC's default would answer
+  // pings more often than every 5 minutes with GOAWAY (too_many_pings).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             static_cast<int>(keepalive_ms / 2));
   builder.RegisterService(&coordinator_service);
   builder.RegisterService(&kv_service);
   builder.RegisterService(&observe_service);

@@ -7,13 +7,13 @@
 #include "daemon/coordinator/coordinator.h"
 
 namespace accord::daemon {
-void Coordinator::QueueEvent(ObserveEvent event) {
+void Coordinator::QueueEventLocked(ObserveEvent event) {
   if (options_.observer == nullptr) return;
   events_.push_back(std::move(event));
   have_events_.store(true, std::memory_order_release);
 }
 
-void Coordinator::NoteError(const v1::DecisionError& error) {
+void Coordinator::NoteErrorLocked(const v1::DecisionError& error) {
   ++stats_.errors;
   if (options_.observer == nullptr) return;
   ObserveEvent e;
@@ -25,10 +25,10 @@ void Coordinator::NoteError(const v1::DecisionError& error) {
   e.message = error.message();
   e.ranks.assign(error.ranks().begin(), error.ranks().end());
   e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
-  QueueEvent(std::move(e));
+  QueueEventLocked(std::move(e));
 }
 
-void Coordinator::ObserveNode(const Job& job, const NodeState& node, bool connected) {
+void Coordinator::ObserveNodeLocked(const Job& job, const NodeState& node, bool connected) {
   if (options_.observer == nullptr) return;
   ObserveEvent e;
   e.type = connected ? ObserveEvent::Type::kNodeConnected : ObserveEvent::Type::kNodeDisconnected;
@@ -36,11 +36,11 @@ void Coordinator::ObserveNode(const Job& job, const NodeState& node, bool connec
   e.node_id = node.node_id;
   e.ranks = node.ranks;
   e.connected_nodes = job.connected_nodes;
-  QueueEvent(std::move(e));
+  QueueEventLocked(std::move(e));
 }
 
-void Coordinator::ObserveStall(const Job& job, const GroupState& g, int64_t step,
-                               const PendingStep& p, absl::Time now) {
+void Coordinator::ObserveStallLocked(const Job& job, const GroupState& g, int64_t step,
+                                     const PendingStep& p, absl::Time now) {
   ObserveEvent e;
   e.type = ObserveEvent::Type::kStall;
   e.job_id = job.job_id;
@@ -52,9 +52,9 @@ void Coordinator::ObserveStall(const Job& job, const GroupState& g, int64_t step
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   for (int r : covered.Missing()) {
     e.ranks.push_back(r);
-    e.last_steps.push_back(RankLastStep(job, r));
+    e.last_steps.push_back(RankLastStepLocked(job, r));
   }
-  QueueEvent(std::move(e));
+  QueueEventLocked(std::move(e));
 }
 
 void Coordinator::DeliverEvents() {
@@ -69,8 +69,8 @@ void Coordinator::DeliverEvents() {
   for (const ObserveEvent& e : events) options_.observer->OnEvent(e);
 }
 
-void Coordinator::ObserveDecision(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                                  const v1::Decision& d, const Decision* decided) {
+void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                        const v1::Decision& d, const Decision* decided) {
   ++g.decisions;
   const bool same = d.same_as_previous();
   const bool ok = same || d.has_ok();
@@ -116,7 +116,7 @@ void Coordinator::ObserveDecision(Job& job, GroupState& g, int64_t step, Pending
         if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
         e.skipped_names.push_back(spec.params[i].name);
       }
-      QueueEvent(std::move(e));
+      QueueEventLocked(std::move(e));
     }
   } else if (!ok) {
     g.have_last_ok = false;
@@ -242,7 +242,7 @@ v1::GroupSkipMatrix Coordinator::MatrixOf(const std::string& group_id,
   return m;
 }
 
-v1::JobStatus Coordinator::JobStatusOf(const Job& job) {
+v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
   v1::JobStatus js;
   js.set_job_id(job.job_id);
   js.set_world_size(job.world_size);
@@ -262,7 +262,7 @@ v1::JobStatus Coordinator::JobStatusOf(const Job& job) {
     const NodeState* owner = job.rank_owner[r];
     if (owner != nullptr) rs->set_node_id(owner->node_id);
     rs->set_connected(owner != nullptr && owner->session != 0 && job.rank_left_step[r] < 0);
-    rs->set_last_step(RankLastStep(job, r));
+    rs->set_last_step(RankLastStepLocked(job, r));
   }
   std::vector<const GroupState*> groups;
   for (const auto& [id, g] : job.groups) groups.push_back(&g);
@@ -294,10 +294,10 @@ v1::JobStatus Coordinator::JobStatusOf(const Job& job) {
   return js;
 }
 
-void Coordinator::RetireJob(Job& job) {
+void Coordinator::RetireJobLocked(Job& job) {
   if (options_.retired_jobs <= 0) return;
   RetiredJob r;
-  r.status = JobStatusOf(job);
+  r.status = JobStatusOfLocked(job);
   for (auto& [id, g] : job.groups) {
     if (g.variants.empty()) continue;
     RetiredGroup& rg = r.groups[id];
@@ -322,7 +322,7 @@ absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string&
   std::sort(ids.begin(), ids.end());
   for (const std::string& id : ids) {
     if (!job_id.empty() && id != job_id) continue;
-    *out.add_jobs() = JobStatusOf(jobs_.find(id)->second);
+    *out.add_jobs() = JobStatusOfLocked(jobs_.find(id)->second);
   }
   for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
     if (!job_id.empty() && it->status.job_id() != job_id) continue;
@@ -428,7 +428,7 @@ absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string&
         for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
         for (int r : covered.Missing()) {
           s->add_missing_ranks(r);
-          s->add_missing_last_steps(RankLastStep(job, r));
+          s->add_missing_last_steps(RankLastStepLocked(job, r));
         }
         s->set_reported_ranks(covered.Count());
       }

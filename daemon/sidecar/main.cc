@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -63,6 +64,12 @@ ABSL_FLAG(bool, plaintext, false,
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60),
           "how long a key-value request forwarded to the coordinator may take beyond its own "
           "wait; the per-step deadline itself is the coordinator's --deadline");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(10),
+          "ping the coordinator connection this often (gRPC keepalive); a coordinator gone "
+          "without closing the connection is noticed, and reconnected to, within "
+          "--keepalive_time + --keepalive_timeout. Use the coordinator's values");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
+          "a keepalive ping not answered within this closes the connection");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "largest gRPC message received or sent, on the rank socket and to the coordinator");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
@@ -127,10 +134,27 @@ absl::StatusOr<std::string> JobToken() {
 int Main(int argc, char** argv) {
   ParseFlagsWithEnv(
       argc, argv,
-      {"coordinator", "socket", "socket_group", "node_id", "job", "token", "token_file",
-       "require_rank_token", "max_ranks", "metrics_port", "metrics_host", "tls_ca", "tls_cert",
-       "tls_key", "plaintext", "deadline", "max_message_bytes", "log_level",
-       "reconnect_max_backoff"},
+      {"coordinator",
+       "socket",
+       "socket_group",
+       "node_id",
+       "job",
+       "token",
+       "token_file",
+       "require_rank_token",
+       "max_ranks",
+       "metrics_port",
+       "metrics_host",
+       "tls_ca",
+       "tls_cert",
+       "tls_key",
+       "plaintext",
+       "deadline",
+       "max_message_bytes",
+       "log_level",
+       "reconnect_max_backoff",
+       "keepalive_time",
+       "keepalive_timeout"},
       "serves the local ranks of a node over a Unix socket and speaks for them to the "
       "coordinator.\n\nWith only --coordinator=localhost:PORT it connects in plaintext "
       "(loopback only). A remote coordinator needs --tls_ca (plus --tls_cert/--tls_key for "
@@ -162,8 +186,22 @@ int Main(int argc, char** argv) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_message_bytes);
   args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_message_bytes);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  // Liveness (docs/ARCHITECTURE.md, "Liveness"): matched with the
+  // coordinator's --keepalive_time/--keepalive_timeout; pings continue on an
+  // idle stream (no limit on pings without data).
+  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  const int64_t keepalive_timeout_ms =
+      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
+      keepalive_timeout_ms > INT32_MAX) {
+    ACCORD_LOG(ERROR) << "--keepalive_time and --keepalive_timeout must be between 1ms and "
+                         "about 24 days";
+    return 2;
+  }
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   // gRPC's own reconnect backoff grows to 120 s by default; keep it within
   // ours so a restarted coordinator is found again quickly.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -260,6 +298,7 @@ int Main(int argc, char** argv) {
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
   rank_service.FinishAll();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  sidecar.Stop();  // its timer sends upstream
   upstream.Stop();
   metrics_server.Stop();
   ::unlink(path.c_str());

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
@@ -22,6 +21,94 @@ v1::DecisionError Error(v1::ErrorKind kind, absl::StatusCode code, std::string m
 absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatus(e); }
 
 }  // namespace
+
+Sidecar::Sidecar(SidecarOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()) {
+  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Sidecar::~Sidecar() { Stop(); }
+
+void Sidecar::Stop() {
+  {
+    accord::MutexLock l(&mu_);
+    stopping_ = true;
+    timer_cv_.SignalAll();
+  }
+  if (timer_.joinable()) timer_.join();
+}
+
+void Sidecar::TimerLoop() {
+  accord::MutexLock l(&mu_);
+  while (!stopping_) {
+    if (timer_armed_ && clock_->Now() >= timer_at_) {
+      CheckPartialStepsLocked();
+      continue;
+    }
+    clock_->WaitUntil(&timer_cv_, &mu_, timer_armed_ ? timer_at_ : absl::InfiniteFuture());
+  }
+}
+
+void Sidecar::ArmTimerLocked(absl::Time at) {
+  if (timer_armed_ && timer_at_ <= at) return;
+  timer_armed_ = true;
+  timer_at_ = at;
+  timer_cv_.SignalAll();
+}
+
+void Sidecar::NoteStepStartedLocked(LocalStep& st) {
+  st.first_seen = clock_->Now();
+  st.partial_reported = false;
+  if (report_after_ > absl::ZeroDuration() && !timer_armed_) {
+    ArmTimerLocked(st.first_seen + report_after_);
+  }
+}
+
+void Sidecar::CheckPartialSteps() {
+  accord::MutexLock l(&mu_);
+  CheckPartialStepsLocked();
+}
+
+void Sidecar::CheckPartialStepsLocked() {
+  timer_armed_ = false;
+  timer_at_ = absl::InfiniteFuture();
+  if (report_after_ <= absl::ZeroDuration() || upstream_ == nullptr) return;
+  const absl::Time now = clock_->Now();
+  absl::Time next = absl::InfiniteFuture();
+  for (LocalGroup* g : group_order_) {
+    for (LocalStep& st : g->steps) {
+      if (st.sent || st.ranks.empty() || st.partial_reported) continue;
+      const absl::Time due = st.first_seen + report_after_;
+      if (due > now) {
+        next = std::min(next, due);
+        continue;
+      }
+      // Some local ranks submitted this step long ago and the node manifest
+      // still waits for the others: tell the coordinator, so that its
+      // deadline runs even when no node sends a manifest for the step.
+      st.partial_reported = true;
+      v1::NodeMessage up;
+      v1::NodeProgress* p = up.mutable_progress();
+      p->set_group_id(g->group_id);
+      p->set_step(st.step);
+      p->set_partial(true);
+      p->set_waited_us(absl::ToInt64Microseconds(now - st.first_seen));
+      for (int r : st.ranks) p->add_reported(r);
+      for (const auto& [r, rs] : ranks_) {
+        p->add_ranks(r);
+        p->add_last_steps(rs.last_step);
+      }
+      ACCORD_LOG(WARNING) << "job " << job_id_ << " group \"" << g->group_id << "\" step "
+                          << st.step << ": " << st.ranks.size() << " of " << g->ranks.size()
+                          << " local ranks submitted it "
+                          << absl::FormatDuration(now - st.first_seen)
+                          << " ago; reporting the partial step to the coordinator";
+      upstream_->Send(std::move(up));
+    }
+  }
+  if (next != absl::InfiniteFuture()) ArmTimerLocked(next);
+}
 
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
@@ -43,13 +130,13 @@ Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
   return id;
 }
 
-void Sidecar::SendToRank(int rank, v1::RankReply reply) {
+void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
   auto it = ranks_.find(rank);
   if (it == ranks_.end() || it->second.sink == nullptr) return;
   it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
 }
 
-void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
+void Sidecar::RecordBatchLocked(const v1::ManifestBatch& batch) {
   last_batch_.clear();
   wire::BatchKeyHasher hasher;
   for (const v1::Manifest& m : batch.manifests()) {
@@ -59,7 +146,7 @@ void Sidecar::RecordBatch(const v1::ManifestBatch& batch) {
   last_batch_key_ = last_batch_.empty() ? 0 : hasher.Finish();
 }
 
-void Sidecar::SendBatchRepeat(int64_t step) {
+void Sidecar::SendBatchRepeatLocked(int64_t step) {
   v1::NodeMessage rep;
   rep.mutable_manifests()->set_repeat_step(step);
   rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
@@ -67,7 +154,7 @@ void Sidecar::SendBatchRepeat(int64_t step) {
   upstream_->Send(std::move(rep));
 }
 
-void Sidecar::SendManifests(v1::NodeMessage up) {
+void Sidecar::SendManifestsLocked(v1::NodeMessage up) {
   const v1::ManifestBatch& batch = up.manifests();
   const int n = batch.manifests_size();
   if (n == 0) return;
@@ -80,14 +167,14 @@ void Sidecar::SendManifests(v1::NodeMessage up) {
            m.group_id() == last_batch_[i].first;
   }
   if (same) {
-    SendBatchRepeat(step);
+    SendBatchRepeatLocked(step);
     return;
   }
-  RecordBatch(batch);
+  RecordBatchLocked(batch);
   upstream_->Send(std::move(up));
 }
 
-void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
+void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
   if (items.empty()) return;
   const int64_t step = items[0].step;
   bool same = upstream_batch_repeat_ && last_batch_key_ != 0 && items.size() == last_batch_.size();
@@ -97,7 +184,7 @@ void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
            o.group->group_id == last_batch_[i].first;
   }
   if (same) {
-    SendBatchRepeat(step);
+    SendBatchRepeatLocked(step);
     items.clear();
     return;
   }
@@ -116,11 +203,11 @@ void Sidecar::SendOutgoing(std::vector<Outgoing>& items) {
     m->set_step(o.step);
   }
   items.clear();
-  RecordBatch(*batch);
+  RecordBatchLocked(*batch);
   upstream_->Send(std::move(up));
 }
 
-v1::NodeMessage Sidecar::HelloMessage() {
+v1::NodeMessage Sidecar::HelloMessageLocked() {
   v1::NodeMessage m;
   v1::NodeHello* h = m.mutable_hello();
   h->set_job_id(job_id_);
@@ -138,7 +225,7 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
   if (it == sessions_.end()) return;
   Session& s = it->second;
   if (message.has_hello()) {
-    HandleHello(id, s, message.hello());
+    HandleHelloLocked(id, s, message.hello());
     return;
   }
   if (s.rank < 0) {
@@ -150,13 +237,13 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
     return;
   }
   if (message.has_registration()) {
-    HandleRegistration(s.rank, message.registration());
+    HandleRegistrationLocked(s.rank, message.registration());
   } else if (message.has_manifests()) {
-    HandleManifests(s.rank, message.manifests());
+    HandleManifestsLocked(s.rank, message.manifests());
   }
 }
 
-void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) {
+void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
   auto refuse = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
     v1::RankReply reply;
     *reply.mutable_error() = Error(kind, code, std::move(msg));
@@ -249,7 +336,7 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
   const bool new_rank = announced_.insert(s.rank).second;
   if (first || !hello_sent_) {
     hello_sent_ = true;
-    upstream_->Send(HelloMessage());
+    upstream_->Send(HelloMessageLocked());
   } else if (new_rank) {
     v1::NodeMessage joined;
     joined.mutable_rank_event()->set_rank(s.rank);
@@ -258,7 +345,7 @@ void Sidecar::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) 
   }
 }
 
-void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
+void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
   RankState& rs = ranks_[rank];
   auto reply_error = [&](v1::DecisionError e) {
     v1::RankReply reply;
@@ -266,7 +353,7 @@ void Sidecar::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
     e.set_job_id(job_id_);
     e.set_group_id(reg.group_id());
     *reply.mutable_registration()->mutable_error() = std::move(e);
-    SendToRank(rank, std::move(reply));
+    SendToRankLocked(rank, std::move(reply));
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
@@ -337,7 +424,7 @@ void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step) {
   g.inflight.erase(g.inflight.begin(), g.inflight.begin() + k);
 }
 
-void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
+void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   RankState& rs = ranks_[rank];
   v1::RankReply errors;
   auto reply_error = [&](const v1::Manifest& m, v1::ErrorKind kind, absl::StatusCode code,
@@ -360,7 +447,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                            ": a rank must send manifests, not a batch repeat record; check the "
                            "client library's version"));
     reply.mutable_error()->add_ranks(rank);
-    SendToRank(rank, std::move(reply));
+    SendToRankLocked(rank, std::move(reply));
     return;
   }
   const uint64_t epoch = ++touch_epoch_;
@@ -416,7 +503,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
                          ": a rank's manifest must not carry rank_bits"));
       }
       if (!valid.ok()) {
-        const bool non_float = absl::StrContains(valid.message(), "not a float dtype");
+        const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
         reply_error(m, non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
                     absl::StatusCode::kInvalidArgument,
                     absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message()));
@@ -428,6 +515,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       content = &parsed;
     }
     LocalStep& st = StepFor(g, m.step());
+    if (st.ranks.empty()) NoteStepStartedLocked(st);
     auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
     const size_t row = static_cast<size_t>(pos - st.ranks.begin());
     if (pos != st.ranks.end() && *pos == rank) {
@@ -456,7 +544,7 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
       touched_.push_back(&g);
     }
   }
-  if (errors.decisions().decisions_size() > 0) SendToRank(rank, std::move(errors));
+  if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
   if (touched_.empty()) return;
   // Registration order: the same groups go up in the same order every step,
   // whichever rank completes them (what batch repeats match on).
@@ -464,11 +552,11 @@ void Sidecar::HandleManifests(int rank, const v1::ManifestBatch& batch) {
             [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
   // Collected as (group, step, key) first: a batch that repeats the previous
   // one goes up as a batch repeat without building its manifests.
-  for (LocalGroup* g : touched_) CollectComplete(*g, &outgoing_);
-  SendOutgoing(outgoing_);
+  for (LocalGroup* g : touched_) CollectCompleteLocked(*g, &outgoing_);
+  SendOutgoingLocked(outgoing_);
 }
 
-void Sidecar::CollectComplete(LocalGroup& g, std::vector<Outgoing>* out) {
+void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
   const size_t num_params = g.spec.params.size();
   for (LocalStep& st : g.steps) {
     if (st.sent || st.ranks.empty()) continue;
@@ -559,7 +647,7 @@ void Sidecar::CloseRank(SessionId id) {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": rank " << rank << " left (last step " << last_step
                    << ")";
   if (ranks_.empty()) {
-    ResetJob();
+    ResetJobLocked();
     return;
   }
   v1::NodeMessage left;
@@ -570,12 +658,12 @@ void Sidecar::CloseRank(SessionId id) {
   // Steps that only waited for this rank are now complete.
   for (LocalGroup* g : group_order_) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectComplete(*g, &outgoing_);
+    CollectCompleteLocked(*g, &outgoing_);
   }
-  SendOutgoing(outgoing_);
+  SendOutgoingLocked(outgoing_);
 }
 
-void Sidecar::ResetJob() {
+void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
   last_job_id_ = job_id_;
   job_id_.clear();
@@ -595,7 +683,7 @@ void Sidecar::OnUpstreamConnected() {
   accord::MutexLock l(&mu_);
   std::vector<v1::NodeMessage> msgs;
   if (!job_id_.empty()) {
-    msgs.push_back(HelloMessage());
+    msgs.push_back(HelloMessageLocked());
     hello_sent_ = true;
     v1::NodeMessage batch;
     for (LocalGroup* gp : group_order_) {
@@ -618,23 +706,26 @@ void Sidecar::OnUpstreamConnected() {
       }
       // The coordinator may have lost its cache: the next manifest goes in full.
       g.have_last_sent = false;
+      // ... and its pending steps: partial steps are reported again.
+      for (LocalStep& st : g.steps) st.partial_reported = false;
     }
     // A new stream: no batch repeat until its Welcome says so; its previous
     // batch is the resend (or none).
-    RecordBatch(batch.manifests());
+    RecordBatchLocked(batch.manifests());
     if (batch.manifests().manifests_size() > 0) msgs.push_back(std::move(batch));
   } else {
     hello_sent_ = false;
-    RecordBatch(v1::ManifestBatch());
+    RecordBatchLocked(v1::ManifestBatch());
   }
   upstream_batch_repeat_ = false;
+  report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
   upstream_->Reset(std::move(msgs));
 }
 
 void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   if (message->has_decisions()) {
     accord::MutexLock l(&mu_);
-    HandleDecisions(message->decisions(), message->mutable_decisions());
+    HandleDecisionsLocked(message->decisions(), message->mutable_decisions());
     return;
   }
   HandleCoordinatorMessage(*message);
@@ -645,6 +736,9 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       upstream_batch_repeat_ = message.welcome().batch_repeat();
+      report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
+      // Steps that began before this stream are checked now.
+      if (report_after_ > absl::ZeroDuration()) ArmTimerLocked(clock_->Now());
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
@@ -684,22 +778,22 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         it->second.got_result[res.group_id()] = true;
         v1::RankReply reply;
         *reply.mutable_registration() = res;
-        SendToRank(r, std::move(reply));
+        SendToRankLocked(r, std::move(reply));
       }
       return;
     }
     case v1::CoordinatorMessage::kDecisions:
-      HandleDecisions(message.decisions(), nullptr);
+      HandleDecisionsLocked(message.decisions(), nullptr);
       return;
     case v1::CoordinatorMessage::kProgressQuery:
-      AnswerProgress(message.progress_query());
+      AnswerProgressLocked(message.progress_query());
       return;
     default:
       return;
   }
 }
 
-void Sidecar::AnswerProgress(const v1::ProgressQuery& query) {
+void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   v1::NodeMessage up;
   v1::NodeProgress* p = up.mutable_progress();
   p->set_group_id(query.group_id());
@@ -720,7 +814,7 @@ void Sidecar::AnswerProgress(const v1::ProgressQuery& query) {
   if (upstream_ != nullptr) upstream_->Send(std::move(up));
 }
 
-void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
+void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
   // Pass 1: group state, and per decision which ranks need the full body
   // instead of the coordinator's `same_as_previous`.
   struct Routed {
@@ -739,8 +833,7 @@ void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch*
     if (git == groups_.end()) continue;
     LocalGroup& g = git->second;
     // A repeat the coordinator could not resolve: resend in full form.
-    if (d.has_error() && d.error().kind() == v1::INVALID_MANIFEST &&
-        absl::StrContains(d.error().message(), "full form")) {
+    if (d.has_error() && d.error().resend_full_form()) {
       auto in = std::lower_bound(g.inflight.begin(), g.inflight.end(), d.step(),
                                  [](const Inflight& f, int64_t s) { return f.step < s; });
       if (in != g.inflight.end() && in->step == d.step()) {
@@ -809,12 +902,12 @@ void Sidecar::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch*
           *rd->mutable_ok() = x.expand_ok;
         }
       }
-      if (reply.has_decisions()) SendToRank(r, std::move(reply));
+      if (reply.has_decisions()) SendToRankLocked(r, std::move(reply));
     }
   }
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
-  SendManifests(std::move(resend));
+  SendManifestsLocked(std::move(resend));
 }
 
 }  // namespace accord::daemon

@@ -20,6 +20,11 @@
 //    stream again (same groups, same keys, all in repeat form, one step) and
 //    the coordinator's Welcome said batch_repeat, only a batch repeat record
 //    (repeat_step + repeat_batch_key) goes upstream.
+//  - Partial steps: a (group, step) that some local ranks submitted and
+//    others did not for half the coordinator's deadline (Welcome.deadline_ms)
+//    is reported upstream once per stream (NodeProgress.partial), so the
+//    coordinator's deadline runs even when no node manifest for it ever
+//    leaves a node. A timer thread does this; complete steps cost nothing.
 //  - Decisions fan out to the ranks. `same_as_previous` is passed through only
 //    to a rank that received the previous decision of the group; others get
 //    the full body.
@@ -41,6 +46,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -52,6 +58,7 @@
 #include "core/group.h"
 #include "core/manifest.h"
 #include "core/sync.h"
+#include "daemon/common/clock.h"
 
 namespace accord::daemon {
 
@@ -87,6 +94,10 @@ struct SidecarOptions {
   std::string token;
   // Refuse ranks whose RankHello carries no token (--require_rank_token).
   bool require_rank_token = false;
+  // Time for partial-step reports (not owned; null: the real clock).
+  Clock* clock = nullptr;
+  // Tests that drive CheckPartialSteps() by hand may turn the thread off.
+  bool start_timer_thread = true;
 };
 
 struct SidecarStats {
@@ -103,9 +114,14 @@ class Sidecar {
  public:
   using SessionId = uint64_t;
 
-  explicit Sidecar(SidecarOptions options) : options_(std::move(options)) {}
+  explicit Sidecar(SidecarOptions options);
+  ~Sidecar();
   Sidecar(const Sidecar&) = delete;
   Sidecar& operator=(const Sidecar&) = delete;
+
+  // Stops the timer thread (no partial-step report is sent afterwards).
+  // Idempotent; call it before the UpstreamSink goes away.
+  void Stop();
 
   // Must be set before any other call; not owned.
   void SetUpstream(UpstreamSink* upstream);
@@ -121,6 +137,11 @@ class Sidecar {
   void HandleCoordinatorMessage(v1::CoordinatorMessage* message);
 
   SidecarStats stats();
+
+  // Reports upstream (NodeProgress.partial) every step that some local ranks
+  // submitted and others did not for at least half the coordinator's
+  // deadline. The timer thread calls this; tests without it may call it.
+  void CheckPartialSteps();
 
  private:
   struct RankState {
@@ -144,6 +165,10 @@ class Sidecar {
   struct LocalStep {
     int64_t step = 0;
     bool sent = false;
+    // When its first local rank submitted it, and whether it was reported to
+    // the coordinator as partial on the current stream.
+    absl::Time first_seen;
+    bool partial_reported = false;
     std::vector<int> ranks;         // reporting ranks, ascending
     std::vector<DTypeMask> rows;    // ranks.size() x num_params dtype sets
     std::vector<DTypeMask> merged;  // OR of the rows
@@ -192,21 +217,22 @@ class Sidecar {
     // submits that step only afterwards.
     std::optional<v1::Decision> last_error;
     std::vector<LastFull> last_full;  // per local rank, ascending rank
-    uint64_t touched_epoch = 0;       // HandleManifests dedup
+    uint64_t touched_epoch = 0;       // HandleManifestsLocked dedup
   };
   // The group's LocalStep for `step`, created (from spare storage) if absent.
   static LocalStep& StepFor(LocalGroup& g, int64_t step);
   // Drops every step and inflight entry <= `step`, keeping step storage.
   static void DropStepsUpTo(LocalGroup& g, int64_t step);
 
-  void HandleHello(SessionId id, Session& s, const v1::RankHello& hello)
+  void HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleRegistration(int rank, const v1::GroupRegistration& reg)
+  void HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleManifests(int rank, const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleManifestsLocked(int rank, const v1::ManifestBatch& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the coordinator's question about a (group, step) past its
   // deadline: which local ranks submitted it, and each one's last step.
-  void AnswerProgress(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnswerProgressLocked(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends every complete local step of `group` into `out`.
   // A node manifest ready to go upstream.
   struct Outgoing {
@@ -216,26 +242,42 @@ class Sidecar {
     uint64_t key;
     std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
   };
-  void CollectComplete(LocalGroup& g, std::vector<Outgoing>* out)
+  void CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // SendManifests for collected node manifests (builds them only when the
+  // SendManifestsLocked for collected node manifests (builds them only when the
   // batch does not repeat the previous one); clears `items`.
-  void SendOutgoing(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendOutgoingLocked(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `take`: null, or `batch` itself, whose decisions may be moved out.
-  void HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
+  void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SendToRank(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToRankLocked(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
-  void SendManifests(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendManifestsLocked(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the 16-byte record "step `step` repeats the previous batch".
-  void SendBatchRepeat(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordBatch(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::NodeMessage HelloMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ResetJob() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordBatchLocked(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
+  void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TimerLoop();
 
   const SidecarOptions options_;
+  Clock* const clock_;
   accord::Mutex mu_;
+  accord::CondVar timer_cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Half the coordinator's deadline (Welcome.deadline_ms) on the current
+  // stream; zero: partial steps are not reported.
+  absl::Duration report_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  // The timer wakes at timer_at_ when armed: the earliest time a step not
+  // yet sent or reported becomes due (armed at most once per due time, so
+  // the steady state signals the timer at most once per report_after_).
+  bool timer_armed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
@@ -250,8 +292,8 @@ class Sidecar {
   absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
   std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
   uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifests
-  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoing
+  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifestsLocked
+  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoingLocked
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
   // The current upstream stream: whether the coordinator accepts batch
@@ -259,6 +301,7 @@ class Sidecar {
   bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::pair<std::string, uint64_t>> last_batch_ ABSL_GUARDED_BY(mu_);
   uint64_t last_batch_key_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread timer_;  // last: started once everything above is initialised
 };
 
 }  // namespace accord::daemon

@@ -62,7 +62,7 @@ Decision DecideFromRanks(const std::string& group_id, const std::vector<PyParam>
 
 void BindCore(nb::module_& m) {
   nb::class_<Decision>(m, "Decision",
-                       "What every rank packs for one group and step (see DESIGN.md).")
+                       "What every rank packs for one group and step (see docs/ARCHITECTURE.md).")
       .def(nb::init<>())
       .def_rw("step", &Decision::step)
       .def_prop_rw(

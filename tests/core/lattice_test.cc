@@ -1,5 +1,5 @@
 // The lossless lattice, checked exhaustively over all 6 dtypes: IsLossless is
-// exactly the documented relation (DESIGN.md "Lossless lattice"), and Join is
+// exactly the documented relation (docs/ARCHITECTURE.md, "Lossless lattice"), and Join is
 // the least upper bound of every set of dtypes (so every pair and triple),
 // independent of order, with the one documented tie {e4m3, e5m2}.
 #include "core/lattice.h"

@@ -185,6 +185,7 @@ TEST_F(CoordinatorTest, RepeatWithUnknownKeyAsksOnlyThatNodeForTheFullForm) {
   ASSERT_EQ(sink_a_.decisions().size(), 1u);
   EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
   EXPECT_TRUE(absl::StrContains(sink_a_.decisions()[0].error().message(), "full form"));
+  EXPECT_TRUE(sink_a_.decisions()[0].error().resend_full_form());
   EXPECT_TRUE(sink_b_.decisions().empty());
   EXPECT_EQ(coord_.stats().repeat_key_mismatches, 1);
 }
@@ -198,6 +199,7 @@ TEST_F(CoordinatorTest, InvalidManifestGoesToTheSenderOnly) {
   coord_.HandleMessage(a_, Batch({bad}));
   ASSERT_EQ(sink_a_.decisions().size(), 1u);
   EXPECT_EQ(sink_a_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_FALSE(sink_a_.decisions()[0].error().resend_full_form());
   EXPECT_TRUE(sink_b_.decisions().empty());
 }
 
@@ -411,6 +413,99 @@ TEST_F(CoordinatorProgressTest, UnansweredQueryFailsAfterTheGraceNamingTheWholeN
   EXPECT_EQ(ds[0].error().kind(), v1::MISSING_RANKS);
   EXPECT_EQ(std::vector<int>(ds[0].error().ranks().begin(), ds[0].error().ranks().end()),
             (std::vector<int>{2, 3}));
+}
+
+// One node (ranks 0, 1) whose rank 1 never submits step 3: no node manifest
+// goes up, only the sidecar's partial-step report, which starts the clock at
+// the node's first submission (1.5 s before it arrived).
+TEST(CoordinatorPartialProgressTest, PartialReportStartsTheClockAtTheNodesFirstSubmission) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(2);
+  o.start_timer_thread = false;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sa;
+  auto a = coord.OpenSession(&sa);
+  v1::NodeMessage hello = Hello("j", "a", 2, {0, 1});
+  hello.mutable_hello()->set_answers_progress(true);
+  coord.HandleMessage(a, hello);
+  ASSERT_FALSE(sa.messages().empty());
+  EXPECT_EQ(sa.messages()[0].welcome().deadline_ms(), 2000);
+  coord.HandleMessage(a, Registration(MakeSpec("g", 1), {0, 1}));
+  sa.Clear();
+  v1::NodeMessage partial;
+  v1::NodeProgress* p = partial.mutable_progress();
+  p->set_group_id("g");
+  p->set_step(3);
+  p->set_partial(true);
+  p->set_waited_us(1500000);
+  p->add_reported(0);
+  coord.HandleMessage(a, partial);
+  clock.Advance(absl::Milliseconds(400));
+  coord.CheckDeadlines();
+  EXPECT_TRUE(sa.messages().empty()) << "asked before the deadline";
+  clock.Advance(absl::Milliseconds(200));  // 2.1 s after the first submission
+  coord.CheckDeadlines();
+  std::vector<v1::CoordinatorMessage> asked = sa.messages();
+  ASSERT_EQ(asked.size(), 1u);
+  ASSERT_TRUE(asked[0].has_progress_query());
+  EXPECT_EQ(asked[0].progress_query().step(), 3);
+  sa.Clear();
+  v1::NodeMessage answer;
+  p = answer.mutable_progress();
+  p->set_group_id("g");
+  p->set_step(3);
+  p->add_reported(0);
+  p->add_ranks(0);
+  p->add_last_steps(3);
+  p->add_ranks(1);
+  p->add_last_steps(2);
+  coord.HandleMessage(a, answer);
+  coord.CheckDeadlines();
+  std::vector<v1::Decision> ds = sa.decisions();
+  ASSERT_EQ(ds.size(), 1u);
+  const v1::DecisionError& e = ds[0].error();
+  EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+  EXPECT_EQ(std::vector<int>(e.ranks().begin(), e.ranks().end()), std::vector<int>{1});
+  EXPECT_EQ(e.message(),
+            "job j group \"g\" step 3: not every rank reported within 2s of the step's first "
+            "submission (--deadline); missing ranks 1: rank 1 (last step 2, node \"a\"); ranks 0 "
+            "submitted it. Check the missing ranks' processes and their sidecars' logs; the job "
+            "is failed");
+}
+
+// A partial report for a step already decided, for an unknown group, or
+// claiming ranks of another node changes nothing.
+TEST(CoordinatorPartialProgressTest, StaleOrForeignPartialReportsAreIgnored) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(2);
+  o.start_timer_thread = false;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sa, sb;
+  auto a = coord.OpenSession(&sa);
+  auto b = coord.OpenSession(&sb);
+  coord.HandleMessage(a, Hello("j", "a", 2, {0}));
+  coord.HandleMessage(b, Hello("j", "b", 2, {1}));
+  GroupSpec spec = MakeSpec("g", 1);
+  coord.HandleMessage(a, Registration(spec, {0}));
+  coord.HandleMessage(b, Registration(spec, {1}));
+  coord.HandleMessage(a, Batch({NodeManifest("g", 0, {kBf16}, 2, {0})}));
+  coord.HandleMessage(b, Batch({NodeManifest("g", 0, {kBf16}, 2, {1})}));
+  sa.Clear();
+  sb.Clear();
+  for (auto [group, step] : {std::pair<std::string, int64_t>{"g", 0}, {"nope", 1}}) {
+    v1::NodeMessage partial;
+    partial.mutable_progress()->set_group_id(group);
+    partial.mutable_progress()->set_step(step);
+    partial.mutable_progress()->set_partial(true);
+    partial.mutable_progress()->add_reported(0);
+    coord.HandleMessage(a, partial);
+  }
+  clock.Advance(absl::Seconds(10));
+  coord.CheckDeadlines();
+  EXPECT_TRUE(sa.messages().empty());
+  EXPECT_TRUE(sb.messages().empty());
 }
 
 TEST(CoordinatorTimerTest, TimerThreadFiresTheDeadlineOnTheInjectedClock) {

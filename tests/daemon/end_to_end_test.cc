@@ -65,6 +65,7 @@ class EndToEndTest : public ::testing::Test {
   void TearDown() override {
     if (rank_service_) rank_service_->FinishAll();
     if (sidecar_server_) sidecar_server_->Shutdown(Deadline(5));
+    if (sidecar_) sidecar_->Stop();  // its timer sends upstream
     if (upstream_) upstream_->Stop();
     if (coord_service_) coord_service_->FinishAll();
     if (kv_) kv_->Stop();

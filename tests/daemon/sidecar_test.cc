@@ -4,6 +4,7 @@
 #include <optional>
 #include <vector>
 
+#include "daemon/common/clock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
 
@@ -158,6 +159,119 @@ TEST_F(SidecarTest, AnswersTheCoordinatorsProgressQueryWithWhoSubmittedAndLastSt
   sidecar_.HandleCoordinatorMessage(q);
   ASSERT_EQ(up_.sent.size(), 1u);
   EXPECT_EQ(up_.sent[0].progress().reported_size(), 0);
+}
+
+// Ranks 0 and 1 on one node; rank 1 never submits step 1. Once the step is
+// half the coordinator's deadline old (Welcome.deadline_ms), the sidecar
+// reports it upstream as partial, once; complete steps are never reported.
+TEST(SidecarPartialTest, StepSomeRanksSubmittedIsReportedOnceAfterHalfTheDeadline) {
+  FakeClock clock;
+  SidecarOptions o{"n0", "", 64};
+  o.clock = &clock;
+  o.start_timer_thread = false;
+  Sidecar sidecar(o);
+  FakeUpstream up;
+  sidecar.SetUpstream(&up);
+  FakeRankSink r0, r1;
+  auto s0 = sidecar.OpenRank(&r0);
+  auto s1 = sidecar.OpenRank(&r1);
+  sidecar.HandleRankMessage(s0, Hello(0, 4));
+  sidecar.HandleRankMessage(s1, Hello(1, 4));
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_deadline_ms(2000);
+  sidecar.HandleCoordinatorMessage(welcome);
+  sidecar.HandleRankMessage(s0, Reg(Spec()));
+  sidecar.HandleRankMessage(s1, Reg(Spec()));
+  sidecar.HandleRankMessage(s0, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar.HandleRankMessage(s1, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar.HandleRankMessage(s0, Man(1, {DType::kBFloat16, std::nullopt}));
+  up.sent.clear();
+  auto partials = [&] {
+    std::vector<v1::NodeProgress> out;
+    for (const auto& m : up.sent) {
+      if (m.has_progress()) out.push_back(m.progress());
+    }
+    return out;
+  };
+  clock.Advance(absl::Milliseconds(999));
+  sidecar.CheckPartialSteps();
+  EXPECT_TRUE(partials().empty()) << "step 0 is complete and step 1 is young";
+  clock.Advance(absl::Milliseconds(1));
+  sidecar.CheckPartialSteps();
+  std::vector<v1::NodeProgress> got = partials();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].partial());
+  EXPECT_EQ(got[0].group_id(), "g");
+  EXPECT_EQ(got[0].step(), 1);
+  EXPECT_EQ(got[0].waited_us(), 1000000);
+  EXPECT_EQ(std::vector<int>(got[0].reported().begin(), got[0].reported().end()),
+            std::vector<int>{0});
+  EXPECT_EQ(std::vector<int64_t>(got[0].last_steps().begin(), got[0].last_steps().end()),
+            (std::vector<int64_t>{1, 0}));
+  clock.Advance(absl::Seconds(5));
+  sidecar.CheckPartialSteps();
+  EXPECT_EQ(partials().size(), 1u) << "reported once per stream";
+  // A new stream (e.g. a restarted coordinator) hears of it again.
+  sidecar.OnUpstreamConnected();
+  sidecar.HandleCoordinatorMessage(welcome);
+  up.sent.clear();
+  sidecar.CheckPartialSteps();
+  ASSERT_EQ(partials().size(), 1u);
+  EXPECT_EQ(partials()[0].waited_us(), 6000000);
+}
+
+TEST(SidecarPartialTest, NothingIsReportedToACoordinatorThatDidNotSayItsDeadline) {
+  FakeClock clock;
+  SidecarOptions o{"n0", "", 64};
+  o.clock = &clock;
+  o.start_timer_thread = false;
+  Sidecar sidecar(o);
+  FakeUpstream up;
+  sidecar.SetUpstream(&up);
+  FakeRankSink r0, r1;
+  auto s0 = sidecar.OpenRank(&r0);
+  auto s1 = sidecar.OpenRank(&r1);
+  sidecar.HandleRankMessage(s0, Hello(0, 4));
+  sidecar.HandleRankMessage(s1, Hello(1, 4));
+  sidecar.HandleCoordinatorMessage(v1::CoordinatorMessage());  // no Welcome.deadline_ms
+  sidecar.HandleRankMessage(s0, Reg(Spec()));
+  sidecar.HandleRankMessage(s1, Reg(Spec()));
+  sidecar.HandleRankMessage(s0, Man(0, {DType::kBFloat16, std::nullopt}));
+  up.sent.clear();
+  clock.Advance(absl::Hours(1));
+  sidecar.CheckPartialSteps();
+  EXPECT_TRUE(up.sent.empty());
+}
+
+// The coordinator asks for a full-form resend with a field, not with words:
+// an INVALID_MANIFEST whose message merely mentions the full form is passed
+// to the ranks.
+TEST_F(SidecarTest, ResendsInFullFormOnlyWhenTheErrorSaysSoInItsField) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  for (int64_t step : {0, 1, 2}) {
+    sidecar_.HandleRankMessage(s0_, Man(step, {DType::kBFloat16, std::nullopt}));
+    sidecar_.HandleRankMessage(s1_, Man(step, {DType::kBFloat16, std::nullopt}));
+  }
+  ASSERT_TRUE(up_.manifests().back().repeat());
+  up_.sent.clear();
+  v1::CoordinatorMessage reply;
+  v1::Decision* d = reply.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(1);
+  *d->mutable_error() = wire::MakeError(
+      v1::INVALID_MANIFEST, absl::FailedPreconditionError("unknown key; resend in full form"));
+  sidecar_.HandleCoordinatorMessage(reply);
+  EXPECT_TRUE(up_.manifests().empty()) << "keyed on the text";
+  EXPECT_EQ(r0_.decisions().back().error().kind(), v1::INVALID_MANIFEST);
+  d->set_step(2);
+  d->mutable_error()->set_resend_full_form(true);
+  const size_t delivered = r0_.decisions().size();
+  sidecar_.HandleCoordinatorMessage(reply);
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_FALSE(up_.manifests()[0].repeat());
+  EXPECT_EQ(up_.manifests()[0].step(), 2);
+  EXPECT_EQ(r0_.decisions().size(), delivered) << "the ranks wait for the real decision";
 }
 
 TEST_F(SidecarTest, LocalRegistrationsAreForwardedPerVariantForTheCoordinatorToCompare) {

@@ -31,6 +31,7 @@
 #include "core/sync.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/fault/gate.h"
 
 namespace accord::testing {
 namespace {
@@ -74,6 +75,15 @@ class CuttableProxy {
     accord::MutexLock l(&mu_);
     drop_down_ = drop;
   }
+  // Half-open: read nothing from either side (so nothing is forwarded, not
+  // even a close or a keepalive ping) while every connection stays open.
+  void Blackhole(bool on) {
+    {
+      accord::MutexLock l(&mu_);
+      blackhole_ = on;
+    }
+    Wake();
+  }
   // Closes every current connection; returns once they are closed. New
   // connections are accepted and forwarded as before.
   int Cut() {
@@ -111,10 +121,16 @@ class CuttableProxy {
           cut_done_ = cut_requested_;
         }
       }
+      bool blackhole;
+      {
+        accord::MutexLock l(&mu_);
+        blackhole = blackhole_;
+      }
       std::vector<pollfd> fds = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
       for (const Conn& c : conns) {
-        fds.push_back({c.down, POLLIN, 0});
-        fds.push_back({c.up, POLLIN, 0});
+        // fd -1: poll ignores the entry (revents 0), so nothing is read.
+        fds.push_back({blackhole ? -1 : c.down, POLLIN, 0});
+        fds.push_back({blackhole ? -1 : c.up, POLLIN, 0});
       }
       if (poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) break;
       if (fds[0].revents) (void)!read(wake_[0], buf, sizeof(buf));
@@ -183,44 +199,10 @@ class CuttableProxy {
   accord::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drop_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool blackhole_ ABSL_GUARDED_BY(mu_) = false;
   int64_t cut_requested_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t cut_done_ ABSL_GUARDED_BY(mu_) = 0;
   int last_cut_count_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// A FIFO a gated rank blocks on until Release().
-class Gate {
- public:
-  Gate() {
-    char tmpl[] = "/tmp/accord-gate-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    path_ = dir_ + "/gate";
-    mkfifo(path_.c_str(), 0600);
-  }
-  ~Gate() {
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
-  }
-  const std::string& path() const { return path_; }
-  // Lets the rank blocked in open(2) go. The rank prints "waiting at gate"
-  // just before it opens the FIFO, so on a loaded machine it may not be in
-  // open(2) yet (ENXIO): retry for up to 30 s; false when no rank came.
-  bool Release() {
-    const absl::Time give_up = absl::Now() + absl::Seconds(30);
-    while (true) {
-      const int fd = open(path_.c_str(), O_WRONLY | O_NONBLOCK);
-      if (fd >= 0) {
-        close(fd);
-        return true;
-      }
-      if (errno != ENXIO || absl::Now() > give_up) return false;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  }
-
- private:
-  std::string dir_;
-  std::string path_;
 };
 
 class FaultTest : public ::testing::Test {
@@ -425,6 +407,50 @@ TEST_F(FaultTest, CoordinatorPausedBrieflyDelaysButLosesNothing) {
       procs[3]->WaitForLine("rank 3 step 1 submitted", absl::Now() + absl::Seconds(30)).ok());
   kill(cluster_->coordinator_pid(), SIGCONT);
   ExpectAllSucceededWith(Finish(procs), digest);
+}
+
+// A sidecar whose connection goes half-open (the proxy forwards nothing, not
+// even a close) is noticed by the coordinator's keepalive within
+// --keepalive_time + --keepalive_timeout, and the job whose last node it was
+// is dropped. Once the path works again the sidecar reconnects, resends what
+// it holds, and the job goes on.
+TEST_F(FaultTest, HalfOpenNodeStreamIsDroppedWithItsJobWithinTheKeepaliveBound) {
+  constexpr absl::Duration kKeepalive = absl::Seconds(1);
+  constexpr absl::Duration kKeepaliveTimeout = absl::Seconds(1);
+  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
+  StartCluster(1, {absl::StrCat("--keepalive_time=", absl::FormatDuration(kKeepalive)),
+                   absl::StrCat("--keepalive_timeout=", absl::FormatDuration(kKeepaliveTimeout))});
+  const std::string port =
+      cluster_->coordinator_address().substr(cluster_->coordinator_address().rfind(':') + 1);
+  CuttableProxy proxy(port);
+  absl::StatusOr<int> added = cluster_->AddSidecar(proxy.address());
+  ASSERT_TRUE(added.ok()) << added.status();
+  absl::StatusOr<std::unique_ptr<ChildProcess>> rank =
+      ChildProcess::Spawn({ACCORD_RANK_SCENARIO, "--socket=" + cluster_->sidecar_sockets()[*added],
+                           "--rank=0", "--world=1", "--job=halfopen", "--wait=30s", "--steps=2",
+                           "--gate_rank=0", "--gate_step=1", "--gate_fifo=" + gate_.path()},
+                          "rank0", /*echo=*/true);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  ASSERT_TRUE(
+      (*rank)->WaitForLine("rank 0 waiting at gate step 1", absl::Now() + absl::Seconds(30)).ok());
+  const absl::Time cut = absl::Now();
+  proxy.Blackhole(true);
+  const std::string dropped = absl::StrCat("job halfopen: last node (node", *added,
+                                           ") disconnected; dropping the job's state");
+  ASSERT_TRUE(cluster_->WaitForCoordinatorOutput(dropped, 1, absl::Now() + absl::Seconds(60)).ok());
+  const absl::Duration took = absl::Now() - cut;
+  std::printf("[timing] half-open node stream dropped after %s (keepalive %s + timeout %s)\n",
+              absl::FormatDuration(took).c_str(), absl::FormatDuration(kKeepalive).c_str(),
+              absl::FormatDuration(kKeepaliveTimeout).c_str());
+  EXPECT_LE(took, kKeepalive + kKeepaliveTimeout + kSlack);
+  // The path heals: the proxy sees the coordinator's close and closes the
+  // sidecar's side; the sidecar reconnects and the job is created again.
+  proxy.Blackhole(false);
+  ASSERT_TRUE(gate_.Release());
+  absl::StatusOr<int> exit = (*rank)->Wait(absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0) << (*rank)->Output();
+  EXPECT_THAT((*rank)->Output(), HasSubstr("rank 0 step 1 group g0: wire="));
 }
 
 // Requests that must be refused precisely, through the client library.

@@ -394,12 +394,49 @@ TEST(WireErrorTest, ErrorRoundTripKeepsCodeAndMessage) {
   const v1::DecisionError e = MakeError(v1::MISSING_RANKS, s);
   EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
   EXPECT_EQ(e.param_index(), -1);
-  EXPECT_EQ(ErrorToStatus(e), s);
+  EXPECT_EQ(ErrorToStatus(e).code(), s.code());
+  EXPECT_EQ(ErrorToStatus(e).message(), s.message());
+  EXPECT_EQ(KindOf(ErrorToStatus(e)), v1::MISSING_RANKS);
   v1::DecisionError odd = e;
   odd.set_code(99);
   EXPECT_EQ(ErrorToStatus(odd).code(), absl::StatusCode::kUnknown);
   odd.set_code(0);  // OK is not an error: never turn an error into success
   EXPECT_EQ(ErrorToStatus(odd).code(), absl::StatusCode::kUnknown);
+}
+
+// Callers branch on the kind a status carries, never on its text.
+TEST(WireErrorTest, KindTravelsInTheStatusPayloadNotInTheMessage) {
+  EXPECT_EQ(KindOf(absl::InvalidArgumentError("gradient dtype INT32 is not a float dtype")),
+            v1::ERROR_KIND_UNSPECIFIED);
+  const absl::Status non_float = DTypeFromProto(v1::INT32).status();
+  EXPECT_EQ(KindOf(non_float), v1::NON_FLOAT_DTYPE);
+  v1::Manifest m;
+  m.set_group_id("g");
+  m.set_used_bits(std::string(1, '\x01'));
+  m.set_uniform_dtype(v1::INT64);
+  std::vector<DTypeMask> out;
+  EXPECT_EQ(KindOf(ManifestDTypesFromProto(m, 1, &out)), v1::NON_FLOAT_DTYPE);
+  m.set_uniform_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(KindOf(ManifestDTypesFromProto(m, 1, &out)), v1::ERROR_KIND_UNSPECIFIED);
+  // MakeError takes the kind from the status when not given one.
+  EXPECT_EQ(MakeError(v1::ERROR_KIND_UNSPECIFIED, non_float).kind(), v1::NON_FLOAT_DTYPE);
+  EXPECT_TRUE(WithKind(absl::OkStatus(), v1::LIMIT_EXCEEDED).ok());
+}
+
+TEST(WireErrorTest, EveryKindHasOneCanonicalCode) {
+  for (int k = v1::ErrorKind_MIN; k <= v1::ErrorKind_MAX; ++k) {
+    const auto kind = static_cast<v1::ErrorKind>(k);
+    const absl::Status s = KindError(kind, "x");
+    if (kind == v1::ERROR_KIND_UNSPECIFIED) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnknown);
+      continue;
+    }
+    EXPECT_NE(CodeOfKind(kind), absl::StatusCode::kUnknown) << v1::ErrorKind_Name(kind);
+    EXPECT_EQ(s.code(), CodeOfKind(kind));
+    EXPECT_EQ(KindOf(s), kind);
+  }
+  EXPECT_EQ(CodeOfKind(v1::MISSING_RANKS), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(CodeOfKind(v1::DUPLICATE_RANK), absl::StatusCode::kAlreadyExists);
 }
 
 }  // namespace
