@@ -6,7 +6,9 @@ Each rank holds three identical models, sharded the same way:
             post-backward, as accord.torch did before overlap);
 - overlap:  accord as installed by default (each group's wait moves behind the
             next group's backward compute; end-of-backward groups are
-            submitted together).
+            submitted together);
+- unguarded: overlap without the collective-sequence guard (guard=False), so
+            overlap vs unguarded is the guard's cost.
 Rounds alternate between them (plain, blocking, overlap, plain, ...) so drift
 in machine load hits all alike. Every rank uses every parameter in one dtype
 (no fix is needed), so the difference is what accord costs.
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("plain", "blocking", "overlap")
+MODES = ("plain", "blocking", "overlap", "unguarded")
 
 
 def make_model(args):
@@ -94,7 +96,8 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q):
             models[name] = m
             if name != "plain":
                 insts[name] = accord.torch.install(
-                    m, client, prefix=name, overlap=(name == "overlap")
+                    m, client, prefix=name, overlap=(name != "blocking"),
+                    guard=(name != "unguarded"),
                 )
         opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
         g = torch.Generator().manual_seed(rank)

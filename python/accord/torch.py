@@ -113,6 +113,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from accord.agreement import Agreement, ParamTuple, as_agreement
+from accord.guard import AccordDivergenceError  # noqa: F401 - part of this module's API
 
 SUPPORTED_TORCH = ((2, 9), (2, 13))
 
@@ -179,6 +180,67 @@ def _fsdp_internals():
             f"supported: torch {SUPPORTED_TORCH[0]} to {SUPPORTED_TORCH[1]}"
         )
     return FSDPModule, FSDPParamGroup
+
+
+# FSDP parameter (id) -> (SequenceGuard, unit name) for the collective guard.
+_GUARDED: Dict[int, tuple] = {}
+_COLLECTIVES_PATCHED = False
+
+
+def _guard_of(fsdp_params):
+    for fp in fsdp_params:
+        found = _GUARDED.get(id(fp))
+        if found is not None:
+            return found
+    return None
+
+
+def _patch_collectives() -> None:
+    """Routes FSDP2's all-gathers and reduce-scatters through the guard of the
+    installation that owns the parameters (a no-op for other models).
+    FSDP2 calls both through `_fsdp_param_group`'s module globals."""
+    global _COLLECTIVES_PATCHED
+    if _COLLECTIVES_PATCHED:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    all_gather, reduce = pg.foreach_all_gather, pg.foreach_reduce
+
+    def guarded_all_gather(fsdp_params, *args, **kwargs):
+        found = _guard_of(fsdp_params)
+        if found is not None:
+            guard, unit = found
+            numel = sum(int(fp._orig_size.numel()) for fp in fsdp_params)
+            dtype = fsdp_params[0].param_dtype or fsdp_params[0].orig_dtype
+            guard.record(f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})")
+            try:
+                return all_gather(fsdp_params, *args, **kwargs)
+            except RuntimeError as e:  # a peer stopped: say why, if the guard knows
+                guard.explain(e)
+                raise
+        return all_gather(fsdp_params, *args, **kwargs)
+
+    def guarded_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
+        found = _guard_of(fsdp_params)
+        if found is not None:
+            guard, unit = found
+            numel = sum(int(g.numel()) for g in unsharded_grads)
+            reduce_dtype = args[5] if len(args) > 5 else kwargs.get("reduce_dtype")
+            dtype = reduce_dtype or (unsharded_grads[0].dtype if unsharded_grads else None)
+            guard.record(
+                f"reduce-scatter of '{unit}' ({numel} x "
+                f"{dtype_name(dtype) if dtype is not None else '?'})"
+            )
+            try:
+                return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+            except RuntimeError as e:  # a peer stopped: say why, if the guard knows
+                guard.explain(e)
+                raise
+        return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+
+    pg.foreach_all_gather = guarded_all_gather
+    pg.foreach_reduce = guarded_reduce
+    _COLLECTIVES_PATCHED = True
 
 
 def _param_groups(state) -> list:
@@ -464,6 +526,7 @@ class Installation:
         self.presubmitted: Dict[str, tuple] = {}
         self._handles: list = []
         self._patched_states: list = []
+        self.guard = None
         self._lock = threading.Lock()
 
     @property
@@ -603,10 +666,33 @@ class Installation:
 
         return callback
 
+    def _hook_guard(self, guard) -> None:
+        _patch_collectives()
+        self.guard = guard
+        for h in self.groups.values():
+            unit = h.group_id.split("/", 1)[-1]
+            for fp in h.group.fsdp_params:
+                _GUARDED[id(fp)] = (guard, unit)
+        # Prepended: before FSDP2's root pre-forward and its all-gather.
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._guard_begin_step, prepend=True)
+        )
+
+    def _guard_begin_step(self, module, args):
+        if torch._C._current_graph_task_id() == -1:
+            self.guard.begin_step()
+        return None
+
     def uninstall(self) -> None:
         """Restores FSDP2's own post-backward on every hooked group."""
         with self._lock:
             self.flush()
+            if self.guard is not None:
+                for h in self.groups.values():
+                    for fp in h.group.fsdp_params:
+                        _GUARDED.pop(id(fp), None)
+                self.guard.close()
+                self.guard = None
             for unit in self.optional:
                 if unit.pinned:
                     unit.end_step(count=False)
@@ -711,6 +797,7 @@ def install(
     timeout_s: float = 300.0,
     optional: Sequence = (),
     overlap: Optional[bool] = None,
+    guard: Optional[bool] = None,
 ) -> Installation:
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
@@ -722,7 +809,10 @@ def install(
     moves each group's wait for its decision behind the next group's backward
     compute (see the module docstring). Idempotent: installing again with the same client and units
     returns the existing Installation; installing with a different one raises
-    ValueError. Raises UnsupportedTorchError for torch outside SUPPORTED_TORCH.
+    ValueError. `guard` (default on with an accord client and more than one
+    rank; ACCORD_TORCH_GUARD=0 turns it off) checks that every rank issues
+    the same FSDP collectives (see accord.guard). Raises
+    UnsupportedTorchError for torch outside SUPPORTED_TORCH.
     """
     check_torch_version()
     FSDPModule, _ = _fsdp_internals()
@@ -783,6 +873,16 @@ def install(
     installation.overlap = overlap and _can_overlap(agreement)
     installation.overlap_depth = max(1, int(os.environ.get("ACCORD_TORCH_OVERLAP_DEPTH", "2")))
     installation._hook_step(units)
+    if guard is None:
+        guard = os.environ.get("ACCORD_TORCH_GUARD", "1") not in ("0", "false", "off")
+    client = getattr(agreement, "client", None)
+    if guard and client is not None and agreement.world_size > 1:
+        from accord.guard import SequenceGuard
+
+        installation._hook_guard(
+            SequenceGuard(client, agreement.rank, agreement.world_size,
+                          f"{prefix}/~collective-sequence", timeout_s)
+        )
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = installation
     return installation

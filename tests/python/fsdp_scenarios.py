@@ -399,3 +399,68 @@ def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=Tru
         "timing": (t.exposed_s, t.waits, t.deferred),
         "overlap": inst.overlap,
     }
+
+
+# ---------------------------------------------------------------- case 6
+
+
+class Blocks(nn.Module):
+    """Four blocks (own FSDP units) of one shape, except that block 2 has no
+    bias (fewer elements), then a last unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D_HID)
+        self.blocks = nn.ModuleList(nn.Linear(D_HID, D_HID, bias=i != 2) for i in range(4))
+        self.wide = nn.Linear(D_HID, D_HID)
+
+    def forward(self, x, order, use_wide=True):
+        y = self.inp(x)
+        for i in order:
+            y = torch.relu(self.blocks[i](y))
+        return self.wide(y) if use_wide else y
+
+
+def sequence_guard(rank, world_size, agreement="accord", cluster=None, diverge="none",
+                   diverge_step=0, steps=3):
+    """Case 6: the collective-sequence guard. diverge: "none"; "order" (the
+    last rank runs blocks 0 and 3, same-sized, in swapped order: Gloo would
+    reduce mismatched data without noticing); "skip" (the last rank skips
+    block 2, a unit that is not marked optional: other sizes)."""
+    import time
+
+    import accord.torch
+
+    torch.manual_seed(0)
+    model = Blocks()
+    mesh = init_device_mesh("cpu", (world_size,))
+    _shard(model, list(model.blocks) + [model.wide], mesh)
+    ag = make_agreement(agreement, rank, world_size, cluster)
+    inst = accord.torch.install(model, ag)
+    guard = inst.guard
+    waits_after_warmup = None
+    last = rank == world_size - 1
+    t0 = None
+    try:
+        for k in range(steps):
+            order = [0, 1, 2, 3]
+            use_wide = True
+            if last and k == diverge_step and diverge == "order":
+                order = [3, 1, 2, 0]
+            if last and k == diverge_step and diverge == "skip":
+                order = [0, 1, 3]
+            if k == diverge_step:
+                t0 = time.monotonic()
+            model.zero_grad(set_to_none=True)
+            _loss(model(_data(rank, k), order=order, use_wide=use_wide)).backward()
+            if k == 1:  # step 1's end is checked when step 2 begins
+                waits_after_warmup = guard.blocking_waits
+    except accord.torch.AccordDivergenceError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {
+        "error": None,
+        "waits_after_warmup": waits_after_warmup,
+        "waits": guard.blocking_waits,
+        "reports": guard.reports,
+        "blocked_s": guard.blocked_s,
+    }

@@ -26,11 +26,25 @@ class RanksTimedOut(Exception):
     pass
 
 
+class RankDied:
+    """A rank process that ended without a result (os._exit, a signal, an
+    abort inside a library); `stderr` is the end of what it wrote there."""
+
+    def __init__(self, rank, exitcode, stderr):
+        self.rank, self.exitcode, self.stderr = rank, exitcode, stderr
+
+    def __repr__(self):
+        return f"RankDied(rank={self.rank}, exitcode={self.exitcode})\n{self.stderr}"
+
+
 def _entry(fn, rank, world_size, tmpdir, kwargs):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Keep this rank's stderr (also what a dying process writes) for the parent.
+    err = os.open(os.path.join(tmpdir, f"stderr.{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(err, 2)
     out = os.path.join(tmpdir, f"result.{rank}")
     try:
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
@@ -70,7 +84,8 @@ def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
                 with open(path, "rb") as f:
                     results.append(pickle.load(f))
             else:
-                results.append(None)
+                with open(os.path.join(tmpdir, f"stderr.{r}"), errors="replace") as f:
+                    results.append(RankDied(r, procs[r].exitcode, f.read()[-4000:]))
         if stuck:
             raise RanksTimedOut(
                 f"ranks {stuck} of {world_size} still running after {timeout_s}s "
@@ -81,7 +96,7 @@ def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
 
 def check_results(results):
     """Raises AssertionError with every failing rank's traceback."""
-    failures = [r for r in results if isinstance(r, RankFailure) or r is None]
+    failures = [r for r in results if isinstance(r, (RankFailure, RankDied)) or r is None]
     if failures:
         raise AssertionError("ranks failed:\n" + "\n".join(repr(f) for f in failures))
     return results

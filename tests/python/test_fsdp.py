@@ -10,7 +10,7 @@ import torch
 
 import fsdp_scenarios as sc
 from cluster_fixture import cluster_info, start_cluster
-from harness import check_results, run_ranks
+from harness import RankDied, RankFailure, check_results, run_ranks
 
 TIMEOUT_S = 240.0
 
@@ -99,3 +99,48 @@ def test_overlap_defers_waits_and_keeps_grads_bit_identical(cluster, world_size)
         _, waits_off, deferred_off = b["timing"]
         assert deferred_off == 0 and deferred_on >= 2 * 6, a["timing"]
         assert waits_on == waits_off, (a["timing"], b["timing"])
+
+
+def test_guard_adds_no_blocking_wait_in_the_steady_state(cluster):
+    results = run(cluster, sc.sequence_guard, 2, diverge="none", steps=5)
+    for r in results:
+        assert r["error"] is None, r
+        # The first step checks each new collective once (and its end, when
+        # the second begins); later steps repeat them and never wait.
+        assert r["waits_after_warmup"] > 0 and r["waits"] == r["waits_after_warmup"], r
+        assert r["reports"] > 4 * 10, r  # every collective of every step reported
+
+
+@pytest.mark.parametrize("diverge,diverge_step", [("order", 0), ("skip", 0), ("order", 2),
+                                                  ("skip", 2)])
+def test_guard_names_divergence_on_every_rank(cluster, diverge, diverge_step):
+    """Both ranks end with one identical error naming the collective each issued,
+    whether the divergence comes in the first step (every collective is still
+    new: both ranks stop before it) or later (the diverging rank stops before
+    its new collective; the other, blocked in Gloo, is ended by its guard)."""
+    info = cluster_info(cluster, 2, f"guard-{diverge}-{diverge_step}")
+    results = run_ranks(sc.sequence_guard, 2, 120.0, agreement="accord", cluster=info,
+                        diverge=diverge, diverge_step=diverge_step)
+    texts = []
+    for r in results:
+        if isinstance(r, RankDied):
+            assert r.exitcode == 3, r
+            line = [l for l in r.stderr.splitlines() if l.startswith("AccordDivergenceError: ")]
+            assert line, r.stderr
+            texts.append(line[-1].split(": ", 1)[1])
+        else:
+            assert not isinstance(r, RankFailure), r
+            assert r["error"] is not None, f"no divergence reported: {r}"
+            assert r["seconds"] < 60, r
+            texts.append(r["error"])
+    assert texts[0] == texts[1], texts
+    text = texts[0]
+    assert text.startswith("accord: the ranks' FSDP collectives diverged at collective #"), text
+    if diverge == "order":
+        want = ("rank 0 issued step {s} position 1: all-gather of 'blocks.0' (110 x float32); "
+                "rank 1 issued step {s} position 1: all-gather of 'blocks.3' (110 x float32)")
+    else:
+        want = ("rank 0 issued step {s} position 3: all-gather of 'blocks.2' (100 x float32); "
+                "rank 1 issued step {s} position 3: all-gather of 'blocks.3' (110 x float32)")
+    assert want.format(s=diverge_step + 1) in text, text
+    assert "optional=[...]" in text

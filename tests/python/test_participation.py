@@ -14,7 +14,7 @@ import torch
 
 import participation_scenarios as ps
 from cluster_fixture import cluster_info, start_cluster
-from harness import RankFailure, RanksTimedOut, check_results, run_ranks
+from harness import RankDied, RankFailure, RanksTimedOut, check_results, run_ranks
 
 TIMEOUT_S = 300.0
 FP32_RTOL = 1e-5  # the issue's bound for fp32
@@ -137,16 +137,17 @@ def test_plain_fsdp2_fails_on_the_same_jobs(case):
     fail (Gloo reports the mismatch or a peer's exit) or hang."""
     try:
         results = run_ranks(ps.run_cases, 2, 30.0, cases=[dict(case, agreement="none")])
+        results = [r[0] if isinstance(r, list) else r for r in results]
     except RanksTimedOut:
         return  # a hang, bounded by the harness
     errors = []
     for r in results:
-        if r is None:
-            errors.append("the rank's process died (Gloo aborts it on a size mismatch)")
+        if isinstance(r, RankDied):
+            errors.append(f"the rank's process died (Gloo aborts it on a size mismatch):\n{r.stderr}")
         elif isinstance(r, RankFailure):
             errors.append(r.error)
-        elif isinstance(r, list) and isinstance(r[0], str):
-            errors.append(r[0])
+        elif isinstance(r, str):
+            errors.append(r)
     assert errors, f"plain FSDP2 trained on rank-divergent units: {results}"
 
 
