@@ -433,6 +433,33 @@ def _can_overlap(agreement) -> bool:
     )
 
 
+class _ParticipationReporter:
+    """Reports, per step, whether this rank ran one optional unit, through a
+    group of its own (`<prefix>/~participation/<unit>`, "parameters" `ran` and
+    `repeated`). The coordinator's skip matrix of that group is then the
+    unit x rank participation matrix, in its metrics, ObserveService, event
+    log and `accordctl skips`. Submitted without waiting; the previous step's
+    decision (long since there) is collected at the next report."""
+
+    def __init__(self, agreement, group_id: str):
+        self.agreement = agreement
+        self.group_id = group_id
+        self.registered = False
+        self.previous = None
+
+    def report(self, step: int, calls: int) -> None:
+        if not self.registered:
+            self.agreement.register(self.group_id, [("ran", 1, 1), ("repeated", 1, 1)], None,
+                                    False)
+            self.registered = True
+        if self.previous is not None:
+            self.agreement.wait(self.previous)
+        self.previous = self.agreement.submit_async(
+            self.group_id, step, ["float32" if calls >= 1 else None,
+                                  "float32" if calls >= 2 else None]
+        )
+
+
 @dataclasses.dataclass
 class UnitParticipation:
     """How often this rank ran one optional unit's forward, per step."""
@@ -452,10 +479,11 @@ class _OptionalUnit:
     backward do nothing. Owned by the training thread.
     """
 
-    def __init__(self, name: str, module, groups: list):
+    def __init__(self, name: str, module, groups: list, reporter=None):
         self.name = name
         self.module = module
         self.groups = groups
+        self.reporter = reporter  # _ParticipationReporter or None
         self.pinned = False
         self.participation = UnitParticipation()
         self._originals = {}
@@ -493,6 +521,8 @@ class _OptionalUnit:
             g.reshard()
         if count:
             p = self.participation
+            if self.reporter is not None:
+                self.reporter.report(p.steps, p.calls_this_step)
             p.steps += 1
             if p.calls_this_step == 0:
                 p.skipped += 1
@@ -616,7 +646,12 @@ class Installation:
     def _hook_step(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
         for name, module in units:
             groups = _param_groups(module._get_fsdp_state())
-            unit = _OptionalUnit(name, module, groups)
+            reporter = None
+            if _can_overlap(self.agreement):
+                reporter = _ParticipationReporter(
+                    self.agreement, f"{self.prefix}/~participation/{name}"
+                )
+            unit = _OptionalUnit(name, module, groups, reporter)
             for h in self.groups.values():
                 if any(h.group is g for g in groups):
                     h.optional = unit

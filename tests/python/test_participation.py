@@ -9,6 +9,10 @@ identical on every rank. Without accord the same jobs fail (bounded in time).
 See participation_scenarios.py for the models and data.
 """
 
+import json
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -172,3 +176,27 @@ def test_bad_installs_get_precise_errors():
     }
     for key, prefix in expect.items():
         assert out[key].startswith(prefix), f"{key}: {out[key]!r}"
+
+
+def test_coordinator_shows_the_participation_matrix(cluster):
+    """accordctl (the coordinator's ObserveService) shows, per optional unit,
+    the steps each rank did not run it (row "ran") and did not enter it twice
+    (row "repeated")."""
+    accordctl = os.environ.get("ACCORDCTL")
+    assert accordctl and os.path.exists(accordctl), (
+        "ACCORDCTL must name the accordctl binary (tests/python/CMakeLists.txt sets it)")
+    plan = [["text", "image"], ["both", "text"], ["text", "text"]]
+    job = cluster_info(cluster, 3, "part-observe")
+    case = dict(model_kind=VLM, plan=plan)
+    check_results(run_ranks(ps.run_cases, 3, TIMEOUT_S, cases=[case], cluster_jobs=[job]))
+    group = "fsdp/~participation/llava.model.vision_tower"
+    out = subprocess.run(
+        [accordctl, f"--coordinator={cluster.coordinator_address}", "--json", "skips",
+         f"--job={job['job_id']}", f"--group={group}"],
+        capture_output=True, text=True, timeout=60, check=True)
+    (g,) = json.loads(out.stdout)["groups"]
+    assert g["group_id"] == group and int(g["steps"]) == 2, g
+    rows = {row["param_name"]: [int(c) for c in row["counts"]] for row in g["rows"]}
+    calls = [[{"text": 0, "image": 1, "both": 2}[m] for m in steps] for steps in plan]
+    assert rows["ran"] == [sum(c == 0 for c in cs) for cs in calls], rows
+    assert rows["repeated"] == [sum(c < 2 for c in cs) for cs in calls], rows
