@@ -139,3 +139,34 @@ def reference(ckpt, batches_per_rank):
             )
             (loss / total_tokens).backward()
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def grouped_tail(rank, world_size, cluster, micro=2):
+    """The unit layout Accelerate's FSDP2 preparation (and torchtitan) build: the
+    final norm and lm_head sharded together as one grouped unit,
+    fully_shard([norm, lm_head]), next to per-layer units and the root (tower
+    inside). accord is turned on with accord.hf.install_after_prepare; one step
+    of `micro` accumulated microbatches, fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from accord.hf import install_after_prepare
+
+    model = ms.build_llava()
+    mesh = init_device_mesh("cpu", (world_size,))
+    lm = model.model.language_model
+    for layer in lm.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard([lm.norm, model.lm_head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    inst = install_after_prepare(model, sc.make_agreement("accord", rank, world_size, cluster))
+    for k in range(micro):
+        model.set_requires_gradient_sync(k == micro - 1)
+        model(**ms.llava_batch(rank, 0, k)).loss.backward()
+    out = {"grads": sc._full_grads(model), "stats": sc._stats(inst)}
+    if rank == 0:
+        out["ref"] = ms.reference("llava", "fp32", world_size, 0, micro)
+    return out
