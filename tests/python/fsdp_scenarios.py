@@ -279,11 +279,13 @@ def unused_everywhere(rank, world_size, agreement="fake", cluster=None, unused_f
 # ---------------------------------------------------------------- case 4
 
 
-def mixed_half_dtypes(rank, world_size, agreement="fake", cluster=None):
+def mixed_half_dtypes(rank, world_size, agreement="fake", cluster=None, guard=False):
     """Case 4: reduce_dtype=None with fp16 gradients on even ranks and bf16 on
     odd ranks. Zero-initialised weights keep the (2-byte) all-gather exact
     across the two dtypes, and small integer data keep every gradient exact,
-    so the comparison with the reference is exact."""
+    so the comparison with the reference is exact. The all-gathers differ in
+    dtype across ranks, which the collective-sequence guard reports (it is
+    off here unless `guard`; with it, the scenario returns the error)."""
     lin = nn.Linear(8, 6)
     nn.init.zeros_(lin.weight)
     nn.init.zeros_(lin.bias)
@@ -291,7 +293,21 @@ def mixed_half_dtypes(rank, world_size, agreement="fake", cluster=None):
     dtype = torch.float16 if rank % 2 == 0 else torch.bfloat16
     mesh = init_device_mesh("cpu", (world_size,))
     _shard(model, [], mesh, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=None))
-    inst = _install(model, make_agreement(agreement, rank, world_size, cluster))
+    ag = make_agreement(agreement, rank, world_size, cluster)
+    if guard:
+        import accord.torch
+
+        accord.torch.install(model, ag)
+        try:
+            model(torch.zeros(4, 8)).sum().backward()
+        except accord.torch.AccordDivergenceError as e:
+            return {"error": str(e)}
+        return {"error": None}
+    inst = None
+    if ag is not None:
+        import accord.torch
+
+        inst = accord.torch.install(model, ag, guard=False)
 
     def data(r):
         g = torch.Generator().manual_seed(7 + r)

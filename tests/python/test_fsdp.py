@@ -144,3 +144,13 @@ def test_guard_names_divergence_on_every_rank(cluster, diverge, diverge_step):
                 "rank 1 issued step {s} position 3: all-gather of 'blocks.3' (110 x float32)")
     assert want.format(s=diverge_step + 1) in text, text
     assert "optional=[...]" in text
+
+
+def test_guard_names_all_gathers_of_different_dtypes(cluster):
+    """fp16 parameters on one rank, bf16 on the other: the all-gathers have the
+    same size, so Gloo pairs them and reinterprets the bits; the guard names it."""
+    results = run(cluster, sc.mixed_half_dtypes, 2, guard=True)
+    assert results[0]["error"] == results[1]["error"], results
+    assert ("rank 0 issued step 1 position 0: all-gather of '<root>' (54 x float16); "
+            "rank 1 issued step 1 position 0: all-gather of '<root>' (54 x bfloat16)"
+            in results[0]["error"]), results
