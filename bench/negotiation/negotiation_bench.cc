@@ -5,6 +5,11 @@
 //
 //   accord_negotiation_bench [--ranks=8] [--iterations=200] [--gloo=false]
 //
+// Two more baseline rows, measured by the launcher before the ranks start: a
+// bare gRPC bidirectional-stream ping-pong (64 B) over a Unix socket and over
+// TCP loopback, the two hops a rank -> sidecar -> coordinator round trip
+// takes. The cache-hit p50 is compared with their sum.
+//
 // The launcher starts a LocalCluster (1 coordinator, 1 sidecar) and runs this
 // program again once per rank (--role=rank). Rank 0 prints the table.
 // Measured per step on each rank: Submit -> Wait returning (which includes
@@ -17,6 +22,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
@@ -25,6 +31,8 @@
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/file_store.h"
 #include "gloo/transport/tcp/device.h"
+#include "grpcpp/grpcpp.h"
+#include "bench/negotiation/pingpong.grpc.pb.h"
 
 ABSL_FLAG(std::string, role, "launcher", "launcher or rank");
 ABSL_FLAG(int, ranks, 8, "rank processes");
@@ -38,6 +46,7 @@ ABSL_FLAG(std::string, bin_dir, "", "daemon binaries (default: the build tree)")
 ABSL_FLAG(std::string, socket, "", "");
 ABSL_FLAG(int, rank, 0, "");
 ABSL_FLAG(std::string, store_dir, "", "Gloo file store directory");
+ABSL_FLAG(double, hops_us, 0, "launcher -> rank 0: p50 UDS + TCP ping-pong (us)");
 
 namespace accord {
 namespace {
@@ -56,6 +65,50 @@ Percentiles Summarize(std::vector<double> us) {
 }
 
 double Micros(absl::Time a, absl::Time b) { return absl::ToDoubleMicroseconds(b - a); }
+
+// Echo server for the ping-pong baseline (sync API, one stream at a time).
+class PingPongService final : public bench::PingPong::Service {
+  grpc::Status Stream(grpc::ServerContext*,
+                      grpc::ServerReaderWriter<bench::Ping, bench::Ping>* stream) override {
+    bench::Ping p;
+    while (stream->Read(&p)) {
+      if (!stream->Write(p)) break;
+    }
+    return grpc::Status::OK;
+  }
+};
+
+// p50/p99 of `iters` 64-byte round trips over one stream to `target`.
+absl::StatusOr<Percentiles> PingPong(const std::string& listen, const std::string& target,
+                                     int iters) {
+  PingPongService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(),
+                           listen.rfind("unix:", 0) == 0 ? nullptr : &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
+  const std::string addr = port > 0 ? absl::StrCat("127.0.0.1:", port) : target;
+  auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
+  auto stub = bench::PingPong::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Stream(&ctx);
+  bench::Ping ping, pong;
+  ping.set_payload(std::string(64, 'x'));
+  std::vector<double> us;
+  for (int i = 0; i < iters + 20; ++i) {
+    const absl::Time t0 = absl::Now();
+    if (!stream->Write(ping) || !stream->Read(&pong)) {
+      return absl::UnavailableError(absl::StrCat("ping-pong over ", addr, " broke"));
+    }
+    if (i >= 20) us.push_back(Micros(t0, absl::Now()));
+  }
+  stream->WritesDone();
+  (void)stream->Finish();
+  server->Shutdown();
+  return Summarize(std::move(us));
+}
 
 int RunRank() {
   const int rank = absl::GetFlag(FLAGS_rank);
@@ -179,6 +232,11 @@ int RunRank() {
              g.p99_us);
       printf("cache-hit p50 / gloo p50 = %.2fx (target <= 1.0x)\n", h.p50_us / g.p50_us);
     }
+    const double hops = absl::GetFlag(FLAGS_hops_us);
+    if (hops > 0) {
+      printf("cache-hit p50 / (UDS + TCP ping-pong p50) = %.2fx (target <= 1.3x)\n",
+             h.p50_us / hops);
+    }
     printf("batch p50 / single-group hit p50 = %.2fx (target <= 5x)\n", b.p50_us / h.p50_us);
     fflush(stdout);
   }
@@ -186,6 +244,24 @@ int RunRank() {
 }
 
 int RunLauncher(const char* self) {
+  // The two hops' floor, before anything else runs.
+  char sock_tmpl[] = "/tmp/accord-pingpong-XXXXXX";
+  const std::string sock_dir = mkdtemp(sock_tmpl);
+  const std::string uds = absl::StrCat("unix:", sock_dir, "/pp.sock");
+  absl::StatusOr<Percentiles> uds_pp = PingPong(uds, uds, absl::GetFlag(FLAGS_iterations));
+  absl::StatusOr<Percentiles> tcp_pp =
+      PingPong("127.0.0.1:0", "", absl::GetFlag(FLAGS_iterations));
+  (void)!system(("rm -rf " + sock_dir).c_str());
+  if (!uds_pp.ok() || !tcp_pp.ok()) {
+    fprintf(stderr, "accord_negotiation_bench: ping-pong baseline: %s\n",
+            (!uds_pp.ok() ? uds_pp.status() : tcp_pp.status()).ToString().c_str());
+    return 1;
+  }
+  const std::string hop_rows = absl::StrCat(
+      absl::StrFormat("%-44s %10.1f %10.1f\n", "grpc bidi ping-pong 64 B, UDS (baseline)",
+                      uds_pp->p50_us, uds_pp->p99_us),
+      absl::StrFormat("%-44s %10.1f %10.1f\n", "grpc bidi ping-pong 64 B, TCP (baseline)",
+                      tcp_pp->p50_us, tcp_pp->p99_us));
   testing::LocalClusterOptions o;
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
   o.num_sidecars = 1;
@@ -208,6 +284,7 @@ int RunLauncher(const char* self) {
       absl::StrCat("--batch_groups=", absl::GetFlag(FLAGS_batch_groups)),
       absl::StrCat("--batch_params=", absl::GetFlag(FLAGS_batch_params)),
       absl::StrCat("--gloo=", absl::GetFlag(FLAGS_gloo) ? "true" : "false"),
+      absl::StrCat("--hops_us=", uds_pp->p50_us + tcp_pp->p50_us),
       "--store_dir=" + store_dir};
   absl::StatusOr<std::vector<testing::RankResult>> results =
       (*cluster)->RunRanks(cmd, absl::GetFlag(FLAGS_ranks), "bench", absl::Minutes(10));
@@ -217,6 +294,7 @@ int RunLauncher(const char* self) {
     fprintf(stderr, "accord_negotiation_bench: %s\n", results.status().ToString().c_str());
     return 1;
   }
+  fputs(hop_rows.c_str(), stdout);
   int failed = 0;
   for (const testing::RankResult& r : *results) {
     if (r.rank == 0 || r.exit_code != 0) fputs(r.output.c_str(), stdout);
