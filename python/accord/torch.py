@@ -413,6 +413,7 @@ class NegotiationTiming:
 
     exposed_s: float = 0.0  # training thread blocked waiting for decisions
     waits: int = 0
+    blocked: int = 0  # waits whose decision had not arrived yet (a round trip exposed)
     deferred: int = 0  # reductions whose wait was moved behind the next group
 
 
@@ -578,8 +579,12 @@ class Installation:
     def wait(self, handle, group_id: str, step: int, local) -> object:
         t0 = time.perf_counter()
         if isinstance(handle, tuple) and handle and handle[0] == "blocking":
+            self.timing.blocked += 1
             decision = self.agreement.submit(*handle[1:])
         else:
+            ready = getattr(self.agreement, "ready", None)
+            if ready is None or not ready(handle):
+                self.timing.blocked += 1
             decision = self.agreement.wait(handle)
         self.timing.exposed_s += time.perf_counter() - t0
         self.timing.waits += 1
