@@ -94,18 +94,20 @@ def tiny_llava():
 
 
 class VLMJob(nn.Module):
-    """LLaVA's own forward for text and images; video frames enter the same
+    """The VLM's own forward for text and images; video frames enter the same
     vision tower a second time (features of every frame, pooled into the loss)."""
 
-    def __init__(self, llava):
+    def __init__(self, vlm):
         super().__init__()
-        self.llava = llava
+        self.vlm = vlm
 
     def forward(self, input_ids, labels, pixel_values=None, video=None):
-        loss = self.llava(input_ids=input_ids, pixel_values=pixel_values, labels=labels).loss
+        loss = self.vlm(input_ids=input_ids, pixel_values=pixel_values, labels=labels).loss
         if video is not None:
-            frames = self.llava.model.get_image_features(pixel_values=video).pooler_output
-            loss = loss + 0.1 * torch.stack(list(frames)).float().pow(2).mean()
+            frames = self.vlm.model.get_image_features(pixel_values=video).pooler_output
+            if isinstance(frames, (list, tuple)):
+                frames = torch.stack(list(frames))
+            loss = loss + 0.1 * frames.float().pow(2).mean()
         return loss
 
 
@@ -156,11 +158,48 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
+def tiny_paligemma():
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+    )
+    text = GemmaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=64,
+    )
+    config = PaliGemmaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        projection_dim=16,
+        hidden_size=16,
+    )
+    return PaliGemmaForConditionalGeneration(config)
+
+
 def build(model_kind):
     """The job model, from a fixed seed."""
     torch.manual_seed(0)
     if model_kind == "vlm":
         return VLMJob(tiny_llava())
+    if model_kind == "paligemma":
+        return VLMJob(tiny_paligemma())
     if model_kind == "layerdrop":
         return LayerDropJob(tiny_llama())
     raise ValueError(model_kind)
@@ -168,14 +207,14 @@ def build(model_kind):
 
 def units_of(job, model_kind):
     """(path, module) of every FSDP unit below the root, and the optional paths."""
-    if model_kind == "vlm":
-        inner = job.llava.model
-        units = [("llava.model.vision_tower", inner.vision_tower)]
+    if model_kind in ("vlm", "paligemma"):
+        inner = job.vlm.model
+        units = [("vlm.model.vision_tower", inner.vision_tower)]
         units += [
-            (f"llava.model.language_model.layers.{i}", layer)
+            (f"vlm.model.language_model.layers.{i}", layer)
             for i, layer in enumerate(inner.language_model.layers)
         ]
-        return units, ["llava.model.vision_tower"]
+        return units, ["vlm.model.vision_tower"]
     layers = job.lm.model.layers
     return [(f"lm.model.layers.{i}.layer", l.layer) for i, l in enumerate(layers)], [
         "lm.model.layers.1.layer"
@@ -346,21 +385,21 @@ def bad_installs(rank, world_size):
 
     job = sharded(shard_tower=False)
     attempt("not_fsdp_unit", lambda: accord.torch.install(
-        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+        job, _NoAgreement(), optional=["vlm.model.vision_tower"]))
     job = sharded()
     attempt("not_a_submodule", lambda: accord.torch.install(
-        job, _NoAgreement(), optional=["llava.model.no_such_tower"]))
+        job, _NoAgreement(), optional=["vlm.model.no_such_tower"]))
     attempt("foreign_module", lambda: accord.torch.install(
         job, _NoAgreement(), optional=[nn.Linear(2, 2)]))
     attempt("root", lambda: accord.torch.install(job, _NoAgreement(), optional=[job]))
     attempt("wrong_type", lambda: accord.torch.install(job, _NoAgreement(), optional=[3]))
     job = sharded(shard_root=False)
     attempt("root_not_fsdp", lambda: accord.torch.install(
-        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+        job, _NoAgreement(), optional=["vlm.model.vision_tower"]))
     attempt("not_fsdp_model", lambda: accord.torch.install(build("vlm"), _NoAgreement()))
     job = sharded()
     accord.torch.fix_transformers_output_capture(job)
     job(**batch("vlm", "image", rank, 0))
     attempt("after_first_forward", lambda: accord.torch.install(
-        job, _NoAgreement(), optional=["llava.model.vision_tower"]))
+        job, _NoAgreement(), optional=["vlm.model.vision_tower"]))
     return out

@@ -58,7 +58,7 @@ def check_case(results, case, rtol):
     # What each rank did with the optional unit, step by step.
     plan = case["plan"]
     for rank, r in enumerate(results):
-        if case["model_kind"] != "vlm":
+        if case["model_kind"] not in ("vlm", "paligemma"):
             continue
         calls = [{"text": 0, "image": 1, "both": 2}[m] for m in plan[rank]]
         want = (
@@ -67,7 +67,7 @@ def check_case(results, case, rtol):
             sum(c == 1 for c in calls),
             sum(c >= 2 for c in calls),
         )
-        assert r["participation"]["llava.model.vision_tower"] == want, (rank, r["participation"])
+        assert r["participation"]["vlm.model.vision_tower"] == want, (rank, r["participation"])
     return world_size
 
 
@@ -94,6 +94,8 @@ DROP = "layerdrop"
 MATRIX = {
     2: [
         dict(model_kind=VLM, plan=[["image"], ["text"]]),
+        dict(model_kind="paligemma", plan=[["text", "both"], ["image", "text"]],
+             reduce_dtype="float32"),
         dict(model_kind=VLM, plan=[["both", "text"], ["text", "text"]], mp="bf16",
              reduce_dtype="float32"),
         dict(model_kind=DROP, plan=[[(), (1,)], [(1,), (1,)]], reduce_dtype="float32"),
@@ -159,9 +161,9 @@ def test_bad_installs_get_precise_errors():
     (out,) = check_results(run_ranks(ps.bad_installs, 1, 120.0))
     expect = {
         "not_fsdp_unit": "ValueError: accord.torch.install: optional unit "
-        "'llava.model.vision_tower' (CLIPVisionModel) is not an FSDP unit; call fully_shard",
+        "'vlm.model.vision_tower' (CLIPVisionModel) is not an FSDP unit; call fully_shard",
         "not_a_submodule": "ValueError: accord.torch.install: optional unit "
-        "'llava.model.no_such_tower' is not a submodule of the model",
+        "'vlm.model.no_such_tower' is not a submodule of the model",
         "foreign_module": "ValueError: accord.torch.install: optional unit Linear is not a "
         "submodule of the model",
         "root": "ValueError: accord.torch.install: the root module cannot be optional",
@@ -189,7 +191,7 @@ def test_coordinator_shows_the_participation_matrix(cluster):
     job = cluster_info(cluster, 3, "part-observe")
     case = dict(model_kind=VLM, plan=plan)
     check_results(run_ranks(ps.run_cases, 3, TIMEOUT_S, cases=[case], cluster_jobs=[job]))
-    group = "fsdp/~participation/llava.model.vision_tower"
+    group = "fsdp/~participation/vlm.model.vision_tower"
     out = subprocess.run(
         [accordctl, f"--coordinator={cluster.coordinator_address}", "--json", "skips",
          f"--job={job['job_id']}", f"--group={group}"],
