@@ -101,8 +101,9 @@ class VLMJob(nn.Module):
         super().__init__()
         self.vlm = vlm
 
-    def forward(self, input_ids, labels, pixel_values=None, video=None):
-        loss = self.vlm(input_ids=input_ids, pixel_values=pixel_values, labels=labels).loss
+    def forward(self, input_ids, labels, pixel_values=None, video=None, **extra):
+        loss = self.vlm(input_ids=input_ids, pixel_values=pixel_values, labels=labels,
+                        **extra).loss
         if video is not None:
             frames = self.vlm.model.get_image_features(pixel_values=video).pooler_output
             if isinstance(frames, (list, tuple)):
@@ -193,6 +194,48 @@ def tiny_paligemma():
     return PaliGemmaForConditionalGeneration(config)
 
 
+def tiny_qwen2vl():
+    """Qwen2-VL: its `visual` tower runs once for images and once more for
+    videos when a batch has both (what video-language RL trainers hit)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=80,
+                         max_position_embeddings=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3,
+                           mlp_ratio=2),
+        image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO,
+        vision_start_token_id=QWEN_START, vision_end_token_id=QWEN_END,
+    )
+    return Qwen2VLForConditionalGeneration(config)
+
+
+QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 70, 71, 72, 73
+QWEN_PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+
+
+def qwen_batch(what, g, n):
+    ids = torch.randint(0, 60, (n, SEQ), generator=g)
+    out = {}
+    if what in ("image", "both"):  # one 8x8 image per sample: 4 patches, 1 token
+        ids[:, 2], ids[:, 3], ids[:, 4] = QWEN_START, QWEN_IMAGE, QWEN_END
+        out["pixel_values"] = torch.randn(4 * n, QWEN_PATCH, generator=g)
+        out["image_grid_thw"] = torch.tensor([[1, 2, 2]] * n)
+    if what == "both":  # one 2-frame 8x8 video per sample: 8 patches, 2 tokens
+        ids[:, 6], ids[:, 7], ids[:, 8], ids[:, 9] = QWEN_START, QWEN_VIDEO, QWEN_VIDEO, QWEN_END
+        out["pixel_values_videos"] = torch.randn(8 * n, QWEN_PATCH, generator=g)
+        out["video_grid_thw"] = torch.tensor([[2, 2, 2]] * n)
+    if what != "text":
+        out["mm_token_type_ids"] = (ids == QWEN_IMAGE).int() + 2 * (ids == QWEN_VIDEO).int()
+    labels = ids.clone()
+    labels[(ids == QWEN_IMAGE) | (ids == QWEN_VIDEO)] = -100
+    out.update(input_ids=ids, labels=labels)
+    return out
+
+
 def build(model_kind):
     """The job model, from a fixed seed."""
     torch.manual_seed(0)
@@ -200,6 +243,8 @@ def build(model_kind):
         return VLMJob(tiny_llava())
     if model_kind == "paligemma":
         return VLMJob(tiny_paligemma())
+    if model_kind == "qwen2vl":
+        return VLMJob(tiny_qwen2vl())
     if model_kind == "layerdrop":
         return LayerDropJob(tiny_llama())
     raise ValueError(model_kind)
@@ -215,6 +260,14 @@ def units_of(job, model_kind):
             for i, layer in enumerate(inner.language_model.layers)
         ]
         return units, ["vlm.model.vision_tower"]
+    if model_kind == "qwen2vl":
+        inner = job.vlm.model
+        units = [("vlm.model.visual", inner.visual)]
+        units += [
+            (f"vlm.model.language_model.layers.{i}", layer)
+            for i, layer in enumerate(inner.language_model.layers)
+        ]
+        return units, ["vlm.model.visual"]
     layers = job.lm.model.layers
     return [(f"lm.model.layers.{i}.layer", l.layer) for i, l in enumerate(layers)], [
         "lm.model.layers.1.layer"
@@ -225,6 +278,8 @@ def batch(model_kind, what, rank, k, n=2):
     """The inputs of rank `rank`, microbatch `k`; `what` is the modality
     ("text", "image", "both") or, for layerdrop, the tuple of dropped layers."""
     g = torch.Generator().manual_seed(1000 + 97 * rank + k)
+    if model_kind == "qwen2vl":
+        return qwen_batch(what, g, n)
     ids = torch.randint(0, 60, (n, SEQ), generator=g)
     if model_kind == "layerdrop":
         return {"input_ids": ids, "labels": ids.clone(), "drop": tuple(what)}
