@@ -62,7 +62,7 @@ def install_after_prepare(
     """Hooks accord into an FSDP2 model prepared by Accelerate or transformers.
 
     Returns the accord.torch.Installation. Raises AccordHFError when the model
-    has no FSDP2 unit or uses a unit layout accord.torch cannot hook yet.
+    has no FSDP2 unit.
     """
     model = _unwrap(model)
     if not _fsdp_units(model):
@@ -74,19 +74,7 @@ def install_after_prepare(
         )
     if client is None:
         client = accord.connect()
-    try:
-        return accord_torch.install(model, client, prefix=prefix, timeout_s=timeout_s)
-    except ValueError as e:
-        if "already hooked by another installation" in str(e):
-            # One FSDP state shared by several modules: fully_shard([a, b]), which
-            # Accelerate uses for the final norm + lm_head ("tail") unit.
-            raise AccordHFError(
-                f"accord.hf: this model has a grouped FSDP2 unit (fully_shard([a, b]), e.g. "
-                f"Accelerate's final-norm + lm_head unit), which this accord.torch lists once "
-                f"per member module and refuses: {e}. Shard with transformers' "
-                f"DistributedConfig instead, or use an accord.torch that de-duplicates groups"
-            ) from e
-        raise
+    return accord_torch.install(model, client, prefix=prefix, timeout_s=timeout_s)
 
 
 class AccordCallback(TrainerCallback):

@@ -885,11 +885,15 @@ def install(
         overlap = os.environ.get("ACCORD_TORCH_OVERLAP", "1") not in ("0", "false", "off")
     installation = Installation(model, agreement, prefix)
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    seen_groups = set()
     for module_name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         groups = _param_groups(module._get_fsdp_state())
         for gi, group in enumerate(groups):
+            if id(group) in seen_groups:
+                continue  # fully_shard([a, b]): one state, listed under each member module
+            seen_groups.add(id(group))
             if group.__dict__.get("_accord_hook") is not None:
                 raise ValueError(
                     f"accord.torch.install: FSDP group of '{module_name or '<root>'}' is "

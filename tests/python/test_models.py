@@ -24,7 +24,7 @@ import torch
 
 import model_scenarios as ms
 from cluster_fixture import cluster_info, start_cluster
-from harness import RankFailure, RanksTimedOut, check_results, run_ranks
+from harness import RankDied, RankFailure, RanksTimedOut, check_results, run_ranks
 
 W = 2
 STEPS = 2
@@ -145,7 +145,7 @@ def test_llava_plain_fsdp2_fails(cluster):
     except RanksTimedOut as e:
         print(f"plain FSDP2 hung: {str(e)[:300]}")
         return
-    failures = [r for r in results if isinstance(r, RankFailure) or r is None]
+    failures = [r for r in results if isinstance(r, (RankFailure, RankDied)) or r is None]
     assert failures, "plain FSDP2 trained the text-only/image ranks without an error"
     print(f"plain FSDP2 failed: {failures[0]!r}"[:600])
 
