@@ -28,6 +28,7 @@ aborts the process group and ends the process with it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -60,14 +61,18 @@ def _diverged(included) -> bool:
 
 
 class _Report:
-    __slots__ = ("index", "step", "position", "entry", "prefix", "handle", "checked", "ok")
+    __slots__ = ("index", "step", "position", "entry", "prefix", "handle", "checked", "waiting",
+                 "unit", "forward_all_gather", "repair")
 
     def __init__(self, index, step, position, entry, prefix):
         self.index, self.step, self.position = index, step, position
         self.entry, self.prefix = entry, prefix
         self.handle = None
         self.checked = threading.Event()
-        self.ok = True
+        self.waiting = False  # this rank waits for the verdict before issuing
+        self.unit: Optional[str] = None
+        self.forward_all_gather = False
+        self.repair: Optional[List[str]] = None  # units every rank pins, set by the verdict
 
 
 class SequenceGuard:
@@ -83,6 +88,7 @@ class SequenceGuard:
         timeout_s: float,
         on_divergence: Optional[Callable[[str], None]] = None,
         flush_interval_s: float = 0.005,
+        learner=None,
     ):
         self.client = client
         self.rank = rank
@@ -90,6 +96,10 @@ class SequenceGuard:
         self.group_id = group_id
         self.timeout_s = timeout_s
         self.on_divergence = on_divergence or self._abort
+        # learner.can_learn(units) -> ordered units or None (background thread,
+        # pure); learner.learn(units, current) -> skip the current collective
+        # (training thread). See SequenceGuard.record.
+        self.learner = learner
         self.flush_interval_s = flush_interval_s
         self.step = 0
         self.position = 0
@@ -123,14 +133,22 @@ class SequenceGuard:
         self.position = 0
         self.prefix = 0
 
-    def record(self, entry: str) -> None:
-        """Called just before this rank issues a collective described by `entry`."""
+    def record(self, entry: str, unit: Optional[str] = None,
+               forward_all_gather: bool = False) -> bool:
+        """Called just before this rank issues a collective described by
+        `entry` (an all-gather of `unit` in a forward when forward_all_gather).
+        Returns True when the caller must not issue it: the ranks diverged at
+        the first occurrence on every rank, at forward all-gathers, and every
+        rank has instead all-gathered and pinned the units involved (learned
+        optional units, see docs/PARTICIPATION.md)."""
         self._check_error()
         if not self._registered:
             self._register()
         self.reports += 1
         transition = (self.prefix, entry)
         report = _Report(self.index, self.step, self.position, entry, self.prefix)
+        report.unit, report.forward_all_gather = unit, forward_all_gather
+        report.waiting = transition not in self.known
         self.index += 1
         self.position += 1
         self.prefix = _hash64(f"{self.prefix}|{entry}")
@@ -140,7 +158,7 @@ class SequenceGuard:
                 self._submit_locked()  # now, not at the next tick
             self._wake.notify()
         if transition in self.known:
-            return
+            return False
         t0 = time.perf_counter()
         self._waiting = True
         try:
@@ -156,7 +174,13 @@ class SequenceGuard:
         self.blocked_s += time.perf_counter() - t0
         self.blocking_waits += 1
         self._check_error()
+        if report.repair is not None:
+            if self.learner.learn(report.repair, unit):
+                return True
+            # Still to issue: report it again at the next position.
+            return self.record(entry, unit, forward_all_gather)
         self.known.add(transition)
+        return False
 
     def explain(self, failure: BaseException, wait_s: float = 30.0) -> None:
         """A collective failed (a peer stopped or died): if the guard finds a
@@ -211,8 +235,12 @@ class SequenceGuard:
                 report = self._inflight[0]
             try:
                 decision = self.client.wait(report.handle, timeout_s=self.timeout_s)
-                diverged = _diverged(decision.included)
-                message = self._describe(report) if diverged else None
+                message = None
+                if _diverged(decision.included):
+                    entries = self._gather(report)
+                    report.repair = self._repairable(entries)
+                    if report.repair is None:
+                        message = self._describe(report, entries)
             except Exception as e:  # noqa: BLE001 - the service's own named error
                 message = (f"accord: collective-sequence guard at step {report.step} position "
                            f"{report.position} ({report.entry}): {e}")
@@ -236,19 +264,41 @@ class SequenceGuard:
             return
         self.on_divergence(message)
 
-    def _describe(self, report: _Report) -> str:
-        """The same text on every rank: what each rank issued at that position."""
+    def _gather(self, report: _Report) -> Dict[int, dict]:
+        """Every rank's report at this index, through the key-value store (each
+        rank writes its own, then reads all): the same on every rank."""
         key = f"{self.group_id}/diverged/{report.index}"
-        mine = f"step {report.step} position {report.position}: {report.entry}"
+        mine = {
+            "what": f"step {report.step} position {report.position}: {report.entry}",
+            "waiting": report.waiting,
+            "unit": report.unit,
+            "forward_all_gather": report.forward_all_gather,
+        }
         try:
-            self.client.kv_set(f"{key}/{self.rank}", mine.encode())
+            self.client.kv_set(f"{key}/{self.rank}", json.dumps(mine).encode())
             values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
                                         timeout_s=min(self.timeout_s, 10.0))
-            seen: Dict[str, List[int]] = {}
-            for r, v in enumerate(values):
-                seen.setdefault(bytes(v).decode(), []).append(r)
+            return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
         except Exception as e:  # noqa: BLE001 - some rank did not answer in time
-            seen = {f"{mine} (the other ranks did not report theirs: {e})": [self.rank]}
+            mine["what"] += f" (the other ranks did not report theirs: {e})"
+            return {self.rank: mine}
+
+    def _repairable(self, entries: Dict[int, dict]) -> Optional[List[str]]:
+        """The units to pin on every rank, or None when this divergence is an
+        error: it must be every rank's first occurrence (all wait before
+        issuing) and every rank's collective an all-gather in a forward."""
+        if self.learner is None or len(entries) != self.world_size:
+            return None
+        if not all(e["waiting"] and e["forward_all_gather"] and e["unit"] for e in
+                   entries.values()):
+            return None
+        return self.learner.can_learn(sorted({e["unit"] for e in entries.values()}))
+
+    def _describe(self, report: _Report, entries: Dict[int, dict]) -> str:
+        """The same text on every rank: what each rank issued at that position."""
+        seen: Dict[str, List[int]] = {}
+        for r in sorted(entries):
+            seen.setdefault(entries[r]["what"], []).append(r)
         parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} issued {what}"
                  for what, rs in sorted(seen.items(), key=lambda kv: kv[1][0])]
         return (f"accord: the ranks' FSDP collectives diverged at collective #{report.index}: "

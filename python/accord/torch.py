@@ -195,6 +195,12 @@ def _guard_of(fsdp_params):
     return None
 
 
+def _in_forward(group) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    return group is not None and group._training_state == TrainingState.FORWARD
+
+
 def _patch_collectives() -> None:
     """Routes FSDP2's all-gathers and reduce-scatters through the guard of the
     installation that owns the parameters (a no-op for other models).
@@ -209,10 +215,12 @@ def _patch_collectives() -> None:
     def guarded_all_gather(fsdp_params, *args, **kwargs):
         found = _guard_of(fsdp_params)
         if found is not None:
-            guard, unit = found
+            guard, unit, group = found
             numel = sum(int(fp._orig_size.numel()) for fp in fsdp_params)
             dtype = fsdp_params[0].param_dtype or fsdp_params[0].orig_dtype
-            guard.record(f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})")
+            if guard.record(f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})", unit=unit,
+                            forward_all_gather=_in_forward(group)):
+                return None  # the unit was all-gathered and pinned instead (learned)
             try:
                 return all_gather(fsdp_params, *args, **kwargs)
             except RuntimeError as e:  # a peer stopped: say why, if the guard knows
@@ -223,7 +231,7 @@ def _patch_collectives() -> None:
     def guarded_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
         found = _guard_of(fsdp_params)
         if found is not None:
-            guard, unit = found
+            guard, unit, _ = found
             numel = sum(int(g.numel()) for g in unsharded_grads)
             reduce_dtype = args[5] if len(args) > 5 else kwargs.get("reduce_dtype")
             dtype = reduce_dtype or (unsharded_grads[0].dtype if unsharded_grads else None)
@@ -558,6 +566,9 @@ class Installation:
         self._handles: list = []
         self._patched_states: list = []
         self.guard = None
+        self.learned: List[str] = []  # optional units learned from divergence
+        self._step_hooks = False
+        self._unit_order: Dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -648,24 +659,68 @@ class Installation:
             step, local, dtypes = h._next_manifest()
             self.presubmitted[h.group_id] = (step, local, self.submit(h.group_id, step, dtypes))
 
-    def _hook_step(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
-        for name, module in units:
-            groups = _param_groups(module._get_fsdp_state())
-            reporter = None
-            if _can_overlap(self.agreement):
-                reporter = _ParticipationReporter(
-                    self.agreement, f"{self.prefix}/~participation/{name}"
-                )
-            unit = _OptionalUnit(name, module, groups, reporter)
-            for h in self.groups.values():
-                if any(h.group is g for g in groups):
-                    h.optional = unit
-            self.optional.append(unit)
-        if self.optional:
+    def _add_optional(self, name: str, module) -> "_OptionalUnit":
+        groups = _param_groups(module._get_fsdp_state())
+        reporter = None
+        if _can_overlap(self.agreement):
+            reporter = _ParticipationReporter(
+                self.agreement, f"{self.prefix}/~participation/{name}"
+            )
+        unit = _OptionalUnit(name, module, groups, reporter)
+        for h in self.groups.values():
+            if any(h.group is g for g in groups):
+                h.optional = unit
+        self.optional.append(unit)
+        if not self._step_hooks:
             # After FSDP2's root pre-forward (its hook is prepended; this one
             # is appended), before any other unit's all-gather.
             self._handles.append(self.model.register_forward_pre_hook(self._begin_step))
             self._handles.append(self.model.register_forward_hook(self._after_forward))
+            self._step_hooks = True
+        return unit
+
+    # The guard's learner (accord.guard.SequenceGuard.record): units whose
+    # forward all-gathers diverged at every rank's first occurrence become
+    # optional units on every rank, in module order.
+    def can_learn(self, units: List[str]) -> Optional[List[str]]:
+        """Background thread; pure. The unit to pin: the first of `units` in
+        module order (the one the other ranks skipped when a unit is skipped
+        or entered again; otherwise the next divergence pins the next), or
+        None when one of them cannot be made optional (the root, a grouped
+        unit, one already optional)."""
+        order = self._unit_order
+        if any(u not in order or u in {o.name for o in self.optional} for u in units):
+            return None
+        return [min(units, key=order.__getitem__)]
+
+    def learn(self, units: List[str], current: Optional[str]) -> bool:
+        """Training thread: pins each unit (one all-gather each, in order, on
+        every rank); returns whether the collective about to be issued (an
+        all-gather of `current`) is now done."""
+        import warnings
+
+        for name in units:
+            unit = self._add_optional(name, self.model.get_submodule(name))
+            unit.begin_step()
+            self.learned.append(name)
+            warnings.warn(
+                f"accord: FSDP unit '{name}' ran its forward on some ranks only; accord made it "
+                f"an optional unit (all-gathered on every rank at each step). Pass "
+                f"optional=[...] to accord.torch.install to say so up front",
+                stacklevel=2,
+            )
+        return current in units
+
+    def _hook_step(self, units: List[Tuple[str, torch.nn.Module]]) -> None:
+        for name, module in units:
+            self._add_optional(name, module)
+        # Units that may become optional: every FSDP unit below the root with
+        # one group, by module path, in module order.
+        FSDPModule, _ = _fsdp_internals()
+        for i, (name, module) in enumerate(self.model.named_modules()):
+            if name and isinstance(module, FSDPModule):
+                if len(_param_groups(module._get_fsdp_state())) == 1:
+                    self._unit_order.setdefault(name, i)
         for module in self.model.modules():
             if hasattr(module, "_get_fsdp_state"):
                 state = module._get_fsdp_state()
@@ -710,9 +765,9 @@ class Installation:
         _patch_collectives()
         self.guard = guard
         for h in self.groups.values():
-            unit = h.group_id.split("/", 1)[-1]
+            unit = h.group_id[len(self.prefix) + 1:]
             for fp in h.group.fsdp_params:
-                _GUARDED[id(fp)] = (guard, unit)
+                _GUARDED[id(fp)] = (guard, unit, h.group)
         # Prepended: before FSDP2's root pre-forward and its all-gather.
         self._handles.append(
             self.model.register_forward_pre_hook(self._guard_begin_step, prepend=True)
@@ -838,6 +893,7 @@ def install(
     optional: Sequence = (),
     overlap: Optional[bool] = None,
     guard: Optional[bool] = None,
+    learn_optional: Optional[bool] = None,
 ) -> Installation:
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
@@ -851,7 +907,10 @@ def install(
     returns the existing Installation; installing with a different one raises
     ValueError. `guard` (default on with an accord client and more than one
     rank; ACCORD_TORCH_GUARD=0 turns it off) checks that every rank issues
-    the same FSDP collectives (see accord.guard). Raises
+    the same FSDP collectives (see accord.guard); with `learn_optional`
+    (default on; ACCORD_TORCH_LEARN_OPTIONAL=0 turns it off) a unit whose
+    forward runs on some ranks only from the first time it diverges becomes
+    an optional unit instead of an error. Raises
     UnsupportedTorchError for torch outside SUPPORTED_TORCH.
     """
     check_torch_version()
@@ -923,9 +982,13 @@ def install(
     if guard and client is not None and agreement.world_size > 1:
         from accord.guard import SequenceGuard
 
+        if learn_optional is None:
+            learn_optional = os.environ.get("ACCORD_TORCH_LEARN_OPTIONAL", "1") not in (
+                "0", "false", "off")
         installation._hook_guard(
             SequenceGuard(client, agreement.rank, agreement.world_size,
-                          f"{prefix}/~collective-sequence", timeout_s)
+                          f"{prefix}/~collective-sequence", timeout_s,
+                          learner=installation if learn_optional else None)
         )
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = installation

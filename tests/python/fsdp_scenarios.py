@@ -438,7 +438,7 @@ class Blocks(nn.Module):
 
 
 def sequence_guard(rank, world_size, agreement="accord", cluster=None, diverge="none",
-                   diverge_step=0, steps=3):
+                   diverge_step=0, steps=3, learn=False):
     """Case 6: the collective-sequence guard. diverge: "none"; "order" (the
     last rank runs blocks 0 and 3, same-sized, in swapped order: Gloo would
     reduce mismatched data without noticing); "skip" (the last rank skips
@@ -452,7 +452,7 @@ def sequence_guard(rank, world_size, agreement="accord", cluster=None, diverge="
     mesh = init_device_mesh("cpu", (world_size,))
     _shard(model, list(model.blocks) + [model.wide], mesh)
     ag = make_agreement(agreement, rank, world_size, cluster)
-    inst = accord.torch.install(model, ag)
+    inst = accord.torch.install(model, ag, learn_optional=learn)
     guard = inst.guard
     waits_after_warmup = None
     last = rank == world_size - 1
@@ -475,6 +475,7 @@ def sequence_guard(rank, world_size, agreement="accord", cluster=None, diverge="
         return {"error": str(e), "seconds": time.monotonic() - t0}
     return {
         "error": None,
+        "learned": list(inst.learned),
         "waits_after_warmup": waits_after_warmup,
         "waits": guard.blocking_waits,
         "reports": guard.reports,

@@ -368,6 +368,7 @@ def run_case(
                     ref[n] = g if ref[n] is None else ref[n] + g
     ref = {n: (g / world_size if g is not None else None) for n, g in ref.items()}
     participation = None
+    learned = list(inst.learned) if inst is not None else None
     if inst is not None:
         participation = {
             name: (p.steps, p.skipped, p.ran, p.repeated)
@@ -379,6 +380,7 @@ def run_case(
         "ref": ref,
         "collectives": spy.calls,
         "participation": participation,
+        "learned": learned,
         "losses": losses,
     }
 

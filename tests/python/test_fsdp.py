@@ -154,3 +154,15 @@ def test_guard_names_all_gathers_of_different_dtypes(cluster):
     assert ("rank 0 issued step 1 position 0: all-gather of '<root>' (54 x float16); "
             "rank 1 issued step 1 position 0: all-gather of '<root>' (54 x bfloat16)"
             in results[0]["error"]), results
+
+
+@pytest.mark.parametrize("diverge", ["order", "skip"])
+def test_guard_learns_units_that_diverge_from_the_first_step(cluster, diverge):
+    """With learning on (install's default), the same first-step divergences
+    train: each diverging forward all-gather pins a unit on every rank, one by
+    one, until the ranks' sequences agree."""
+    results = run(cluster, sc.sequence_guard, 2, diverge=diverge, diverge_step=0, learn=True)
+    want = {"order": ["blocks.0", "blocks.1", "blocks.2"], "skip": ["blocks.2"]}[diverge]
+    for r in results:
+        assert r["error"] is None, r
+        assert r["learned"] == want, r

@@ -123,6 +123,51 @@ def test_divergent_units_train_like_the_reference(cluster, world_size):
         check_case(results, case, BF16_RTOL if case.get("mp") == "bf16" else FP32_RTOL)
 
 
+LEARN = [
+    # (world size, case, the units every rank must have learned)
+    (2, dict(model_kind=VLM, plan=[["image"], ["text"]], use_optional=False),
+     ["vlm.model.vision_tower"]),
+    (3, dict(model_kind="qwen2vl", plan=[["both"], ["text"], ["image"]], use_optional=False),
+     ["vlm.model.visual"]),
+    (2, dict(model_kind=DROP, plan=[[(), ()], [(1,), (1,)]], use_optional=False),
+     ["lm.model.layers.1.layer"]),
+]
+
+
+@pytest.mark.parametrize("world_size,case,learned", LEARN, ids=["vlm", "qwen2vl", "layerdrop"])
+def test_units_diverging_from_the_first_step_are_learned(cluster, world_size, case, learned):
+    """Nothing marked optional: the guard sees the ranks' first forward
+    all-gathers differ while every rank waits for its verdict, so every rank
+    all-gathers and pins the units involved and training goes on, with the
+    same gradients as when they are marked."""
+    (results,) = run_accord(cluster, world_size, [case])
+    check_case(results, dict(case, model_kind="learned"), FP32_RTOL)
+    for r in results:
+        assert r["learned"] == learned, r["learned"]
+
+
+def test_divergence_first_seen_in_a_later_step_is_a_named_error(cluster):
+    """The tower ran everywhere in step 1; in step 2 rank 1 is text-only. Its
+    first all-gather there is new to it but not to rank 0, which already
+    issued it: nothing can be repaired, every rank gets the named error."""
+    case = dict(model_kind=VLM, plan=[["image", "image"], ["image", "text"]],
+                use_optional=False)
+    job = cluster_info(cluster, 2, "part-late")
+    results = run_ranks(ps.run_cases, 2, TIMEOUT_S, cases=[case], cluster_jobs=[job])
+    texts = []
+    for r in results:
+        if isinstance(r, RankDied):
+            line = [l for l in r.stderr.splitlines() if l.startswith("AccordDivergenceError: ")]
+            assert line, r.stderr
+            texts.append(line[-1].split(": ", 1)[1])
+        else:
+            assert isinstance(r, list) and isinstance(r[0], str), r
+            texts.append(r[0].split(": ", 1)[1].splitlines()[0])
+    assert texts[0] == texts[1], texts
+    assert "all-gather of 'vlm.model.vision_tower'" in texts[0], texts[0]
+    assert "optional=[...]" in texts[0], texts[0]
+
+
 def test_tower_unused_on_every_rank_keeps_grads_none(cluster):
     case = dict(model_kind=VLM, plan=[["text"], ["text"]])
     (results,) = run_accord(cluster, 2, [case])
