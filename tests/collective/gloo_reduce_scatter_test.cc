@@ -251,8 +251,10 @@ class NeverCalledCollective : public Collective {
     ADD_FAILURE() << "collective launched despite a fingerprint mismatch";
     return absl::OkStatus();
   }
+  absl::Status CheckWireDType(DType) const override { return absl::OkStatus(); }
   int rank() const override { return 1; }
   int world_size() const override { return kWorld; }
+  Backend backend() const override { return Backend::kGloo; }
 };
 
 TEST(GroupReducerTest, RefusesDecisionWithOtherLayoutFingerprintNamingGroupStepAndBoth) {
