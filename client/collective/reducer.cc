@@ -102,7 +102,7 @@ absl::Status GroupReducer::Reduce(const Decision& decision, absl::Span<const Gra
     return absl::Status(s.code(), absl::StrCat("group \"", spec_.group_id, "\" step ",
                                                decision.step, ": ", s.message()));
   }
-  if (sources.size() == spec_.params.size()) {
+  if (options_.device == Device::kCuda && sources.size() == spec_.params.size()) {
     std::vector<const void*> pointers(sources.size());
     for (size_t i = 0; i < sources.size(); ++i) pointers[i] = sources[i].data;
     if (absl::Status s = CheckPointers(pointers, "gradient"); !s.ok()) return s;
@@ -155,7 +155,7 @@ absl::Status GroupReducer::Unpack(absl::Span<const UnpackTarget> targets,
     return absl::FailedPreconditionError(absl::StrCat(
         "group \"", spec_.group_id, "\": Unpack called without a successful Reduce before it"));
   }
-  if (targets.size() == spec_.params.size()) {
+  if (options_.device == Device::kCuda && targets.size() == spec_.params.size()) {
     std::vector<const void*> pointers(targets.size());
     for (size_t i = 0; i < targets.size(); ++i) pointers[i] = targets[i].data;
     if (absl::Status s = CheckPointers(pointers, "unpack target"); !s.ok()) return s;

@@ -47,6 +47,8 @@ class GroupReducer {
   absl::Status Reduce(const Decision& decision, absl::Span<const GradSource> sources);
 
   // Converts the last Reduce's shard into `targets` (see UnpackCpu).
+  // FAILED_PRECONDITION for kCuda when a target is not memory of the current
+  // device.
   absl::Status Unpack(absl::Span<const UnpackTarget> targets, const UnpackOptions& options = {});
 
   // The layout and this rank's reduced row (wire dtype) of the last Reduce.
