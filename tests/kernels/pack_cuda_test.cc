@@ -232,6 +232,9 @@ void CheckOneLargeParam(int64_t numel, DType src, DType wire) {
   std::vector<uint8_t> want(layout.total_bytes());
   ASSERT_TRUE(PackCpu(spec, layout, {{host.data(), src}}, want.data(), options).ok());
   DeviceBytes out(static_cast<size_t>(layout.total_bytes()));
+  // The set-up ran on the legacy stream, which a non-blocking stream does
+  // not wait for.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_TRUE(PackCuda(spec, layout, {{dev.p, src}}, out.p, stream, options).ok());
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   ASSERT_TRUE(out.ToHost() == want) << "pack of " << numel << " elements";
@@ -240,10 +243,12 @@ void CheckOneLargeParam(int64_t numel, DType src, DType wire) {
   ASSERT_LT(n, layout.params[0].chunk_numel);  // the last rank has padding to drop
   const size_t wsize = DTypeSize(wire);
   DeviceBytes shard(static_cast<size_t>(layout.row_numel) * wsize);
-  cudaMemcpy(shard.p, static_cast<char*>(out.p) + layout.row_numel * wsize, shard.n,
-             cudaMemcpyDeviceToDevice);
   std::vector<uint8_t> cpu_out(static_cast<size_t>(n) * DTypeSize(src), 0xCD);
   DeviceBytes gpu_out(cpu_out.size());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(shard.p, static_cast<char*>(out.p) + layout.row_numel * wsize, shard.n,
+                            cudaMemcpyDeviceToDevice, stream),
+            cudaSuccess);
   UnpackOptions drop;
   drop.drop_padding = true;
   ASSERT_TRUE(UnpackCpu(spec, layout, 1, want.data() + layout.row_numel * wsize,
@@ -306,6 +311,7 @@ TEST(PackCudaGraphTest, CapturedPackReplaysWithoutHostState) {
   DeviceBytes out(static_cast<size_t>(layout.total_bytes()));
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // set-up on the legacy stream
   cudaGraph_t graph = nullptr;
   {
     std::vector<GradSource> gpu_src(spec.params.size());
@@ -321,7 +327,7 @@ TEST(PackCudaGraphTest, CapturedPackReplaysWithoutHostState) {
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int replay = 0; replay < 2; ++replay) {
-    cudaMemset(out.p, 0xCD, out.n);
+    ASSERT_EQ(cudaMemsetAsync(out.p, 0xCD, out.n, stream), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ASSERT_EQ(out.ToHost(), want) << "replay " << replay;
