@@ -15,6 +15,8 @@
 
 namespace accord {
 
+enum class Backend { kGloo, kNccl };
+
 // One member of a communicator of `world_size` ranks. Not thread-safe: one
 // thread (the trainer's) issues the collectives, in the same order on every
 // rank.
@@ -24,16 +26,24 @@ class Collective {
   // Sums `in` (world_size rows of row_numel elements of `wire`, row r meant
   // for rank r) over all ranks and writes this rank's row into `out`.
   // Memory is host memory for Gloo and device memory for NCCL; `stream` is a
-  // cudaStream_t for NCCL (the call is then asynchronous on that stream) and
-  // ignored by Gloo. `in` is not modified. Errors name the backend, ranks and
-  // what to check (peers gone, timeout).
+  // cudaStream_t for NCCL (ordered on that stream; the call returns once the
+  // reduce-scatter has completed on it, or at once while the stream is being
+  // captured into a CUDA graph) and ignored by Gloo. `in` is not modified.
+  // Bounded by CollectiveOptions::timeout. Errors name the backend, ranks and
+  // what to check: DEADLINE_EXCEEDED (timeout; the communicator is then
+  // aborted), UNAVAILABLE (a peer failed), FAILED_PRECONDITION (a wire dtype
+  // this backend refuses, see CheckWireDType, or a communicator aborted by an
+  // earlier error).
   virtual absl::Status ReduceScatterSum(const void* in, void* out, int64_t row_numel, DType wire,
                                         void* stream = nullptr) = 0;
+  // OK when ReduceScatterSum reduces `wire` with accord's sum semantics
+  // (docs/GPU.md, "fp8"); FAILED_PRECONDITION saying why and what to use
+  // instead otherwise. Cheap: callers check before packing.
+  virtual absl::Status CheckWireDType(DType wire) const = 0;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  virtual Backend backend() const = 0;
 };
-
-enum class Backend { kGloo, kNccl };
 
 // How the Gloo backend reduce-scatters (bench/collective compares them).
 enum class GlooAlgorithm {
@@ -51,14 +61,29 @@ struct CollectiveOptions {
   // both empty: the loopback address 127.0.0.1 (single-host tests).
   std::string gloo_iface;
   std::string gloo_hostname;
-  // Rendezvous and per-operation timeout.
+  // Rendezvous and per-operation timeout: bounds the key-value wait plus the
+  // communicator's creation, and each reduce-scatter until it has completed.
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  // Scopes the rendezvous keys to one run of the job: keys live under
+  // "<key_prefix>/<incarnation>/". Every rank of a run passes the same value
+  // and a restarted job a new one (e.g. the launcher's run id, or a nonce
+  // the launcher hands to every rank), so that no rank reads a previous
+  // run's bootstrap data. Required by NCCL (whose unique id is written
+  // once); optional for Gloo (empty: keys directly under key_prefix).
+  std::string incarnation;
+  // NCCL only: allow fp8 wire dtypes although NCCL's fp8 sum saturates
+  // (e4m3 to +-448, e5m2 to +-57344, an inf becomes finite) where accord's
+  // sum gives inf/NaN (docs/GPU.md, "fp8"). Off: fp8 is refused.
+  bool nccl_allow_saturating_fp8 = false;
 };
 
 // Creates a backend's communicator, rendezvousing through `kv` under
-// `key_prefix` (unique per communicator, e.g. "<job>/<group>/gloo"). Blocks
-// until every rank has joined or the timeout passes. UNIMPLEMENTED when the
-// backend was not compiled in; INVALID_ARGUMENT for a bad rank/world size.
+// `key_prefix` (unique per communicator, e.g. "<job>/<group>/gloo") and
+// options.incarnation. Blocks until every rank has joined or the timeout
+// passes (DEADLINE_EXCEEDED; never longer). UNIMPLEMENTED when the backend was
+// not compiled in; INVALID_ARGUMENT for a bad rank/world size or, for NCCL, an
+// empty incarnation; ALREADY_EXISTS when NCCL's unique id of this
+// incarnation was already published.
 absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(Backend backend, int rank,
                                                              int world_size, KeyValueStore& kv,
                                                              std::string key_prefix,

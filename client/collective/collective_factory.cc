@@ -17,6 +17,9 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(Backend backend, in
   switch (backend) {
     case Backend::kGloo:
 #if ACCORD_WITH_GLOO
+      // NCCL scopes its own key (and requires an incarnation); Gloo's store
+      // keys go under "<key_prefix>/<incarnation>" when one is given.
+      if (!options.incarnation.empty()) absl::StrAppend(&key_prefix, "/", options.incarnation);
       return GlooCollective::Create(rank, world_size, kv, std::move(key_prefix), options);
 #else
       return absl::UnimplementedError(

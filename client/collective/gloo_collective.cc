@@ -76,6 +76,8 @@ absl::StatusOr<std::unique_ptr<Collective>> GlooCollective::Create(
   }
 }
 
+absl::Status GlooCollective::CheckWireDType(DType wire) const { return GlooWireDTypeStatus(wire); }
+
 absl::Status GlooCollective::ReduceScatterSum(const void* in, void* out, int64_t row_numel,
                                               DType wire, void* stream) {
   const int64_t op = ops_++;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "client/collective/collective.h"
+#include "client/collective/wire_policy.h"
 #include "gloo/context.h"
 #include "gloo/rendezvous/store.h"
 
@@ -43,8 +44,10 @@ class GlooCollective : public Collective {
 
   absl::Status ReduceScatterSum(const void* in, void* out, int64_t row_numel, DType wire,
                                 void* stream) override;
+  absl::Status CheckWireDType(DType wire) const override;
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  Backend backend() const override { return Backend::kGloo; }
 
  private:
   GlooCollective(int rank, int world_size, std::shared_ptr<gloo::Context> context,

@@ -55,8 +55,58 @@ absl::Status GroupReducer::Reserve(size_t packed_bytes, size_t shard_bytes) {
 #endif
 }
 
+absl::Status GroupReducer::CheckBackend() const {
+  const Backend want = options_.device == Device::kCpu ? Backend::kGloo : Backend::kNccl;
+  if (collective_.backend() == want) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group \"", spec_.group_id, "\" on rank ", collective_.rank(), ": the reducer's buffers are ",
+      options_.device == Device::kCpu ? "host memory (Device::kCpu)"
+                                      : "device memory (Device::kCuda)",
+      " but the collective is ", collective_.backend() == Backend::kGloo ? "Gloo" : "NCCL",
+      ", which reduces ", collective_.backend() == Backend::kGloo ? "host memory" : "device memory",
+      "; use Device::kCpu with Gloo and Device::kCuda with NCCL"));
+}
+
+absl::Status GroupReducer::CheckPointers(absl::Span<const void* const> pointers,
+                                         const char* kind) const {
+  // Only the CUDA reducer asks CUDA: asking for a CPU reducer would create a
+  // CUDA context in a job that may not use the GPU at all.
+  if (options_.device != Device::kCuda) return absl::OkStatus();
+#if ACCORD_WITH_CUDA_KERNELS
+  for (size_t i = 0; i < pointers.size(); ++i) {
+    if (pointers[i] == nullptr) continue;
+    absl::StatusOr<MemoryPlace> place = PointerPlace(pointers[i]);
+    if (!place.ok()) {
+      return absl::Status(place.status().code(),
+                          absl::StrCat("group \"", spec_.group_id, "\" ", kind, " of parameter \"",
+                                       spec_.params[i].name, "\": ", place.status().message()));
+    }
+    if (place->device != place->current_device) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group \"", spec_.group_id, "\" on rank ", collective_.rank(), ": the ", kind,
+          " of parameter \"", spec_.params[i].name, "\" is ",
+          place->device >= 0 ? absl::StrCat("on device ", place->device)
+                             : std::string("host memory"),
+          ", but the NCCL reducer works on device ", place->current_device,
+          "; move the tensor to that device or make it current (cudaSetDevice) first"));
+    }
+  }
+#endif
+  return absl::OkStatus();
+}
+
 absl::Status GroupReducer::Reduce(const Decision& decision, absl::Span<const GradSource> sources) {
   reduced_ = false;
+  if (absl::Status s = CheckBackend(); !s.ok()) return s;
+  if (absl::Status s = collective_.CheckWireDType(decision.wire_dtype); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("group \"", spec_.group_id, "\" step ",
+                                               decision.step, ": ", s.message()));
+  }
+  if (options_.device == Device::kCuda && sources.size() == spec_.params.size()) {
+    std::vector<const void*> pointers(sources.size());
+    for (size_t i = 0; i < sources.size(); ++i) pointers[i] = sources[i].data;
+    if (absl::Status s = CheckPointers(pointers, "gradient"); !s.ok()) return s;
+  }
   const int w = collective_.world_size();
   const uint64_t mine = LayoutFingerprint(spec_, w, decision.included, decision.wire_dtype);
   if (mine != decision.layout_fingerprint) {
@@ -104,6 +154,11 @@ absl::Status GroupReducer::Unpack(absl::Span<const UnpackTarget> targets,
   if (!reduced_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group \"", spec_.group_id, "\": Unpack called without a successful Reduce before it"));
+  }
+  if (options_.device == Device::kCuda && targets.size() == spec_.params.size()) {
+    std::vector<const void*> pointers(targets.size());
+    for (size_t i = 0; i < targets.size(); ++i) pointers[i] = targets[i].data;
+    if (absl::Status s = CheckPointers(pointers, "unpack target"); !s.ok()) return s;
   }
   if (options_.device == Device::kCpu) {
     return UnpackCpu(spec_, layout_, collective_.rank(), shard_, targets, options);

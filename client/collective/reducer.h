@@ -37,11 +37,18 @@ class GroupReducer {
   // Packs `sources` as `decision` says and reduce-scatters. Errors:
   //  - FAILED_PRECONDITION when the decision's layout fingerprint is not the
   //    one this rank computes (names group, step and both fingerprints);
+  //  - FAILED_PRECONDITION, before any work, when the device does not match
+  //    the collective's backend (kCpu with Gloo, kCuda with NCCL), a kCuda
+  //    gradient is not memory of the current device (host memory, another
+  //    device), or the backend refuses the wire dtype
+  //    (Collective::CheckWireDType);
   //  - the pack's INVALID_ARGUMENT, the collective's errors;
   //  - UNIMPLEMENTED for kCuda in a build without CUDA.
   absl::Status Reduce(const Decision& decision, absl::Span<const GradSource> sources);
 
   // Converts the last Reduce's shard into `targets` (see UnpackCpu).
+  // FAILED_PRECONDITION for kCuda when a target is not memory of the current
+  // device.
   absl::Status Unpack(absl::Span<const UnpackTarget> targets, const UnpackOptions& options = {});
 
   // The layout and this rank's reduced row (wire dtype) of the last Reduce.
@@ -50,6 +57,9 @@ class GroupReducer {
 
  private:
   absl::Status Reserve(size_t packed_bytes, size_t shard_bytes);
+  absl::Status CheckBackend() const;
+  // `pointers[i]` belongs to parameter i; `kind` names it in errors.
+  absl::Status CheckPointers(absl::Span<const void* const> pointers, const char* kind) const;
 
   const GroupSpec spec_;
   Collective& collective_;

@@ -12,6 +12,12 @@ namespace accord::kernels::cuda {
 // Elements per tile; a block packs one tile at a time.
 inline constexpr int64_t kTile = 4096;
 
+// Parameters per launch. The table is a kernel argument (so stream capture
+// records it by value: a CUDA graph's replay reads no host or freed
+// memory), and kernel arguments are limited to 4 KiB: 64 entries of 56
+// bytes fit with room to spare.
+inline constexpr int kMaxParamsPerLaunch = 64;
+
 // One included parameter of a pack. Tiles [tile_begin, tile_begin +
 // world_size * tiles_per_chunk) of the launch belong to it (row-major by row).
 struct PackParam {
@@ -35,11 +41,27 @@ struct UnpackParam {
   int32_t unused;
 };
 
-// Enqueue the kernels; return the launch's error (cudaSuccess when enqueued).
-cudaError_t LaunchPack(int wire_dtype, const PackParam* params, int num_params, int64_t total_tiles,
-                       int64_t row_numel, void* out, cudaStream_t stream);
-cudaError_t LaunchUnpack(int wire_dtype, const UnpackParam* params, int num_params,
-                         int64_t total_tiles, const void* shard, cudaStream_t stream);
+// One launch's table, passed by value.
+struct PackBatch {
+  int32_t num_params;
+  int64_t total_tiles;
+  PackParam params[kMaxParamsPerLaunch];
+};
+struct UnpackBatch {
+  int32_t num_params;
+  int64_t total_tiles;
+  UnpackParam params[kMaxParamsPerLaunch];
+};
+static_assert(sizeof(PackBatch) + 64 <= 4096, "PackBatch must fit the kernel argument limit");
+static_assert(sizeof(UnpackBatch) + 64 <= 4096, "UnpackBatch must fit the kernel argument limit");
+
+// Enqueue one kernel; return the launch's error (cudaSuccess when enqueued).
+// The caller checks cudaPeekAtLastError before, so an error returned here is
+// this launch's.
+cudaError_t LaunchPack(int wire_dtype, const PackBatch& batch, int64_t row_numel, void* out,
+                       cudaStream_t stream);
+cudaError_t LaunchUnpack(int wire_dtype, const UnpackBatch& batch, const void* shard,
+                         cudaStream_t stream);
 
 }  // namespace accord::kernels::cuda
 

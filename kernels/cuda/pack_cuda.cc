@@ -1,10 +1,11 @@
 // Host side of the CUDA pack/unpack: validation (shared with the CPU path),
-// the parameter table, its stream-ordered upload, the launch.
+// the parameter tables (kernel arguments, 64 parameters per launch), the
+// launches.
 #include "kernels/pack_cuda.h"
 
 #include <cuda_runtime_api.h>
 
-#include <vector>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/launch.h"
@@ -25,24 +26,24 @@
 namespace accord {
 namespace {
 
+using kernels::cuda::kMaxParamsPerLaunch;
 using kernels::cuda::kTile;
 
-// Copies `table` to the device on `stream`, launches via `launch(dev_table)`
-// and frees the device copy in stream order.
-template <typename P, typename F>
-absl::Status UploadAndLaunch(const std::vector<P>& table, cudaStream_t stream,
-                             const std::string& what, F&& launch) {
-  void* dev = nullptr;
-  const size_t bytes = table.size() * sizeof(P);
-  ACCORD_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&dev, bytes, stream), what);
-  // Pageable source: the call returns once the bytes are staged, so `table`
-  // may go away after it.
-  const cudaError_t copied =
-      cudaMemcpyAsync(dev, table.data(), bytes, cudaMemcpyHostToDevice, stream);
-  const cudaError_t launched = copied == cudaSuccess ? launch(static_cast<P*>(dev)) : copied;
-  ACCORD_CUDA_RETURN_IF_ERROR(cudaFreeAsync(dev, stream), what);
-  ACCORD_CUDA_RETURN_IF_ERROR(launched, what);
-  return absl::OkStatus();
+// An error pending from an earlier, unrelated CUDA call would otherwise be
+// returned by this launch's cudaGetLastError as if the launch had failed.
+absl::Status CheckNoPendingError(const std::string& what) {
+  const cudaError_t e = cudaPeekAtLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(
+      what, ": not launched: a CUDA error left by an earlier call (not by accord's pack): ",
+      cudaGetErrorName(e), " (", cudaGetErrorString(e),
+      "); check the CUDA calls made before this one on this thread"));
+}
+
+absl::Status LaunchStatus(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": kernel launch failed: ", cudaGetErrorName(e),
+                                          " (", cudaGetErrorString(e), ")"));
 }
 
 }  // namespace
@@ -53,30 +54,36 @@ absl::Status PackCuda(const GroupSpec& spec, const Layout& layout,
   if (absl::Status s = kernels::ValidatePack(spec, layout, sources, out, options); !s.ok()) {
     return s;
   }
-  std::vector<kernels::cuda::PackParam> table;
-  int64_t tiles = 0;
+  const std::string what = absl::StrCat("pack group \"", spec.group_id, "\"");
+  if (absl::Status s = CheckNoPendingError(what); !s.ok()) return s;
+  const auto s = static_cast<cudaStream_t>(stream);
+  kernels::cuda::PackBatch batch{};
+  auto flush = [&]() -> absl::Status {
+    if (batch.total_tiles == 0) return absl::OkStatus();
+    const cudaError_t e = kernels::cuda::LaunchPack(static_cast<int>(layout.wire_dtype), batch,
+                                                    layout.row_numel, out, s);
+    batch.num_params = 0;
+    batch.total_tiles = 0;
+    return LaunchStatus(e, what);
+  };
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamLayout& pl = layout.params[i];
     if (!pl.included || pl.chunk_numel == 0) continue;
-    kernels::cuda::PackParam p{};
+    if (batch.num_params == kMaxParamsPerLaunch) {
+      if (absl::Status f = flush(); !f.ok()) return f;
+    }
+    kernels::cuda::PackParam& p = batch.params[batch.num_params++];
+    p = {};
     p.src = sources[i].data;
     p.numel = spec.params[i].numel;
     p.chunk_numel = pl.chunk_numel;
     p.row_offset = pl.row_offset;
-    p.tile_begin = tiles;
+    p.tile_begin = batch.total_tiles;
     p.tiles_per_chunk = (pl.chunk_numel + kTile - 1) / kTile;
     p.src_dtype = static_cast<int32_t>(sources[i].dtype);
-    tiles += p.tiles_per_chunk * layout.world_size;
-    table.push_back(p);
+    batch.total_tiles += p.tiles_per_chunk * layout.world_size;
   }
-  if (tiles == 0) return absl::OkStatus();
-  const auto s = static_cast<cudaStream_t>(stream);
-  return UploadAndLaunch(table, s, absl::StrCat("pack group \"", spec.group_id, "\""),
-                         [&](const kernels::cuda::PackParam* dev) {
-                           return kernels::cuda::LaunchPack(static_cast<int>(layout.wire_dtype),
-                                                            dev, static_cast<int>(table.size()),
-                                                            tiles, layout.row_numel, out, s);
-                         });
+  return flush();
 }
 
 absl::Status UnpackCuda(const GroupSpec& spec, const Layout& layout, int rank, const void* shard,
@@ -85,29 +92,55 @@ absl::Status UnpackCuda(const GroupSpec& spec, const Layout& layout, int rank, c
   if (absl::Status s = kernels::ValidateUnpack(spec, layout, rank, shard, targets); !s.ok()) {
     return s;
   }
-  std::vector<kernels::cuda::UnpackParam> table;
-  int64_t tiles = 0;
+  const std::string what = absl::StrCat("unpack group \"", spec.group_id, "\" rank ", rank);
+  if (absl::Status s = CheckNoPendingError(what); !s.ok()) return s;
+  const auto s = static_cast<cudaStream_t>(stream);
+  kernels::cuda::UnpackBatch batch{};
+  auto flush = [&]() -> absl::Status {
+    if (batch.total_tiles == 0) return absl::OkStatus();
+    const cudaError_t e =
+        kernels::cuda::LaunchUnpack(static_cast<int>(layout.wire_dtype), batch, shard, s);
+    batch.num_params = 0;
+    batch.total_tiles = 0;
+    return LaunchStatus(e, what);
+  };
   for (size_t i = 0; i < targets.size(); ++i) {
     if (targets[i].data == nullptr) continue;
     const int64_t n = UnpackedNumel(spec, layout, i, rank, options.drop_padding);
     if (n == 0) continue;
-    kernels::cuda::UnpackParam p{};
+    if (batch.num_params == kMaxParamsPerLaunch) {
+      if (absl::Status f = flush(); !f.ok()) return f;
+    }
+    kernels::cuda::UnpackParam& p = batch.params[batch.num_params++];
+    p = {};
     p.dst = targets[i].data;
     p.n = n;
     p.row_offset = layout.params[i].row_offset;
-    p.tile_begin = tiles;
+    p.tile_begin = batch.total_tiles;
     p.dst_dtype = static_cast<int32_t>(targets[i].dtype);
-    tiles += (n + kTile - 1) / kTile;
-    table.push_back(p);
+    batch.total_tiles += (n + kTile - 1) / kTile;
   }
-  if (tiles == 0) return absl::OkStatus();
-  const auto s = static_cast<cudaStream_t>(stream);
-  return UploadAndLaunch(table, s, absl::StrCat("unpack group \"", spec.group_id, "\" rank ", rank),
-                         [&](const kernels::cuda::UnpackParam* dev) {
-                           return kernels::cuda::LaunchUnpack(static_cast<int>(layout.wire_dtype),
-                                                              dev, static_cast<int>(table.size()),
-                                                              tiles, shard, s);
-                         });
+  return flush();
+}
+
+absl::StatusOr<MemoryPlace> PointerPlace(const void* p) {
+  MemoryPlace place;
+  ACCORD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&place.current_device),
+                              "finding the current CUDA device");
+  cudaPointerAttributes attr{};
+  const bool pending = cudaPeekAtLastError() != cudaSuccess;
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    if (!pending) (void)cudaGetLastError();  // ours: do not leave it to the next launch
+    return absl::UnavailableError(
+        absl::StrCat("cudaPointerGetAttributes failed: ", cudaGetErrorName(e), " (",
+                     cudaGetErrorString(e), ")"));
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+    place.device = attr.device;
+    place.managed = attr.type == cudaMemoryTypeManaged;
+  }
+  return place;
 }
 
 absl::StatusOr<int> CudaDeviceCount() {

@@ -152,6 +152,9 @@ int RunRank(const std::string& dir, int rank) {
     CollectiveOptions options;
     options.gloo_algorithm = algo;
     options.timeout = std::chrono::seconds(60);
+    // The ring rendezvouses under a run's incarnation ("job/0/run-1/..."),
+    // the allreduce directly under its prefix: both key layouts are used.
+    if (algo == GlooAlgorithm::kRing) options.incarnation = "run-1";
     const std::string prefix = absl::StrCat("job/", static_cast<int>(algo));
     absl::StatusOr<std::unique_ptr<Collective>> coll =
         CreateCollective(Backend::kGloo, rank, kWorld, kv, prefix, options);
@@ -251,8 +254,10 @@ class NeverCalledCollective : public Collective {
     ADD_FAILURE() << "collective launched despite a fingerprint mismatch";
     return absl::OkStatus();
   }
+  absl::Status CheckWireDType(DType) const override { return absl::OkStatus(); }
   int rank() const override { return 1; }
   int world_size() const override { return kWorld; }
+  Backend backend() const override { return Backend::kGloo; }
 };
 
 TEST(GroupReducerTest, RefusesDecisionWithOtherLayoutFingerprintNamingGroupStepAndBoth) {

@@ -46,5 +46,53 @@ TEST(SumIntoTest, EveryWireDTypeRoundsTheExactSumOnce) {
   CheckRandomPairs<DType::kFloat64>();
 }
 
+// accord's fp8 sum (docs/GPU.md, "fp8"): an overflow or an inf is never
+// turned into a finite value, so a loss scaler sees it. (NCCL saturates
+// instead, which is why the NCCL backend refuses fp8 unless told otherwise.)
+uint8_t SumFp8(DType d, uint8_t a, uint8_t b) {
+  uint8_t out = 0;
+  SumInto(d, &out, &a, &b, 1);
+  return out;
+}
+
+TEST(SumIntoFp8SemanticsTest, E5M2InfStaysInf) {
+  constexpr uint8_t kInf = 0x7c, kNegInf = 0xfc, kOne = 0x3c, kMax = 0x7b;  // max = 57344
+  EXPECT_EQ(kernels::ToDouble<DType::kFloat8E5M2>(kMax), 57344.0);
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kInf, kOne), kInf);
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kNegInf, kMax), kNegInf);
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kInf, kInf), kInf);
+}
+
+TEST(SumIntoFp8SemanticsTest, E5M2OverflowIsInfNotSaturation) {
+  constexpr uint8_t kMax = 0x7b, kNegMax = 0xfb;
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kMax, kMax), 0x7c);        // +inf, not 57344
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kNegMax, kNegMax), 0xfc);  // -inf
+  EXPECT_EQ(SumFp8(DType::kFloat8E5M2, kMax, kNegMax), 0x00);     // exact zero
+}
+
+TEST(SumIntoFp8SemanticsTest, E5M2InfMinusInfIsNaN) {
+  const uint8_t s = SumFp8(DType::kFloat8E5M2, 0x7c, 0xfc);
+  EXPECT_TRUE(std::isnan(kernels::ToDouble<DType::kFloat8E5M2>(s))) << int(s);
+}
+
+TEST(SumIntoFp8SemanticsTest, E4M3FNOverflowIsNaNNotSaturation) {
+  constexpr uint8_t kMax = 0x7e, kNegMax = 0xfe;  // +-448; e4m3fn has no inf
+  EXPECT_EQ(kernels::ToDouble<DType::kFloat8E4M3FN>(kMax), 448.0);
+  EXPECT_TRUE(std::isnan(
+      kernels::ToDouble<DType::kFloat8E4M3FN>(SumFp8(DType::kFloat8E4M3FN, kMax, kMax))));
+  EXPECT_TRUE(std::isnan(
+      kernels::ToDouble<DType::kFloat8E4M3FN>(SumFp8(DType::kFloat8E4M3FN, kNegMax, kNegMax))));
+  // In range: exact.
+  EXPECT_EQ(kernels::ToDouble<DType::kFloat8E4M3FN>(SumFp8(DType::kFloat8E4M3FN, kMax, kNegMax)),
+            0.0);
+}
+
+TEST(SumIntoFp8SemanticsTest, NaNPropagates) {
+  EXPECT_TRUE(std::isnan(kernels::ToDouble<DType::kFloat8E4M3FN>(
+      SumFp8(DType::kFloat8E4M3FN, 0x7f, 0x38))));  // NaN + 1
+  EXPECT_TRUE(std::isnan(
+      kernels::ToDouble<DType::kFloat8E5M2>(SumFp8(DType::kFloat8E5M2, 0x7e, 0x3c))));  // NaN + 1
+}
+
 }  // namespace
 }  // namespace accord
