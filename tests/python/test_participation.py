@@ -110,7 +110,6 @@ MATRIX = {
     ],
     4: [
         dict(model_kind=VLM, plan=[["text"], ["image"], ["text"], ["both"]]),
-        dict(model_kind=VLM, plan=[["text", "text"]] * 4, mp="bf16"),  # used nowhere
         dict(model_kind=DROP, plan=[[()], [(1,)], [(1,)], [()]]),
     ],
 }
