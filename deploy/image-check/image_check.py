@@ -317,6 +317,15 @@ def plan(args: argparse.Namespace) -> int:
                            "procsPerNode": PROCS_PER_NODE, "image": args.demo_image,
                            "command": DEMO_COMMAND},
     }
+    def merge(dst: dict, src: dict) -> None:
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                merge(dst[k], v)
+            else:
+                dst[k] = v
+
+    if args.values:
+        merge(values, json.loads(args.values))
     rendered = render.render(values)
     objs = render.objects(rendered)
     by_kind: dict[str, list[dict]] = {}
@@ -650,8 +659,12 @@ def run_pods(plan_: dict, image_users: dict[str, str], work: Path) -> int:
     codes = {}
     for c in trainers:
         left = max(1, deadline - time.monotonic())
-        r = podman("wait", c["container"], check_rc=False, timeout=left)
-        codes[c["container"]] = r.stdout.strip()
+        try:
+            r = podman("wait", c["container"], check_rc=False, timeout=left)
+            codes[c["container"]] = r.stdout.strip()
+        except subprocess.TimeoutExpired:
+            codes[c["container"]] = "timeout"
+            podman("kill", c["container"], check_rc=False)
     demo_s = time.monotonic() - t_demo
     # 3. The demo's verdict from the ranks' reports.
     reports = {}
@@ -749,6 +762,9 @@ def main() -> int:
     p.add_argument("--image", required=True)
     p.add_argument("--demo-image", required=True)
     p.add_argument("--secrets", required=True)
+    p.add_argument("--values", default="",
+                   help="JSON merged over image-check's chart values (scripts/image-check: "
+                        "ACCORD_IMAGE_CHECK_VALUES)")
     r = sub.add_parser("run")
     r.add_argument("--work", required=True)
     r.add_argument("--keep", action="store_true")
