@@ -577,10 +577,18 @@ def metric_sum(text: str, name: str) -> float:
 
 
 def cleanup() -> None:
-    r = podman("ps", "-aq", "--filter", f"label={LABEL}", check_rc=False)
-    ids = r.stdout.split()
-    if ids:
+    # Several passes: podman refuses to remove the trainers' network holder
+    # while a trainer that joined its namespace still exists.
+    for _ in range(3):
+        ids = podman("ps", "-aq", "--filter", f"label={LABEL}", check_rc=False).stdout.split()
+        if not ids:
+            break
         podman("rm", "-f", "-t", "2", *ids, check_rc=False)
+    else:
+        left = podman("ps", "-a", "--format", "{{.Names}}", "--filter", f"label={LABEL}",
+                      check_rc=False).stdout.split()
+        if left:
+            print(f"image-check: warning: could not remove {' '.join(left)}", flush=True)
     podman("network", "rm", "-f", NETWORK, check_rc=False)
 
 
