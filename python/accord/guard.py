@@ -1,28 +1,34 @@
 """The collective-sequence guard of accord.torch (see docs/PARTICIPATION.md).
 
-Every rank reports each FSDP2 collective it issues (unit, kind, element count,
-dtype) to the agreement service, as one manifest of a dedicated group per
-collective. A report encodes a 64-bit hash of the collective and of its
-position in two slots per bit: slot 2i is "used" when bit i is 1, slot 2i+1
-when it is 0. The decision marks a slot included when any rank used it, so
-the ranks issued the same collective at that position exactly when no bit has
-both slots included. Every rank receives the same decision, so every rank
-reaches the same verdict.
+Every rank records each FSDP2 collective it issues (unit, kind, element
+count, dtype) and the end of each step. Records are grouped into *windows*
+that close at points every rank agrees on while their sequences agree: after
+a collective this rank has never issued after the same prefix of its step (a
+"new" one), after WINDOW collectives, and at the end of a step. Each window is
+one manifest of a dedicated group (step = window index) that encodes a 64-bit
+hash of the window in two slots per bit: slot 2i is "used" when bit i is 1,
+slot 2i+1 when it is 0. The coordinator's decision marks a slot included when
+any rank used it, so the ranks' windows are equal exactly when no bit has both
+slots included; every rank receives the same decision, hence the same verdict.
 
-Off the critical path: the training thread only appends a report; a
-background thread submits the reports in batches and checks the decisions.
-The training thread waits for a verdict only before a collective that this
-rank has never issued after the same prefix of its step (the first step, a
-new microbatch pattern, a divergence): then a rank that is about to diverge
-stops before its collective, instead of pairing it with another rank's
-different collective, which Gloo answers by killing the process and NCCL by
-hanging.
+Off the critical path: the training thread appends records; a background
+thread submits closed windows and checks the decisions. The training thread
+waits for a verdict only when a window closed at a new collective, before
+issuing it (the first step, a new pattern, a divergence): a rank about to
+diverge stops before its collective instead of pairing it with another rank's
+different one, which Gloo answers by killing the process and NCCL by hanging.
+In the steady state it never waits, and one report covers WINDOW collectives.
 
-On divergence every rank builds the same message (each rank's collective at
-that position, through the key-value store) and raises
-accord.torch.AccordDivergenceError; a rank whose training thread is blocked
-inside a collective gets the message from the background thread, which
-aborts the process group and ends the process with it.
+When a rank waits longer than STALL_S (for a verdict, or inside a collective,
+seen as no new record), its background thread writes the open window to the
+key-value store and compares it with the other ranks'; ranks stuck at
+different collectives differ at a common position, which is a divergence.
+Equal prefixes never are, so a slow rank is never reported.
+
+On divergence every rank builds the same message from every rank's window
+(through the key-value store) and raises accord.torch.AccordDivergenceError;
+a rank whose training thread is blocked inside a collective gets it from the
+background thread, which aborts the process group and ends the process.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 GUARD_BITS = 64
+WINDOW = 64  # collectives per report in the steady state
+STALL_S = 2.0  # waiting this long starts the stall comparison
 END = "end of step"
 
 
@@ -47,37 +55,45 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
+_BYTE_SLOTS = [
+    tuple(s for i in range(8) for s in (("float32", None) if (b >> i) & 1 else (None, "float32")))
+    for b in range(256)
+]
+
+
 def _slots(h: int) -> List[Optional[str]]:
     out: List[Optional[str]] = []
-    for i in range(GUARD_BITS):
-        bit = (h >> i) & 1
-        out.append("float32" if bit else None)
-        out.append(None if bit else "float32")
+    for k in range(8):
+        out.extend(_BYTE_SLOTS[(h >> (8 * k)) & 0xFF])
     return out
 
 
 def _diverged(included) -> bool:
-    return any(included[2 * i] and included[2 * i + 1] for i in range(GUARD_BITS))
+    return any(a and b for a, b in zip(included[0::2], included[1::2]))
 
 
-class _Report:
-    __slots__ = ("index", "step", "position", "entry", "prefix", "handle", "checked", "waiting",
-                 "unit", "forward_all_gather", "repair")
+class _Window:
+    """Records of one window; closed by the training thread."""
 
-    def __init__(self, index, step, position, entry, prefix):
-        self.index, self.step, self.position = index, step, position
-        self.entry, self.prefix = entry, prefix
+    __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
+                 "checked", "repair", "closed_at")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.records: List[str] = []  # "step s position p: entry"
+        self.waiting = False  # closed at a new collective: the training thread waits
+        self.unit: Optional[str] = None  # of the last record
+        self.forward_all_gather = False  # the last record is a forward all-gather
         self.handle = None
         self.checked = threading.Event()
-        self.waiting = False  # this rank waits for the verdict before issuing
-        self.unit: Optional[str] = None
-        self.forward_all_gather = False
-        self.repair: Optional[List[str]] = None  # units every rank pins, set by the verdict
+        self.repair: Optional[List[str]] = None
+        self.closed_at = 0.0
 
 
 class SequenceGuard:
-    """One rank's guard. The training thread calls record(); a background
-    thread (owned here, stopped by close()) submits and checks."""
+    """One rank's guard. The training thread calls begin_step() and record();
+    a background thread (owned here, stopped by close()) submits windows,
+    checks verdicts and looks into stalls."""
 
     def __init__(
         self,
@@ -87,8 +103,9 @@ class SequenceGuard:
         group_id: str,
         timeout_s: float,
         on_divergence: Optional[Callable[[str], None]] = None,
-        flush_interval_s: float = 0.005,
         learner=None,
+        window: int = WINDOW,
+        stall_s: float = STALL_S,
     ):
         self.client = client
         self.rank = rank
@@ -96,31 +113,35 @@ class SequenceGuard:
         self.group_id = group_id
         self.timeout_s = timeout_s
         self.on_divergence = on_divergence or self._abort
-        # learner.can_learn(units) -> ordered units or None (background thread,
-        # pure); learner.learn(units, current) -> skip the current collective
-        # (training thread). See SequenceGuard.record.
+        # learner.can_learn(units) -> units to pin or None (background thread,
+        # pure); learner.learn(units, current) -> whether the current
+        # collective is done (training thread). See record().
         self.learner = learner
-        self.flush_interval_s = flush_interval_s
+        self.window = window
+        self.stall_s = stall_s
         self.step = 0
         self.position = 0
-        self.prefix = 0  # running hash of this step's entries
-        self.index = 0  # global report index = the guard group's step
+        self.prefix = 0  # running hash of this step's records
         self.known: set = set()  # (prefix, entry) transitions every rank agreed on
         self.blocking_waits = 0
         self.blocked_s = 0.0
-        self.reports = 0
+        self.reports = 0  # collectives recorded
+        self.windows = 0  # windows submitted
         self.abort_grace_s = 2.0
         self.error: Optional[str] = None
+        self.process_group = None
+        self._open = _Window(0)  # guarded by _mu (the stall check reads it)
+        self._last_record = time.monotonic()
         self._waiting = False  # the training thread waits for a verdict
         self._raised = threading.Event()  # the training thread has seen the error
         self._registered = False
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
-        self._queue: List[_Report] = []  # not yet submitted
-        self._inflight: List[_Report] = []  # submitted, not yet checked
+        self._queue: List[_Window] = []  # closed, not yet submitted
+        self._inflight: List[_Window] = []  # submitted, not yet checked
         self._stop = False
         self._thread: Optional[threading.Thread] = None
-        self.process_group = None
+        self._stall_checked: Tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------ training thread
 
@@ -138,71 +159,83 @@ class SequenceGuard:
         """Called just before this rank issues a collective described by
         `entry` (an all-gather of `unit` in a forward when forward_all_gather).
         Returns True when the caller must not issue it: the ranks diverged at
-        the first occurrence on every rank, at forward all-gathers, and every
-        rank has instead all-gathered and pinned the units involved (learned
+        every rank's first occurrence, at forward all-gathers, and every rank
+        has instead all-gathered and pinned a unit that covers it (learned
         optional units, see docs/PARTICIPATION.md)."""
         self._check_error()
         if not self._registered:
             self._register()
         self.reports += 1
         transition = (self.prefix, entry)
-        report = _Report(self.index, self.step, self.position, entry, self.prefix)
-        report.unit, report.forward_all_gather = unit, forward_all_gather
-        report.waiting = transition not in self.known
-        self.index += 1
-        self.position += 1
-        self.prefix = _hash64(f"{self.prefix}|{entry}")
+        new = transition not in self.known
         with self._mu:
-            self._queue.append(report)
-            if transition not in self.known:
-                self._submit_locked()  # now, not at the next tick
-            self._wake.notify()
-        if transition in self.known:
+            w = self._open
+            w.records.append(f"step {self.step} position {self.position}: {entry}")
+            w.unit, w.forward_all_gather = unit, forward_all_gather
+            self.position += 1
+            self.prefix = _hash64(f"{self.prefix}|{entry}")
+            self._last_record = time.monotonic()
+            if new or entry == END or len(w.records) >= self.window:
+                w.waiting = new
+                self._close_locked()
+                self._wake.notify()
+        if not new:
             return False
         t0 = time.perf_counter()
         self._waiting = True
         try:
-            got = report.checked.wait(self.timeout_s)
+            got = w.checked.wait(self.timeout_s)
         finally:
             self._waiting = False
         if not got:
             raise AccordDivergenceError(
-                f"accord: collective-sequence guard: no verdict for step {report.step} "
-                f"position {report.position} ({entry}) within {self.timeout_s:.0f}s; check "
-                f"the accord sidecar and coordinator"
+                f"accord: collective-sequence guard: no verdict for step {self.step} "
+                f"({entry}) within {self.timeout_s:.0f}s; check the accord sidecar and "
+                f"coordinator"
             )
         self.blocked_s += time.perf_counter() - t0
         self.blocking_waits += 1
         self._check_error()
-        if report.repair is not None:
-            if self.learner.learn(report.repair, unit):
+        if w.repair is not None:
+            if self.learner.learn(w.repair, unit):
                 return True
-            # Still to issue: report it again at the next position.
+            # Still to issue: record it again, in a window of its own.
             return self.record(entry, unit, forward_all_gather)
         self.known.add(transition)
         return False
+
+    def _close_locked(self) -> None:
+        w = self._open
+        w.closed_at = time.monotonic()
+        self._queue.append(w)
+        self._open = _Window(w.index + 1)
+        # Submitted here rather than at the background thread's next turn, so
+        # that a closed window never waits for it.
+        self._submit_locked()
+
+    def _check_error(self) -> None:
+        if self.error is not None:
+            self._raised.set()
+            raise AccordDivergenceError(self.error)
 
     def explain(self, failure: BaseException, wait_s: float = 30.0) -> None:
         """A collective failed (a peer stopped or died): if the guard finds a
         divergence in time, raise it instead; otherwise return (the caller
         re-raises the original failure)."""
         deadline = time.monotonic() + wait_s
-        with self._mu:
-            if self._queue:
-                self._submit_locked()
-            outstanding = list(self._inflight)
-        for r in outstanding:
-            if self.error is not None:
+        while self.error is None and time.monotonic() < deadline:
+            message = self._compare_stalled(timeout_s=min(2.0, self.timeout_s))
+            if message is not None:
+                self._fail(message, None, raise_here=True)
                 break
-            r.checked.wait(max(0.0, deadline - time.monotonic()))
+            with self._mu:
+                outstanding = list(self._inflight)
+            if not outstanding:
+                break
+            outstanding[0].checked.wait(min(1.0, max(0.0, deadline - time.monotonic())))
         if self.error is not None:
             self._raised.set()
             raise AccordDivergenceError(self.error) from failure
-
-    def _check_error(self) -> None:
-        if self.error is not None:
-            self._raised.set()
-            raise AccordDivergenceError(self.error)
 
     def _register(self) -> None:
         params = [(f"bit{i // 2}.{'one' if i % 2 == 0 else 'zero'}", 1, 1)
@@ -216,47 +249,69 @@ class SequenceGuard:
     # ------------------------------------------------------------ background
 
     def _submit_locked(self) -> None:
-        for r in self._queue:
-            h = _hash64(f"{r.step}|{r.position}|{r.entry}")
-            r.handle = self.client.submit(self.group_id, r.index, _slots(h))
-            self._inflight.append(r)
+        for w in self._queue:
+            h = _hash64("\n".join(w.records))
+            w.handle = self.client.submit(self.group_id, w.index, _slots(h))
+            self._inflight.append(w)
+            self.windows += 1
         self._queue.clear()
 
     def _run(self) -> None:
         while True:
             with self._mu:
-                if not self._inflight and not self._queue:
+                if not self._inflight:
                     if self._stop:
                         return
-                    self._wake.wait(self.flush_interval_s * 20)
-                    continue
-                if self._queue:
-                    self._submit_locked()
-                report = self._inflight[0]
+                    self._wake.wait(self.stall_s / 2)
+                    stalled = (self._open.records and
+                               time.monotonic() - self._last_record > self.stall_s)
+                    if stalled and self.error is None:
+                        pass  # checked below, without the lock
+                    else:
+                        continue
+                    window = None
+                else:
+                    window = self._inflight[0]
+            if window is None:
+                self._check_stall()
+                continue
             try:
-                decision = self.client.wait(report.handle, timeout_s=self.timeout_s)
-                message = None
-                if _diverged(decision.included):
-                    entries = self._gather(report)
-                    report.repair = self._repairable(entries)
-                    if report.repair is None:
-                        message = self._describe(report, entries)
-            except Exception as e:  # noqa: BLE001 - the service's own named error
-                message = (f"accord: collective-sequence guard at step {report.step} position "
-                           f"{report.position} ({report.entry}): {e}")
+                decision = self.client.wait(window.handle, timeout_s=self.stall_s)
+            except Exception as e:  # noqa: BLE001 - a timeout, or the service's named error
+                if not window.handle.ready():
+                    # Not there yet: someone may be stuck; look, then wait again.
+                    if time.monotonic() - window.closed_at > self.timeout_s:
+                        self._fail(f"accord: collective-sequence guard: no verdict for window "
+                                   f"{window.index} within {self.timeout_s:.0f}s", window)
+                        return
+                    self._check_stall()
+                    if self.error is not None:
+                        return
+                    continue
+                self._fail(f"accord: collective-sequence guard at {window.records[-1]}: {e}",
+                           window)
+                return
+            message = None
+            if _diverged(decision.included):
+                entries = self._gather(window)
+                window.repair = self._repairable(entries)
+                if window.repair is None:
+                    message = self._describe(entries)
             with self._mu:
                 self._inflight.pop(0)
             if message is not None:
-                self._fail(message, report)
+                self._fail(message, window)
                 return
-            report.checked.set()
+            window.checked.set()
 
-    def _fail(self, message: str, report: _Report) -> None:
+    def _fail(self, message: str, window: Optional[_Window], raise_here: bool = False) -> None:
         self.error = message
         with self._mu:
-            pending = [report] + self._inflight + self._queue
-        for r in pending:
-            r.checked.set()
+            pending = ([window] if window else []) + self._inflight + self._queue
+        for w in pending:
+            w.checked.set()
+        if raise_here:
+            return
         # The training thread raises the error itself when it is waiting for a
         # verdict or reaches its next collective within the grace; a thread
         # blocked inside a collective never will.
@@ -264,48 +319,102 @@ class SequenceGuard:
             return
         self.on_divergence(message)
 
-    def _gather(self, report: _Report) -> Dict[int, dict]:
-        """Every rank's report at this index, through the key-value store (each
+    def _gather(self, window: _Window) -> Dict[int, dict]:
+        """Every rank's window at this index, through the key-value store (each
         rank writes its own, then reads all): the same on every rank."""
-        key = f"{self.group_id}/diverged/{report.index}"
-        mine = {
-            "what": f"step {report.step} position {report.position}: {report.entry}",
-            "waiting": report.waiting,
-            "unit": report.unit,
-            "forward_all_gather": report.forward_all_gather,
-        }
+        key = f"{self.group_id}/diverged/{window.index}"
+        mine = {"records": window.records, "waiting": window.waiting, "unit": window.unit,
+                "forward_all_gather": window.forward_all_gather}
         try:
             self.client.kv_set(f"{key}/{self.rank}", json.dumps(mine).encode())
             values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
                                         timeout_s=min(self.timeout_s, 10.0))
             return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
         except Exception as e:  # noqa: BLE001 - some rank did not answer in time
-            mine["what"] += f" (the other ranks did not report theirs: {e})"
+            mine["records"] = mine["records"] + [f"(the other ranks did not report: {e})"]
             return {self.rank: mine}
+
+    @staticmethod
+    def _first_difference(entries: Dict[int, dict]) -> Optional[int]:
+        """The first position (in the window) where the ranks' records differ,
+        among positions every rank has; None when the common prefix agrees."""
+        lists = [e["records"] for e in entries.values()]
+        for p in range(min(len(x) for x in lists)):
+            if len({x[p] for x in lists}) > 1:
+                return p
+        if len({len(x) for x in lists}) > 1:
+            return min(len(x) for x in lists)
+        return None
 
     def _repairable(self, entries: Dict[int, dict]) -> Optional[List[str]]:
         """The units to pin on every rank, or None when this divergence is an
         error: it must be every rank's first occurrence (all wait before
-        issuing) and every rank's collective an all-gather in a forward."""
+        issuing), at the last record of every rank's window, and every rank's
+        collective an all-gather in a forward."""
         if self.learner is None or len(entries) != self.world_size:
             return None
-        if not all(e["waiting"] and e["forward_all_gather"] and e["unit"] for e in
-                   entries.values()):
+        p = self._first_difference(entries)
+        if p is None or any(p != len(e["records"]) - 1 for e in entries.values()):
+            return None
+        if not all(e["waiting"] and e["forward_all_gather"] and e["unit"]
+                   for e in entries.values()):
             return None
         return self.learner.can_learn(sorted({e["unit"] for e in entries.values()}))
 
-    def _describe(self, report: _Report, entries: Dict[int, dict]) -> str:
-        """The same text on every rank: what each rank issued at that position."""
+    def _describe(self, entries: Dict[int, dict]) -> str:
+        """The same text on every rank: what each rank issued where they first
+        differ."""
+        p = self._first_difference(entries)
         seen: Dict[str, List[int]] = {}
         for r in sorted(entries):
-            seen.setdefault(entries[r]["what"], []).append(r)
+            records = entries[r]["records"]
+            what = records[p] if p is not None and p < len(records) else (
+                f"nothing more after {records[-1]}" if records else "nothing")
+            seen.setdefault(what, []).append(r)
         parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} issued {what}"
                  for what, rs in sorted(seen.items(), key=lambda kv: kv[1][0])]
-        return (f"accord: the ranks' FSDP collectives diverged at collective #{report.index}: "
-                + "; ".join(parts)
+        return ("accord: the ranks' FSDP collectives diverged: " + "; ".join(parts)
                 + ". A unit ran on some ranks only, or in another order, or with other "
                   "sizes; mark units whose forward runs on some ranks only with "
                   "accord.torch.install(..., optional=[...])")
+
+    # ------------------------------------------------------------ stalls
+
+    def _check_stall(self) -> None:
+        message = self._compare_stalled(timeout_s=min(1.0, self.timeout_s))
+        if message is not None:
+            self._fail(message, None)
+
+    def _compare_stalled(self, timeout_s: float) -> Optional[str]:
+        """Writes this rank's current window (the one it waits on, or the open
+        one it is stuck in) and compares it with the other ranks' for the same
+        window index; a message when they differ at a common position."""
+        with self._mu:
+            w = self._inflight[0] if self._inflight else self._open
+            records = list(w.records)
+            index = w.index
+        if not records:
+            return None
+        key = f"{self.group_id}/stalled/{index}"
+        try:
+            if self._stall_checked != (index, len(records)):
+                self.client.kv_set(f"{key}/{self.rank}",
+                                   json.dumps({"records": records}).encode())
+                self._stall_checked = (index, len(records))
+            values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
+                                        timeout_s=timeout_s)
+        except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
+            return None
+        entries = {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+        lists = [e["records"] for e in entries.values()]
+        p = None
+        for i in range(min(len(x) for x in lists)):
+            if len({x[i] for x in lists}) > 1:
+                p = i
+                break
+        if p is None:
+            return None  # the common prefix agrees: slow, not diverged
+        return self._describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a

@@ -184,6 +184,7 @@ def _fsdp_internals():
 
 # FSDP parameter (id) -> (SequenceGuard, unit name) for the collective guard.
 _GUARDED: Dict[int, tuple] = {}
+_AG_ENTRIES: Dict[tuple, str] = {}  # (group id, params, dtype) -> the guard's text
 _COLLECTIVES_PATCHED = False
 
 
@@ -216,10 +217,13 @@ def _patch_collectives() -> None:
         found = _guard_of(fsdp_params)
         if found is not None:
             guard, unit, group = found
-            numel = sum(int(fp._orig_size.numel()) for fp in fsdp_params)
             dtype = fsdp_params[0].param_dtype or fsdp_params[0].orig_dtype
-            if guard.record(f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})", unit=unit,
-                            forward_all_gather=_in_forward(group)):
+            key = (id(group), len(fsdp_params), dtype)
+            entry = _AG_ENTRIES.get(key)
+            if entry is None:
+                numel = sum(int(fp._orig_size.numel()) for fp in fsdp_params)
+                entry = _AG_ENTRIES[key] = f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})"
+            if guard.record(entry, unit=unit, forward_all_gather=_in_forward(group)):
                 return None  # the unit was all-gathered and pinned instead (learned)
             try:
                 return all_gather(fsdp_params, *args, **kwargs)
