@@ -1,6 +1,7 @@
 #include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,11 @@ v1::DecisionBatch* Coordinator::Outbox::ReplyBatch(NodeSink* sink) {
 
 Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
     : options_(options), clock_(clock) {
+  {
+    accord::MutexLock l(&mu_);
+    std::random_device rd;
+    run_nonce_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -90,6 +96,7 @@ Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
 
 void Coordinator::CloseSession(SessionId id) {
   CloseSessionWithoutDelivery(id);
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -121,12 +128,200 @@ void Coordinator::RemoveJobLocked(Job* job) {
     }
   }
   if (!job->groups.empty()) RetireJobLocked(*job);
-  jobs_.erase(job->job_id);
+  const std::string job_id = job->job_id;
+  const std::string run_id = job->run_id;
+  jobs_.erase(job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
+  if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
+    ended_runs_.push_back(
+        EndedRun{job_id, run_id,
+                 wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
+                                                             " ended: its last node left"))});
+    runs_.erase(rit);
+    stats_.runs = static_cast<int64_t>(runs_.size());
+  }
+}
+
+Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
+  if (run_id.empty()) {
+    const uint64_t n = run_nonce_++;
+    run_id = absl::StrCat(
+        "r", absl::Hex(MixKey(n) ^ MixKey(MixKey(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
+  }
+  Run& run = runs_[job_id];
+  run = Run();
+  run.run_id = std::move(run_id);
+  run.started = clock_->Now();
+  stats_.runs = static_cast<int64_t>(runs_.size());
+  ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
+  if (jobs_.find(job_id) == jobs_.end()) {
+    // Until a node joins, the run ends at run_start_timeout (the timer).
+    const absl::Time due = run.started + options_.run_start_timeout;
+    if (due < next_deadline_) {
+      next_deadline_ = due;
+      timer_cv_.SignalAll();
+    }
+  }
+  return run;
+}
+
+void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
+                               const v1::DecisionError* error, Outbox& out) {
+  auto rit = runs_.find(job_id);
+  if (rit == runs_.end()) return;
+  const std::string run_id = rit->second.run_id;
+  if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
+    Job& job = jit->second;
+    for (auto& [node_id, node] : job.nodes) {
+      if (node.sink == nullptr || error == nullptr) continue;
+      v1::CoordinatorMessage m;
+      *m.mutable_error() = *error;
+      NoteErrorLocked(m.error());
+      out.direct.emplace_back(node.sink, std::move(m));
+    }
+    RemoveJobLocked(&job);  // queues the run's end
+  }
+  if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
+    ended_runs_.push_back(EndedRun{job_id, run_id, why});
+    runs_.erase(again);
+    stats_.runs = static_cast<int64_t>(runs_.size());
+  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == run_id) {
+    ended_runs_.back().why = why;
+  }
+}
+
+absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& job_id,
+                                                             v1::NodeHello::RunStart start,
+                                                             const std::string& run_id,
+                                                             const std::string& node_id,
+                                                             uint64_t node_epoch, Outbox& out) {
+  auto rit = runs_.find(job_id);
+  auto start_run = [&](std::string id) -> absl::StatusOr<Run*> {
+    if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
+      return wire::KindError(
+          v1::LIMIT_EXCEEDED,
+          absl::StrCat("job ", job_id, ": the coordinator already serves ", runs_.size(),
+                       " runs (--max_jobs); raise the limit or shard jobs across coordinators"));
+    }
+    Run& run = StartRunLocked(job_id, std::move(id));
+    if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
+    return &run;
+  };
+  if (start == v1::NodeHello::RUN_START_RESUME) {
+    // A reconnect (or a request stamped with the run): the run must be the
+    // current one, or unknown here (this coordinator restarted).
+    if (rit == runs_.end()) return start_run(run_id);
+    Run& run = rit->second;
+    if (run.run_id != run_id) {
+      return wire::KindError(
+          v1::RUN_ENDED,
+          absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",
+                       run.run_id, ", started by a restart under the same job id); node \"",
+                       node_id, "\" still speaks for the old run: stop its ranks"));
+    }
+    if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
+    return &run;
+  }
+  if (rit == runs_.end()) return start_run(run_id);
+  Run& run = rit->second;
+  if (start == v1::NodeHello::RUN_START_NEW) {
+    auto nit = run.node_epochs.find(node_id);
+    if (nit != run.node_epochs.end() && nit->second != node_epoch) {
+      // This node's ranks were restarted: the current run is over, even if
+      // a stream of it still lingers (half-open) somewhere.
+      const std::string old = run.run_id;
+      const std::string msg =
+          absl::StrCat("job ", job_id, " run ", old, " ended: node \"", node_id,
+                       "\" started a new run of the same job id (its ranks were restarted), so "
+                       "this run gets no more decisions; stop the ranks of the old run");
+      v1::DecisionError e =
+          Error(v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg, job_id);
+      ACCORD_LOG(WARNING) << msg;
+      EndRunLocked(job_id, wire::KindError(v1::RUN_ENDED, msg), &e, out);
+      return start_run("");
+    }
+    run.node_epochs[node_id] = node_epoch;
+  }
+  return &run;
+}
+
+absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
+  absl::Time next = absl::InfiniteFuture();
+  std::vector<std::string> expired;
+  for (const auto& [job_id, run] : runs_) {
+    if (jobs_.find(job_id) != jobs_.end()) continue;
+    const absl::Time due = run.started + options_.run_start_timeout;
+    if (due <= now) {
+      expired.push_back(job_id);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  Outbox none;
+  for (const std::string& job_id : expired) {
+    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << runs_[job_id].run_id
+                        << " got no node within --run_start_timeout; ending it";
+    EndRunLocked(job_id,
+                 wire::KindError(v1::RUN_ENDED,
+                                 absl::StrCat("job ", job_id, " run ", runs_[job_id].run_id,
+                                              " ended: no node joined it within ",
+                                              absl::FormatDuration(options_.run_start_timeout),
+                                              " (--run_start_timeout)")),
+                 nullptr, none);
+  }
+  return next;
+}
+
+void Coordinator::DeliverRunEnds() {
+  std::vector<EndedRun> ended;
+  {
+    accord::MutexLock l(&mu_);
+    ended.swap(ended_runs_);
+  }
+  if (!options_.on_run_ended) return;
+  for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why);
+}
+
+absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_id,
+                                                        const KeyValueOrigin& origin) {
+  absl::StatusOr<std::string> result;
+  {
+    accord::MutexLock l(&mu_);
+    Outbox out;
+    v1::NodeHello::RunStart start = v1::NodeHello::RUN_START_UNSPECIFIED;
+    if (!origin.run_id.empty()) {
+      start = v1::NodeHello::RUN_START_RESUME;
+    } else if (!origin.node_id.empty()) {
+      start = v1::NodeHello::RUN_START_NEW;
+    }
+    absl::StatusOr<Run*> run =
+        JoinRunLocked(job_id, start, origin.run_id, origin.node_id, origin.node_epoch, out);
+    if (!run.ok()) {
+      result = run.status();
+    } else if ((*run)->failed) {
+      result = wire::KindError(v1::RUN_ENDED,
+                               absl::StrCat("job ", job_id, " run ", (*run)->run_id,
+                                            " failed, so its key-value entries were dropped: ",
+                                            (*run)->failure.message()));
+    } else {
+      result = (*run)->run_id;
+    }
+    FlushLocked(out);
+  }
+  DeliverRunEnds();
+  DeliverEvents();
+  return result;
+}
+
+std::string Coordinator::CurrentRun(const std::string& job_id) {
+  accord::MutexLock l(&mu_);
+  auto it = runs_.find(job_id);
+  return it == runs_.end() ? "" : it->second.run_id;
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
   HandleMessageWithoutDelivery(id, message);
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -235,6 +430,14 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
       return;
     }
   }
+  absl::StatusOr<Run*> run = JoinRunLocked(hello.job_id(), hello.run_start(), hello.run_id(),
+                                           hello.node_id(), hello.node_epoch(), out);
+  if (!run.ok()) {
+    reply_error(wire::KindOf(run.status()), run.status().code(),
+                std::string(run.status().message()));
+    return;
+  }
+  const std::string run_id = (*run)->run_id;
   auto jit = jobs_.find(hello.job_id());
   if (jit == jobs_.end()) {
     if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
@@ -247,14 +450,15 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
     }
     Job& job = jobs_[hello.job_id()];
     job.job_id = hello.job_id();
+    job.run_id = run_id;
     job.world_size = world;
     job.rank_owner.assign(world, nullptr);
     job.rank_left_step.assign(world, -1);
     if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
     stats_.jobs = static_cast<int64_t>(jobs_.size());
     jit = jobs_.find(hello.job_id());
-    ACCORD_LOG(INFO) << "job " << job.job_id << ": created with world size " << world
-                     << " by node \"" << hello.node_id() << "\"";
+    ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
+                     << world << " by node \"" << hello.node_id() << "\"";
   }
   Job& job = jit->second;
   if (job.world_size != world) {
@@ -318,6 +522,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
+  reply.mutable_welcome()->set_run_id(job.run_id);
   out.direct.emplace_back(s.sink, std::move(reply));
   if (job.failed) {
     v1::CoordinatorMessage fail;
@@ -1080,6 +1285,12 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
   job.failed = true;
   job.failure = error;
   NoteErrorLocked(error);
+  // The run's key-value entries are of no use any more: dropped now.
+  if (auto rit = runs_.find(job.job_id); rit != runs_.end() && rit->second.run_id == job.run_id) {
+    rit->second.failed = true;
+    rit->second.failure = error;
+    ended_runs_.push_back(EndedRun{job.job_id, job.run_id, wire::ErrorToStatus(error)});
+  }
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
@@ -1182,6 +1393,7 @@ void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress
 
 void Coordinator::CheckDeadlines() {
   CheckDeadlinesWithoutDelivery();
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -1246,6 +1458,7 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
       }
     }
   }
+  next = std::min(next, ExpireStartingRunsLocked(now));
   next_deadline_ = next;
   FlushLocked(out);
 }

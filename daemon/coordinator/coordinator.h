@@ -48,6 +48,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -89,6 +90,16 @@ struct CoordinatorOptions {
   // bound of what they keep alive.
   int64_t usage_window_steps = 1000;
   int64_t usage_window_bytes = 16 << 20;
+  // Runs (docs/ARCHITECTURE.md, "Runs"). Called once per run that ended
+  // (its last node left, a newer run superseded it, it never got a node
+  // within run_start_timeout) or failed, without the coordinator's lock held,
+  // with a RUN_ENDED (or the failure's) status saying why. The key-value
+  // store drops the run's keys here. Must not call back into the Coordinator.
+  std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&)>
+      on_run_ended;
+  // A run started by a key-value request whose node never says NodeHello
+  // ends after this long.
+  absl::Duration run_start_timeout = absl::Minutes(5);
   // Jobs whose last node left stay visible to the observe API (status, skip
   // matrix) until this many newer jobs ended or the same job id returns.
   int retired_jobs = 8;
@@ -113,6 +124,7 @@ struct CoordinatorStats {
   int64_t same_as_previous = 0;
   int64_t errors = 0;  // error decisions and results sent (counted once per event)
   int64_t jobs = 0;    // live jobs
+  int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
 };
 
@@ -148,6 +160,25 @@ class Coordinator {
   void CheckDeadlines();
 
   CoordinatorStats stats();
+  // Who sent a key-value request: the run, node and node epoch its sidecar
+  // stamped on it (all empty/0 for a request that did not come through a
+  // sidecar).
+  struct KeyValueOrigin {
+    std::string run_id;
+    std::string node_id;
+    uint64_t node_epoch = 0;
+  };
+  // The run a key-value request of `job_id` belongs to, starting one when the
+  // job has none, and ending the current one when the request comes from a
+  // node whose ranks were restarted (as NodeHello does; see
+  // docs/ARCHITECTURE.md, "Runs"). FAILED_PRECONDITION (RUN_ENDED payload)
+  // for a request of a run that ended or failed; RESOURCE_EXHAUSTED past
+  // --max_jobs live runs.
+  absl::StatusOr<std::string> RunForKeyValue(const std::string& job_id,
+                                             const KeyValueOrigin& origin);
+  // The job's current run id ("" when it has none).
+  std::string CurrentRun(const std::string& job_id);
+
   // Last step each rank of the job reached (-1: none), indexed by rank.
   absl::StatusOr<std::vector<int64_t>> RankLastSteps(const std::string& job_id);
   absl::StatusOr<SkipMatrix> SkipCounts(const std::string& job_id, const std::string& group_id);
@@ -291,8 +322,21 @@ class Coordinator {
     int64_t usage_bytes = 0;
     std::unique_ptr<GroupObserver> observer;
   };
+  // One run (incarnation) of a job. It starts at the job's first NodeHello
+  // or key-value request and ends when its last node disconnects, when a
+  // newer run supersedes it, or (never joined by a node) after
+  // run_start_timeout. `node_epochs`: the nodes that joined it, each with the
+  // epoch its sidecar drew for its ranks.
+  struct Run {
+    std::string run_id;
+    absl::Time started;
+    absl::flat_hash_map<std::string, uint64_t> node_epochs;
+    bool failed = false;
+    v1::DecisionError failure;
+  };
   struct Job {
     std::string job_id;
+    std::string run_id;
     int world_size = 0;
     absl::node_hash_map<std::string, NodeState> nodes;
     absl::node_hash_map<std::string, GroupState> groups;
@@ -408,6 +452,25 @@ class Coordinator {
   static void FlushSkips(NodeGroupState& ng);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs. JoinRunLocked places a node (NodeHello, or a key-value request it
+  // forwarded) in the job's run according to `start` (see accord.proto,
+  // NodeHello.run_start), superseding the current run when the node's ranks
+  // were restarted; a RUN_ENDED error for a node of an ended run.
+  absl::StatusOr<Run*> JoinRunLocked(const std::string& job_id, v1::NodeHello::RunStart start,
+                                     const std::string& run_id, const std::string& node_id,
+                                     uint64_t node_epoch, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Run& StartRunLocked(const std::string& job_id, std::string run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the job's run: every connected node of it gets `error` (when set)
+  // and loses its job, the job's state is dropped, the run's end is queued
+  // for on_run_ended.
+  void EndRunLocked(const std::string& job_id, const absl::Status& why,
+                    const v1::DecisionError* error, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends runs that never got a node within run_start_timeout; returns the
+  // next time one is due.
+  absl::Time ExpireStartingRunsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeliverRunEnds() ABSL_LOCKS_EXCLUDED(mu_);
   void TimerLoop();
 
   // Observe hooks (observe_views.cc). NoteErrorLocked counts an error sent to a
@@ -445,6 +508,14 @@ class Coordinator {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);  // by job id
+  uint64_t run_nonce_ ABSL_GUARDED_BY(mu_) = 0;                      // seeded at construction
+  struct EndedRun {
+    std::string job_id;
+    std::string run_id;
+    absl::Status why;
+  };
+  std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)

@@ -103,6 +103,16 @@ void CoordinatorGrpcService::FinishAll() {
   for (NodeSessionReactor* r : live_) r->FinishSoon();
 }
 
+template <typename Request>
+absl::StatusOr<std::string> KeyValueGrpcService::RunOf(const Request& request) {
+  if (runs_ == nullptr || request.job_id().empty()) return std::string();
+  Coordinator::KeyValueOrigin origin;
+  origin.run_id = request.run_id();
+  origin.node_id = request.node_id();
+  origin.node_epoch = request.node_epoch();
+  return runs_->RunForKeyValue(request.job_id(), origin);
+}
+
 grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* context,
                                                    const v1::KeyValueSetRequest* request,
                                                    v1::KeyValueSetResponse* response) {
@@ -116,7 +126,13 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* 
       return reactor;
     }
   }
-  reactor->Finish(ToGrpcStatus(kv_->Set(request->job_id(), request->key(), request->value())));
+  absl::StatusOr<std::string> run = RunOf(*request);
+  if (!run.ok()) {
+    reactor->Finish(ToGrpcStatus(run.status()));
+    return reactor;
+  }
+  reactor->Finish(
+      ToGrpcStatus(kv_->Set(request->job_id(), *run, request->key(), request->value())));
   return reactor;
 }
 
@@ -137,8 +153,13 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "negative timeout_ms"));
     return reactor;
   }
+  absl::StatusOr<std::string> run = RunOf(*request);
+  if (!run.ok()) {
+    reactor->Finish(ToGrpcStatus(run.status()));
+    return reactor;
+  }
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-  kv_->Get(request->job_id(), std::move(keys), absl::Milliseconds(request->timeout_ms()),
+  kv_->Get(request->job_id(), *run, std::move(keys), absl::Milliseconds(request->timeout_ms()),
            [reactor, response](absl::StatusOr<std::vector<std::string>> values) {
              if (values.ok()) {
                for (std::string& v : *values) response->add_values(std::move(v));

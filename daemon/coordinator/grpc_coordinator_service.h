@@ -46,11 +46,14 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
 
 // KeyValueService over a KvStore; `Get` waits without holding a thread.
 // With `tokens` every request must carry its job's token (PERMISSION_DENIED
-// otherwise), so no job can read or write another job's keys.
+// otherwise), so no job can read or write another job's keys. With `runs`
+// each request is placed in its run (Coordinator::RunForKeyValue) and keys
+// are kept per run; without, every request of a job shares one scope.
 class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
  public:
-  explicit KeyValueGrpcService(KvStore* kv, const JobTokens* tokens = nullptr)
-      : kv_(kv), tokens_(tokens) {}
+  explicit KeyValueGrpcService(KvStore* kv, const JobTokens* tokens = nullptr,
+                               Coordinator* runs = nullptr)
+      : kv_(kv), tokens_(tokens), runs_(runs) {}
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -59,8 +62,12 @@ class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
                                 v1::KeyValueGetResponse* response) override;
 
  private:
+  template <typename Request>
+  absl::StatusOr<std::string> RunOf(const Request& request);
+
   KvStore* const kv_;
   const JobTokens* const tokens_;
+  Coordinator* const runs_;
 };
 
 }  // namespace accord::daemon

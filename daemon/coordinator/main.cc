@@ -54,7 +54,13 @@ ABSL_FLAG(bool, param_skip_metrics, false,
           "and rank: large)");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_jobs, 1024, "jobs served at once; one more is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int, max_jobs, 1024,
+          "jobs (runs) served at once, key-value entries included; one more is refused with "
+          "LIMIT_EXCEEDED. A run's state and keys are dropped when it ends, so this bounds live "
+          "runs, not job ids ever seen");
+ABSL_FLAG(absl::Duration, run_start_timeout, absl::Minutes(5),
+          "a run started by a key-value request ends (its keys dropped) when no node joins it "
+          "within this long (see docs/ARCHITECTURE.md, Runs)");
 ABSL_FLAG(int, max_groups_per_job, 16384,
           "groups registered per job; one more is refused with LIMIT_EXCEEDED");
 ABSL_FLAG(int64_t, max_params_per_group, 1 << 20,
@@ -219,12 +225,16 @@ int Main(int argc, char** argv) {
   options.max_params_per_group = absl::GetFlag(FLAGS_max_params_per_group);
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
-  Coordinator coordinator(options, RealClock::Get());
   KvOptions kv_options;
   kv_options.max_jobs = options.max_jobs;
   KvStore kv(kv_options, RealClock::Get());
+  // Runs own the key-value entries: a run's keys go when it ends or fails.
+  options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
+                               const absl::Status& why) { kv.DropRun(job_id, run_id, why); };
+  options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
+  Coordinator coordinator(options, RealClock::Get());
   CoordinatorGrpcService coordinator_service(&coordinator, tokens.get());
-  KeyValueGrpcService kv_service(&kv, tokens.get());
+  KeyValueGrpcService kv_service(&kv, tokens.get(), &coordinator);
   ObserveGrpcService observe_service(
       &coordinator, [&tokens](const std::string& job_id, const std::string& token) {
         if (tokens == nullptr) return absl::OkStatus();

@@ -127,6 +127,16 @@ grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
                                    "sidecar holds; check ACCORD_TOKEN of the rank"));
 }
 
+template <typename Request>
+void KeyValueForwarder::Stamp(Request* request) const {
+  if (sidecar_ == nullptr) return;
+  Sidecar::RunStamp run = sidecar_->CurrentRun();
+  if (run.job_id.empty() || run.job_id != request->job_id()) return;
+  request->set_run_id(run.run_id);
+  request->set_node_id(run.node_id);
+  request->set_node_epoch(run.node_epoch);
+}
+
 grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* context,
                                                  const v1::KeyValueSetRequest* request,
                                                  v1::KeyValueSetResponse* response) {
@@ -143,6 +153,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
   // The upstream request owns a copy carrying the sidecar's token.
   auto* upstream = new v1::KeyValueSetRequest(*request);
   if (!token_.empty()) upstream->set_token(token_);
+  Stamp(upstream);
   auto* call = new grpc::ClientContext();
   call->set_deadline(absl::ToChronoTime(absl::Now() + slack_));
   stub_->async()->Set(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
@@ -168,6 +179,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
   }
   auto* upstream = new v1::KeyValueGetRequest(*request);
   if (!token_.empty()) upstream->set_token(token_);
+  Stamp(upstream);
   auto* call = new grpc::ClientContext();
   call->set_deadline(absl::ToChronoTime(
       absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) + slack_));

@@ -54,6 +54,9 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
         only_job_(std::move(only_job)),
         token_(std::move(token)),
         slack_(slack) {}
+  // Requests of the sidecar's current job go upstream stamped with its run,
+  // node and epoch (Sidecar::CurrentRun); set before serving. Not owned.
+  void SetSidecar(Sidecar* sidecar) { sidecar_ = sidecar; }
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -62,6 +65,8 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
                                 v1::KeyValueGetResponse* response) override;
 
  private:
+  template <typename Request>
+  void Stamp(Request* request) const;
   // OK, or PERMISSION_DENIED for a request token that is not the sidecar's.
   grpc::Status CheckToken(const std::string& job_id, const std::string& token) const;
 
@@ -69,6 +74,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string only_job_;
   const std::string token_;
   const absl::Duration slack_;
+  Sidecar* sidecar_ = nullptr;
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread

@@ -222,6 +222,7 @@ int Main(int argc, char** argv) {
   sidecar.SetUpstream(&upstream);
   RankGrpcService rank_service(&sidecar);
   KeyValueForwarder kv_service(channel, options.job, options.token, absl::GetFlag(FLAGS_deadline));
+  kv_service.SetSidecar(&sidecar);
 
   const std::string path = absl::GetFlag(FLAGS_socket);
   std::error_code ec;
