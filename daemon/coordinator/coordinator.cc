@@ -128,6 +128,13 @@ void Coordinator::RemoveJobLocked(Job* job) {
     }
   }
   if (!job->groups.empty()) RetireJobLocked(*job);
+  // Usage windows not handed to a retired job are freed with the job.
+  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage_bytes;
+  for (const auto& [node_id, node] : job->nodes) {
+    for (const auto& [group_id, ng] : node.groups) {
+      stats_.retained_contents -= static_cast<int64_t>(ng.retained.size());
+    }
+  }
   const std::string job_id = job->job_id;
   const std::string run_id = job->run_id;
   jobs_.erase(job_id);
@@ -942,8 +949,8 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
 
 std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
   if (group->cache.get() == content) return group->cache;
-  for (const std::shared_ptr<const Content>& r : group->retained) {
-    if (r.get() == content) return r;
+  if (auto it = group->retained.find(content); it != group->retained.end()) {
+    return it->second.content;
   }
   return nullptr;  // unreachable: a pending contribution's content is owned
 }
@@ -1056,7 +1063,16 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
       mine.end());
   // Contributions point at contents without owning them: ng.cache owns the
   // current one and `retained` older ones still named by pending steps.
-  if (mine.empty()) ng.retained.clear();
+  if (!ng.retained.empty()) {
+    const size_t before = ng.retained.size();
+    if (mine.empty()) {
+      ng.retained.clear();
+    } else {
+      const int64_t oldest = *std::min_element(mine.begin(), mine.end());
+      absl::erase_if(ng.retained, [&](const auto& r) { return r.second.last_step < oldest; });
+    }
+    stats_.retained_contents -= static_cast<int64_t>(before - ng.retained.size());
+  }
   // Resolve the content.
   const Content* content = nullptr;
   if (m.repeat) {
@@ -1086,7 +1102,15 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
                   absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
       return;
     }
-    if (!mine.empty() && ng.cache != nullptr) ng.retained.push_back(std::move(ng.cache));
+    if (!mine.empty() && ng.cache != nullptr) {
+      // Steps in `mine` so far used the old content (or older ones).
+      const int64_t last = *std::max_element(mine.begin(), mine.end());
+      const Content* key = ng.cache.get();
+      if (ng.retained.try_emplace(key, NodeGroupState::Retained{std::move(ng.cache), last})
+              .second) {
+        ++stats_.retained_contents;
+      }
+    }
     ng.cache = *std::move(parsed);
     content = ng.cache.get();
     ng.cache_key = content->key;

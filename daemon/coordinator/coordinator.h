@@ -90,6 +90,10 @@ struct CoordinatorOptions {
   // bound of what they keep alive.
   int64_t usage_window_steps = 1000;
   int64_t usage_window_bytes = 16 << 20;
+  // A cap on what every usage window together keeps (live jobs' groups and
+  // retired jobs): past it, retired jobs' windows go first (oldest first),
+  // then the deciding group's own window shrinks to its newest run.
+  int64_t usage_total_bytes = 256 << 20;
   // Runs (docs/ARCHITECTURE.md, "Runs"). Called once per run that ended
   // (its last node left, a newer run superseded it, it never got a node
   // within run_start_timeout) or failed, without the coordinator's lock held,
@@ -126,6 +130,8 @@ struct CoordinatorStats {
   int64_t jobs = 0;    // live jobs
   int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
+  int64_t retained_contents = 0;  // NodeGroupState::retained entries, all jobs
+  int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
 };
 
 // Per-rank skip counts of one group: skips[rank][param] = number of decided
@@ -232,8 +238,16 @@ class Coordinator {
     absl::InlinedVector<int64_t, 4> contributed_steps;
     std::shared_ptr<const Content> cache;
     // Earlier contents still named by this node's pending contributions
-    // (the cache moved on before those steps were decided).
-    std::vector<std::shared_ptr<const Content>> retained;
+    // (the cache moved on before those steps were decided), each with the
+    // last step that used it. An entry goes once that step is older than
+    // every pending step of this node, so there are at most as many as the
+    // node's pending steps of the group (--max_pending_steps), and Owner()
+    // finds one by its address.
+    struct Retained {
+      std::shared_ptr<const Content> content;
+      int64_t last_step = 0;
+    };
+    absl::flat_hash_map<const Content*, Retained> retained;
     // cache->key and cache->rank_count, kept here so a repeat does not touch
     // the Content (one cache miss fewer per node and group at scale).
     uint64_t cache_key = 0;
@@ -351,10 +365,12 @@ class Coordinator {
   struct RetiredGroup {
     std::vector<std::string> param_names;
     std::deque<UsageEntry> usage;
+    int64_t usage_bytes = 0;
   };
   struct RetiredJob {
     v1::JobStatus status;
     std::map<std::string, RetiredGroup> groups;
+    int64_t usage_bytes = 0;
   };
   // One manifest of a session's previous batch, resolved once.
   struct BatchEntry {
@@ -489,6 +505,8 @@ class Coordinator {
   void ObserveStallLocked(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
                           absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the oldest retired job (its usage windows).
+  void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
   static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);

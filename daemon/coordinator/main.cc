@@ -58,6 +58,13 @@ ABSL_FLAG(int, max_jobs, 1024,
           "jobs (runs) served at once, key-value entries included; one more is refused with "
           "LIMIT_EXCEEDED. A run's state and keys are dropped when it ends, so this bounds live "
           "runs, not job ids ever seen");
+ABSL_FLAG(int64_t, usage_window_steps, 1000,
+          "observe API: decided steps of per-step usage kept per group (skip matrix)");
+ABSL_FLAG(int64_t, usage_window_bytes, 16 << 20,
+          "observe API: approximate bytes one group's usage window may keep alive");
+ABSL_FLAG(int64_t, usage_window_total_bytes, 256 << 20,
+          "observe API: approximate bytes all usage windows together may keep alive (retired "
+          "jobs' windows are dropped first)");
 ABSL_FLAG(absl::Duration, run_start_timeout, absl::Minutes(5),
           "a run started by a key-value request ends (its keys dropped) when no node joins it "
           "within this long (see docs/ARCHITECTURE.md, Runs)");
@@ -232,6 +239,9 @@ int Main(int argc, char** argv) {
   options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
                                const absl::Status& why) { kv.DropRun(job_id, run_id, why); };
   options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
+  options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);
+  options.usage_window_bytes = absl::GetFlag(FLAGS_usage_window_bytes);
+  options.usage_total_bytes = absl::GetFlag(FLAGS_usage_window_total_bytes);
   Coordinator coordinator(options, RealClock::Get());
   CoordinatorGrpcService coordinator_service(&coordinator, tokens.get());
   KeyValueGrpcService kv_service(&kv, tokens.get(), &coordinator);

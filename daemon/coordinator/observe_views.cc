@@ -151,15 +151,23 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     p.contributions.clear();
     entry.bytes = ContentBytes(entry.contents);
     g.usage_bytes += entry.bytes;
+    stats_.usage_bytes += entry.bytes;
     g.usage.push_back(std::move(entry));
   }
   ++g.usage_steps;
-  while (!g.usage.empty() &&
-         (g.usage_steps > options_.usage_window_steps ||
-          (g.usage_bytes > options_.usage_window_bytes && g.usage.size() > 1))) {
+  // The global cap (usage_total_bytes): retired jobs' windows go first.
+  while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
+    PopRetiredLocked();
+  }
+  const bool over_total = stats_.usage_bytes > options_.usage_total_bytes;
+  while (!g.usage.empty() && (g.usage_steps > options_.usage_window_steps ||
+                              ((g.usage_bytes > options_.usage_window_bytes ||
+                                stats_.usage_bytes > options_.usage_total_bytes) &&
+                               g.usage.size() > 1))) {
     UsageEntry& front = g.usage.front();
     const int64_t excess = g.usage_steps - options_.usage_window_steps;
-    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes) {
+    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes &&
+        !over_total) {
       front.first_step += excess;
       front.steps -= excess;
       g.usage_steps -= excess;
@@ -167,6 +175,7 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     }
     g.usage_steps -= front.steps;
     g.usage_bytes -= front.bytes;
+    stats_.usage_bytes -= front.bytes;
     g.usage.pop_front();
   }
 }
@@ -295,7 +304,7 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
 }
 
 void Coordinator::RetireJobLocked(Job& job) {
-  if (options_.retired_jobs <= 0) return;
+  if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
   r.status = JobStatusOfLocked(job);
   for (auto& [id, g] : job.groups) {
@@ -305,13 +314,25 @@ void Coordinator::RetireJobLocked(Job& job) {
       rg.param_names.push_back(p.name);
     }
     rg.usage = std::move(g.usage);
+    rg.usage_bytes = g.usage_bytes;
+    r.usage_bytes += g.usage_bytes;
+    g.usage_bytes = 0;  // now counted as the retired job's
   }
-  retired_.erase(
-      std::remove_if(retired_.begin(), retired_.end(),
-                     [&](const RetiredJob& x) { return x.status.job_id() == job.job_id; }),
-      retired_.end());
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (it->status.job_id() == job.job_id) {
+      stats_.usage_bytes -= it->usage_bytes;
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   retired_.push_back(std::move(r));
-  while (static_cast<int>(retired_.size()) > options_.retired_jobs) retired_.pop_front();
+  while (static_cast<int>(retired_.size()) > options_.retired_jobs) PopRetiredLocked();
+}
+
+void Coordinator::PopRetiredLocked() {
+  stats_.usage_bytes -= retired_.front().usage_bytes;
+  retired_.pop_front();
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {

@@ -856,3 +856,75 @@ TEST_F(CoordinatorRunTest, MoreThanMaxJobsDistinctJobsOverTimeAreServed) {
 
 }  // namespace
 }  // namespace accord::daemon
+
+namespace accord::daemon {
+namespace {
+
+// A node that stays ahead of the others with changing content keeps only the
+// contents its pending steps still name (NodeGroupState::retained).
+TEST_F(CoordinatorTest, RetainedContentsStayBoundedWhileANodeStaysAheadWithChangingContent) {
+  Join();
+  RegisterAll(MakeSpec("g0", 3));
+  constexpr int kAhead = 3;
+  auto a_step = [&](int64_t step) {
+    // The content changes every step (the dtype of parameter 0 alternates).
+    coord_.HandleMessage(
+        a_, Batch({NodeManifest("g0", step, {step % 2 ? kBf16 : kFp16, kNone, kNone}, 4, {0, 1})}));
+  };
+  for (int64_t s = 0; s < kAhead; ++s) a_step(s);
+  int64_t most = 0;
+  for (int64_t s = 0; s < 1000; ++s) {
+    a_step(s + kAhead);
+    coord_.HandleMessage(b_, Batch({NodeManifest("g0", s, {kFp16, kNone, kNone}, 4, {2, 3})}));
+    most = std::max(most, coord_.stats().retained_contents);
+  }
+  EXPECT_LE(most, kAhead + 1);
+  EXPECT_EQ(sink_b_.decisions().size(), 1000u);
+  for (const v1::Decision& d : sink_b_.decisions()) ASSERT_FALSE(d.has_error()) << d.DebugString();
+  coord_.CloseSession(a_);
+  coord_.CloseSession(b_);
+  EXPECT_EQ(coord_.stats().retained_contents, 0);
+}
+
+}  // namespace
+}  // namespace accord::daemon
+
+namespace accord::daemon {
+namespace {
+
+TEST(CoordinatorUsageTest, EveryUsageWindowTogetherStaysUnderTheGlobalCap) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.start_timer_thread = false;
+  o.usage_window_steps = 1000;
+  o.usage_window_bytes = 1 << 20;
+  o.usage_total_bytes = 2000;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sink;
+  const auto s = coord.OpenSession(&sink);
+  coord.HandleMessage(s, testing::Hello("job", "a", 2, {0, 1}));
+  constexpr int kGroups = 4;
+  for (int g = 0; g < kGroups; ++g) {
+    coord.HandleMessage(s,
+                        testing::Registration(testing::MakeSpec(absl::StrCat("g", g), 3), {0, 1}));
+  }
+  int64_t entry_bytes = 0;
+  for (int64_t step = 0; step < 200; ++step) {
+    for (int g = 0; g < kGroups; ++g) {
+      // New content every step: one usage entry per step.
+      coord.HandleMessage(
+          s,
+          testing::Batch({testing::NodeManifest(
+              absl::StrCat("g", g), step, {step % 2 ? kBf16 : kFp16, kNone, kNone}, 2, {0, 1})}));
+    }
+    if (step == 0) entry_bytes = coord.stats().usage_bytes / kGroups;
+    ASSERT_LE(coord.stats().usage_bytes, o.usage_total_bytes + kGroups * entry_bytes) << step;
+  }
+  EXPECT_EQ(sink.decisions().size(), 200u * kGroups);
+  EXPECT_GT(coord.stats().usage_bytes, o.usage_total_bytes / 2);
+  coord.CloseSession(s);  // retired: still counted, and still under the cap
+  EXPECT_LE(coord.stats().usage_bytes, o.usage_total_bytes + kGroups * entry_bytes);
+}
+
+}  // namespace
+}  // namespace accord::daemon
