@@ -65,6 +65,9 @@ ABSL_FLAG(int64_t, usage_window_bytes, 16 << 20,
 ABSL_FLAG(int64_t, usage_window_total_bytes, 256 << 20,
           "observe API: approximate bytes all usage windows together may keep alive (retired "
           "jobs' windows are dropped first)");
+ABSL_FLAG(absl::Duration, metrics_series_grace, absl::Minutes(10),
+          "metric series of a job are removed this long after its last run ended (unless the "
+          "job id came back meanwhile)");
 ABSL_FLAG(absl::Duration, run_start_timeout, absl::Minutes(5),
           "a run started by a key-value request ends (its keys dropped) when no node joins it "
           "within this long (see docs/ARCHITECTURE.md, Runs)");
@@ -212,6 +215,7 @@ int Main(int argc, char** argv) {
   CoordinatorMetricsOptions metrics_options;
   metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
   metrics_options.event_log = event_log.get();
+  metrics_options.series_grace = absl::GetFlag(FLAGS_metrics_series_grace);
   CoordinatorMetrics metrics(&registry, metrics_options);
   if (tokens != nullptr) {
     tokens->SetDeniedCallback([&metrics](const std::string& job_id, const std::string& message) {
