@@ -21,8 +21,9 @@ class NodeSessionReactor final
     : public QueuedStreamReactor<v1::NodeMessage, v1::CoordinatorMessage>,
       public NodeSink {
  public:
-  NodeSessionReactor(CoordinatorGrpcService* service, bool refuse)
+  NodeSessionReactor(CoordinatorGrpcService* service, bool refuse, const std::string& peer)
       : service_(service), coordinator_(service->coordinator_) {
+    SetWriteQueueLimits(service->queue_limits_, absl::StrCat("the sidecar at ", peer));
     if (refuse) {
       FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
       return;
@@ -87,7 +88,7 @@ class NodeSessionReactor final
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* CoordinatorGrpcService::Session(
     grpc::CallbackServerContext* context) {
   accord::MutexLock l(&mu_);
-  auto* r = new NodeSessionReactor(this, shutting_down_);
+  auto* r = new NodeSessionReactor(this, shutting_down_, context->peer());
   live_.insert(r);
   return r;
 }

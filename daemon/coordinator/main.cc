@@ -28,6 +28,11 @@
 #include "observe/http_server.h"
 #include "observe/metrics.h"
 
+ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
+          "messages queued for one stream's reader past which it is logged as slow");
+ABSL_FLAG(int64_t, stream_queue_high_watermark, 16384,
+          "messages queued for one stream's reader past which it is cut off "
+          "(RESOURCE_EXHAUSTED) instead of growing memory");
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "host:port to serve CoordinatorService, KeyValueService, ObserveService and gRPC health "
           "on (port 0: any free port; the bound address is printed on stdout). A non-loopback "
@@ -247,7 +252,10 @@ int Main(int argc, char** argv) {
   options.usage_window_bytes = absl::GetFlag(FLAGS_usage_window_bytes);
   options.usage_total_bytes = absl::GetFlag(FLAGS_usage_window_total_bytes);
   Coordinator coordinator(options, RealClock::Get());
-  CoordinatorGrpcService coordinator_service(&coordinator, tokens.get());
+  WriteQueueLimits queue_limits;
+  queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
+  queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
+  CoordinatorGrpcService coordinator_service(&coordinator, tokens.get(), queue_limits);
   KeyValueGrpcService kv_service(&kv, tokens.get(), &coordinator);
   ObserveGrpcService observe_service(
       &coordinator, [&tokens](const std::string& job_id, const std::string& token) {

@@ -48,8 +48,9 @@ std::string UpstreamHint(const grpc::Status& status) {
 class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1::RankReply>,
                                  public RankSink {
  public:
-  RankSessionReactor(RankGrpcService* service, bool refuse)
+  RankSessionReactor(RankGrpcService* service, bool refuse, const std::string& peer)
       : service_(service), sidecar_(service->sidecar_) {
+    SetWriteQueueLimits(service->queue_limits_, absl::StrCat("the rank process at ", peer));
     if (refuse) {
       FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"));
       return;
@@ -100,7 +101,7 @@ class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1:
 grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* RankGrpcService::Session(
     grpc::CallbackServerContext* context) {
   accord::MutexLock l(&mu_);
-  auto* r = new RankSessionReactor(this, shutting_down_);
+  auto* r = new RankSessionReactor(this, shutting_down_, context->peer());
   live_.insert(r);
   return r;
 }

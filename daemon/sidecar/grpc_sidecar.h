@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
+#include "daemon/common/write_queue_limits.h"
 #include "daemon/sidecar/sidecar.h"
 #include "grpcpp/grpcpp.h"
 
@@ -25,7 +26,10 @@ class RankSessionReactor;
 // RankService.Session: one reactor per rank process.
 class RankGrpcService final : public v1::RankService::CallbackService {
  public:
-  explicit RankGrpcService(Sidecar* sidecar) : sidecar_(sidecar) {}
+  // `queue_limits`: the watermarks of each rank stream's write queue
+  // (write_queue_limits.h).
+  explicit RankGrpcService(Sidecar* sidecar, WriteQueueLimits queue_limits = {})
+      : sidecar_(sidecar), queue_limits_(queue_limits) {}
   grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* Session(
       grpc::CallbackServerContext* context) override;
   // Ends every rank stream (UNAVAILABLE) after its queued replies.
@@ -35,6 +39,7 @@ class RankGrpcService final : public v1::RankService::CallbackService {
   friend class RankSessionReactor;
   void Remove(RankSessionReactor* r);
   Sidecar* const sidecar_;
+  const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<RankSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
