@@ -1503,29 +1503,42 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
 
 absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
                                                    const std::string& group_id) {
-  accord::MutexLock l(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
-  Job& job = it->second;
-  auto git = job.groups.find(group_id);
-  if (git == job.groups.end() || git->second.variants.empty()) {
-    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
-  }
-  const GroupState& g = git->second;
-  const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+  // Per-node counts are copied under the lock (O(nodes x params)); the
+  // per-rank rows (O(world x params)) are built outside it.
+  struct NodeCounts {
+    std::vector<int> ranks;
+    std::vector<int64_t> node_skips;
+    absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips;
+  };
+  std::vector<NodeCounts> nodes;
   SkipMatrix out;
-  for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
-  const size_t n = spec.params.size();
-  for (auto& [node_id, node] : job.nodes) {
-    auto ngit = node.groups.find(group_id);
-    if (ngit == node.groups.end()) continue;
-    NodeGroupState& ng = ngit->second;
-    FlushSkips(ng);
+  {
+    accord::MutexLock l(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+    Job& job = it->second;
+    auto git = job.groups.find(group_id);
+    if (git == job.groups.end() || git->second.variants.empty()) {
+      return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
+    }
+    const GroupState& g = git->second;
+    const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+    for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
+    for (auto& [node_id, node] : job.nodes) {
+      auto ngit = node.groups.find(group_id);
+      if (ngit == node.groups.end()) continue;
+      NodeGroupState& ng = ngit->second;
+      FlushSkips(ng);
+      nodes.push_back(NodeCounts{node.ranks, ng.node_skips, ng.rank_extra_skips});
+    }
+  }
+  const size_t n = out.param_names.size();
+  for (const NodeCounts& node : nodes) {
     for (int r : node.ranks) {
       std::vector<int64_t>& row = out.skips[r];
       row.assign(n, 0);
-      for (size_t i = 0; i < n && i < ng.node_skips.size(); ++i) row[i] += ng.node_skips[i];
-      if (auto e = ng.rank_extra_skips.find(r); e != ng.rank_extra_skips.end()) {
+      for (size_t i = 0; i < n && i < node.node_skips.size(); ++i) row[i] += node.node_skips[i];
+      if (auto e = node.rank_extra_skips.find(r); e != node.rank_extra_skips.end()) {
         for (size_t i = 0; i < n && i < e->second.size(); ++i) row[i] += e->second[i];
       }
     }

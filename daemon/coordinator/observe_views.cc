@@ -369,7 +369,25 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
     return absl::InvalidArgumentError(
         absl::StrCat("window_steps ", window_steps, " is negative; use 0 for every kept step"));
   }
-  accord::MutexLock l(&mu_);
+  // Snapshot under the lock (names and the usage runs in the window: shared,
+  // immutable contents), build the groups x params x world matrix outside
+  // it, so a large matrix never holds up the hot path.
+  struct GroupSnapshot {
+    std::string group_id;
+    std::vector<std::string> names;
+    std::deque<UsageEntry> usage;
+  };
+  auto window_of = [&](const std::deque<UsageEntry>& usage) {
+    std::deque<UsageEntry> kept;
+    int64_t remaining = window_steps > 0 ? window_steps : INT64_MAX;
+    for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
+      kept.push_front(*it);
+      remaining -= it->steps;
+    }
+    return kept;
+  };
+  std::vector<GroupSnapshot> groups;
+  int world = 0;
   v1::SkipMatrixResponse out;
   out.set_job_id(job_id);
   auto unknown_group = [&] {
@@ -379,40 +397,54 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
                                             "`accordctl status --job=",
                                             job_id, "`"));
   };
-  if (auto it = jobs_.find(job_id); it != jobs_.end()) {
-    const Job& job = it->second;
-    out.set_world_size(job.world_size);
-    std::vector<std::string> ids;
-    for (const auto& [id, g] : job.groups) {
-      if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
-    }
-    if (!group_id.empty() && ids.empty()) return unknown_group();
-    std::sort(ids.begin(), ids.end());
-    for (const std::string& id : ids) {
-      const GroupState& g = job.groups.find(id)->second;
-      std::vector<std::string> names;
-      for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
-        names.push_back(p.name);
+  {
+    accord::MutexLock l(&mu_);
+    bool found = false;
+    if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+      found = true;
+      const Job& job = it->second;
+      world = job.world_size;
+      std::vector<std::string> ids;
+      for (const auto& [id, g] : job.groups) {
+        if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
       }
-      *out.add_groups() = MatrixOf(id, names, job.world_size, g.usage, window_steps);
+      if (!group_id.empty() && ids.empty()) return unknown_group();
+      std::sort(ids.begin(), ids.end());
+      for (const std::string& id : ids) {
+        const GroupState& g = job.groups.find(id)->second;
+        GroupSnapshot& snap = groups.emplace_back();
+        snap.group_id = id;
+        for (const ParamSpec& p :
+             g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+          snap.names.push_back(p.name);
+        }
+        snap.usage = window_of(g.usage);
+      }
+    } else {
+      for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+        if (it->status.job_id() != job_id) continue;
+        found = true;
+        world = it->status.world_size();
+        if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
+        for (const auto& [id, rg] : it->groups) {
+          if (!group_id.empty() && id != group_id) continue;
+          groups.push_back(GroupSnapshot{id, rg.param_names, window_of(rg.usage)});
+        }
+        break;
+      }
     }
-    return out;
-  }
-  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
-    if (it->status.job_id() != job_id) continue;
-    out.set_world_size(it->status.world_size());
-    if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
-    for (const auto& [id, rg] : it->groups) {
-      if (!group_id.empty() && id != group_id) continue;
-      *out.add_groups() =
-          MatrixOf(id, rg.param_names, it->status.world_size(), rg.usage, window_steps);
+    if (!found) {
+      return absl::NotFoundError(absl::StrCat("job \"", job_id,
+                                              "\" is unknown to this coordinator (not running and "
+                                              "not among the recently ended jobs); check the job "
+                                              "id with `accordctl status`"));
     }
-    return out;
   }
-  return absl::NotFoundError(absl::StrCat("job \"", job_id,
-                                          "\" is unknown to this coordinator (not running and "
-                                          "not among the recently ended jobs); check the job id "
-                                          "with `accordctl status`"));
+  out.set_world_size(world);
+  for (const GroupSnapshot& g : groups) {
+    *out.add_groups() = MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
+  }
+  return out;
 }
 
 absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {

@@ -263,6 +263,7 @@ TEST_F(ObserveTest, EndedJobStaysVisibleWithDisconnectedNodes) {
   const std::string text = Metrics();
   EXPECT_EQ(Sample(text, R"(accord_decisions_total{job="job1",group="g"})"), 3);
   EXPECT_EQ(Sample(text, R"(accord_connected_sidecars{job="job1"})"), 0);
+  log_->Flush();
   const std::string log = ReadAll(dir_ + "/events.jsonl");
   EXPECT_THAT(log, HasSubstr(R"("event":"node_disconnected")"));
 }
@@ -314,6 +315,7 @@ TEST_F(ObserveTest, EventLogHoldsChangedDecisionsStallsFailuresAndNodes) {
   clock_.Advance(absl::Seconds(30));
   coord_->CheckDeadlines();
   std::vector<std::string> lines;
+  log_->Flush();
   for (absl::string_view l :
        absl::StrSplit(ReadAll(dir_ + "/events.jsonl"), '\n', absl::SkipEmpty())) {
     lines.emplace_back(l);
