@@ -110,13 +110,93 @@ void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   if (s.node == nullptr || s.node->session != id) return;
   s.node->session = 0;
   s.node->sink = nullptr;
+  s.node->disconnected_at = clock_->Now();
   --s.job->connected_nodes;
   ObserveNodeLocked(*s.job, *s.node, /*connected=*/false);
   if (s.job->connected_nodes == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
     RemoveJobLocked(s.job);
+    return;
   }
+  ACCORD_LOG(WARNING) << "job " << s.job->job_id << ": node \"" << s.node->node_id
+                      << "\" disconnected; it has "
+                      << absl::FormatDuration(options_.node_reconnect_grace)
+                      << " (--node_reconnect_grace) to come back before a step that needs its "
+                         "ranks fails the job";
+  WakeTimerAtLocked(s.node->disconnected_at + options_.node_reconnect_grace);
+}
+
+void Coordinator::WakeTimerAtLocked(absl::Time at) {
+  if (at < next_deadline_) {
+    next_deadline_ = at;
+    timer_cv_.SignalAll();
+  }
+}
+
+bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out) {
+  if (job.failed || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
+  std::vector<const NodeState*> lost;
+  for (const auto& [node_id, node] : job.nodes) {
+    if (node.session != 0 || node.disconnected_at == absl::InfiniteFuture()) continue;
+    const absl::Time due = node.disconnected_at + options_.node_reconnect_grace;
+    if (due <= now) {
+      lost.push_back(&node);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  if (lost.empty()) return false;
+  // The lowest (group, step) that needs a lost node's ranks names the
+  // failure, so every run of this test of fate reads the same.
+  GroupState* culprit = nullptr;
+  int64_t culprit_step = 0;
+  const NodeState* culprit_node = nullptr;
+  std::vector<int> needed;
+  for (auto& [gid, g] : job.groups) {
+    if (culprit != nullptr && g.group_id > culprit->group_id) continue;
+    for (auto& [step, p] : g.pending) {
+      if (culprit == &g && step >= culprit_step) break;
+      RankSet covered(job.world_size);
+      for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+      for (const NodeState* node : lost) {
+        std::vector<int> missing;
+        for (int r : node->ranks) {
+          if (job.rank_owner[r] == node && !covered.Contains(r)) missing.push_back(r);
+        }
+        if (missing.empty()) continue;
+        culprit = &g;
+        culprit_step = step;
+        culprit_node = node;
+        needed = std::move(missing);
+        break;
+      }
+      if (culprit == &g) break;  // pending is ordered: the first step found is the lowest
+    }
+  }
+  if (culprit == nullptr) return false;
+  v1::DecisionError err = Error(
+      v1::UNAVAILABLE, absl::StatusCode::kUnavailable,
+      absl::StrCat("job ", job.job_id, " group \"", culprit->group_id, "\" step ", culprit_step,
+                   ": node \"", culprit_node->node_id, "\" (ranks ", FormatRanks(needed),
+                   ") lost its connection to the coordinator and did not come back within ",
+                   absl::FormatDuration(options_.node_reconnect_grace),
+                   " (--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
+                   "restarted or its host is unreachable, and accord clients do not reconnect "
+                   "to a restarted sidecar; restart the job"),
+      job.job_id, culprit->group_id, culprit_step);
+  for (int r : needed) err.add_ranks(r);
+  FailJobLocked(job, culprit, culprit_step, err, out);
+  // Every rank gets it at once, also those not waiting for a decision: each
+  // sidecar passes a job error to all its ranks and closes them.
+  // Without group and step, so a client fails every call with it (the text
+  // still names them).
+  v1::CoordinatorMessage m;
+  *m.mutable_error() = err;
+  m.mutable_error()->clear_group_id();
+  m.mutable_error()->set_step(-1);
+  out.broadcast_other.emplace_back(&job, std::move(m));
+  return true;
 }
 
 void Coordinator::RemoveJobLocked(Job* job) {
@@ -519,6 +599,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   SetRankSet(node, std::move(set));
   node.session = id;
   node.sink = s.sink;
+  node.disconnected_at = absl::InfiniteFuture();
   ++job.connected_nodes;
   s.job = &job;
   s.node = &node;
@@ -985,9 +1066,14 @@ std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLock
   // With an observer the timer also wakes at half the deadline (stall event).
   const absl::Time wake =
       options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
-  if (wake < next_deadline_) {
-    next_deadline_ = wake;
-    timer_cv_.SignalAll();
+  WakeTimerAtLocked(wake);
+  // A node gone (sidecar restarted?) may already be past its grace.
+  if (job.connected_nodes < static_cast<int>(job.nodes.size())) {
+    for (const auto& [node_id, node] : job.nodes) {
+      if (node.session == 0 && node.disconnected_at != absl::InfiniteFuture()) {
+        WakeTimerAtLocked(node.disconnected_at + options_.node_reconnect_grace);
+      }
+    }
   }
   return pit;
 }
@@ -1427,7 +1513,7 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
   Outbox out;
   absl::Time next = absl::InfiniteFuture();
   for (auto& [job_id, job] : jobs_) {
-    bool failed_now = false;
+    bool failed_now = FailIfNodeLostLocked(job, now, next, out);
     for (auto& [gid, g] : job.groups) {
       if (failed_now) break;
       for (auto& [step, p] : g.pending) {

@@ -101,6 +101,12 @@ struct CoordinatorOptions {
   // store drops the run's keys here. Must not call back into the Coordinator.
   std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&)>
       on_run_ended;
+  // A node whose stream ended (its sidecar died or restarted, or its host is
+  // unreachable) while a pending step still needs its ranks fails the job,
+  // on every node, once it has not come back for this long (a sidecar that
+  // only lost its connection reconnects well within it). See
+  // docs/RELIABILITY.md, "Sidecar restart".
+  absl::Duration node_reconnect_grace = absl::Seconds(10);
   // A run started by a key-value request whose node never says NodeHello
   // ends after this long.
   absl::Duration run_start_timeout = absl::Minutes(5);
@@ -270,6 +276,8 @@ class Coordinator {
     int word_hi = 0;
     int64_t last_step = -1;
     bool answers_progress = false;  // NodeHello.answers_progress
+    // When its stream ended; InfiniteFuture while connected.
+    absl::Time disconnected_at = absl::InfiniteFuture();
     // node_hash_map: sessions' batch records point at the values.
     absl::node_hash_map<std::string, NodeGroupState> groups;
   };
@@ -468,6 +476,13 @@ class Coordinator {
   static void FlushSkips(NodeGroupState& ng);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Wakes the timer at `at` if that is earlier than its next wake.
+  void WakeTimerAtLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At a deadline check: fails the job when a pending step needs ranks of a
+  // node disconnected for longer than node_reconnect_grace (returns whether
+  // it did); otherwise lowers `next` to when one would be due.
+  bool FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs. JoinRunLocked places a node (NodeHello, or a key-value request it
   // forwarded) in the job's run according to `start` (see accord.proto,
   // NodeHello.run_start), superseding the current run when the node's ranks

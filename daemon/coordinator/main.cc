@@ -73,6 +73,9 @@ ABSL_FLAG(int64_t, usage_window_total_bytes, 256 << 20,
 ABSL_FLAG(absl::Duration, metrics_series_grace, absl::Minutes(10),
           "metric series of a job are removed this long after its last run ended (unless the "
           "job id came back meanwhile)");
+ABSL_FLAG(absl::Duration, node_reconnect_grace, absl::Seconds(10),
+          "a node whose stream ended while a pending step needs its ranks fails the job (every "
+          "rank gets UNAVAILABLE naming it) once it has not come back for this long");
 ABSL_FLAG(absl::Duration, run_start_timeout, absl::Minutes(5),
           "a run started by a key-value request ends (its keys dropped) when no node joins it "
           "within this long (see docs/ARCHITECTURE.md, Runs)");
@@ -248,6 +251,7 @@ int Main(int argc, char** argv) {
   options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
                                const absl::Status& why) { kv.DropRun(job_id, run_id, why); };
   options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
+  options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
   options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);
   options.usage_window_bytes = absl::GetFlag(FLAGS_usage_window_bytes);
   options.usage_total_bytes = absl::GetFlag(FLAGS_usage_window_total_bytes);

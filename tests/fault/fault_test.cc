@@ -25,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
@@ -369,6 +370,58 @@ TEST_F(FaultTest, SidecarKilledItsRanksGetUnavailableOthersGetTheLostRanksNamed)
       EXPECT_EQ(err, FirstError(results[0])) << "the same error on every surviving rank";
     }
   }
+}
+
+// A sidecar restarted under a live job (docs/RELIABILITY.md, "Sidecar
+// restart"): clients do not reconnect, so the job cannot go on. Its own ranks
+// get UNAVAILABLE when their socket drops; every other rank gets one
+// UNAVAILABLE naming the node within --node_reconnect_grace (not after the
+// 30 s deadline); the job then restarts cleanly under the same id.
+TEST_F(FaultTest, SidecarRestartedUnderALiveJobGivesEveryRankOneClearErrorAtOnce) {
+  constexpr absl::Duration kGrace = absl::Seconds(1);
+  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
+  StartCluster(2, {"--deadline=30s", "--node_reconnect_grace=1s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  auto procs = StartGated(kFlags, "job", /*gated=*/4, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(1);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  gate_.Release();  // rank 4 then finds its sidecar gone
+  ASSERT_TRUE(procs[0]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(30)).ok());
+  const absl::Duration took = absl::Now() - killed;
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  const std::string socket = cluster_->sidecar_sockets()[1];
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    if (r >= 4) {
+      // gRPC may add how the socket ended (": <transport message>").
+      EXPECT_THAT(FirstError(results[r]),
+                  ::testing::MatchesRegex(absl::StrCat(
+                      "UNAVAILABLE: sidecar at ", absl::StrReplaceAll(socket, {{".", "\\."}}),
+                      " closed the connection \\(job \"job\", rank ", r,
+                      "\\)(: [^;]*)?; accord clients do not reconnect, so this rank's session "
+                      "is over: restart the job")))
+          << results[r].output;
+    } else {
+      EXPECT_EQ(FirstError(results[r]),
+                "UNAVAILABLE: job job group \"g0\" step 1: node \"node1\" (ranks 4-7) lost its "
+                "connection to the coordinator and did not come back within 1s "
+                "(--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
+                "restarted or its host is unreachable, and accord clients do not reconnect to a "
+                "restarted sidecar; restart the job")
+          << results[r].output;
+    }
+  }
+  std::printf(
+      "[timing] sidecar restart: the other node's ranks got UNAVAILABLE %s after the "
+      "kill (--node_reconnect_grace %s, --deadline 30s)\n",
+      absl::FormatDuration(took).c_str(), absl::FormatDuration(kGrace).c_str());
+  EXPECT_LE(took, kGrace + kSlack);
+  // The launcher restarts the job under the same id: a new run, clean.
+  ExpectAllSucceededWith(Run(kFlags, "job"), digest);
 }
 
 TEST_F(FaultTest, RankKilledMidStepIsNamedInTheErrorOfEveryOtherRank) {
