@@ -220,6 +220,8 @@ void Coordinator::RemoveJobLocked(Job* job) {
   jobs_.erase(job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
   if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
+    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                     << " ended; its state and keys are dropped";
     ended_runs_.push_back(
         EndedRun{job_id, run_id,
                  wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
@@ -269,6 +271,8 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     RemoveJobLocked(&job);  // queues the run's end
   }
   if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
+    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                     << " ended; its state and keys are dropped";
     ended_runs_.push_back(EndedRun{job_id, run_id, why});
     runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());

@@ -325,8 +325,30 @@ int Main(int argc, char** argv) {
     }
     std::printf("accord-coordinator health on %s:%d\n", host.c_str(), bound);
   }
+  // What the bounds of docs/ARCHITECTURE.md ("Bounds") keep in check.
+  Gauge& runs_gauge = registry.AddGauge("accord_runs", "Live runs (jobs' incarnations).").Get();
+  Gauge& kv_runs_gauge =
+      registry.AddGauge("accord_kv_runs", "Runs holding key-value entries.").Get();
+  Gauge& kv_keys_gauge = registry.AddGauge("accord_kv_keys", "Key-value entries held.").Get();
+  Gauge& streams_gauge =
+      registry.AddGauge("accord_node_streams", "Sidecar streams open on the coordinator.").Get();
+  Gauge& retained_gauge =
+      registry
+          .AddGauge("accord_retained_contents", "Node manifest contents kept for pending steps.")
+          .Get();
+  Gauge& usage_gauge =
+      registry
+          .AddGauge("accord_usage_window_bytes", "Approximate bytes the usage windows keep alive.")
+          .Get();
   MetricsHttpServer metrics_server([&] {
     metrics.Refresh(coordinator);
+    const CoordinatorStats st = coordinator.stats();
+    runs_gauge.Set(static_cast<double>(st.runs));
+    streams_gauge.Set(static_cast<double>(st.sessions));
+    retained_gauge.Set(static_cast<double>(st.retained_contents));
+    usage_gauge.Set(static_cast<double>(st.usage_bytes));
+    kv_runs_gauge.Set(kv.NumRuns());
+    kv_keys_gauge.Set(static_cast<double>(kv.NumKeys()));
     return registry.Render();
   });
   if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {

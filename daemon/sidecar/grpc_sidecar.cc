@@ -229,6 +229,7 @@ void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
 
 void GrpcUpstream::Reconnect() {
   accord::MutexLock l(&mu_);
+  reconnect_requested_ = true;
   if (context_ != nullptr) context_->TryCancel();
 }
 
@@ -295,6 +296,12 @@ void GrpcUpstream::ReadLoop() {
     if (got_any) backoff = absl::Milliseconds(100);
     accord::MutexLock l(&mu_);
     if (stopping_) return;
+    if (reconnect_requested_) {
+      // Ended on purpose (the node's job ended): the next job's stream
+      // starts at once, not after a failure backoff.
+      reconnect_requested_ = false;
+      continue;
+    }
     ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message() << ")"
                         << UpstreamHint(status) << "; reconnecting in "
                         << absl::FormatDuration(backoff);

@@ -107,6 +107,7 @@ class GrpcUpstream final : public UpstreamSink {
   const absl::Duration max_backoff_;
   accord::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool reconnect_requested_ ABSL_GUARDED_BY(mu_) = false;  // Reconnect() called
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -125,6 +125,7 @@ SidecarStats Sidecar::stats() {
   accord::MutexLock l(&mu_);
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
+  s.sessions = static_cast<int>(sessions_.size());
   s.job_id = job_id_.empty() ? last_job_id_ : job_id_;
   return s;
 }

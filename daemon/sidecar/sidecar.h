@@ -107,6 +107,7 @@ struct SidecarStats {
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
   int ranks = 0;
+  int sessions = 0;    // open rank streams (accepted or not yet)
   std::string job_id;  // the job served now, else the last one ("" before the first)
 };
 
