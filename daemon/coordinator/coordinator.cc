@@ -223,7 +223,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
     ended_runs_.push_back(
-        EndedRun{job_id, run_id,
+        EndedRun{job_id, KeyScopeOf(rit->second),
                  wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
                                                              " ended: its last node left"))});
     runs_.erase(rit);
@@ -273,7 +273,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
-    ended_runs_.push_back(EndedRun{job_id, run_id, why});
+    ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
     runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
   } else if (!ended_runs_.empty() && ended_runs_.back().run_id == run_id) {
@@ -336,6 +336,10 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
   return &run;
 }
 
+std::string Coordinator::KeyScopeOf(const Run& run) {
+  return run.failed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
+}
+
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
   std::vector<std::string> expired;
@@ -370,7 +374,7 @@ void Coordinator::DeliverRunEnds() {
     ended.swap(ended_runs_);
   }
   if (!options_.on_run_ended) return;
-  for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why);
+  for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why, e.successor);
 }
 
 absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_id,
@@ -389,13 +393,8 @@ absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_i
         JoinRunLocked(job_id, start, origin.run_id, origin.node_id, origin.node_epoch, out);
     if (!run.ok()) {
       result = run.status();
-    } else if ((*run)->failed) {
-      result = wire::KindError(v1::RUN_ENDED,
-                               absl::StrCat("job ", job_id, " run ", (*run)->run_id,
-                                            " failed, so its key-value entries were dropped: ",
-                                            (*run)->failure.message()));
     } else {
-      result = (*run)->run_id;
+      result = KeyScopeOf(**run);
     }
     FlushLocked(out);
   }
@@ -1399,11 +1398,17 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
   job.failed = true;
   job.failure = error;
   NoteErrorLocked(error);
-  // The run's key-value entries are of no use any more: dropped now.
-  if (auto rit = runs_.find(job.job_id); rit != runs_.end() && rit->second.run_id == job.run_id) {
+  // The run's key-value entries (bootstrap keys) are of no use any more:
+  // dropped now. Keys set after the failure (e.g. a coordinated shutdown) go
+  // to a fresh scope, which the run's end drops; a late drop of the old
+  // scope can never take them.
+  if (auto rit = runs_.find(job.job_id);
+      rit != runs_.end() && rit->second.run_id == job.run_id && !rit->second.failed) {
+    const std::string scope = KeyScopeOf(rit->second);
     rit->second.failed = true;
     rit->second.failure = error;
-    ended_runs_.push_back(EndedRun{job.job_id, job.run_id, wire::ErrorToStatus(error)});
+    ended_runs_.push_back(
+        EndedRun{job.job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(rit->second)});
   }
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {

@@ -99,7 +99,10 @@ struct CoordinatorOptions {
   // within run_start_timeout) or failed, without the coordinator's lock held,
   // with a RUN_ENDED (or the failure's) status saying why. The key-value
   // store drops the run's keys here. Must not call back into the Coordinator.
-  std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&)>
+  // For a failed run `successor` names its fresh key scope (waiting Gets
+  // move there); empty when the run ended.
+  std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&,
+                     const std::string& successor)>
       on_run_ended;
   // A node whose stream ended (its sidecar died or restarted, or its host is
   // unreachable) while a pending step still needs its ranks fails the job,
@@ -183,9 +186,9 @@ class Coordinator {
   // The run a key-value request of `job_id` belongs to, starting one when the
   // job has none, and ending the current one when the request comes from a
   // node whose ranks were restarted (as NodeHello does; see
-  // docs/ARCHITECTURE.md, "Runs"). FAILED_PRECONDITION (RUN_ENDED payload)
-  // for a request of a run that ended or failed; RESOURCE_EXHAUSTED past
-  // --max_jobs live runs.
+  // docs/ARCHITECTURE.md, "Runs"); returns the run's key scope (see
+  // KeyScopeOf). FAILED_PRECONDITION (RUN_ENDED payload) for a request of a
+  // run that ended; RESOURCE_EXHAUSTED past --max_jobs live runs.
   absl::StatusOr<std::string> RunForKeyValue(const std::string& job_id,
                                              const KeyValueOrigin& origin);
   // The job's current run id ("" when it has none).
@@ -498,6 +501,9 @@ class Coordinator {
   // for on_run_ended.
   void EndRunLocked(const std::string& job_id, const absl::Status& why,
                     const v1::DecisionError* error, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The key-value scope of a run: its id, or after its failure a fresh one
+  // (the failure dropped the run's keys).
+  static std::string KeyScopeOf(const Run& run);
   // Ends runs that never got a node within run_start_timeout; returns the
   // next time one is due.
   absl::Time ExpireStartingRunsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -545,8 +551,9 @@ class Coordinator {
   uint64_t run_nonce_ ABSL_GUARDED_BY(mu_) = 0;                      // seeded at construction
   struct EndedRun {
     std::string job_id;
-    std::string run_id;
+    std::string run_id;  // the key scope (KeyScopeOf)
     absl::Status why;
+    std::string successor;  // a failed run's fresh key scope
   };
   std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);

@@ -133,8 +133,8 @@ void KvStore::Get(const std::string& job_id, const std::string& run_id,
   }
 }
 
-void KvStore::DropRun(const std::string& job_id, const std::string& run_id,
-                      const absl::Status& why) {
+void KvStore::DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
+                      const std::string& successor) {
   Ready ready;
   {
     accord::MutexLock l(&mu_);
@@ -143,9 +143,20 @@ void KvStore::DropRun(const std::string& job_id, const std::string& run_id,
       num_keys_ -= static_cast<int64_t>(it->second.size());
       data_.erase(it);
     }
+    std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (it->scope == scope) {
+      if (it->scope != scope) {
+        ++it;
+        continue;
+      }
+      if (successor.empty()) {
         ready.emplace_back(std::move(it->done), why);
+        it = waiters_.erase(it);
+        continue;
+      }
+      it->scope = Scope(job_id, successor);
+      if (Lookup(it->scope, it->keys, &values, &missing)) {
+        ready.emplace_back(std::move(it->done), values);
         it = waiters_.erase(it);
       } else {
         ++it;

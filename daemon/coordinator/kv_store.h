@@ -57,8 +57,10 @@ class KvStore {
   // timeout 0: answers at once, NOT_FOUND naming missing keys.
   void Get(const std::string& job_id, const std::string& run_id, std::vector<std::string> keys,
            absl::Duration timeout, GetCallback done);
-  // Deletes the run's keys; its waiting Gets get `why` (a RUN_ENDED status).
-  void DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why);
+  // Deletes the run's keys; its waiting Gets get `why` (a RUN_ENDED status),
+  // or, with a `successor` scope (a failed run's fresh scope), wait there.
+  void DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
+               const std::string& successor = "");
   // Number of Get calls waiting (for tests).
   int NumWaiting();
   // Runs holding keys, and keys held in all (for the churn soak and metrics).

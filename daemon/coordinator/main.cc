@@ -249,7 +249,9 @@ int Main(int argc, char** argv) {
   KvStore kv(kv_options, RealClock::Get());
   // Runs own the key-value entries: a run's keys go when it ends or fails.
   options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
-                               const absl::Status& why) { kv.DropRun(job_id, run_id, why); };
+                               const absl::Status& why, const std::string& successor) {
+    kv.DropRun(job_id, run_id, why, successor);
+  };
   options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
   options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);

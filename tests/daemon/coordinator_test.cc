@@ -704,8 +704,8 @@ class CoordinatorRunTest : public ::testing::Test {
     CoordinatorOptions o;
     o.start_timer_thread = false;
     o.run_start_timeout = absl::Seconds(30);
-    o.on_run_ended = [this](const std::string& job, const std::string& run,
-                            const absl::Status& why) {
+    o.on_run_ended = [this](const std::string& job, const std::string& run, const absl::Status& why,
+                            const std::string& successor) {
       ended_.push_back(absl::StrCat(job, "/", run, ": ", why.message()));
     };
     return o;
@@ -823,6 +823,36 @@ TEST_F(CoordinatorRunTest, KeyValueRequestsShareTheRunOfTheirNodeAndAStaleOneIsR
   absl::StatusOr<std::string> refused = coord_.RunForKeyValue("job", stale);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(wire::KindOf(refused.status()), v1::RUN_ENDED);
+}
+
+TEST_F(CoordinatorRunTest, AFailedRunDropsItsKeysAndLaterKeysGoToAFreshScope) {
+  FakeNodeSink a, b;
+  const auto sa = coord_.OpenSession(&a);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  const std::string run = WelcomeRun(a);
+  const GroupSpec spec = testing::MakeSpec("g0", 2);
+  coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+  coord_.HandleMessage(sb, testing::Registration(spec, {1}));
+  ASSERT_EQ(*coord_.RunForKeyValue("job", {run, "a", 11}), run);
+  // Node b never submits step 0: the run fails at the deadline.
+  coord_.HandleMessage(sa,
+                       testing::Batch({testing::NodeManifest("g0", 0, {kBf16, kNone}, 2, {0})}));
+  clock_.Advance(absl::Seconds(61));
+  coord_.CheckDeadlines();
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_TRUE(
+      absl::StartsWith(ended_[0], absl::StrCat("job/", run, ": job job group \"g0\" step 0")))
+      << ended_[0];
+  EXPECT_EQ(*coord_.RunForKeyValue("job", {run, "a", 11}), absl::StrCat(run, "/after-failure"));
+  coord_.CloseSession(sa);
+  coord_.CloseSession(sb);
+  ASSERT_EQ(ended_.size(), 2u);
+  EXPECT_TRUE(absl::StartsWith(ended_[1], absl::StrCat("job/", run, "/after-failure: ")))
+      << ended_[1];
 }
 
 TEST_F(CoordinatorRunTest, ARunNoNodeJoinsEndsAfterTheStartTimeout) {

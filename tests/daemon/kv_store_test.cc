@@ -144,5 +144,20 @@ TEST(KvStoreTest, SetKeepsWorkingAfterMoreThanMaxJobsRunsEnded) {
   EXPECT_EQ(kv.NumRuns(), 4);
 }
 
+TEST(KvStoreTest, AFailedRunsWaitersMoveToItsFreshScope) {
+  FakeClock clock;
+  KvStore kv(KvOptions(), &clock);
+  ASSERT_TRUE(kv.Set("j", "r1", "nccl_unique_id", "x").ok());
+  Result waiting;
+  kv.Get("j", "r1", {"done/1"}, absl::Hours(1), waiting.Callback());
+  kv.DropRun("j", "r1", absl::AbortedError("failed"), "r1/after-failure");
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  EXPECT_EQ(kv.NumKeys(), 0);
+  ASSERT_TRUE(kv.Set("j", "r1/after-failure", "done/1", "1").ok());
+  ASSERT_TRUE(waiting.done.HasBeenNotified());
+  ASSERT_TRUE(waiting.value.ok()) << waiting.value.status();
+  EXPECT_EQ((*waiting.value)[0], "1");
+}
+
 }  // namespace
 }  // namespace accord::daemon
