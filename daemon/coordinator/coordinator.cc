@@ -292,7 +292,7 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
       return wire::KindError(
           v1::LIMIT_EXCEEDED,
           absl::StrCat("job ", job_id, ": the coordinator already serves ", runs_.size(),
-                       " runs (--max_jobs); raise the limit or shard jobs across coordinators"));
+                       " jobs (--max_jobs); raise the limit or shard jobs across coordinators"));
     }
     Run& run = StartRunLocked(job_id, std::move(id));
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
