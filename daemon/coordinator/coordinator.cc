@@ -245,11 +245,7 @@ Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::st
   ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
   if (jobs_.find(job_id) == jobs_.end()) {
     // Until a node joins, the run ends at run_start_timeout (the timer).
-    const absl::Time due = run.started + options_.run_start_timeout;
-    if (due < next_deadline_) {
-      next_deadline_ = due;
-      timer_cv_.SignalAll();
-    }
+    WakeTimerAtLocked(run.started + options_.run_start_timeout);
   }
   return run;
 }
@@ -259,6 +255,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   auto rit = runs_.find(job_id);
   if (rit == runs_.end()) return;
   const std::string run_id = rit->second.run_id;
+  const std::string scope = KeyScopeOf(rit->second);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
     Job& job = jit->second;
     for (auto& [node_id, node] : job.nodes) {
@@ -276,7 +273,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
     runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
-  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == run_id) {
+  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == scope) {
     ended_runs_.back().why = why;
   }
 }
@@ -368,6 +365,9 @@ absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
 }
 
 void Coordinator::DeliverRunEnds() {
+  // In order across threads (as observer events): a failed run's drop moves
+  // its waiters to the fresh scope before that scope's own end drops it.
+  accord::MutexLock order(&deliver_mu_);
   std::vector<EndedRun> ended;
   {
     accord::MutexLock l(&mu_);
