@@ -222,6 +222,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
   if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
+    NoteRunEndedLocked(job_id, run_id);
     ended_runs_.push_back(
         EndedRun{job_id, KeyScopeOf(rit->second),
                  wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
@@ -270,6 +271,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
+    NoteRunEndedLocked(job_id, run_id);
     ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
     runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
@@ -297,8 +299,19 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
   };
   if (start == v1::NodeHello::RUN_START_RESUME) {
     // A reconnect (or a request stamped with the run): the run must be the
-    // current one, or unknown here (this coordinator restarted).
-    if (rit == runs_.end()) return start_run(run_id);
+    // current one, or unknown here (this coordinator restarted) and not one
+    // that ended here.
+    if (rit == runs_.end()) {
+      if (recently_ended_set_.contains(std::make_pair(job_id, run_id))) {
+        return wire::KindError(
+            v1::RUN_ENDED,
+            absl::StrCat("job ", job_id, " run ", run_id,
+                         " has ended (its last node left, it failed and its nodes left, or a "
+                         "restart superseded it); node \"",
+                         node_id, "\" still speaks for it: stop its ranks"));
+      }
+      return start_run(run_id);
+    }
     Run& run = rit->second;
     if (run.run_id != run_id) {
       return wire::KindError(
@@ -331,6 +344,16 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
     run.node_epochs[node_id] = node_epoch;
   }
   return &run;
+}
+
+void Coordinator::NoteRunEndedLocked(const std::string& job_id, const std::string& run_id) {
+  if (recently_ended_set_.insert(std::make_pair(job_id, run_id)).second) {
+    recently_ended_.emplace_back(job_id, run_id);
+  }
+  while (recently_ended_.size() > kRecentlyEnded) {
+    recently_ended_set_.erase(recently_ended_.front());
+    recently_ended_.pop_front();
+  }
 }
 
 std::string Coordinator::KeyScopeOf(const Run& run) {

@@ -57,6 +57,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
@@ -556,6 +557,14 @@ class Coordinator {
     std::string successor;  // a failed run's fresh key scope
   };
   std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
+  // The last kRecentlyEnded runs that ended (job id, run id), so a late
+  // RESUME or key-value request of an ended run is refused instead of
+  // reviving it as if this coordinator had restarted (bounded FIFO).
+  static constexpr size_t kRecentlyEnded = 4096;
+  std::deque<std::pair<std::string, std::string>> recently_ended_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::pair<std::string, std::string>> recently_ended_set_ ABSL_GUARDED_BY(mu_);
+  void NoteRunEndedLocked(const std::string& job_id, const std::string& run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)

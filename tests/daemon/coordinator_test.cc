@@ -855,6 +855,18 @@ TEST_F(CoordinatorRunTest, AFailedRunDropsItsKeysAndLaterKeysGoToAFreshScope) {
       << ended_[1];
 }
 
+TEST_F(CoordinatorRunTest, ALateRequestOfAnEndedRunIsRefusedNotRevived) {
+  FakeNodeSink a;
+  const auto sa = coord_.OpenSession(&a);
+  coord_.HandleMessage(sa, NewHello("a", {0, 1}, 11));
+  const std::string run = WelcomeRun(a);
+  coord_.CloseSession(sa);  // the run ends
+  absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "a", 11});
+  EXPECT_EQ(wire::KindOf(late.status()), v1::RUN_ENDED) << late.status();
+  EXPECT_EQ(coord_.CurrentRun("job"), "") << "not revived";
+  EXPECT_EQ(coord_.stats().runs, 0);
+}
+
 TEST_F(CoordinatorRunTest, ARunNoNodeJoinsEndsAfterTheStartTimeout) {
   ASSERT_TRUE(coord_.RunForKeyValue("job", {}).ok());
   EXPECT_EQ(coord_.stats().runs, 1);
