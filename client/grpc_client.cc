@@ -379,10 +379,13 @@ class GrpcClient : public Client {
           "\", rank ", options_.rank, "): ", s.error_message(),
           "; check that accord-sidecar runs on this node with --socket=", options_.socket_path));
     } else {
-      closed_status_ = absl::UnavailableError(
-          absl::StrCat("sidecar at ", options_.socket_path, " closed the connection (job \"",
-                       options_.job_id, "\", rank ", options_.rank, ")",
-                       s.ok() ? std::string() : absl::StrCat(": ", s.error_message())));
+      // The client does not reconnect (docs/RELIABILITY.md, "Sidecar
+      // restart"): a sidecar gone is this rank's session gone.
+      closed_status_ = absl::UnavailableError(absl::StrCat(
+          "sidecar at ", options_.socket_path, " closed the connection (job \"", options_.job_id,
+          "\", rank ", options_.rank, ")",
+          s.ok() ? std::string() : absl::StrCat(": ", s.error_message()),
+          "; accord clients do not reconnect, so this rank's session is over: restart the job"));
     }
     closed_ = true;
     FailAllLocked(fatal_.ok() ? closed_status_ : fatal_);

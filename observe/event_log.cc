@@ -75,14 +75,46 @@ absl::StatusOr<std::unique_ptr<EventLog>> EventLog::Open(const Options& options)
     return absl::InvalidArgumentError("event log must keep at least 1 rotated file");
   }
   std::unique_ptr<EventLog> log(new EventLog(options));
-  accord::MutexLock lock(&log->mu_);
   if (absl::Status s = log->OpenFile(); !s.ok()) return s;
+  log->writer_ = std::thread([raw = log.get()] { raw->WriterLoop(); });
   return log;
 }
 
 EventLog::~EventLog() {
-  accord::MutexLock lock(&mu_);
+  {
+    accord::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (writer_.joinable()) writer_.join();
   if (file_ != nullptr) std::fclose(file_);
+}
+
+void EventLog::WriterLoop() {
+  std::deque<std::string> batch;
+  while (true) {
+    {
+      accord::MutexLock lock(&mu_);
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, everything written
+      batch.swap(queue_);
+    }
+    for (const std::string& line : batch) WriteLine(line);
+    if (file_ != nullptr) std::fflush(file_);
+    accord::MutexLock lock(&mu_);
+    lines_ += static_cast<int64_t>(batch.size());
+    batch.clear();
+  }
+}
+
+void EventLog::Flush() {
+  accord::MutexLock lock(&mu_);
+  const int64_t target = queued_;
+  auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return lines_ + dropped_ >= target || stopping_;
+  };
+  mu_.Await(absl::Condition(&done));
 }
 
 absl::Status EventLog::OpenFile() {
@@ -97,7 +129,7 @@ absl::Status EventLog::OpenFile() {
 }
 
 void EventLog::Rotate() {
-  std::fclose(file_);
+  if (file_ != nullptr) std::fclose(file_);
   file_ = nullptr;
   for (int i = options_.max_files; i >= 1; --i) {
     const std::string from = i == 1 ? options_.path : absl::StrCat(options_.path, ".", i - 1);
@@ -117,17 +149,29 @@ void EventLog::Write(const std::string& type, const JsonObject& fields) {
   if (body.size() > 2) absl::StrAppend(&line, ",", body.substr(1, body.size() - 2));
   line += "}\n";
   accord::MutexLock lock(&mu_);
+  ++queued_;
+  if (queue_.size() >= options_.max_queued) {
+    ++dropped_;
+    return;
+  }
+  queue_.push_back(std::move(line));
+}
+
+void EventLog::WriteLine(const std::string& line) {
   if (size_ > 0 && size_ + static_cast<int64_t>(line.size()) > options_.max_bytes) Rotate();
   if (file_ == nullptr) return;
   std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
   size_ += static_cast<int64_t>(line.size());
-  ++lines_;
 }
 
 int64_t EventLog::lines_written() const {
   accord::MutexLock lock(&mu_);
   return lines_;
+}
+
+int64_t EventLog::lines_dropped() const {
+  accord::MutexLock lock(&mu_);
+  return dropped_;
 }
 
 }  // namespace accord

@@ -160,6 +160,13 @@ Family<Histogram>& MetricsRegistry::AddHistogram(const std::string& name, const 
   return Add<Histogram>(name, help, std::move(labels), "histogram", std::move(bounds));
 }
 
+size_t MetricsRegistry::NumSeries() const {
+  accord::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [name, family] : families_) n += family->NumChildren();
+  return n;
+}
+
 std::string MetricsRegistry::Render() const {
   std::string out;
   accord::MutexLock lock(&mu_);

@@ -84,6 +84,8 @@ class MetricsRegistry {
 
   // The whole registry in the text exposition format.
   std::string Render() const;
+  // Series (children) over every family.
+  size_t NumSeries() const;
 
   // Latency buckets from 10 µs to 60 s, for negotiation waits (seconds).
   static std::vector<double> LatencyBuckets();
@@ -105,6 +107,7 @@ std::string EscapeLabelValue(const std::string& v);
 struct MetricsRegistry::FamilyBase {
   virtual ~FamilyBase() = default;
   virtual void Render(std::string* out) const = 0;
+  virtual size_t NumChildren() const = 0;
 };
 
 template <typename T>
@@ -127,6 +130,10 @@ class Family : public MetricsRegistry::FamilyBase {
 
   const std::vector<std::string>& label_names() const { return labels_; }
   void Render(std::string* out) const override;
+  size_t NumChildren() const override {
+    accord::MutexLock lock(&mu_);
+    return children_.size();
+  }
 
  private:
   const std::string name_;

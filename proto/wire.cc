@@ -338,6 +338,8 @@ absl::StatusCode CodeOfKind(v1::ErrorKind kind) {
       return absl::StatusCode::kFailedPrecondition;
     case v1::INVALID_REQUEST:
       return absl::StatusCode::kInvalidArgument;
+    case v1::RUN_ENDED:
+      return absl::StatusCode::kFailedPrecondition;
     default:
       return absl::StatusCode::kUnknown;
   }

@@ -320,11 +320,16 @@ absl::Status LocalCluster::StartSidecar(int i, const std::string& coordinator) {
   absl::StatusOr<std::unique_ptr<ChildProcess>> p =
       ChildProcess::Spawn(argv, absl::StrCat("sidecar", i), options_.echo);
   if (!p.ok()) return p.status();
-  sidecars_.push_back(*std::move(p));
-  sockets_.push_back(socket);
+  if (i < static_cast<int>(sidecars_.size())) {  // a restart in place
+    sidecars_[i] = *std::move(p);
+    sidecar_coordinators_[i] = coordinator;
+  } else {
+    sidecars_.push_back(*std::move(p));
+    sockets_.push_back(socket);
+    sidecar_coordinators_.push_back(coordinator);
+  }
   const absl::Time deadline = absl::Now() + options_.ready_timeout;
-  absl::StatusOr<std::string> line =
-      sidecars_.back()->WaitForLine("accord-sidecar serving", deadline);
+  absl::StatusOr<std::string> line = sidecars_[i]->WaitForLine("accord-sidecar serving", deadline);
   if (!line.ok()) return line.status();
   return WaitHealthy("unix:" + socket, deadline);
 }
@@ -406,6 +411,13 @@ std::string LocalCluster::KillCoordinator() {
 void LocalCluster::KillSidecar(int i) {
   kill(sidecars_[i]->pid(), SIGKILL);
   (void)sidecars_[i]->Wait(absl::InfiniteFuture());
+}
+
+absl::Status LocalCluster::RestartSidecar(int i) {
+  if (i < 0 || i >= static_cast<int>(sidecars_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("no sidecar ", i));
+  }
+  return StartSidecar(i, sidecar_coordinators_[i]);
 }
 
 absl::StatusOr<int> LocalCluster::AddSidecar(const std::string& coordinator) {

@@ -116,6 +116,9 @@ class LocalCluster {
   // Starts one more sidecar that reaches the coordinator at `coordinator`
   // (e.g. through a proxy); returns its index.
   absl::StatusOr<int> AddSidecar(const std::string& coordinator);
+  // Starts sidecar `i` again (same socket, node id and coordinator) after
+  // KillSidecar: a sidecar restart.
+  absl::Status RestartSidecar(int i);
   // Process ids, e.g. for SIGSTOP/SIGCONT; -1 when not running.
   int coordinator_pid() const { return coordinator_ ? coordinator_->pid() : -1; }
   int sidecar_pid(int i) const { return sidecars_[i]->pid(); }
@@ -140,6 +143,7 @@ class LocalCluster {
   std::string dir_;
   std::string coordinator_address_;
   std::vector<std::string> sockets_;
+  std::vector<std::string> sidecar_coordinators_;  // per sidecar
   std::unique_ptr<ChildProcess> coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> sidecars_;
   std::string last_coordinator_output_;

@@ -1,6 +1,7 @@
 #include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,11 @@ v1::DecisionBatch* Coordinator::Outbox::ReplyBatch(NodeSink* sink) {
 
 Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
     : options_(options), clock_(clock) {
+  {
+    accord::MutexLock l(&mu_);
+    std::random_device rd;
+    run_nonce_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -90,6 +96,7 @@ Coordinator::SessionId Coordinator::OpenSession(NodeSink* sink) {
 
 void Coordinator::CloseSession(SessionId id) {
   CloseSessionWithoutDelivery(id);
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -103,13 +110,93 @@ void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   if (s.node == nullptr || s.node->session != id) return;
   s.node->session = 0;
   s.node->sink = nullptr;
+  s.node->disconnected_at = clock_->Now();
   --s.job->connected_nodes;
   ObserveNodeLocked(*s.job, *s.node, /*connected=*/false);
   if (s.job->connected_nodes == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
     RemoveJobLocked(s.job);
+    return;
   }
+  ACCORD_LOG(WARNING) << "job " << s.job->job_id << ": node \"" << s.node->node_id
+                      << "\" disconnected; it has "
+                      << absl::FormatDuration(options_.node_reconnect_grace)
+                      << " (--node_reconnect_grace) to come back before a step that needs its "
+                         "ranks fails the job";
+  WakeTimerAtLocked(s.node->disconnected_at + options_.node_reconnect_grace);
+}
+
+void Coordinator::WakeTimerAtLocked(absl::Time at) {
+  if (at < next_deadline_) {
+    next_deadline_ = at;
+    timer_cv_.SignalAll();
+  }
+}
+
+bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out) {
+  if (job.failed || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
+  std::vector<const NodeState*> lost;
+  for (const auto& [node_id, node] : job.nodes) {
+    if (node.session != 0 || node.disconnected_at == absl::InfiniteFuture()) continue;
+    const absl::Time due = node.disconnected_at + options_.node_reconnect_grace;
+    if (due <= now) {
+      lost.push_back(&node);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  if (lost.empty()) return false;
+  // The lowest (group, step) that needs a lost node's ranks names the
+  // failure, so every run of this test of fate reads the same.
+  GroupState* culprit = nullptr;
+  int64_t culprit_step = 0;
+  const NodeState* culprit_node = nullptr;
+  std::vector<int> needed;
+  for (auto& [gid, g] : job.groups) {
+    if (culprit != nullptr && g.group_id > culprit->group_id) continue;
+    for (auto& [step, p] : g.pending) {
+      if (culprit == &g && step >= culprit_step) break;
+      RankSet covered(job.world_size);
+      for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+      for (const NodeState* node : lost) {
+        std::vector<int> missing;
+        for (int r : node->ranks) {
+          if (job.rank_owner[r] == node && !covered.Contains(r)) missing.push_back(r);
+        }
+        if (missing.empty()) continue;
+        culprit = &g;
+        culprit_step = step;
+        culprit_node = node;
+        needed = std::move(missing);
+        break;
+      }
+      if (culprit == &g) break;  // pending is ordered: the first step found is the lowest
+    }
+  }
+  if (culprit == nullptr) return false;
+  v1::DecisionError err = Error(
+      v1::UNAVAILABLE, absl::StatusCode::kUnavailable,
+      absl::StrCat("job ", job.job_id, " group \"", culprit->group_id, "\" step ", culprit_step,
+                   ": node \"", culprit_node->node_id, "\" (ranks ", FormatRanks(needed),
+                   ") lost its connection to the coordinator and did not come back within ",
+                   absl::FormatDuration(options_.node_reconnect_grace),
+                   " (--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
+                   "restarted or its host is unreachable, and accord clients do not reconnect "
+                   "to a restarted sidecar; restart the job"),
+      job.job_id, culprit->group_id, culprit_step);
+  for (int r : needed) err.add_ranks(r);
+  FailJobLocked(job, culprit, culprit_step, err, out);
+  // Every rank gets it at once, also those not waiting for a decision: each
+  // sidecar passes a job error to all its ranks and closes them.
+  // Without group and step, so a client fails every call with it (the text
+  // still names them).
+  v1::CoordinatorMessage m;
+  *m.mutable_error() = err;
+  m.mutable_error()->clear_group_id();
+  m.mutable_error()->set_step(-1);
+  out.broadcast_other.emplace_back(&job, std::move(m));
+  return true;
 }
 
 void Coordinator::RemoveJobLocked(Job* job) {
@@ -121,12 +208,233 @@ void Coordinator::RemoveJobLocked(Job* job) {
     }
   }
   if (!job->groups.empty()) RetireJobLocked(*job);
-  jobs_.erase(job->job_id);
+  // Usage windows not handed to a retired job are freed with the job.
+  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage_bytes;
+  for (const auto& [node_id, node] : job->nodes) {
+    for (const auto& [group_id, ng] : node.groups) {
+      stats_.retained_contents -= static_cast<int64_t>(ng.retained.size());
+    }
+  }
+  const std::string job_id = job->job_id;
+  const std::string run_id = job->run_id;
+  jobs_.erase(job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
+  if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
+    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                     << " ended; its state and keys are dropped";
+    NoteRunEndedLocked(job_id, run_id);
+    ended_runs_.push_back(
+        EndedRun{job_id, KeyScopeOf(rit->second),
+                 wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
+                                                             " ended: its last node left"))});
+    runs_.erase(rit);
+    stats_.runs = static_cast<int64_t>(runs_.size());
+  }
+}
+
+Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
+  if (run_id.empty()) {
+    const uint64_t n = run_nonce_++;
+    run_id = absl::StrCat(
+        "r", absl::Hex(MixKey(n) ^ MixKey(MixKey(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
+  }
+  Run& run = runs_[job_id];
+  run = Run();
+  run.run_id = std::move(run_id);
+  run.started = clock_->Now();
+  stats_.runs = static_cast<int64_t>(runs_.size());
+  ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
+  if (jobs_.find(job_id) == jobs_.end()) {
+    // Until a node joins, the run ends at run_start_timeout (the timer).
+    WakeTimerAtLocked(run.started + options_.run_start_timeout);
+  }
+  return run;
+}
+
+void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
+                               const v1::DecisionError* error, Outbox& out) {
+  auto rit = runs_.find(job_id);
+  if (rit == runs_.end()) return;
+  const std::string run_id = rit->second.run_id;
+  const std::string scope = KeyScopeOf(rit->second);
+  if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
+    Job& job = jit->second;
+    for (auto& [node_id, node] : job.nodes) {
+      if (node.sink == nullptr || error == nullptr) continue;
+      v1::CoordinatorMessage m;
+      *m.mutable_error() = *error;
+      NoteErrorLocked(m.error());
+      out.direct.emplace_back(node.sink, std::move(m));
+    }
+    RemoveJobLocked(&job);  // queues the run's end
+  }
+  if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
+    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                     << " ended; its state and keys are dropped";
+    NoteRunEndedLocked(job_id, run_id);
+    ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
+    runs_.erase(again);
+    stats_.runs = static_cast<int64_t>(runs_.size());
+  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == scope) {
+    ended_runs_.back().why = why;
+  }
+}
+
+absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& job_id,
+                                                             v1::NodeHello::RunStart start,
+                                                             const std::string& run_id,
+                                                             const std::string& node_id,
+                                                             uint64_t node_epoch, Outbox& out) {
+  auto rit = runs_.find(job_id);
+  auto start_run = [&](std::string id) -> absl::StatusOr<Run*> {
+    if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
+      return wire::KindError(
+          v1::LIMIT_EXCEEDED,
+          absl::StrCat("job ", job_id, ": the coordinator already serves ", runs_.size(),
+                       " jobs (--max_jobs); raise the limit or shard jobs across coordinators"));
+    }
+    Run& run = StartRunLocked(job_id, std::move(id));
+    if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
+    return &run;
+  };
+  if (start == v1::NodeHello::RUN_START_RESUME) {
+    // A reconnect (or a request stamped with the run): the run must be the
+    // current one, or unknown here (this coordinator restarted) and not one
+    // that ended here.
+    if (rit == runs_.end()) {
+      if (recently_ended_set_.contains(std::make_pair(job_id, run_id))) {
+        return wire::KindError(
+            v1::RUN_ENDED,
+            absl::StrCat("job ", job_id, " run ", run_id,
+                         " has ended (its last node left, it failed and its nodes left, or a "
+                         "restart superseded it); node \"",
+                         node_id, "\" still speaks for it: stop its ranks"));
+      }
+      return start_run(run_id);
+    }
+    Run& run = rit->second;
+    if (run.run_id != run_id) {
+      return wire::KindError(
+          v1::RUN_ENDED,
+          absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",
+                       run.run_id, ", started by a restart under the same job id); node \"",
+                       node_id, "\" still speaks for the old run: stop its ranks"));
+    }
+    if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
+    return &run;
+  }
+  if (rit == runs_.end()) return start_run(run_id);
+  Run& run = rit->second;
+  if (start == v1::NodeHello::RUN_START_NEW) {
+    auto nit = run.node_epochs.find(node_id);
+    if (nit != run.node_epochs.end() && nit->second != node_epoch) {
+      // This node's ranks were restarted: the current run is over, even if
+      // a stream of it still lingers (half-open) somewhere.
+      const std::string old = run.run_id;
+      const std::string msg =
+          absl::StrCat("job ", job_id, " run ", old, " ended: node \"", node_id,
+                       "\" started a new run of the same job id (its ranks were restarted), so "
+                       "this run gets no more decisions; stop the ranks of the old run");
+      v1::DecisionError e =
+          Error(v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg, job_id);
+      ACCORD_LOG(WARNING) << msg;
+      EndRunLocked(job_id, wire::KindError(v1::RUN_ENDED, msg), &e, out);
+      return start_run("");
+    }
+    run.node_epochs[node_id] = node_epoch;
+  }
+  return &run;
+}
+
+void Coordinator::NoteRunEndedLocked(const std::string& job_id, const std::string& run_id) {
+  if (recently_ended_set_.insert(std::make_pair(job_id, run_id)).second) {
+    recently_ended_.emplace_back(job_id, run_id);
+  }
+  while (recently_ended_.size() > kRecentlyEnded) {
+    recently_ended_set_.erase(recently_ended_.front());
+    recently_ended_.pop_front();
+  }
+}
+
+std::string Coordinator::KeyScopeOf(const Run& run) {
+  return run.failed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
+}
+
+absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
+  absl::Time next = absl::InfiniteFuture();
+  std::vector<std::string> expired;
+  for (const auto& [job_id, run] : runs_) {
+    if (jobs_.find(job_id) != jobs_.end()) continue;
+    const absl::Time due = run.started + options_.run_start_timeout;
+    if (due <= now) {
+      expired.push_back(job_id);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  Outbox none;
+  for (const std::string& job_id : expired) {
+    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << runs_[job_id].run_id
+                        << " got no node within --run_start_timeout; ending it";
+    EndRunLocked(job_id,
+                 wire::KindError(v1::RUN_ENDED,
+                                 absl::StrCat("job ", job_id, " run ", runs_[job_id].run_id,
+                                              " ended: no node joined it within ",
+                                              absl::FormatDuration(options_.run_start_timeout),
+                                              " (--run_start_timeout)")),
+                 nullptr, none);
+  }
+  return next;
+}
+
+void Coordinator::DeliverRunEnds() {
+  // In order across threads (as observer events): a failed run's drop moves
+  // its waiters to the fresh scope before that scope's own end drops it.
+  accord::MutexLock order(&deliver_mu_);
+  std::vector<EndedRun> ended;
+  {
+    accord::MutexLock l(&mu_);
+    ended.swap(ended_runs_);
+  }
+  if (!options_.on_run_ended) return;
+  for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why, e.successor);
+}
+
+absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_id,
+                                                        const KeyValueOrigin& origin) {
+  absl::StatusOr<std::string> result;
+  {
+    accord::MutexLock l(&mu_);
+    Outbox out;
+    v1::NodeHello::RunStart start = v1::NodeHello::RUN_START_UNSPECIFIED;
+    if (!origin.run_id.empty()) {
+      start = v1::NodeHello::RUN_START_RESUME;
+    } else if (!origin.node_id.empty()) {
+      start = v1::NodeHello::RUN_START_NEW;
+    }
+    absl::StatusOr<Run*> run =
+        JoinRunLocked(job_id, start, origin.run_id, origin.node_id, origin.node_epoch, out);
+    if (!run.ok()) {
+      result = run.status();
+    } else {
+      result = KeyScopeOf(**run);
+    }
+    FlushLocked(out);
+  }
+  DeliverRunEnds();
+  DeliverEvents();
+  return result;
+}
+
+std::string Coordinator::CurrentRun(const std::string& job_id) {
+  accord::MutexLock l(&mu_);
+  auto it = runs_.find(job_id);
+  return it == runs_.end() ? "" : it->second.run_id;
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
   HandleMessageWithoutDelivery(id, message);
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -235,6 +543,14 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
       return;
     }
   }
+  absl::StatusOr<Run*> run = JoinRunLocked(hello.job_id(), hello.run_start(), hello.run_id(),
+                                           hello.node_id(), hello.node_epoch(), out);
+  if (!run.ok()) {
+    reply_error(wire::KindOf(run.status()), run.status().code(),
+                std::string(run.status().message()));
+    return;
+  }
+  const std::string run_id = (*run)->run_id;
   auto jit = jobs_.find(hello.job_id());
   if (jit == jobs_.end()) {
     if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
@@ -247,14 +563,15 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
     }
     Job& job = jobs_[hello.job_id()];
     job.job_id = hello.job_id();
+    job.run_id = run_id;
     job.world_size = world;
     job.rank_owner.assign(world, nullptr);
     job.rank_left_step.assign(world, -1);
     if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
     stats_.jobs = static_cast<int64_t>(jobs_.size());
     jit = jobs_.find(hello.job_id());
-    ACCORD_LOG(INFO) << "job " << job.job_id << ": created with world size " << world
-                     << " by node \"" << hello.node_id() << "\"";
+    ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
+                     << world << " by node \"" << hello.node_id() << "\"";
   }
   Job& job = jit->second;
   if (job.world_size != world) {
@@ -308,6 +625,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   SetRankSet(node, std::move(set));
   node.session = id;
   node.sink = s.sink;
+  node.disconnected_at = absl::InfiniteFuture();
   ++job.connected_nodes;
   s.job = &job;
   s.node = &node;
@@ -318,6 +636,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
+  reply.mutable_welcome()->set_run_id(job.run_id);
   out.direct.emplace_back(s.sink, std::move(reply));
   if (job.failed) {
     v1::CoordinatorMessage fail;
@@ -737,8 +1056,8 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
 
 std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
   if (group->cache.get() == content) return group->cache;
-  for (const std::shared_ptr<const Content>& r : group->retained) {
-    if (r.get() == content) return r;
+  if (auto it = group->retained.find(content); it != group->retained.end()) {
+    return it->second.content;
   }
   return nullptr;  // unreachable: a pending contribution's content is owned
 }
@@ -773,9 +1092,14 @@ std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLock
   // With an observer the timer also wakes at half the deadline (stall event).
   const absl::Time wake =
       options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
-  if (wake < next_deadline_) {
-    next_deadline_ = wake;
-    timer_cv_.SignalAll();
+  WakeTimerAtLocked(wake);
+  // A node gone (sidecar restarted?) may already be past its grace.
+  if (job.connected_nodes < static_cast<int>(job.nodes.size())) {
+    for (const auto& [node_id, node] : job.nodes) {
+      if (node.session == 0 && node.disconnected_at != absl::InfiniteFuture()) {
+        WakeTimerAtLocked(node.disconnected_at + options_.node_reconnect_grace);
+      }
+    }
   }
   return pit;
 }
@@ -851,7 +1175,16 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
       mine.end());
   // Contributions point at contents without owning them: ng.cache owns the
   // current one and `retained` older ones still named by pending steps.
-  if (mine.empty()) ng.retained.clear();
+  if (!ng.retained.empty()) {
+    const size_t before = ng.retained.size();
+    if (mine.empty()) {
+      ng.retained.clear();
+    } else {
+      const int64_t oldest = *std::min_element(mine.begin(), mine.end());
+      absl::erase_if(ng.retained, [&](const auto& r) { return r.second.last_step < oldest; });
+    }
+    stats_.retained_contents -= static_cast<int64_t>(before - ng.retained.size());
+  }
   // Resolve the content.
   const Content* content = nullptr;
   if (m.repeat) {
@@ -881,7 +1214,15 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
                   absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
       return;
     }
-    if (!mine.empty() && ng.cache != nullptr) ng.retained.push_back(std::move(ng.cache));
+    if (!mine.empty() && ng.cache != nullptr) {
+      // Steps in `mine` so far used the old content (or older ones).
+      const int64_t last = *std::max_element(mine.begin(), mine.end());
+      const Content* key = ng.cache.get();
+      if (ng.retained.try_emplace(key, NodeGroupState::Retained{std::move(ng.cache), last})
+              .second) {
+        ++stats_.retained_contents;
+      }
+    }
     ng.cache = *std::move(parsed);
     content = ng.cache.get();
     ng.cache_key = content->key;
@@ -1080,6 +1421,18 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
   job.failed = true;
   job.failure = error;
   NoteErrorLocked(error);
+  // The run's key-value entries (bootstrap keys) are of no use any more:
+  // dropped now. Keys set after the failure (e.g. a coordinated shutdown) go
+  // to a fresh scope, which the run's end drops; a late drop of the old
+  // scope can never take them.
+  if (auto rit = runs_.find(job.job_id);
+      rit != runs_.end() && rit->second.run_id == job.run_id && !rit->second.failed) {
+    const std::string scope = KeyScopeOf(rit->second);
+    rit->second.failed = true;
+    rit->second.failure = error;
+    ended_runs_.push_back(
+        EndedRun{job.job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(rit->second)});
+  }
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
@@ -1182,6 +1535,7 @@ void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress
 
 void Coordinator::CheckDeadlines() {
   CheckDeadlinesWithoutDelivery();
+  DeliverRunEnds();
   DeliverEvents();
 }
 
@@ -1191,7 +1545,7 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
   Outbox out;
   absl::Time next = absl::InfiniteFuture();
   for (auto& [job_id, job] : jobs_) {
-    bool failed_now = false;
+    bool failed_now = FailIfNodeLostLocked(job, now, next, out);
     for (auto& [gid, g] : job.groups) {
       if (failed_now) break;
       for (auto& [step, p] : g.pending) {
@@ -1246,6 +1600,7 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
       }
     }
   }
+  next = std::min(next, ExpireStartingRunsLocked(now));
   next_deadline_ = next;
   FlushLocked(out);
 }
@@ -1266,29 +1621,42 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
 
 absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
                                                    const std::string& group_id) {
-  accord::MutexLock l(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
-  Job& job = it->second;
-  auto git = job.groups.find(group_id);
-  if (git == job.groups.end() || git->second.variants.empty()) {
-    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
-  }
-  const GroupState& g = git->second;
-  const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+  // Per-node counts are copied under the lock (O(nodes x params)); the
+  // per-rank rows (O(world x params)) are built outside it.
+  struct NodeCounts {
+    std::vector<int> ranks;
+    std::vector<int64_t> node_skips;
+    absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips;
+  };
+  std::vector<NodeCounts> nodes;
   SkipMatrix out;
-  for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
-  const size_t n = spec.params.size();
-  for (auto& [node_id, node] : job.nodes) {
-    auto ngit = node.groups.find(group_id);
-    if (ngit == node.groups.end()) continue;
-    NodeGroupState& ng = ngit->second;
-    FlushSkips(ng);
+  {
+    accord::MutexLock l(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+    Job& job = it->second;
+    auto git = job.groups.find(group_id);
+    if (git == job.groups.end() || git->second.variants.empty()) {
+      return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
+    }
+    const GroupState& g = git->second;
+    const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+    for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
+    for (auto& [node_id, node] : job.nodes) {
+      auto ngit = node.groups.find(group_id);
+      if (ngit == node.groups.end()) continue;
+      NodeGroupState& ng = ngit->second;
+      FlushSkips(ng);
+      nodes.push_back(NodeCounts{node.ranks, ng.node_skips, ng.rank_extra_skips});
+    }
+  }
+  const size_t n = out.param_names.size();
+  for (const NodeCounts& node : nodes) {
     for (int r : node.ranks) {
       std::vector<int64_t>& row = out.skips[r];
       row.assign(n, 0);
-      for (size_t i = 0; i < n && i < ng.node_skips.size(); ++i) row[i] += ng.node_skips[i];
-      if (auto e = ng.rank_extra_skips.find(r); e != ng.rank_extra_skips.end()) {
+      for (size_t i = 0; i < n && i < node.node_skips.size(); ++i) row[i] += node.node_skips[i];
+      if (auto e = node.rank_extra_skips.find(r); e != node.rank_extra_skips.end()) {
         for (size_t i = 0; i < n && i < e->second.size(); ++i) row[i] += e->second[i];
       }
     }

@@ -48,6 +48,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,6 +57,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
@@ -89,6 +91,29 @@ struct CoordinatorOptions {
   // bound of what they keep alive.
   int64_t usage_window_steps = 1000;
   int64_t usage_window_bytes = 16 << 20;
+  // A cap on what every usage window together keeps (live jobs' groups and
+  // retired jobs): past it, retired jobs' windows go first (oldest first),
+  // then the deciding group's own window shrinks to its newest run.
+  int64_t usage_total_bytes = 256 << 20;
+  // Runs (docs/ARCHITECTURE.md, "Runs"). Called once per run that ended
+  // (its last node left, a newer run superseded it, it never got a node
+  // within run_start_timeout) or failed, without the coordinator's lock held,
+  // with a RUN_ENDED (or the failure's) status saying why. The key-value
+  // store drops the run's keys here. Must not call back into the Coordinator.
+  // For a failed run `successor` names its fresh key scope (waiting Gets
+  // move there); empty when the run ended.
+  std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&,
+                     const std::string& successor)>
+      on_run_ended;
+  // A node whose stream ended (its sidecar died or restarted, or its host is
+  // unreachable) while a pending step still needs its ranks fails the job,
+  // on every node, once it has not come back for this long (a sidecar that
+  // only lost its connection reconnects well within it). See
+  // docs/RELIABILITY.md, "Sidecar restart".
+  absl::Duration node_reconnect_grace = absl::Seconds(10);
+  // A run started by a key-value request whose node never says NodeHello
+  // ends after this long.
+  absl::Duration run_start_timeout = absl::Minutes(5);
   // Jobs whose last node left stay visible to the observe API (status, skip
   // matrix) until this many newer jobs ended or the same job id returns.
   int retired_jobs = 8;
@@ -113,7 +138,10 @@ struct CoordinatorStats {
   int64_t same_as_previous = 0;
   int64_t errors = 0;  // error decisions and results sent (counted once per event)
   int64_t jobs = 0;    // live jobs
+  int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
+  int64_t retained_contents = 0;  // NodeGroupState::retained entries, all jobs
+  int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
 };
 
 // Per-rank skip counts of one group: skips[rank][param] = number of decided
@@ -148,6 +176,25 @@ class Coordinator {
   void CheckDeadlines();
 
   CoordinatorStats stats();
+  // Who sent a key-value request: the run, node and node epoch its sidecar
+  // stamped on it (all empty/0 for a request that did not come through a
+  // sidecar).
+  struct KeyValueOrigin {
+    std::string run_id;
+    std::string node_id;
+    uint64_t node_epoch = 0;
+  };
+  // The run a key-value request of `job_id` belongs to, starting one when the
+  // job has none, and ending the current one when the request comes from a
+  // node whose ranks were restarted (as NodeHello does; see
+  // docs/ARCHITECTURE.md, "Runs"); returns the run's key scope (see
+  // KeyScopeOf). FAILED_PRECONDITION (RUN_ENDED payload) for a request of a
+  // run that ended; RESOURCE_EXHAUSTED past --max_jobs live runs.
+  absl::StatusOr<std::string> RunForKeyValue(const std::string& job_id,
+                                             const KeyValueOrigin& origin);
+  // The job's current run id ("" when it has none).
+  std::string CurrentRun(const std::string& job_id);
+
   // Last step each rank of the job reached (-1: none), indexed by rank.
   absl::StatusOr<std::vector<int64_t>> RankLastSteps(const std::string& job_id);
   absl::StatusOr<SkipMatrix> SkipCounts(const std::string& job_id, const std::string& group_id);
@@ -201,8 +248,16 @@ class Coordinator {
     absl::InlinedVector<int64_t, 4> contributed_steps;
     std::shared_ptr<const Content> cache;
     // Earlier contents still named by this node's pending contributions
-    // (the cache moved on before those steps were decided).
-    std::vector<std::shared_ptr<const Content>> retained;
+    // (the cache moved on before those steps were decided), each with the
+    // last step that used it. An entry goes once that step is older than
+    // every pending step of this node, so there are at most as many as the
+    // node's pending steps of the group (--max_pending_steps), and Owner()
+    // finds one by its address.
+    struct Retained {
+      std::shared_ptr<const Content> content;
+      int64_t last_step = 0;
+    };
+    absl::flat_hash_map<const Content*, Retained> retained;
     // cache->key and cache->rank_count, kept here so a repeat does not touch
     // the Content (one cache miss fewer per node and group at scale).
     uint64_t cache_key = 0;
@@ -225,6 +280,8 @@ class Coordinator {
     int word_hi = 0;
     int64_t last_step = -1;
     bool answers_progress = false;  // NodeHello.answers_progress
+    // When its stream ended; InfiniteFuture while connected.
+    absl::Time disconnected_at = absl::InfiniteFuture();
     // node_hash_map: sessions' batch records point at the values.
     absl::node_hash_map<std::string, NodeGroupState> groups;
   };
@@ -291,8 +348,21 @@ class Coordinator {
     int64_t usage_bytes = 0;
     std::unique_ptr<GroupObserver> observer;
   };
+  // One run (incarnation) of a job. It starts at the job's first NodeHello
+  // or key-value request and ends when its last node disconnects, when a
+  // newer run supersedes it, or (never joined by a node) after
+  // run_start_timeout. `node_epochs`: the nodes that joined it, each with the
+  // epoch its sidecar drew for its ranks.
+  struct Run {
+    std::string run_id;
+    absl::Time started;
+    absl::flat_hash_map<std::string, uint64_t> node_epochs;
+    bool failed = false;
+    v1::DecisionError failure;
+  };
   struct Job {
     std::string job_id;
+    std::string run_id;
     int world_size = 0;
     absl::node_hash_map<std::string, NodeState> nodes;
     absl::node_hash_map<std::string, GroupState> groups;
@@ -307,10 +377,12 @@ class Coordinator {
   struct RetiredGroup {
     std::vector<std::string> param_names;
     std::deque<UsageEntry> usage;
+    int64_t usage_bytes = 0;
   };
   struct RetiredJob {
     v1::JobStatus status;
     std::map<std::string, RetiredGroup> groups;
+    int64_t usage_bytes = 0;
   };
   // One manifest of a session's previous batch, resolved once.
   struct BatchEntry {
@@ -408,6 +480,35 @@ class Coordinator {
   static void FlushSkips(NodeGroupState& ng);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Wakes the timer at `at` if that is earlier than its next wake.
+  void WakeTimerAtLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At a deadline check: fails the job when a pending step needs ranks of a
+  // node disconnected for longer than node_reconnect_grace (returns whether
+  // it did); otherwise lowers `next` to when one would be due.
+  bool FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs. JoinRunLocked places a node (NodeHello, or a key-value request it
+  // forwarded) in the job's run according to `start` (see accord.proto,
+  // NodeHello.run_start), superseding the current run when the node's ranks
+  // were restarted; a RUN_ENDED error for a node of an ended run.
+  absl::StatusOr<Run*> JoinRunLocked(const std::string& job_id, v1::NodeHello::RunStart start,
+                                     const std::string& run_id, const std::string& node_id,
+                                     uint64_t node_epoch, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Run& StartRunLocked(const std::string& job_id, std::string run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the job's run: every connected node of it gets `error` (when set)
+  // and loses its job, the job's state is dropped, the run's end is queued
+  // for on_run_ended.
+  void EndRunLocked(const std::string& job_id, const absl::Status& why,
+                    const v1::DecisionError* error, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The key-value scope of a run: its id, or after its failure a fresh one
+  // (the failure dropped the run's keys).
+  static std::string KeyScopeOf(const Run& run);
+  // Ends runs that never got a node within run_start_timeout; returns the
+  // next time one is due.
+  absl::Time ExpireStartingRunsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeliverRunEnds() ABSL_LOCKS_EXCLUDED(mu_);
   void TimerLoop();
 
   // Observe hooks (observe_views.cc). NoteErrorLocked counts an error sent to a
@@ -426,6 +527,8 @@ class Coordinator {
   void ObserveStallLocked(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
                           absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the oldest retired job (its usage windows).
+  void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
   static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);
@@ -445,6 +548,23 @@ class Coordinator {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);  // by job id
+  uint64_t run_nonce_ ABSL_GUARDED_BY(mu_) = 0;                      // seeded at construction
+  struct EndedRun {
+    std::string job_id;
+    std::string run_id;  // the key scope (KeyScopeOf)
+    absl::Status why;
+    std::string successor;  // a failed run's fresh key scope
+  };
+  std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
+  // The last kRecentlyEnded runs that ended (job id, run id), so a late
+  // RESUME or key-value request of an ended run is refused instead of
+  // reviving it as if this coordinator had restarted (bounded FIFO).
+  static constexpr size_t kRecentlyEnded = 4096;
+  std::deque<std::pair<std::string, std::string>> recently_ended_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::pair<std::string, std::string>> recently_ended_set_ ABSL_GUARDED_BY(mu_);
+  void NoteRunEndedLocked(const std::string& job_id, const std::string& run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)

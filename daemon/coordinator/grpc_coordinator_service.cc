@@ -21,8 +21,9 @@ class NodeSessionReactor final
     : public QueuedStreamReactor<v1::NodeMessage, v1::CoordinatorMessage>,
       public NodeSink {
  public:
-  NodeSessionReactor(CoordinatorGrpcService* service, bool refuse)
+  NodeSessionReactor(CoordinatorGrpcService* service, bool refuse, const std::string& peer)
       : service_(service), coordinator_(service->coordinator_) {
+    SetWriteQueueLimits(service->queue_limits_, absl::StrCat("the sidecar at ", peer));
     if (refuse) {
       FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
       return;
@@ -87,7 +88,7 @@ class NodeSessionReactor final
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* CoordinatorGrpcService::Session(
     grpc::CallbackServerContext* context) {
   accord::MutexLock l(&mu_);
-  auto* r = new NodeSessionReactor(this, shutting_down_);
+  auto* r = new NodeSessionReactor(this, shutting_down_, context->peer());
   live_.insert(r);
   return r;
 }
@@ -103,6 +104,16 @@ void CoordinatorGrpcService::FinishAll() {
   for (NodeSessionReactor* r : live_) r->FinishSoon();
 }
 
+template <typename Request>
+absl::StatusOr<std::string> KeyValueGrpcService::RunOf(const Request& request) {
+  if (runs_ == nullptr || request.job_id().empty()) return std::string();
+  Coordinator::KeyValueOrigin origin;
+  origin.run_id = request.run_id();
+  origin.node_id = request.node_id();
+  origin.node_epoch = request.node_epoch();
+  return runs_->RunForKeyValue(request.job_id(), origin);
+}
+
 grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* context,
                                                    const v1::KeyValueSetRequest* request,
                                                    v1::KeyValueSetResponse* response) {
@@ -116,7 +127,13 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* 
       return reactor;
     }
   }
-  reactor->Finish(ToGrpcStatus(kv_->Set(request->job_id(), request->key(), request->value())));
+  absl::StatusOr<std::string> run = RunOf(*request);
+  if (!run.ok()) {
+    reactor->Finish(ToGrpcStatus(run.status()));
+    return reactor;
+  }
+  reactor->Finish(
+      ToGrpcStatus(kv_->Set(request->job_id(), *run, request->key(), request->value())));
   return reactor;
 }
 
@@ -137,8 +154,13 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "negative timeout_ms"));
     return reactor;
   }
+  absl::StatusOr<std::string> run = RunOf(*request);
+  if (!run.ok()) {
+    reactor->Finish(ToGrpcStatus(run.status()));
+    return reactor;
+  }
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-  kv_->Get(request->job_id(), std::move(keys), absl::Milliseconds(request->timeout_ms()),
+  kv_->Get(request->job_id(), *run, std::move(keys), absl::Milliseconds(request->timeout_ms()),
            [reactor, response](absl::StatusOr<std::vector<std::string>> values) {
              if (values.ok()) {
                for (std::string& v : *values) response->add_values(std::move(v));

@@ -10,6 +10,7 @@
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/write_queue_limits.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/kv_store.h"
 
@@ -25,8 +26,11 @@ class NodeSessionReactor;
 // and ends with that status, and the Coordinator never sees the hello.
 class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackService {
  public:
-  explicit CoordinatorGrpcService(Coordinator* coordinator, const JobTokens* tokens = nullptr)
-      : coordinator_(coordinator), tokens_(tokens) {}
+  // `queue_limits`: the watermarks of each stream's write queue
+  // (write_queue_limits.h).
+  explicit CoordinatorGrpcService(Coordinator* coordinator, const JobTokens* tokens = nullptr,
+                                  WriteQueueLimits queue_limits = {})
+      : coordinator_(coordinator), tokens_(tokens), queue_limits_(queue_limits) {}
   grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* context) override;
   // Ends every open session (UNAVAILABLE) once its queued replies are
@@ -39,6 +43,7 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
 
   Coordinator* const coordinator_;
   const JobTokens* const tokens_;
+  const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<NodeSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
@@ -46,11 +51,14 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
 
 // KeyValueService over a KvStore; `Get` waits without holding a thread.
 // With `tokens` every request must carry its job's token (PERMISSION_DENIED
-// otherwise), so no job can read or write another job's keys.
+// otherwise), so no job can read or write another job's keys. With `runs`
+// each request is placed in its run (Coordinator::RunForKeyValue) and keys
+// are kept per run; without, every request of a job shares one scope.
 class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
  public:
-  explicit KeyValueGrpcService(KvStore* kv, const JobTokens* tokens = nullptr)
-      : kv_(kv), tokens_(tokens) {}
+  explicit KeyValueGrpcService(KvStore* kv, const JobTokens* tokens = nullptr,
+                               Coordinator* runs = nullptr)
+      : kv_(kv), tokens_(tokens), runs_(runs) {}
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -59,8 +67,12 @@ class KeyValueGrpcService final : public v1::KeyValueService::CallbackService {
                                 v1::KeyValueGetResponse* response) override;
 
  private:
+  template <typename Request>
+  absl::StatusOr<std::string> RunOf(const Request& request);
+
   KvStore* const kv_;
   const JobTokens* const tokens_;
+  Coordinator* const runs_;
 };
 
 }  // namespace accord::daemon

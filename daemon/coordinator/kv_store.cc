@@ -21,7 +21,7 @@ void KvStore::Stop() {
     stopping_ = true;
     for (Waiter& w : waiters_) {
       ready.emplace_back(std::move(w.done), absl::UnavailableError(absl::StrCat(
-                                                "job ", w.job_id,
+                                                "job ", w.scope.first,
                                                 ": the coordinator is shutting down; retry "
                                                 "against its replacement")));
     }
@@ -32,9 +32,9 @@ void KvStore::Stop() {
   if (timer_.joinable()) timer_.join();
 }
 
-bool KvStore::Lookup(const std::string& job_id, const std::vector<std::string>& keys,
+bool KvStore::Lookup(const Scope& scope, const std::vector<std::string>& keys,
                      std::vector<std::string>* values, std::vector<std::string>* missing) {
-  auto jit = data_.find(job_id);
+  auto jit = data_.find(scope);
   values->clear();
   missing->clear();
   for (const std::string& k : keys) {
@@ -49,7 +49,8 @@ bool KvStore::Lookup(const std::string& job_id, const std::vector<std::string>& 
   return missing->empty();
 }
 
-absl::Status KvStore::Set(const std::string& job_id, const std::string& key, std::string value) {
+absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
+                          const std::string& key, std::string value) {
   if (job_id.empty() || key.empty()) {
     return absl::InvalidArgumentError("key-value Set needs a job_id and a key");
   }
@@ -62,22 +63,34 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& key, std
   {
     accord::MutexLock l(&mu_);
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    auto jit = data_.find(job_id);
+    Scope scope(job_id, run_id);
+    auto jit = data_.find(scope);
     if (jit == data_.end() && static_cast<int>(data_.size()) >= options_.max_jobs) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", job_id, ": the key-value store already holds ", data_.size(), " jobs"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", job_id, ": the key-value store already holds keys of ", data_.size(),
+                       " live runs (--max_jobs); a run's keys are dropped when it ends, so check "
+                       "for jobs that never end or raise --max_jobs"));
     }
-    auto& job = data_[job_id];
-    if (!job.contains(key) && static_cast<int>(job.size()) >= options_.max_keys_per_job) {
+    auto& job = data_[scope];
+    if (auto it = job.find(key); it != job.end()) {
+      if (it->second == value) return absl::OkStatus();
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job ", job_id, " run ", run_id, ": key \"", key,
+          "\" was already set in this run with another value; bootstrap keys are write-once "
+          "per run. Check that only one rank publishes it (e.g. rank 0 for the NCCL unique id) "
+          "and that no rank of an earlier run is still running"));
+    }
+    if (static_cast<int>(job.size()) >= options_.max_keys_per_job) {
       return absl::ResourceExhaustedError(
           absl::StrCat("job ", job_id, ": more than ", options_.max_keys_per_job, " keys"));
     }
-    job[key] = std::move(value);
+    job.emplace(key, std::move(value));
+    ++num_keys_;
     std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (it->job_id == job_id &&
+      if (it->scope == scope &&
           std::find(it->keys.begin(), it->keys.end(), key) != it->keys.end() &&
-          Lookup(it->job_id, it->keys, &values, &missing)) {
+          Lookup(it->scope, it->keys, &values, &missing)) {
         ready.emplace_back(std::move(it->done), values);
         it = waiters_.erase(it);
       } else {
@@ -89,8 +102,8 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& key, std
   return absl::OkStatus();
 }
 
-void KvStore::Get(const std::string& job_id, std::vector<std::string> keys, absl::Duration timeout,
-                  GetCallback done) {
+void KvStore::Get(const std::string& job_id, const std::string& run_id,
+                  std::vector<std::string> keys, absl::Duration timeout, GetCallback done) {
   if (job_id.empty() || keys.empty()) {
     done(absl::InvalidArgumentError("key-value Get needs a job_id and at least one key"));
     return;
@@ -104,9 +117,10 @@ void KvStore::Get(const std::string& job_id, std::vector<std::string> keys, absl
       mu_.Lock();
       return;
     }
-    if (!Lookup(job_id, keys, &values, &missing) && timeout > absl::ZeroDuration()) {
+    Scope scope(job_id, run_id);
+    if (!Lookup(scope, keys, &values, &missing) && timeout > absl::ZeroDuration()) {
       const absl::Time deadline = clock_->Now() + std::min(timeout, options_.max_timeout);
-      waiters_.push_back(Waiter{job_id, std::move(keys), deadline, std::move(done)});
+      waiters_.push_back(Waiter{std::move(scope), std::move(keys), deadline, std::move(done)});
       cv_.SignalAll();
       return;
     }
@@ -117,6 +131,49 @@ void KvStore::Get(const std::string& job_id, std::vector<std::string> keys, absl
     done(absl::NotFoundError(
         absl::StrCat("job ", job_id, ": keys not set: ", absl::StrJoin(missing, ", "))));
   }
+}
+
+void KvStore::DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
+                      const std::string& successor) {
+  Ready ready;
+  {
+    accord::MutexLock l(&mu_);
+    const Scope scope(job_id, run_id);
+    if (auto it = data_.find(scope); it != data_.end()) {
+      num_keys_ -= static_cast<int64_t>(it->second.size());
+      data_.erase(it);
+    }
+    std::vector<std::string> values, missing;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->scope != scope) {
+        ++it;
+        continue;
+      }
+      if (successor.empty()) {
+        ready.emplace_back(std::move(it->done), why);
+        it = waiters_.erase(it);
+        continue;
+      }
+      it->scope = Scope(job_id, successor);
+      if (Lookup(it->scope, it->keys, &values, &missing)) {
+        ready.emplace_back(std::move(it->done), values);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [done, result] : ready) done(std::move(result));
+}
+
+int KvStore::NumRuns() {
+  accord::MutexLock l(&mu_);
+  return static_cast<int>(data_.size());
+}
+
+int64_t KvStore::NumKeys() {
+  accord::MutexLock l(&mu_);
+  return num_keys_;
 }
 
 int KvStore::NumWaiting() {
@@ -133,10 +190,10 @@ void KvStore::TimerLoop() {
     std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->deadline <= now) {
-        Lookup(it->job_id, it->keys, &values, &missing);
+        Lookup(it->scope, it->keys, &values, &missing);
         ready.emplace_back(std::move(it->done),
                            absl::DeadlineExceededError(absl::StrCat(
-                               "job ", it->job_id, ": keys still not set after the wait: ",
+                               "job ", it->scope.first, ": keys still not set after the wait: ",
                                absl::StrJoin(missing, ", "),
                                "; check that the rank that publishes them is running")));
         it = waiters_.erase(it);

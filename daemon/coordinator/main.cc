@@ -28,6 +28,11 @@
 #include "observe/http_server.h"
 #include "observe/metrics.h"
 
+ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
+          "messages queued for one stream's reader past which it is logged as slow");
+ABSL_FLAG(int64_t, stream_queue_high_watermark, 16384,
+          "messages queued for one stream's reader past which it is cut off "
+          "(RESOURCE_EXHAUSTED) instead of growing memory");
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "host:port to serve CoordinatorService, KeyValueService, ObserveService and gRPC health "
           "on (port 0: any free port; the bound address is printed on stdout). A non-loopback "
@@ -54,7 +59,26 @@ ABSL_FLAG(bool, param_skip_metrics, false,
           "and rank: large)");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_jobs, 1024, "jobs served at once; one more is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int, max_jobs, 1024,
+          "jobs (runs) served at once, key-value entries included; one more is refused with "
+          "LIMIT_EXCEEDED. A run's state and keys are dropped when it ends, so this bounds live "
+          "runs, not job ids ever seen");
+ABSL_FLAG(int64_t, usage_window_steps, 1000,
+          "observe API: decided steps of per-step usage kept per group (skip matrix)");
+ABSL_FLAG(int64_t, usage_window_bytes, 16 << 20,
+          "observe API: approximate bytes one group's usage window may keep alive");
+ABSL_FLAG(int64_t, usage_window_total_bytes, 256 << 20,
+          "observe API: approximate bytes all usage windows together may keep alive (retired "
+          "jobs' windows are dropped first)");
+ABSL_FLAG(absl::Duration, metrics_series_grace, absl::Minutes(10),
+          "metric series of a job are removed this long after its last run ended (unless the "
+          "job id came back meanwhile)");
+ABSL_FLAG(absl::Duration, node_reconnect_grace, absl::Seconds(10),
+          "a node whose stream ended while a pending step needs its ranks fails the job (every "
+          "rank gets UNAVAILABLE naming it) once it has not come back for this long");
+ABSL_FLAG(absl::Duration, run_start_timeout, absl::Minutes(5),
+          "a run started by a key-value request ends (its keys dropped) when no node joins it "
+          "within this long (see docs/ARCHITECTURE.md, Runs)");
 ABSL_FLAG(int, max_groups_per_job, 16384,
           "groups registered per job; one more is refused with LIMIT_EXCEEDED");
 ABSL_FLAG(int64_t, max_params_per_group, 1 << 20,
@@ -199,6 +223,7 @@ int Main(int argc, char** argv) {
   CoordinatorMetricsOptions metrics_options;
   metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
   metrics_options.event_log = event_log.get();
+  metrics_options.series_grace = absl::GetFlag(FLAGS_metrics_series_grace);
   CoordinatorMetrics metrics(&registry, metrics_options);
   if (tokens != nullptr) {
     tokens->SetDeniedCallback([&metrics](const std::string& job_id, const std::string& message) {
@@ -219,12 +244,25 @@ int Main(int argc, char** argv) {
   options.max_params_per_group = absl::GetFlag(FLAGS_max_params_per_group);
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
-  Coordinator coordinator(options, RealClock::Get());
   KvOptions kv_options;
   kv_options.max_jobs = options.max_jobs;
   KvStore kv(kv_options, RealClock::Get());
-  CoordinatorGrpcService coordinator_service(&coordinator, tokens.get());
-  KeyValueGrpcService kv_service(&kv, tokens.get());
+  // Runs own the key-value entries: a run's keys go when it ends or fails.
+  options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
+                               const absl::Status& why, const std::string& successor) {
+    kv.DropRun(job_id, run_id, why, successor);
+  };
+  options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
+  options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
+  options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);
+  options.usage_window_bytes = absl::GetFlag(FLAGS_usage_window_bytes);
+  options.usage_total_bytes = absl::GetFlag(FLAGS_usage_window_total_bytes);
+  Coordinator coordinator(options, RealClock::Get());
+  WriteQueueLimits queue_limits;
+  queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
+  queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
+  CoordinatorGrpcService coordinator_service(&coordinator, tokens.get(), queue_limits);
+  KeyValueGrpcService kv_service(&kv, tokens.get(), &coordinator);
   ObserveGrpcService observe_service(
       &coordinator, [&tokens](const std::string& job_id, const std::string& token) {
         if (tokens == nullptr) return absl::OkStatus();
@@ -289,8 +327,30 @@ int Main(int argc, char** argv) {
     }
     std::printf("accord-coordinator health on %s:%d\n", host.c_str(), bound);
   }
+  // What the bounds of docs/ARCHITECTURE.md ("Bounds") keep in check.
+  Gauge& runs_gauge = registry.AddGauge("accord_runs", "Live runs (jobs' incarnations).").Get();
+  Gauge& kv_runs_gauge =
+      registry.AddGauge("accord_kv_runs", "Runs holding key-value entries.").Get();
+  Gauge& kv_keys_gauge = registry.AddGauge("accord_kv_keys", "Key-value entries held.").Get();
+  Gauge& streams_gauge =
+      registry.AddGauge("accord_node_streams", "Sidecar streams open on the coordinator.").Get();
+  Gauge& retained_gauge =
+      registry
+          .AddGauge("accord_retained_contents", "Node manifest contents kept for pending steps.")
+          .Get();
+  Gauge& usage_gauge =
+      registry
+          .AddGauge("accord_usage_window_bytes", "Approximate bytes the usage windows keep alive.")
+          .Get();
   MetricsHttpServer metrics_server([&] {
     metrics.Refresh(coordinator);
+    const CoordinatorStats st = coordinator.stats();
+    runs_gauge.Set(static_cast<double>(st.runs));
+    streams_gauge.Set(static_cast<double>(st.sessions));
+    retained_gauge.Set(static_cast<double>(st.retained_contents));
+    usage_gauge.Set(static_cast<double>(st.usage_bytes));
+    kv_runs_gauge.Set(kv.NumRuns());
+    kv_keys_gauge.Set(static_cast<double>(kv.NumKeys()));
     return registry.Render();
   });
   if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {

@@ -40,6 +40,7 @@ class JobMetrics final : public JobObserver {
         hits_(&parent->f_.cache_hits->WithLabels({job_id_})),
         misses_(&parent->f_.cache_misses->WithLabels({job_id_})),
         wait_(&parent->f_.wait->WithLabels({job_id_})) {}
+  ~JobMetrics() override { parent_->JobObserverGone(job_id_); }
 
   void OnManifest(bool cache_hit) override { (cache_hit ? hits_ : misses_)->Increment(); }
 
@@ -60,7 +61,7 @@ class JobMetrics final : public JobObserver {
 };
 
 CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry* registry, CoordinatorMetricsOptions options)
-    : options_(options) {
+    : options_(options), clock_(options.clock != nullptr ? options.clock : RealClock::Get()) {
   MetricsRegistry& r = *registry;
   f_.decisions = &r.AddCounter("accord_decisions_total", "Decisions made (one per group and step).",
                                {"job", "group"});
@@ -98,11 +99,60 @@ CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry* registry, CoordinatorMet
 }
 
 std::unique_ptr<JobObserver> CoordinatorMetrics::ForJob(const std::string& job_id, int world_size) {
-  {
-    accord::MutexLock l(&mu_);
-    jobs_seen_.insert(job_id);
-  }
+  // The JobMetrics takes its series under mu_, so a prune never removes
+  // series a live observer points at.
+  accord::MutexLock l(&mu_);
+  PruneEndedJobsLocked();
+  jobs_seen_.insert(job_id);
+  ++live_[job_id];
+  ended_.erase(job_id);
   return std::make_unique<JobMetrics>(this, job_id);
+}
+
+void CoordinatorMetrics::JobObserverGone(const std::string& job_id) {
+  accord::MutexLock l(&mu_);
+  auto it = live_.find(job_id);
+  if (it == live_.end() || --it->second > 0) return;
+  live_.erase(it);
+  ended_[job_id] = clock_->Now();
+}
+
+void CoordinatorMetrics::PruneEndedJobs() {
+  accord::MutexLock l(&mu_);
+  PruneEndedJobsLocked();
+}
+
+void CoordinatorMetrics::PruneEndedJobsLocked() {
+  const absl::Time now = clock_->Now();
+  for (auto it = ended_.begin(); it != ended_.end();) {
+    const std::string& job = it->first;
+    if (now - it->second < options_.series_grace || live_.contains(job)) {
+      ++it;
+      continue;
+    }
+    f_.decisions->RemoveByFirstLabel(job);
+    f_.zero_fills->RemoveByFirstLabel(job);
+    f_.skips->RemoveByFirstLabel(job);
+    f_.param_skips->RemoveByFirstLabel(job);
+    f_.wait->RemoveByFirstLabel(job);
+    f_.cache_hits->RemoveByFirstLabel(job);
+    f_.cache_misses->RemoveByFirstLabel(job);
+    f_.missing_rank_events->RemoveByFirstLabel(job);
+    f_.errors->RemoveByFirstLabel(job);
+    f_.stalls->RemoveByFirstLabel(job);
+    f_.connected_sidecars->RemoveByFirstLabel(job);
+    f_.stalled_groups->RemoveByFirstLabel(job);
+    jobs_seen_.erase(job);
+    for (auto g = groups_.lower_bound({job, ""}); g != groups_.end() && g->first == job;) {
+      g = groups_.erase(g);
+    }
+    it = ended_.erase(it);
+  }
+}
+
+size_t CoordinatorMetrics::NumJobsWithSeries() {
+  accord::MutexLock l(&mu_);
+  return jobs_seen_.size();
 }
 
 void CoordinatorMetrics::NoteGroup(const std::string& job_id, const std::string& group_id) {
@@ -161,6 +211,15 @@ std::pair<std::string, JsonObject> CoordinatorMetrics::EventRecord(const Observe
 }
 
 void CoordinatorMetrics::OnEvent(const ObserveEvent& e) {
+  if (!e.job_id.empty()) {
+    // An event of a job without a live run (e.g. a refused hello) creates
+    // series too: they age out like an ended job's.
+    accord::MutexLock l(&mu_);
+    if (!live_.contains(e.job_id) && !ended_.contains(e.job_id)) {
+      jobs_seen_.insert(e.job_id);
+      ended_[e.job_id] = clock_->Now();
+    }
+  }
   switch (e.type) {
     case ObserveEvent::Type::kError:
       f_.errors->WithLabels({e.job_id, v1::ErrorKind_Name(e.kind)}).Increment();
@@ -181,21 +240,21 @@ void CoordinatorMetrics::OnEvent(const ObserveEvent& e) {
 }
 
 void CoordinatorMetrics::Refresh(Coordinator& coordinator) {
+  PruneEndedJobs();
   const std::vector<Coordinator::JobGauges> gauges = coordinator.Gauges();
-  std::set<std::string> jobs;
   std::set<std::pair<std::string, std::string>> groups;
-  {
-    accord::MutexLock l(&mu_);
-    jobs = jobs_seen_;
-    if (options_.param_skip_metrics) groups = groups_;
-  }
   std::map<std::string, const Coordinator::JobGauges*> live;
   for (const auto& g : gauges) live[g.job_id] = &g;
-  for (const std::string& job : jobs) {
-    auto it = live.find(job);
-    f_.connected_sidecars->WithLabels({job}).Set(it == live.end() ? 0
-                                                                  : it->second->connected_nodes);
-    f_.stalled_groups->WithLabels({job}).Set(it == live.end() ? 0 : it->second->stalled_groups);
+  {
+    // Under mu_, so a concurrent prune cannot be undone by a late Set.
+    accord::MutexLock l(&mu_);
+    if (options_.param_skip_metrics) groups = groups_;
+    for (const std::string& job : jobs_seen_) {
+      auto it = live.find(job);
+      f_.connected_sidecars->WithLabels({job}).Set(it == live.end() ? 0
+                                                                    : it->second->connected_nodes);
+      f_.stalled_groups->WithLabels({job}).Set(it == live.end() ? 0 : it->second->stalled_groups);
+    }
   }
   std::vector<std::pair<std::string, std::string>> gone;
   for (const auto& [job, group] : groups) {

@@ -6,12 +6,16 @@
 // per job and group, so they are a few atomic adds under the coordinator's
 // lock. Gauges, and the opt-in per-parameter skip counters, are read from the
 // Coordinator at scrape time (Refresh). Series of a job that ended are kept
-// (counters hold their final values; gauges drop to 0).
+// for `series_grace` (counters hold their final values; gauges drop to 0),
+// then removed, unless the job id came back (a new run) meanwhile; so the
+// number of series is bounded by the live jobs plus those that ended within
+// the grace (see docs/ARCHITECTURE.md, "Bounds").
 //
 // Thread-safe.
 #ifndef ACCORD_DAEMON_COORDINATOR_METRICS_COORDINATOR_H_
 #define ACCORD_DAEMON_COORDINATOR_METRICS_COORDINATOR_H_
 
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -19,6 +23,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "core/sync.h"
+#include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/observe_hooks.h"
 #include "observe/event_log.h"
@@ -31,6 +36,9 @@ struct CoordinatorMetricsOptions {
   // and rank, so off by default (--param_skip_metrics).
   bool param_skip_metrics = false;
   EventLog* event_log = nullptr;  // not owned; null: no event log
+  // How long a job's series outlive its last run (--metrics_series_grace).
+  absl::Duration series_grace = absl::Minutes(10);
+  Clock* clock = nullptr;  // not owned; null: the real clock
 };
 
 class CoordinatorMetrics final : public CoordinatorObserver {
@@ -43,6 +51,12 @@ class CoordinatorMetrics final : public CoordinatorObserver {
   // Reads gauges (and per-parameter skips when enabled) from `coordinator`;
   // call before rendering the registry.
   void Refresh(Coordinator& coordinator);
+
+  // Removes the series of jobs that ended at least series_grace ago (Refresh
+  // and ForJob call it too).
+  void PruneEndedJobs();
+  // Jobs whose series are kept (live, or ended within the grace).
+  size_t NumJobsWithSeries();
 
   // The event as one event-log record (type and fields); for tests.
   static std::pair<std::string, JsonObject> EventRecord(const ObserveEvent& event);
@@ -64,12 +78,18 @@ class CoordinatorMetrics final : public CoordinatorObserver {
 
  private:
   void NoteGroup(const std::string& job_id, const std::string& group_id);
+  void JobObserverGone(const std::string& job_id);
+  void PruneEndedJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorMetricsOptions options_;
   Families f_;
   accord::Mutex mu_;
   std::set<std::string> jobs_seen_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> groups_ ABSL_GUARDED_BY(mu_);  // (job, group)
+  Clock* const clock_;
+  // Live JobMetrics per job id, and when each job without one ended.
+  std::map<std::string, int> live_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Time> ended_ ABSL_GUARDED_BY(mu_);
 
   friend class JobMetrics;
 };

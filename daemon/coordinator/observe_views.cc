@@ -151,15 +151,23 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     p.contributions.clear();
     entry.bytes = ContentBytes(entry.contents);
     g.usage_bytes += entry.bytes;
+    stats_.usage_bytes += entry.bytes;
     g.usage.push_back(std::move(entry));
   }
   ++g.usage_steps;
-  while (!g.usage.empty() &&
-         (g.usage_steps > options_.usage_window_steps ||
-          (g.usage_bytes > options_.usage_window_bytes && g.usage.size() > 1))) {
+  // The global cap (usage_total_bytes): retired jobs' windows go first.
+  while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
+    PopRetiredLocked();
+  }
+  const bool over_total = stats_.usage_bytes > options_.usage_total_bytes;
+  while (!g.usage.empty() && (g.usage_steps > options_.usage_window_steps ||
+                              ((g.usage_bytes > options_.usage_window_bytes ||
+                                stats_.usage_bytes > options_.usage_total_bytes) &&
+                               g.usage.size() > 1))) {
     UsageEntry& front = g.usage.front();
     const int64_t excess = g.usage_steps - options_.usage_window_steps;
-    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes) {
+    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes &&
+        !over_total) {
       front.first_step += excess;
       front.steps -= excess;
       g.usage_steps -= excess;
@@ -167,6 +175,7 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     }
     g.usage_steps -= front.steps;
     g.usage_bytes -= front.bytes;
+    stats_.usage_bytes -= front.bytes;
     g.usage.pop_front();
   }
 }
@@ -295,7 +304,7 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
 }
 
 void Coordinator::RetireJobLocked(Job& job) {
-  if (options_.retired_jobs <= 0) return;
+  if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
   r.status = JobStatusOfLocked(job);
   for (auto& [id, g] : job.groups) {
@@ -305,13 +314,25 @@ void Coordinator::RetireJobLocked(Job& job) {
       rg.param_names.push_back(p.name);
     }
     rg.usage = std::move(g.usage);
+    rg.usage_bytes = g.usage_bytes;
+    r.usage_bytes += g.usage_bytes;
+    g.usage_bytes = 0;  // now counted as the retired job's
   }
-  retired_.erase(
-      std::remove_if(retired_.begin(), retired_.end(),
-                     [&](const RetiredJob& x) { return x.status.job_id() == job.job_id; }),
-      retired_.end());
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (it->status.job_id() == job.job_id) {
+      stats_.usage_bytes -= it->usage_bytes;
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   retired_.push_back(std::move(r));
-  while (static_cast<int>(retired_.size()) > options_.retired_jobs) retired_.pop_front();
+  while (static_cast<int>(retired_.size()) > options_.retired_jobs) PopRetiredLocked();
+}
+
+void Coordinator::PopRetiredLocked() {
+  stats_.usage_bytes -= retired_.front().usage_bytes;
+  retired_.pop_front();
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
@@ -348,7 +369,25 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
     return absl::InvalidArgumentError(
         absl::StrCat("window_steps ", window_steps, " is negative; use 0 for every kept step"));
   }
-  accord::MutexLock l(&mu_);
+  // Snapshot under the lock (names and the usage runs in the window: shared,
+  // immutable contents), build the groups x params x world matrix outside
+  // it, so a large matrix never holds up the hot path.
+  struct GroupSnapshot {
+    std::string group_id;
+    std::vector<std::string> names;
+    std::deque<UsageEntry> usage;
+  };
+  auto window_of = [&](const std::deque<UsageEntry>& usage) {
+    std::deque<UsageEntry> kept;
+    int64_t remaining = window_steps > 0 ? window_steps : INT64_MAX;
+    for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
+      kept.push_front(*it);
+      remaining -= it->steps;
+    }
+    return kept;
+  };
+  std::vector<GroupSnapshot> groups;
+  int world = 0;
   v1::SkipMatrixResponse out;
   out.set_job_id(job_id);
   auto unknown_group = [&] {
@@ -358,40 +397,54 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
                                             "`accordctl status --job=",
                                             job_id, "`"));
   };
-  if (auto it = jobs_.find(job_id); it != jobs_.end()) {
-    const Job& job = it->second;
-    out.set_world_size(job.world_size);
-    std::vector<std::string> ids;
-    for (const auto& [id, g] : job.groups) {
-      if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
-    }
-    if (!group_id.empty() && ids.empty()) return unknown_group();
-    std::sort(ids.begin(), ids.end());
-    for (const std::string& id : ids) {
-      const GroupState& g = job.groups.find(id)->second;
-      std::vector<std::string> names;
-      for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
-        names.push_back(p.name);
+  {
+    accord::MutexLock l(&mu_);
+    bool found = false;
+    if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+      found = true;
+      const Job& job = it->second;
+      world = job.world_size;
+      std::vector<std::string> ids;
+      for (const auto& [id, g] : job.groups) {
+        if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
       }
-      *out.add_groups() = MatrixOf(id, names, job.world_size, g.usage, window_steps);
+      if (!group_id.empty() && ids.empty()) return unknown_group();
+      std::sort(ids.begin(), ids.end());
+      for (const std::string& id : ids) {
+        const GroupState& g = job.groups.find(id)->second;
+        GroupSnapshot& snap = groups.emplace_back();
+        snap.group_id = id;
+        for (const ParamSpec& p :
+             g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+          snap.names.push_back(p.name);
+        }
+        snap.usage = window_of(g.usage);
+      }
+    } else {
+      for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+        if (it->status.job_id() != job_id) continue;
+        found = true;
+        world = it->status.world_size();
+        if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
+        for (const auto& [id, rg] : it->groups) {
+          if (!group_id.empty() && id != group_id) continue;
+          groups.push_back(GroupSnapshot{id, rg.param_names, window_of(rg.usage)});
+        }
+        break;
+      }
     }
-    return out;
-  }
-  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
-    if (it->status.job_id() != job_id) continue;
-    out.set_world_size(it->status.world_size());
-    if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
-    for (const auto& [id, rg] : it->groups) {
-      if (!group_id.empty() && id != group_id) continue;
-      *out.add_groups() =
-          MatrixOf(id, rg.param_names, it->status.world_size(), rg.usage, window_steps);
+    if (!found) {
+      return absl::NotFoundError(absl::StrCat("job \"", job_id,
+                                              "\" is unknown to this coordinator (not running and "
+                                              "not among the recently ended jobs); check the job "
+                                              "id with `accordctl status`"));
     }
-    return out;
   }
-  return absl::NotFoundError(absl::StrCat("job \"", job_id,
-                                          "\" is unknown to this coordinator (not running and "
-                                          "not among the recently ended jobs); check the job id "
-                                          "with `accordctl status`"));
+  out.set_world_size(world);
+  for (const GroupSnapshot& g : groups) {
+    *out.add_groups() = MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
+  }
+  return out;
 }
 
 absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {

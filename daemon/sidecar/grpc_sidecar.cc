@@ -48,8 +48,9 @@ std::string UpstreamHint(const grpc::Status& status) {
 class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1::RankReply>,
                                  public RankSink {
  public:
-  RankSessionReactor(RankGrpcService* service, bool refuse)
+  RankSessionReactor(RankGrpcService* service, bool refuse, const std::string& peer)
       : service_(service), sidecar_(service->sidecar_) {
+    SetWriteQueueLimits(service->queue_limits_, absl::StrCat("the rank process at ", peer));
     if (refuse) {
       FinishNow(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is shutting down"));
       return;
@@ -100,7 +101,7 @@ class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1:
 grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* RankGrpcService::Session(
     grpc::CallbackServerContext* context) {
   accord::MutexLock l(&mu_);
-  auto* r = new RankSessionReactor(this, shutting_down_);
+  auto* r = new RankSessionReactor(this, shutting_down_, context->peer());
   live_.insert(r);
   return r;
 }
@@ -127,6 +128,16 @@ grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
                                    "sidecar holds; check ACCORD_TOKEN of the rank"));
 }
 
+template <typename Request>
+void KeyValueForwarder::Stamp(Request* request) const {
+  if (sidecar_ == nullptr) return;
+  Sidecar::RunStamp run = sidecar_->CurrentRun();
+  if (run.job_id.empty() || run.job_id != request->job_id()) return;
+  request->set_run_id(run.run_id);
+  request->set_node_id(run.node_id);
+  request->set_node_epoch(run.node_epoch);
+}
+
 grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* context,
                                                  const v1::KeyValueSetRequest* request,
                                                  v1::KeyValueSetResponse* response) {
@@ -143,6 +154,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
   // The upstream request owns a copy carrying the sidecar's token.
   auto* upstream = new v1::KeyValueSetRequest(*request);
   if (!token_.empty()) upstream->set_token(token_);
+  Stamp(upstream);
   auto* call = new grpc::ClientContext();
   call->set_deadline(absl::ToChronoTime(absl::Now() + slack_));
   stub_->async()->Set(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
@@ -168,6 +180,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
   }
   auto* upstream = new v1::KeyValueGetRequest(*request);
   if (!token_.empty()) upstream->set_token(token_);
+  Stamp(upstream);
   auto* call = new grpc::ClientContext();
   call->set_deadline(absl::ToChronoTime(
       absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) + slack_));
@@ -216,6 +229,7 @@ void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
 
 void GrpcUpstream::Reconnect() {
   accord::MutexLock l(&mu_);
+  reconnect_requested_ = true;
   if (context_ != nullptr) context_->TryCancel();
 }
 
@@ -282,6 +296,12 @@ void GrpcUpstream::ReadLoop() {
     if (got_any) backoff = absl::Milliseconds(100);
     accord::MutexLock l(&mu_);
     if (stopping_) return;
+    if (reconnect_requested_) {
+      // Ended on purpose (the node's job ended): the next job's stream
+      // starts at once, not after a failure backoff.
+      reconnect_requested_ = false;
+      continue;
+    }
     ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message() << ")"
                         << UpstreamHint(status) << "; reconnecting in "
                         << absl::FormatDuration(backoff);

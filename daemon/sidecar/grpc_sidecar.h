@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
+#include "daemon/common/write_queue_limits.h"
 #include "daemon/sidecar/sidecar.h"
 #include "grpcpp/grpcpp.h"
 
@@ -25,7 +26,10 @@ class RankSessionReactor;
 // RankService.Session: one reactor per rank process.
 class RankGrpcService final : public v1::RankService::CallbackService {
  public:
-  explicit RankGrpcService(Sidecar* sidecar) : sidecar_(sidecar) {}
+  // `queue_limits`: the watermarks of each rank stream's write queue
+  // (write_queue_limits.h).
+  explicit RankGrpcService(Sidecar* sidecar, WriteQueueLimits queue_limits = {})
+      : sidecar_(sidecar), queue_limits_(queue_limits) {}
   grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* Session(
       grpc::CallbackServerContext* context) override;
   // Ends every rank stream (UNAVAILABLE) after its queued replies.
@@ -35,6 +39,7 @@ class RankGrpcService final : public v1::RankService::CallbackService {
   friend class RankSessionReactor;
   void Remove(RankSessionReactor* r);
   Sidecar* const sidecar_;
+  const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<RankSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
@@ -54,6 +59,9 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
         only_job_(std::move(only_job)),
         token_(std::move(token)),
         slack_(slack) {}
+  // Requests of the sidecar's current job go upstream stamped with its run,
+  // node and epoch (Sidecar::CurrentRun); set before serving. Not owned.
+  void SetSidecar(Sidecar* sidecar) { sidecar_ = sidecar; }
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -62,6 +70,8 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
                                 v1::KeyValueGetResponse* response) override;
 
  private:
+  template <typename Request>
+  void Stamp(Request* request) const;
   // OK, or PERMISSION_DENIED for a request token that is not the sidecar's.
   grpc::Status CheckToken(const std::string& job_id, const std::string& token) const;
 
@@ -69,6 +79,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string only_job_;
   const std::string token_;
   const absl::Duration slack_;
+  Sidecar* sidecar_ = nullptr;
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread
@@ -96,6 +107,7 @@ class GrpcUpstream final : public UpstreamSink {
   const absl::Duration max_backoff_;
   accord::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool reconnect_requested_ ABSL_GUARDED_BY(mu_) = false;  // Reconnect() called
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -29,6 +29,11 @@
 #include "observe/http_server.h"
 #include "observe/metrics.h"
 
+ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
+          "messages queued for one stream's reader past which it is logged as slow");
+ABSL_FLAG(int64_t, stream_queue_high_watermark, 16384,
+          "messages queued for one stream's reader past which it is cut off "
+          "(RESOURCE_EXHAUSTED) instead of growing memory");
 ABSL_FLAG(std::string, coordinator, "localhost:7070",
           "coordinator host:port. A non-loopback address needs TLS (--tls_ca) or an explicit "
           "--plaintext");
@@ -220,8 +225,12 @@ int Main(int argc, char** argv) {
   Sidecar sidecar(options);
   GrpcUpstream upstream(channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
   sidecar.SetUpstream(&upstream);
-  RankGrpcService rank_service(&sidecar);
+  WriteQueueLimits queue_limits;
+  queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
+  queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
+  RankGrpcService rank_service(&sidecar, queue_limits);
   KeyValueForwarder kv_service(channel, options.job, options.token, absl::GetFlag(FLAGS_deadline));
+  kv_service.SetSidecar(&sidecar);
 
   const std::string path = absl::GetFlag(FLAGS_socket);
   std::error_code ec;

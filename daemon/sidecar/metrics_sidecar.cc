@@ -1,5 +1,7 @@
 #include "daemon/sidecar/metrics_sidecar.h"
 
+#include <algorithm>
+
 namespace accord::daemon {
 
 SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
@@ -12,6 +14,8 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
       "Merged node manifests sent to the coordinator, by form (full or repeat).", {"job", "form"});
   decisions_ = &registry->AddCounter("accord_sidecar_decisions_total",
                                      "Decisions received from the coordinator.", {"job"});
+  rank_streams_ =
+      &registry->AddGauge("accord_sidecar_rank_streams", "Rank streams open on this sidecar.");
 }
 
 void SidecarMetrics::Refresh(const SidecarStats& stats) {
@@ -36,7 +40,20 @@ void SidecarMetrics::Refresh(const SidecarStats& stats) {
     base_ = job_.empty() ? last_ : stats;
     if (!job_.empty()) connected_ranks_->WithLabels({job_}).Set(0);
     job_ = stats.job_id;
+    if (!job_.empty()) {
+      jobs_.erase(std::remove(jobs_.begin(), jobs_.end(), job_), jobs_.end());
+      jobs_.push_back(job_);
+      while (static_cast<int>(jobs_.size()) > kKeptJobs) {
+        const std::string& old = jobs_.front();
+        connected_ranks_->RemoveByFirstLabel(old);
+        rank_manifests_->RemoveByFirstLabel(old);
+        node_manifests_->RemoveByFirstLabel(old);
+        decisions_->RemoveByFirstLabel(old);
+        jobs_.pop_front();
+      }
+    }
   }
+  rank_streams_->Get().Set(stats.sessions);
   last_ = stats;
   if (job_.empty()) return;
   connected_ranks_->WithLabels({job_}).Set(stats.ranks);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -115,10 +116,16 @@ void Sidecar::SetUpstream(UpstreamSink* upstream) {
   upstream_ = upstream;
 }
 
+Sidecar::RunStamp Sidecar::CurrentRun() {
+  accord::MutexLock l(&mu_);
+  return RunStamp{job_id_, run_id_, options_.node_id, node_epoch_};
+}
+
 SidecarStats Sidecar::stats() {
   accord::MutexLock l(&mu_);
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
+  s.sessions = static_cast<int>(sessions_.size());
   s.job_id = job_id_.empty() ? last_job_id_ : job_id_;
   return s;
 }
@@ -216,6 +223,12 @@ v1::NodeMessage Sidecar::HelloMessageLocked() {
   h->set_token(options_.token.empty() ? rank_token_ : options_.token);
   for (int r : announced_) h->add_ranks(r);
   h->set_answers_progress(true);
+  // Runs (docs/ARCHITECTURE.md): a stream of a run we were placed in resumes
+  // it; otherwise this node's ranks start or join one.
+  h->set_run_id(run_id_);
+  h->set_run_start(run_id_.empty() ? v1::NodeHello::RUN_START_NEW
+                                   : v1::NodeHello::RUN_START_RESUME);
+  h->set_node_epoch(node_epoch_);
   return m;
 }
 
@@ -319,7 +332,12 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
     return;
   }
   const bool first = job_id_.empty();
-  if (first) rank_token_ = hello.token();
+  if (first) {
+    rank_token_ = hello.token();
+    // A new local incarnation of the job (see NodeHello.node_epoch).
+    std::random_device rd;
+    node_epoch_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+  }
   job_id_ = hello.job_id();
   world_size_ = hello.world_size();
   s.rank = hello.rank();
@@ -667,6 +685,8 @@ void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
   last_job_id_ = job_id_;
   job_id_.clear();
+  run_id_.clear();
+  node_epoch_ = 0;
   rank_token_.clear();
   world_size_ = 0;
   hello_sent_ = false;
@@ -736,6 +756,9 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       upstream_batch_repeat_ = message.welcome().batch_repeat();
+      if (!message.welcome().run_id().empty() && !job_id_.empty()) {
+        run_id_ = message.welcome().run_id();
+      }
       report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
       if (report_after_ > absl::ZeroDuration()) ArmTimerLocked(clock_->Now());

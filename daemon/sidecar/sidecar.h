@@ -107,6 +107,7 @@ struct SidecarStats {
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
   int ranks = 0;
+  int sessions = 0;    // open rank streams (accepted or not yet)
   std::string job_id;  // the job served now, else the last one ("" before the first)
 };
 
@@ -137,6 +138,17 @@ class Sidecar {
   void HandleCoordinatorMessage(v1::CoordinatorMessage* message);
 
   SidecarStats stats();
+
+  // The job served now, the run the coordinator placed this node in ("" until
+  // its Welcome), the node and the epoch drawn for the current ranks; the
+  // key-value forwarder stamps them on requests (docs/ARCHITECTURE.md, Runs).
+  struct RunStamp {
+    std::string job_id;
+    std::string run_id;
+    std::string node_id;
+    uint64_t node_epoch = 0;
+  };
+  RunStamp CurrentRun();
 
   // Reports upstream (NodeProgress.partial) every step that some local ranks
   // submitted and others did not for at least half the coordinator's
@@ -282,6 +294,8 @@ class Sidecar {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::string job_id_ ABSL_GUARDED_BY(mu_);
+  std::string run_id_ ABSL_GUARDED_BY(mu_);       // from the Welcome; "" before it
+  uint64_t node_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // drawn at the job's first local rank
   std::string last_job_id_ ABSL_GUARDED_BY(mu_);  // for metrics after the job ended
   std::string rank_token_ ABSL_GUARDED_BY(mu_);  // first rank's token, when options_.token is empty
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;

@@ -4,7 +4,9 @@
 #include <optional>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/common/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
 #include "tests/daemon/test_util.h"
@@ -686,6 +688,284 @@ TEST_F(CoordinatorTest, BatchRepeatThatDoesNotMatchThePreviousBatchIsAnErrorToTh
   coord_.HandleMessage(a2, BatchRepeat(1, {{"g0", a0.cache_key()}}));
   ASSERT_EQ(sink_a2.messages().size(), 2u);
   EXPECT_EQ(sink_a2.messages()[1].error().kind(), v1::INVALID_REQUEST);
+}
+
+}  // namespace
+}  // namespace accord::daemon
+
+namespace accord::daemon {
+namespace {
+
+// Runs (docs/ARCHITECTURE.md, "Runs").
+class CoordinatorRunTest : public ::testing::Test {
+ protected:
+  CoordinatorRunTest() : coord_(Options(), &clock_) {}
+  CoordinatorOptions Options() {
+    CoordinatorOptions o;
+    o.start_timer_thread = false;
+    o.run_start_timeout = absl::Seconds(30);
+    o.on_run_ended = [this](const std::string& job, const std::string& run, const absl::Status& why,
+                            const std::string& successor) {
+      ended_.push_back(absl::StrCat(job, "/", run, ": ", why.message()));
+    };
+    return o;
+  }
+  static v1::NodeMessage NewHello(const std::string& node, std::vector<int> ranks, uint64_t epoch) {
+    v1::NodeMessage m = testing::Hello("job", node, 2, std::move(ranks));
+    m.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+    m.mutable_hello()->set_node_epoch(epoch);
+    return m;
+  }
+  static std::string WelcomeRun(FakeNodeSink& sink) {
+    for (const v1::CoordinatorMessage& m : sink.messages()) {
+      if (m.has_welcome()) return m.welcome().run_id();
+    }
+    return "";
+  }
+
+  FakeClock clock_;
+  std::vector<std::string> ended_;
+  Coordinator coord_;
+};
+
+TEST_F(CoordinatorRunTest, NodesOfOneLaunchShareARunAndItEndsWithItsLastNode) {
+  FakeNodeSink a, b;
+  const auto sa = coord_.OpenSession(&a);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  const std::string run = WelcomeRun(a);
+  ASSERT_FALSE(run.empty());
+  EXPECT_EQ(WelcomeRun(b), run);
+  EXPECT_EQ(coord_.CurrentRun("job"), run);
+  coord_.CloseSession(sa);
+  EXPECT_TRUE(ended_.empty());
+  coord_.CloseSession(sb);
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_EQ(ended_[0],
+            absl::StrCat("job/", run, ": job job run ", run, " ended: its last node left"));
+  EXPECT_EQ(coord_.CurrentRun("job"), "");
+  EXPECT_EQ(coord_.stats().runs, 0);
+}
+
+TEST_F(CoordinatorRunTest, ANodeWhoseRanksRestartedSupersedesTheRunEvenWithAStaleStream) {
+  FakeNodeSink a_old, b, a_new;
+  const auto sa_old = coord_.OpenSession(&a_old);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa_old, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  const std::string old_run = WelcomeRun(a_old);
+  // Node a's old stream lingers (never closed); its ranks come back under a
+  // new epoch on a new stream.
+  const auto sa_new = coord_.OpenSession(&a_new);
+  b.Clear();
+  coord_.HandleMessage(sa_new, NewHello("a", {0}, 33));
+  const std::string new_run = WelcomeRun(a_new);
+  ASSERT_FALSE(new_run.empty());
+  EXPECT_NE(new_run, old_run);
+  const std::string want = absl::StrCat(
+      "job job run ", old_run,
+      " ended: node \"a\" started a new run of the same job id (its ranks were restarted), so "
+      "this run gets no more decisions; stop the ranks of the old run");
+  for (FakeNodeSink* s : {&a_old, &b}) {
+    ASSERT_FALSE(s->messages().empty());
+    const v1::CoordinatorMessage last = s->messages().back();
+    ASSERT_TRUE(last.has_error());
+    EXPECT_EQ(last.error().kind(), v1::RUN_ENDED);
+    EXPECT_EQ(last.error().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    EXPECT_EQ(last.error().message(), want);
+  }
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_EQ(ended_[0], absl::StrCat("job/", old_run, ": ", want));
+  // The old run's streams are detached: node b's old ranks reconnecting with
+  // the old run id are refused; b's new ranks join the new run.
+  FakeNodeSink b_resume;
+  const auto sbr = coord_.OpenSession(&b_resume);
+  v1::NodeMessage resume = NewHello("b", {1}, 22);
+  resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  resume.mutable_hello()->set_run_id(old_run);
+  coord_.HandleMessage(sbr, resume);
+  ASSERT_EQ(b_resume.messages().size(), 1u);
+  EXPECT_EQ(b_resume.messages()[0].error().kind(), v1::RUN_ENDED);
+  EXPECT_EQ(b_resume.messages()[0].error().message(),
+            absl::StrCat("job job run ", old_run, " has ended (the job's current run is ", new_run,
+                         ", started by a restart under the same job id); node \"b\" still speaks "
+                         "for the old run: stop its ranks"));
+  FakeNodeSink b_new;
+  const auto sbn = coord_.OpenSession(&b_new);
+  coord_.HandleMessage(sbn, NewHello("b", {1}, 44));
+  EXPECT_EQ(WelcomeRun(b_new), new_run);
+  // The stale stream finally closes: the new run is untouched.
+  coord_.CloseSession(sa_old);
+  EXPECT_EQ(coord_.CurrentRun("job"), new_run);
+}
+
+TEST_F(CoordinatorRunTest, AResumedStreamKeepsItsRunAcrossACoordinatorRestart) {
+  FakeNodeSink a;
+  const auto sa = coord_.OpenSession(&a);
+  v1::NodeMessage resume = NewHello("a", {0, 1}, 11);
+  resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  resume.mutable_hello()->set_run_id("r-from-before");
+  coord_.HandleMessage(sa, resume);
+  EXPECT_EQ(WelcomeRun(a), "r-from-before");
+}
+
+TEST_F(CoordinatorRunTest, KeyValueRequestsShareTheRunOfTheirNodeAndAStaleOneIsRefused) {
+  Coordinator::KeyValueOrigin from_a{"", "a", 11};
+  // A key-value request may arrive before the node's hello: it starts the run.
+  absl::StatusOr<std::string> kv_run = coord_.RunForKeyValue("job", from_a);
+  ASSERT_TRUE(kv_run.ok()) << kv_run.status();
+  FakeNodeSink a;
+  const auto sa = coord_.OpenSession(&a);
+  coord_.HandleMessage(sa, NewHello("a", {0, 1}, 11));
+  EXPECT_EQ(WelcomeRun(a), *kv_run);
+  Coordinator::KeyValueOrigin stale{"r-old", "a", 11};
+  absl::StatusOr<std::string> refused = coord_.RunForKeyValue("job", stale);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(wire::KindOf(refused.status()), v1::RUN_ENDED);
+}
+
+TEST_F(CoordinatorRunTest, AFailedRunDropsItsKeysAndLaterKeysGoToAFreshScope) {
+  FakeNodeSink a, b;
+  const auto sa = coord_.OpenSession(&a);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  const std::string run = WelcomeRun(a);
+  const GroupSpec spec = testing::MakeSpec("g0", 2);
+  coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+  coord_.HandleMessage(sb, testing::Registration(spec, {1}));
+  ASSERT_EQ(*coord_.RunForKeyValue("job", {run, "a", 11}), run);
+  // Node b never submits step 0: the run fails at the deadline.
+  coord_.HandleMessage(sa,
+                       testing::Batch({testing::NodeManifest("g0", 0, {kBf16, kNone}, 2, {0})}));
+  clock_.Advance(absl::Seconds(61));
+  coord_.CheckDeadlines();
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_TRUE(
+      absl::StartsWith(ended_[0], absl::StrCat("job/", run, ": job job group \"g0\" step 0")))
+      << ended_[0];
+  EXPECT_EQ(*coord_.RunForKeyValue("job", {run, "a", 11}), absl::StrCat(run, "/after-failure"));
+  coord_.CloseSession(sa);
+  coord_.CloseSession(sb);
+  ASSERT_EQ(ended_.size(), 2u);
+  EXPECT_TRUE(absl::StartsWith(ended_[1], absl::StrCat("job/", run, "/after-failure: ")))
+      << ended_[1];
+}
+
+TEST_F(CoordinatorRunTest, ALateRequestOfAnEndedRunIsRefusedNotRevived) {
+  FakeNodeSink a;
+  const auto sa = coord_.OpenSession(&a);
+  coord_.HandleMessage(sa, NewHello("a", {0, 1}, 11));
+  const std::string run = WelcomeRun(a);
+  coord_.CloseSession(sa);  // the run ends
+  absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "a", 11});
+  EXPECT_EQ(wire::KindOf(late.status()), v1::RUN_ENDED) << late.status();
+  EXPECT_EQ(coord_.CurrentRun("job"), "") << "not revived";
+  EXPECT_EQ(coord_.stats().runs, 0);
+}
+
+TEST_F(CoordinatorRunTest, ARunNoNodeJoinsEndsAfterTheStartTimeout) {
+  ASSERT_TRUE(coord_.RunForKeyValue("job", {}).ok());
+  EXPECT_EQ(coord_.stats().runs, 1);
+  clock_.Advance(absl::Seconds(29));
+  coord_.CheckDeadlines();
+  EXPECT_TRUE(ended_.empty());
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_THAT(ended_[0], ::testing::HasSubstr("ended: no node joined it within 30s "
+                                              "(--run_start_timeout)"));
+  EXPECT_EQ(coord_.stats().runs, 0);
+}
+
+TEST_F(CoordinatorRunTest, MoreThanMaxJobsDistinctJobsOverTimeAreServed) {
+  for (int i = 0; i < 3000; ++i) {
+    FakeNodeSink a;
+    const auto sa = coord_.OpenSession(&a);
+    v1::NodeMessage hello = NewHello("a", {0, 1}, 11);
+    hello.mutable_hello()->set_job_id(absl::StrCat("job", i));
+    coord_.HandleMessage(sa, hello);
+    ASSERT_TRUE(a.messages().at(0).has_welcome()) << i;
+    ASSERT_TRUE(coord_.RunForKeyValue(absl::StrCat("job", i), {"", "a", 11}).ok());
+    coord_.CloseSession(sa);
+  }
+  EXPECT_EQ(coord_.stats().runs, 0);
+  EXPECT_EQ(coord_.stats().jobs, 0);
+}
+
+}  // namespace
+}  // namespace accord::daemon
+
+namespace accord::daemon {
+namespace {
+
+// A node that stays ahead of the others with changing content keeps only the
+// contents its pending steps still name (NodeGroupState::retained).
+TEST_F(CoordinatorTest, RetainedContentsStayBoundedWhileANodeStaysAheadWithChangingContent) {
+  Join();
+  RegisterAll(MakeSpec("g0", 3));
+  constexpr int kAhead = 3;
+  auto a_step = [&](int64_t step) {
+    // The content changes every step (the dtype of parameter 0 alternates).
+    coord_.HandleMessage(
+        a_, Batch({NodeManifest("g0", step, {step % 2 ? kBf16 : kFp16, kNone, kNone}, 4, {0, 1})}));
+  };
+  for (int64_t s = 0; s < kAhead; ++s) a_step(s);
+  int64_t most = 0;
+  for (int64_t s = 0; s < 1000; ++s) {
+    a_step(s + kAhead);
+    coord_.HandleMessage(b_, Batch({NodeManifest("g0", s, {kFp16, kNone, kNone}, 4, {2, 3})}));
+    most = std::max(most, coord_.stats().retained_contents);
+  }
+  EXPECT_LE(most, kAhead + 1);
+  EXPECT_EQ(sink_b_.decisions().size(), 1000u);
+  for (const v1::Decision& d : sink_b_.decisions()) ASSERT_FALSE(d.has_error()) << d.DebugString();
+  coord_.CloseSession(a_);
+  coord_.CloseSession(b_);
+  EXPECT_EQ(coord_.stats().retained_contents, 0);
+}
+
+}  // namespace
+}  // namespace accord::daemon
+
+namespace accord::daemon {
+namespace {
+
+TEST(CoordinatorUsageTest, EveryUsageWindowTogetherStaysUnderTheGlobalCap) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.start_timer_thread = false;
+  o.usage_window_steps = 1000;
+  o.usage_window_bytes = 1 << 20;
+  o.usage_total_bytes = 2000;
+  Coordinator coord(o, &clock);
+  FakeNodeSink sink;
+  const auto s = coord.OpenSession(&sink);
+  coord.HandleMessage(s, testing::Hello("job", "a", 2, {0, 1}));
+  constexpr int kGroups = 4;
+  for (int g = 0; g < kGroups; ++g) {
+    coord.HandleMessage(s,
+                        testing::Registration(testing::MakeSpec(absl::StrCat("g", g), 3), {0, 1}));
+  }
+  int64_t entry_bytes = 0;
+  for (int64_t step = 0; step < 200; ++step) {
+    for (int g = 0; g < kGroups; ++g) {
+      // New content every step: one usage entry per step.
+      coord.HandleMessage(
+          s,
+          testing::Batch({testing::NodeManifest(
+              absl::StrCat("g", g), step, {step % 2 ? kBf16 : kFp16, kNone, kNone}, 2, {0, 1})}));
+    }
+    if (step == 0) entry_bytes = coord.stats().usage_bytes / kGroups;
+    ASSERT_LE(coord.stats().usage_bytes, o.usage_total_bytes + kGroups * entry_bytes) << step;
+  }
+  EXPECT_EQ(sink.decisions().size(), 200u * kGroups);
+  EXPECT_GT(coord.stats().usage_bytes, o.usage_total_bytes / 2);
+  coord.CloseSession(s);  // retired: still counted, and still under the cap
+  EXPECT_LE(coord.stats().usage_bytes, o.usage_total_bytes + kGroups * entry_bytes);
 }
 
 }  // namespace

@@ -82,6 +82,8 @@ class ObserveTest : public ::testing::Test {
     CoordinatorMetricsOptions mo;
     mo.event_log = log_.get();
     mo.param_skip_metrics = true;
+    mo.clock = &clock_;
+    mo.series_grace = absl::Minutes(10);
     metrics_ = std::make_unique<CoordinatorMetrics>(&registry_, mo);
     CoordinatorOptions o;
     o.deadline = absl::Seconds(60);
@@ -261,6 +263,7 @@ TEST_F(ObserveTest, EndedJobStaysVisibleWithDisconnectedNodes) {
   const std::string text = Metrics();
   EXPECT_EQ(Sample(text, R"(accord_decisions_total{job="job1",group="g"})"), 3);
   EXPECT_EQ(Sample(text, R"(accord_connected_sidecars{job="job1"})"), 0);
+  log_->Flush();
   const std::string log = ReadAll(dir_ + "/events.jsonl");
   EXPECT_THAT(log, HasSubstr(R"("event":"node_disconnected")"));
 }
@@ -312,6 +315,7 @@ TEST_F(ObserveTest, EventLogHoldsChangedDecisionsStallsFailuresAndNodes) {
   clock_.Advance(absl::Seconds(30));
   coord_->CheckDeadlines();
   std::vector<std::string> lines;
+  log_->Flush();
   for (absl::string_view l :
        absl::StrSplit(ReadAll(dir_ + "/events.jsonl"), '\n', absl::SkipEmpty())) {
     lines.emplace_back(l);
@@ -389,6 +393,34 @@ TEST_F(ObserveTest, GrpcServiceServesTheViewsAndValidatesRequests) {
     EXPECT_EQ(sresp.stalls_size(), 0);
   }
   server->Shutdown();
+}
+
+TEST_F(ObserveTest, AnEndedJobsSeriesAreRemovedAfterTheGraceUnlessItCameBack) {
+  RunScenario();
+  const std::string live = Metrics();
+  ASSERT_NE(live.find("job=\"job1\""), std::string::npos);
+  const size_t with_job = registry_.NumSeries();
+  coord_->CloseSession(a_);
+  coord_->CloseSession(b_);
+  clock_.Advance(absl::Minutes(9));
+  EXPECT_NE(Metrics().find("job=\"job1\""), std::string::npos) << "kept within the grace";
+  EXPECT_EQ(metrics_->NumJobsWithSeries(), 1u);
+  clock_.Advance(absl::Minutes(2));
+  const std::string after = Metrics();
+  EXPECT_EQ(after.find("job=\"job1\""), std::string::npos) << after;
+  EXPECT_LT(registry_.NumSeries(), with_job);
+  EXPECT_EQ(metrics_->NumJobsWithSeries(), 0u);
+  // A job id that comes back within the grace keeps its series.
+  FakeNodeSink sink;
+  const auto s = coord_->OpenSession(&sink);
+  coord_->HandleMessage(s, Hello("job2", "a", 1, {0}));
+  coord_->CloseSession(s);
+  clock_.Advance(absl::Minutes(5));
+  const auto s2 = coord_->OpenSession(&sink);
+  coord_->HandleMessage(s2, Hello("job2", "a", 1, {0}));
+  clock_.Advance(absl::Minutes(20));
+  EXPECT_NE(Metrics().find("job=\"job2\""), std::string::npos);
+  coord_->CloseSession(s2);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
@@ -84,6 +85,16 @@ class CuttableProxy {
     }
     Wake();
   }
+  // Half-open for the current connections only (read nothing from either
+  // side, keep them open); connections accepted later are forwarded. Returns
+  // once applied.
+  void FreezeCurrent() {
+    accord::MutexLock l(&mu_);
+    const int64_t want = ++freeze_requested_;
+    Wake();
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return freeze_done_ >= want; };
+    mu_.Await(absl::Condition(&done));
+  }
   // Closes every current connection; returns once they are closed. New
   // connections are accepted and forwarded as before.
   int Cut() {
@@ -99,6 +110,7 @@ class CuttableProxy {
   struct Conn {
     int down;  // the sidecar's side
     int up;    // the coordinator's side
+    bool frozen = false;
   };
   void Wake() { (void)!write(wake_[1], "x", 1); }
   void CloseAll(std::vector<Conn>& conns) {
@@ -120,6 +132,10 @@ class CuttableProxy {
           CloseAll(conns);
           cut_done_ = cut_requested_;
         }
+        if (freeze_done_ < freeze_requested_) {
+          for (Conn& c : conns) c.frozen = true;
+          freeze_done_ = freeze_requested_;
+        }
       }
       bool blackhole;
       {
@@ -129,8 +145,8 @@ class CuttableProxy {
       std::vector<pollfd> fds = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
       for (const Conn& c : conns) {
         // fd -1: poll ignores the entry (revents 0), so nothing is read.
-        fds.push_back({blackhole ? -1 : c.down, POLLIN, 0});
-        fds.push_back({blackhole ? -1 : c.up, POLLIN, 0});
+        fds.push_back({blackhole || c.frozen ? -1 : c.down, POLLIN, 0});
+        fds.push_back({blackhole || c.frozen ? -1 : c.up, POLLIN, 0});
       }
       if (poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) break;
       if (fds[0].revents) (void)!read(wake_[0], buf, sizeof(buf));
@@ -145,7 +161,7 @@ class CuttableProxy {
         a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
         a.sin_port = htons(static_cast<uint16_t>(target_port_));
         if (down >= 0 && connect(up, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-          conns.push_back({down, up});
+          conns.push_back({down, up, false});
         } else {
           if (down >= 0) close(down);
           close(up);
@@ -202,16 +218,20 @@ class CuttableProxy {
   bool blackhole_ ABSL_GUARDED_BY(mu_) = false;
   int64_t cut_requested_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t cut_done_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t freeze_requested_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t freeze_done_ ABSL_GUARDED_BY(mu_) = 0;
   int last_cut_count_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class FaultTest : public ::testing::Test {
  protected:
-  void StartCluster(int sidecars, std::vector<std::string> coordinator_flags = {}) {
+  void StartCluster(int sidecars, std::vector<std::string> coordinator_flags = {},
+                    std::vector<std::string> sidecar_flags = {}) {
     LocalClusterOptions o;
     o.num_sidecars = sidecars;
     o.coordinator_flags = std::move(coordinator_flags);
     o.sidecar_flags = {"--reconnect_max_backoff=500ms"};
+    o.sidecar_flags.insert(o.sidecar_flags.end(), sidecar_flags.begin(), sidecar_flags.end());
     absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
     ASSERT_TRUE(c.ok()) << c.status();
     cluster_ = *std::move(c);
@@ -350,6 +370,58 @@ TEST_F(FaultTest, SidecarKilledItsRanksGetUnavailableOthersGetTheLostRanksNamed)
       EXPECT_EQ(err, FirstError(results[0])) << "the same error on every surviving rank";
     }
   }
+}
+
+// A sidecar restarted under a live job (docs/RELIABILITY.md, "Sidecar
+// restart"): clients do not reconnect, so the job cannot go on. Its own ranks
+// get UNAVAILABLE when their socket drops; every other rank gets one
+// UNAVAILABLE naming the node within --node_reconnect_grace (not after the
+// 30 s deadline); the job then restarts cleanly under the same id.
+TEST_F(FaultTest, SidecarRestartedUnderALiveJobGivesEveryRankOneClearErrorAtOnce) {
+  constexpr absl::Duration kGrace = absl::Seconds(1);
+  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
+  StartCluster(2, {"--deadline=30s", "--node_reconnect_grace=1s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  auto procs = StartGated(kFlags, "job", /*gated=*/4, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(1);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  gate_.Release();  // rank 4 then finds its sidecar gone
+  ASSERT_TRUE(procs[0]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(30)).ok());
+  const absl::Duration took = absl::Now() - killed;
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  const std::string socket = cluster_->sidecar_sockets()[1];
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    if (r >= 4) {
+      // gRPC may add how the socket ended (": <transport message>").
+      EXPECT_THAT(FirstError(results[r]),
+                  ::testing::MatchesRegex(absl::StrCat(
+                      "UNAVAILABLE: sidecar at ", absl::StrReplaceAll(socket, {{".", "\\."}}),
+                      " closed the connection \\(job \"job\", rank ", r,
+                      "\\)(: [^;]*)?; accord clients do not reconnect, so this rank's session "
+                      "is over: restart the job")))
+          << results[r].output;
+    } else {
+      EXPECT_EQ(FirstError(results[r]),
+                "UNAVAILABLE: job job group \"g0\" step 1: node \"node1\" (ranks 4-7) lost its "
+                "connection to the coordinator and did not come back within 1s "
+                "(--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
+                "restarted or its host is unreachable, and accord clients do not reconnect to a "
+                "restarted sidecar; restart the job")
+          << results[r].output;
+    }
+  }
+  std::printf(
+      "[timing] sidecar restart: the other node's ranks got UNAVAILABLE %s after the "
+      "kill (--node_reconnect_grace %s, --deadline 30s)\n",
+      absl::FormatDuration(took).c_str(), absl::FormatDuration(kGrace).c_str());
+  EXPECT_LE(took, kGrace + kSlack);
+  // The launcher restarts the job under the same id: a new run, clean.
+  ExpectAllSucceededWith(Run(kFlags, "job"), digest);
 }
 
 TEST_F(FaultTest, RankKilledMidStepIsNamedInTheErrorOfEveryOtherRank) {
@@ -556,6 +628,125 @@ TEST_F(BadRequestTest, StepGoingBackwardsAndRequestsForAFailedJobArePreciseError
   absl::StatusOr<Decision> late = r1->Wait(r1->Submit(s1), absl::Now() + absl::Seconds(30));
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
   EXPECT_EQ(late.status().message(), e.status().message());
+}
+
+}  // namespace
+}  // namespace accord::testing
+
+namespace accord::testing {
+namespace {
+
+// Runs (docs/ARCHITECTURE.md, "Runs"): every launch of a job is a run with its
+// own state and keys.
+class RunsTest : public BadRequestTest {};
+
+// A job restarted under the same id must not read the previous run's
+// bootstrap keys, and a key is write-once within a run.
+TEST_F(RunsTest, ARestartedJobDoesNotSeeThePreviousRunsKeysAndKeysAreWriteOnce) {
+  StartCluster(1);
+  {
+    std::unique_ptr<Client> first = Connect(0, 0, 1);
+    ASSERT_NE(first, nullptr);
+    ASSERT_TRUE(first->kv().Set("nccl/nccl_unique_id", "run-1-id").ok());
+    absl::StatusOr<std::vector<std::string>> read =
+        first->kv().Get({"nccl/nccl_unique_id"}, std::chrono::milliseconds(0));
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ((*read)[0], "run-1-id");
+  }  // the run's only rank leaves: the run ends
+  std::unique_ptr<Client> second = Connect(0, 0, 1);
+  ASSERT_NE(second, nullptr);
+  absl::StatusOr<std::vector<std::string>> stale =
+      second->kv().Get({"nccl/nccl_unique_id"}, std::chrono::milliseconds(0));
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(stale.status().message()),
+              ::testing::MatchesRegex(
+                  "key-value Get for job \"job\" via the sidecar at .*: job job: keys not set: "
+                  "nccl/nccl_unique_id"));
+  ASSERT_TRUE(second->kv().Set("nccl/nccl_unique_id", "run-2-id").ok());
+  absl::Status again = second->kv().Set("nccl/nccl_unique_id", "another");
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(again.message()),
+              ::testing::MatchesRegex(
+                  "key-value Set\\(\"nccl/nccl_unique_id\"\\) for job \"job\" via the sidecar at "
+                  ".*: job job run r[0-9a-f]{16}: key \"nccl/nccl_unique_id\" was already set in "
+                  "this run with another value; bootstrap keys are write-once per run. Check "
+                  "that only one rank publishes it \\(e.g. rank 0 for the NCCL unique id\\) and "
+                  "that no rank of an earlier run is still running"));
+}
+
+// The launcher restarts a 2-rank job under the same id after its rank 0 died
+// while node 1's stream to the coordinator was half-open, so the coordinator
+// still holds the old run (its keepalive would notice only after 20 s). The
+// restarted rank 0 starts a new run at once: the old run's surviving rank 1
+// (on another node) gets RUN_ENDED, and the new run decides cleanly.
+TEST_F(RunsTest, JobRestartedUnderTheSameIdWhileAHalfOpenStreamOfTheOldRunLingers) {
+  // The sidecars notice a dead connection within 1 s + 1 s; the coordinator
+  // only after its default 10 s + 10 s.
+  constexpr absl::Duration kSidecarKeepalive = absl::Seconds(2);
+  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
+  StartCluster(1, {"--deadline=60s"}, {"--keepalive_time=1s", "--keepalive_timeout=1s"});
+  const std::string port =
+      cluster_->coordinator_address().substr(cluster_->coordinator_address().rfind(':') + 1);
+  CuttableProxy proxy(port);
+  absl::StatusOr<int> added = cluster_->AddSidecar(proxy.address());
+  ASSERT_TRUE(added.ok()) << added.status();
+  ASSERT_EQ(*added, 1);  // node id "node1"
+  const std::string proxied = cluster_->sidecar_sockets()[*added];
+  const std::string direct = cluster_->sidecar_sockets()[0];
+  auto spawn = [&](const std::string& socket, int rank, std::vector<std::string> extra,
+                   const std::string& name) {
+    std::vector<std::string> argv = {
+        ACCORD_RANK_SCENARIO, "--socket=" + socket, absl::StrCat("--rank=", rank),
+        "--world=2",          "--job=restart",      "--wait=30s",
+        "--steps=3"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    absl::StatusOr<std::unique_ptr<ChildProcess>> p = ChildProcess::Spawn(argv, name, true);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *std::move(p) : nullptr;
+  };
+  // Run 1: rank 0 behind the proxy holds step 1 back; rank 1 waits for it.
+  auto old0 = spawn(proxied, 0, {"--gate_rank=0", "--gate_step=1", "--gate_fifo=" + gate_.path()},
+                    "old-rank0");
+  auto old1 = spawn(direct, 1, {}, "old-rank1");
+  ASSERT_TRUE(old0 && old1);
+  const absl::Time wait = absl::Now() + absl::Seconds(30);
+  ASSERT_TRUE(old0->WaitForLine("rank 0 waiting at gate step 1", wait).ok());
+  ASSERT_TRUE(old1->WaitForLine("rank 1 step 1 submitted", wait).ok());
+  // Node 1's connection goes half-open, then its rank dies: the coordinator
+  // hears neither.
+  proxy.FreezeCurrent();
+  kill(old0->pid(), SIGKILL);
+  ASSERT_TRUE(old0->Wait(absl::Now() + absl::Seconds(10)).ok());
+  // The launcher restarts rank 0 on the same node.
+  const absl::Time restart = absl::Now();
+  auto new0 = spawn(proxied, 0, {}, "new-rank0");
+  ASSERT_TRUE(new0);
+  absl::StatusOr<int> old1_exit = old1->Wait(absl::Now() + absl::Seconds(30));
+  const absl::Duration took = absl::Now() - restart;
+  ASSERT_TRUE(old1_exit.ok()) << old1_exit.status();
+  EXPECT_NE(*old1_exit, 0);
+  RankResult old1_result{1, *old1_exit, old1->Output()};
+  EXPECT_THAT(FirstError(old1_result),
+              ::testing::MatchesRegex(
+                  "FAILED_PRECONDITION: job restart run r[0-9a-f]{16} ended: node \"node1\" "
+                  "started a new run of the same job id \\(its ranks were restarted\\), so this "
+                  "run gets no more decisions; stop the ranks of the old run"))
+      << old1_result.output;
+  std::printf(
+      "[timing] old run's rank 1 got RUN_ENDED %s after the restart (sidecar keepalive "
+      "bound %s; the coordinator's own keepalive bound is 20 s)\n",
+      absl::FormatDuration(took).c_str(), absl::FormatDuration(kSidecarKeepalive).c_str());
+  EXPECT_LE(took, kSidecarKeepalive + kSlack);
+  // Rank 1 is restarted too; the new run decides every step.
+  auto new1 = spawn(direct, 1, {}, "new-rank1");
+  ASSERT_TRUE(new1);
+  for (auto* p : {new0.get(), new1.get()}) {
+    absl::StatusOr<int> exit = p->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(exit.ok()) << exit.status();
+    EXPECT_EQ(*exit, 0) << p->Output();
+    EXPECT_THAT(p->Output(), HasSubstr("step 2 group g0: wire="));
+  }
+  EXPECT_THAT(cluster_->CoordinatorOutput(), HasSubstr("ended: node \"node1\" started a new run"));
 }
 
 }  // namespace

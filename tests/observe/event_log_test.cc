@@ -33,6 +33,7 @@ TEST(EventLog, WritesOneEscapedJsonObjectPerLine) {
   (*log)->Write(
       "decision_changed",
       JsonObject().Add("job", "j\"1").Add("step", int64_t{7}).Add("ranks", std::vector<int>{1, 2}));
+  (*log)->Flush();
   const auto lines = Lines(dir + "/events.jsonl");
   ASSERT_EQ(lines.size(), 1u);
   EXPECT_EQ(lines[0].rfind("{\"ts\":\"", 0), 0u) << lines[0];
@@ -40,6 +41,18 @@ TEST(EventLog, WritesOneEscapedJsonObjectPerLine) {
                           "\"ranks\":[1,2]}"),
             std::string::npos)
       << lines[0];
+  std::filesystem::remove_all(dir);
+}
+
+TEST(EventLog, AFullQueueDropsAndCountsLinesInsteadOfBlocking) {
+  const std::string dir = TempDir();
+  EventLog::Options o{dir + "/events.jsonl", 1 << 20, 2, /*max_queued=*/0};
+  auto log = EventLog::Open(o);
+  ASSERT_TRUE(log.ok());
+  for (int i = 0; i < 10; ++i) (*log)->Write("stall", JsonObject().Add("i", i));
+  (*log)->Flush();
+  EXPECT_EQ((*log)->lines_dropped(), 10);
+  EXPECT_EQ((*log)->lines_written(), 0);
   std::filesystem::remove_all(dir);
 }
 
@@ -51,6 +64,7 @@ TEST(EventLog, RotatesAtTheSizeBoundAndKeepsOnlyMaxFiles) {
   for (int i = 0; i < 200; ++i) {
     (*log)->Write("stall", JsonObject().Add("i", i).Add("pad", std::string(40, 'x')));
   }
+  (*log)->Flush();
   EXPECT_EQ((*log)->lines_written(), 200);
   EXPECT_TRUE(std::filesystem::exists(path));
   EXPECT_TRUE(std::filesystem::exists(path + ".1"));
