@@ -397,7 +397,9 @@ class SequenceGuard:
             return None
         key = f"{self.group_id}/stalled/{index}"
         try:
-            if self._stall_checked != (index, len(records)):
+            # Keys are write-once per run: a window's first stall is written,
+            # a later one in the same window compares that (a true prefix).
+            if self._stall_checked[0] != index:
                 self.client.kv_set(f"{key}/{self.rank}",
                                    json.dumps({"records": records}).encode())
                 self._stall_checked = (index, len(records))
