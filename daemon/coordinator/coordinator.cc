@@ -222,7 +222,10 @@ void Coordinator::RemoveJobLocked(Job* job) {
   if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
-    NoteRunEndedLocked(job_id, run_id);
+    // A failed run is never resumed (its late requests get RUN_ENDED); a
+    // healthy one whose last node only lost its connection may be (its
+    // sidecar's RESUME takes it over, as after a coordinator restart).
+    if (rit->second.failed) NoteRunEndedLocked(job_id, run_id);
     ended_runs_.push_back(
         EndedRun{job_id, KeyScopeOf(rit->second),
                  wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
@@ -271,13 +274,14 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
-    NoteRunEndedLocked(job_id, run_id);
     ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
     runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
   } else if (!ended_runs_.empty() && ended_runs_.back().run_id == scope) {
     ended_runs_.back().why = why;
   }
+  // A superseded run is never resumed: its late requests get RUN_ENDED.
+  if (error != nullptr) NoteRunEndedLocked(job_id, run_id);
 }
 
 absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& job_id,

@@ -800,6 +800,20 @@ TEST_F(CoordinatorRunTest, ANodeWhoseRanksRestartedSupersedesTheRunEvenWithAStal
   EXPECT_EQ(coord_.CurrentRun("job"), new_run);
 }
 
+TEST_F(CoordinatorRunTest, AHealthyRunWhoseLastNodeOnlyLostItsConnectionIsResumed) {
+  FakeNodeSink a, again;
+  const auto sa = coord_.OpenSession(&a);
+  coord_.HandleMessage(sa, NewHello("a", {0, 1}, 11));
+  const std::string run = WelcomeRun(a);
+  coord_.CloseSession(sa);  // e.g. dropped by keepalive while half-open
+  const auto s2 = coord_.OpenSession(&again);
+  v1::NodeMessage resume = NewHello("a", {0, 1}, 11);
+  resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  resume.mutable_hello()->set_run_id(run);
+  coord_.HandleMessage(s2, resume);
+  EXPECT_EQ(WelcomeRun(again), run);
+}
+
 TEST_F(CoordinatorRunTest, AResumedStreamKeepsItsRunAcrossACoordinatorRestart) {
   FakeNodeSink a;
   const auto sa = coord_.OpenSession(&a);
@@ -855,12 +869,24 @@ TEST_F(CoordinatorRunTest, AFailedRunDropsItsKeysAndLaterKeysGoToAFreshScope) {
       << ended_[1];
 }
 
-TEST_F(CoordinatorRunTest, ALateRequestOfAnEndedRunIsRefusedNotRevived) {
-  FakeNodeSink a;
+TEST_F(CoordinatorRunTest, ALateRequestOfAFailedRunThatEndedIsRefusedNotRevived) {
+  FakeNodeSink a, b;
   const auto sa = coord_.OpenSession(&a);
-  coord_.HandleMessage(sa, NewHello("a", {0, 1}, 11));
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
   const std::string run = WelcomeRun(a);
-  coord_.CloseSession(sa);  // the run ends
+  const GroupSpec spec = testing::MakeSpec("g0", 2);
+  coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+  coord_.HandleMessage(sb, testing::Registration(spec, {1}));
+  coord_.HandleMessage(sa,
+                       testing::Batch({testing::NodeManifest("g0", 0, {kBf16, kNone}, 2, {0})}));
+  clock_.Advance(absl::Seconds(61));
+  coord_.CheckDeadlines();
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();  // node b never submitted: the run failed
+  coord_.CloseSession(sa);
+  coord_.CloseSession(sb);  // ... and ended
   absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "a", 11});
   EXPECT_EQ(wire::KindOf(late.status()), v1::RUN_ENDED) << late.status();
   EXPECT_EQ(coord_.CurrentRun("job"), "") << "not revived";
