@@ -10,16 +10,7 @@ target_link_libraries(accord_client PUBLIC accord_wire accord_core accord_kv_sto
 accord_target_options(accord_client)
 
 # Local cluster launcher (tests, demo, benchmarks).
-add_library(accord_health_proto ${CMAKE_CURRENT_LIST_DIR}/testing/health.proto)
-target_link_libraries(accord_health_proto PUBLIC protobuf::libprotobuf gRPC::grpc++)
-target_include_directories(accord_health_proto PUBLIC ${CMAKE_CURRENT_BINARY_DIR}/health_gen)
-file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/health_gen/client/testing)
-protobuf_generate(TARGET accord_health_proto LANGUAGE cpp IMPORT_DIRS ${PROJECT_SOURCE_DIR}
-  PROTOC_OUT_DIR ${CMAKE_CURRENT_BINARY_DIR}/health_gen)
-protobuf_generate(TARGET accord_health_proto LANGUAGE grpc IMPORT_DIRS ${PROJECT_SOURCE_DIR}
-  PROTOC_OUT_DIR ${CMAKE_CURRENT_BINARY_DIR}/health_gen
-  GENERATE_EXTENSIONS .grpc.pb.h .grpc.pb.cc
-  PLUGIN "protoc-gen-grpc=$<TARGET_FILE:gRPC::grpc_cpp_plugin>")
+accord_add_proto(accord_health_proto ${CMAKE_CURRENT_LIST_DIR}/testing/health.proto GRPC)
 
 add_library(accord_local_cluster ${CMAKE_CURRENT_LIST_DIR}/testing/local_cluster.cc)
 target_link_libraries(accord_local_cluster PUBLIC accord_health_proto absl::synchronization

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/negotiation/pingpong.grpc.pb.h"
 #include "client/client.h"
 #include "client/testing/local_cluster.h"
 #include "gloo/allreduce.h"
@@ -32,7 +33,6 @@
 #include "gloo/rendezvous/file_store.h"
 #include "gloo/transport/tcp/device.h"
 #include "grpcpp/grpcpp.h"
-#include "bench/negotiation/pingpong.grpc.pb.h"
 
 ABSL_FLAG(std::string, role, "launcher", "launcher or rank");
 ABSL_FLAG(int, ranks, 8, "rank processes");
@@ -249,8 +249,7 @@ int RunLauncher(const char* self) {
   const std::string sock_dir = mkdtemp(sock_tmpl);
   const std::string uds = absl::StrCat("unix:", sock_dir, "/pp.sock");
   absl::StatusOr<Percentiles> uds_pp = PingPong(uds, uds, absl::GetFlag(FLAGS_iterations));
-  absl::StatusOr<Percentiles> tcp_pp =
-      PingPong("127.0.0.1:0", "", absl::GetFlag(FLAGS_iterations));
+  absl::StatusOr<Percentiles> tcp_pp = PingPong("127.0.0.1:0", "", absl::GetFlag(FLAGS_iterations));
   (void)!system(("rm -rf " + sock_dir).c_str());
   if (!uds_pp.ok() || !tcp_pp.ok()) {
     fprintf(stderr, "accord_negotiation_bench: ping-pong baseline: %s\n",
