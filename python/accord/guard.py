@@ -126,7 +126,6 @@ class SequenceGuard:
         self.blocking_waits = 0
         self.blocked_s = 0.0
         self.reports = 0  # collectives recorded
-        self.windows = 0  # windows submitted
         self.abort_grace_s = 2.0
         self.error: Optional[str] = None
         self.process_group = None
@@ -253,27 +252,21 @@ class SequenceGuard:
             h = _hash64("\n".join(w.records))
             w.handle = self.client.submit(self.group_id, w.index, _slots(h))
             self._inflight.append(w)
-            self.windows += 1
         self._queue.clear()
 
     def _run(self) -> None:
         while True:
             with self._mu:
-                if not self._inflight:
+                window = self._inflight[0] if self._inflight else None
+                if window is None:
                     if self._stop:
                         return
                     self._wake.wait(self.stall_s / 2)
-                    stalled = (self._open.records and
-                               time.monotonic() - self._last_record > self.stall_s)
-                    if stalled and self.error is None:
-                        pass  # checked below, without the lock
-                    else:
-                        continue
-                    window = None
-                else:
-                    window = self._inflight[0]
+                    stalled = bool(self._open.records) and (
+                        time.monotonic() - self._last_record > self.stall_s)
             if window is None:
-                self._check_stall()
+                if stalled and self.error is None:
+                    self._check_stall()  # outside the lock: it talks to the KV store
                 continue
             try:
                 decision = self.client.wait(window.handle, timeout_s=self.stall_s)
@@ -335,15 +328,18 @@ class SequenceGuard:
             return {self.rank: mine}
 
     @staticmethod
-    def _first_difference(entries: Dict[int, dict]) -> Optional[int]:
-        """The first position (in the window) where the ranks' records differ,
-        among positions every rank has; None when the common prefix agrees."""
+    def _first_difference(entries: Dict[int, dict], prefix_only: bool = False) -> Optional[int]:
+        """The first position (in the window) where the ranks' records differ.
+        A rank with fewer records differs where it has none, unless
+        prefix_only (then only positions every rank has count); None when
+        they agree."""
         lists = [e["records"] for e in entries.values()]
-        for p in range(min(len(x) for x in lists)):
+        shortest = min(len(x) for x in lists)
+        for p in range(shortest):
             if len({x[p] for x in lists}) > 1:
                 return p
-        if len({len(x) for x in lists}) > 1:
-            return min(len(x) for x in lists)
+        if not prefix_only and len({len(x) for x in lists}) > 1:
+            return shortest
         return None
 
     def _repairable(self, entries: Dict[int, dict]) -> Optional[List[str]]:
@@ -408,12 +404,7 @@ class SequenceGuard:
         except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
             return None
         entries = {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
-        lists = [e["records"] for e in entries.values()]
-        p = None
-        for i in range(min(len(x) for x in lists)):
-            if len({x[i] for x in lists}) > 1:
-                p = i
-                break
+        p = self._first_difference(entries, prefix_only=True)
         if p is None:
             return None  # the common prefix agrees: slow, not diverged
         return self._describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})

@@ -197,9 +197,7 @@ def _guard_of(fsdp_params):
 
 
 def _in_forward(group) -> bool:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    return group is not None and group._training_state == TrainingState.FORWARD
+    return group is not None and group._training_state.name == "FORWARD"
 
 
 def _patch_collectives() -> None:
@@ -355,7 +353,7 @@ class _HookedGroup:
             # Reduce later: the wait overlaps the next group's backward.
             inst.defer(self, step, local, handle, args, kwargs)
             return None
-        decision = inst.wait(handle, self.group_id, step, local)
+        decision = inst.wait(handle)
         return self._reduce(decision, step, local, args, kwargs)
 
     def _reduce(self, decision, step, local, args, kwargs):
@@ -591,7 +589,7 @@ class Installation:
             return ("blocking", group_id, step, dtypes)
         return self.agreement.submit_async(group_id, step, dtypes)
 
-    def wait(self, handle, group_id: str, step: int, local) -> object:
+    def wait(self, handle) -> object:
         t0 = time.perf_counter()
         if isinstance(handle, tuple) and handle and handle[0] == "blocking":
             self.timing.blocked += 1
@@ -629,7 +627,7 @@ class Installation:
             self._flush_one(self.pending.pop(0))
 
     def _flush_one(self, p: "_Deferred") -> None:
-        decision = self.wait(p.handle, p.hooked.group_id, p.step, p.local)
+        decision = self.wait(p.handle)
         fsdp_params = p.hooked.group.fsdp_params
         arrived = []
         for fp, held in zip(fsdp_params, p.stash):
