@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "observe/http_client.h"
+#include "tests/fault/gate.h"
 
 namespace accord::testing {
 namespace {
@@ -25,6 +26,25 @@ constexpr int kSteps = 12;
 // Parameter 3 used nowhere, rank 1 never has p1, rank 2 has p2 in bf16 from
 // step 4 (the others in fp32), rank 3 has no gradient at all at step 7.
 constexpr char kRules[] = "--rules=*:3:*:none,1:1:*:none,2:2:*:none,2:2:4:bfloat16,3:*:7:none";
+
+std::vector<std::string> ScenarioCommand() {
+  return {ACCORD_RANK_SCENARIO,
+          "--socket={socket}",
+          "--rank={rank}",
+          "--world={world}",
+          "--job={job}",
+          "--local_rank={local_rank}",
+          absl::StrCat("--groups=", kGroups),
+          "--params=4",
+          absl::StrCat("--steps=", kSteps),
+          kRules};
+}
+
+std::string Digest(const std::string& output) {
+  static const std::regex digest_re("digest ([0-9a-f]+)");
+  std::smatch m;
+  return std::regex_search(output, m, digest_re) ? m[1].str() : "";
+}
 
 struct JobRun {
   std::vector<std::string> digests;  // per rank
@@ -52,26 +72,14 @@ JobRun RunJob(int sidecars, std::vector<std::string> sidecar_flags) {
   absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
   EXPECT_TRUE(c.ok()) << c.status();
   if (!c.ok()) return run;
-  std::vector<std::string> cmd = {ACCORD_RANK_SCENARIO,
-                                  "--socket={socket}",
-                                  "--rank={rank}",
-                                  "--world={world}",
-                                  "--job={job}",
-                                  "--local_rank={local_rank}",
-                                  absl::StrCat("--groups=", kGroups),
-                                  "--params=4",
-                                  absl::StrCat("--steps=", kSteps),
-                                  kRules};
   absl::StatusOr<std::vector<RankResult>> r =
-      (*c)->RunRanks(cmd, kWorld, "localjob", absl::Seconds(120));
+      (*c)->RunRanks(ScenarioCommand(), kWorld, "localjob", absl::Seconds(120));
   EXPECT_TRUE(r.ok()) << r.status();
   if (!r.ok()) return run;
-  const std::regex digest_re("digest ([0-9a-f]+)");
   for (const RankResult& rr : *r) {
     EXPECT_EQ(rr.exit_code, 0) << "rank " << rr.rank << ":\n" << rr.output;
-    std::smatch m;
-    EXPECT_TRUE(std::regex_search(rr.output, m, digest_re)) << rr.output;
-    run.digests.push_back(m.size() > 1 ? m[1].str() : "");
+    run.digests.push_back(Digest(rr.output));
+    EXPECT_NE(run.digests.back(), "") << rr.output;
   }
   // The first sidecar's counters, once every local decision was confirmed
   // or refused (the last confirmations may still be on their way).
@@ -121,6 +129,45 @@ TEST(LocalDecisionsIntegrationTest, AJobAcrossTwoNodesIsDecidedByTheCoordinatorO
   ASSERT_EQ(run.digests.size(), static_cast<size_t>(kWorld));
   for (int r = 1; r < kWorld; ++r) EXPECT_EQ(run.digests[r], run.digests[0]) << "rank " << r;
   EXPECT_EQ(run.made, 0);
+}
+
+// The coordinator dies (SIGKILL) while a single-node job runs on local
+// decisions and comes back on the same address: the sidecar resends every
+// step the coordinator has not confirmed, the ranks go on (at most
+// --local_decision_lag steps per group ahead of it) and finish with the
+// decisions of an undisturbed coordinator-only run.
+TEST(LocalDecisionsIntegrationTest, CoordinatorKilledUnderASingleNodeJobLosesNothing) {
+  const JobRun reference = RunJob(1, {"--local_decisions=false"});
+  ASSERT_EQ(reference.digests.size(), static_cast<size_t>(kWorld));
+
+  LocalClusterOptions o;
+  o.echo = false;
+  absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Gate gate;
+  std::vector<std::string> cmd = ScenarioCommand();
+  cmd.insert(cmd.end(), {"--gate_rank=2", "--gate_step=6", "--gate_fifo=" + gate.path()});
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+      (*c)->StartRanks(cmd, kWorld, "localjob");
+  ASSERT_TRUE(procs.ok()) << procs.status();
+  // Rank 2 holds step 6 back; steps 0-5 were decided (locally or not).
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while ((*procs)[2]->Output().find("waiting at gate") == std::string::npos &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));  // poll interval, not synchronisation
+  }
+  ASSERT_NE((*procs)[2]->Output().find("waiting at gate"), std::string::npos)
+      << (*procs)[2]->Output();
+  (*c)->KillCoordinator();
+  ASSERT_TRUE((*c)->RestartCoordinator().ok());
+  ASSERT_TRUE(gate.Release());
+  std::vector<RankResult> results =
+      LocalCluster::WaitRanks(*procs, absl::Now() + absl::Seconds(120));
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  for (const RankResult& rr : results) {
+    EXPECT_EQ(rr.exit_code, 0) << "rank " << rr.rank << ":\n" << rr.output;
+    EXPECT_EQ(Digest(rr.output), reference.digests[0]) << "rank " << rr.rank << ":\n" << rr.output;
+  }
 }
 
 }  // namespace
