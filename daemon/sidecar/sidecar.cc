@@ -877,11 +877,11 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
       // Already delivered (decided here): only compared.
       if (ConfirmLocalLocked(g, d)) continue;
       // What the coordinator's next `same_as_previous` stands for, kept
-      // only where local decisions may follow.
+      // when local decisions are on (a new body is rare in the steady state).
       if (d.has_ok() || d.has_error()) g.local_ok_delivered.reset();
-      if (d.has_error() || !LocalDecisionAllowedLocked(g)) {
+      if (d.has_error()) {
         g.coordinator_ok_bytes.reset();
-      } else if (d.has_ok()) {
+      } else if (d.has_ok() && options_.local_decisions) {
         g.coordinator_ok_bytes = d.ok().SerializeAsString();
       }
     }
