@@ -39,6 +39,12 @@ struct PackOptions {
   // error unless this is set; when set it is rounded to nearest even. Set it
   // only when the wire dtype is an exact (user-chosen) reduce dtype.
   bool allow_narrowing = false;
+  // Outputs of at least this many bytes are written with streaming
+  // (non-temporal) stores: they do not fit the caches, and a streaming store
+  // does not read the line it overwrites, so the pack moves fewer bytes than
+  // a copy of its output does. Smaller outputs stay in the cache for the
+  // collective that reads them next. 0: always stream.
+  int64_t streaming_min_bytes = int64_t{8} << 20;
 };
 
 // Packs `sources` (one per parameter of `spec`, in group order) into `out`,
