@@ -7,6 +7,9 @@
 // multiple of W). Each source gradient is read once in its own dtype and
 // converted to the layout's wire dtype; parameters without a local gradient
 // and the padding are written as zeros; skipped parameters take no bytes.
+// An output larger than the caches is written with streaming stores
+// (PackOptions::streaming_min_bytes): a widening pack then moves fewer bytes
+// than a memcpy of its output, which reads the whole output's worth.
 //
 // Conversions follow kernels/element_convert.h: identity on bits for equal
 // dtypes, otherwise exact via double with one round-to-nearest-even step; the
