@@ -42,7 +42,7 @@ struct PackOptions {
   // error unless this is set; when set it is rounded to nearest even. Set it
   // only when the wire dtype is an exact (user-chosen) reduce dtype.
   bool allow_narrowing = false;
-  // Outputs of at least this many bytes are written with streaming
+  // PackCpu: outputs of at least this many bytes are written with streaming
   // (non-temporal) stores: they do not fit the caches, and a streaming store
   // does not read the line it overwrites, so the pack moves fewer bytes than
   // a copy of its output does. Smaller outputs stay in the cache for the
