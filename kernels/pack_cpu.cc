@@ -17,15 +17,20 @@ namespace {
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
 
 // How PackRange writes: regular or streaming stores (PackOptions).
+// Streaming stores are weakly ordered: `fence` orders them before the thread
+// join or the return that hands the buffer on.
 struct Stores {
   void (*convert)(DType, DType, const void*, void*, int64_t);
   void (*zero)(void*, int64_t);
+  void (*fence)();
 };
 
 void ZeroRegular(void* dst, int64_t bytes) { std::memset(dst, 0, static_cast<size_t>(bytes)); }
+void NoFence() {}
 
-constexpr Stores kRegularStores{&kernels::ConvertRun, &ZeroRegular};
-constexpr Stores kStreamingStores{&kernels::ConvertRunStreaming, &kernels::ZeroStreaming};
+constexpr Stores kRegularStores{&kernels::ConvertRun, &ZeroRegular, &NoFence};
+constexpr Stores kStreamingStores{&kernels::ConvertRunStreaming, &kernels::ZeroStreaming,
+                                  &kernels::StreamFence};
 
 // Packs the elements [begin, end) of the whole buffer.
 void PackRange(const GroupSpec& spec, const Layout& layout, absl::Span<const GradSource> sources,
@@ -58,9 +63,7 @@ void PackRange(const GroupSpec& spec, const Layout& layout, absl::Span<const Gra
       stores.zero(dst + n_copy * wsize, (b - a - n_copy) * wsize);
     }
   }
-  // Streaming stores are weakly ordered: fence them before the thread join
-  // or the return that hands the buffer on.
-  if (&stores == &kStreamingStores) kernels::StreamFence();
+  stores.fence();
 }
 
 }  // namespace

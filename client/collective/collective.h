@@ -90,11 +90,12 @@ struct CollectiveOptions {
   // client/collective/reducer.h), since every rank reduces the decision's.
   std::optional<DType> nccl_widen_fp8_to;
   // The wire dtypes this communicator's decisions can carry (the job
-  // policy's reduce dtype and empty-group dtype). Create checks each
-  // (WireDTypeFor) before any rendezvous and fails with FAILED_PRECONDITION
-  // naming the dtype, the device's compute capability and the NCCL version
-  // for one the backend refuses. Empty: nothing is checked at Create, and
-  // ReduceScatterSum still refuses such a dtype.
+  // policy's reduce dtype and empty-group dtype). NCCL's Create resolves
+  // each (ResolveWireDType) before any rendezvous and fails with
+  // FAILED_PRECONDITION naming the dtype, the device's compute capability
+  // and the NCCL version for one it refuses. Empty: nothing is checked at
+  // Create, and ReduceScatterSum still refuses such a dtype. (Gloo reduces
+  // every dtype.)
   std::vector<DType> wire_dtypes;
 };
 
