@@ -14,14 +14,41 @@ namespace {
 
 constexpr char kServerVersion[] = "accord-coordinator/0.1";
 
-v1::DecisionError Error(v1::ErrorKind kind, absl::StatusCode code, std::string message,
-                        absl::string_view job_id = "", absl::string_view group_id = "",
-                        int64_t step = -1) {
-  v1::DecisionError e = wire::MakeError(kind, absl::Status(code, message));
+// Errors (docs/ARCHITECTURE.md, "Errors"). Every error the coordinator
+// sends is built by one of these three; none pairs a kind with a code by hand.
+v1::DecisionError Located(v1::DecisionError e, absl::string_view job_id, absl::string_view group_id,
+                          int64_t step) {
   e.set_job_id(std::string(job_id));
   e.set_group_id(std::string(group_id));
   e.set_step(step);
   return e;
+}
+
+// An error of `kind` with the kind's canonical code (wire::CodeOfKind).
+v1::DecisionError Error(v1::ErrorKind kind, absl::string_view message,
+                        absl::string_view job_id = "", absl::string_view group_id = "",
+                        int64_t step = -1) {
+  return Located(wire::MakeError(kind, wire::KindError(kind, message)), job_id, group_id, step);
+}
+
+// An error of `kind` caused by a lower layer's status (a registration or
+// manifest that does not convert, a decision core Decide refused): keeps the
+// cause's code and message, after `context`.
+v1::DecisionError ErrorFrom(v1::ErrorKind kind, const absl::Status& cause,
+                            absl::string_view context, absl::string_view job_id = "",
+                            absl::string_view group_id = "", int64_t step = -1) {
+  return Located(
+      wire::MakeError(kind, absl::Status(cause.code(), absl::StrCat(context, cause.message()))),
+      job_id, group_id, step);
+}
+
+// A well-formed request the stream's state does not allow (before NodeHello,
+// a second hello, a repeat the coordinator cannot resolve): FAILED_PRECONDITION
+// whatever the kind's code, so the sender resends rather than fixes its input.
+v1::DecisionError OutOfOrderError(v1::ErrorKind kind, absl::string_view message,
+                                  absl::string_view job_id = "", absl::string_view group_id = "",
+                                  int64_t step = -1) {
+  return ErrorFrom(kind, absl::FailedPreconditionError(message), "", job_id, group_id, step);
 }
 
 // Mixes one node content key into the order-independent combination of a
@@ -135,7 +162,7 @@ void Coordinator::WakeTimerAtLocked(absl::Time at) {
 }
 
 bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out) {
-  if (job.failed || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
+  if (job.failed() || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
   std::vector<const NodeState*> lost;
   for (const auto& [node_id, node] : job.nodes) {
     if (node.session != 0 || node.disconnected_at == absl::InfiniteFuture()) continue;
@@ -176,7 +203,7 @@ bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& nex
   }
   if (culprit == nullptr) return false;
   v1::DecisionError err = Error(
-      v1::UNAVAILABLE, absl::StatusCode::kUnavailable,
+      v1::UNAVAILABLE,
       absl::StrCat("job ", job.job_id, " group \"", culprit->group_id, "\" step ", culprit_step,
                    ": node \"", culprit_node->node_id, "\" (ranks ", FormatRanks(needed),
                    ") lost its connection to the coordinator and did not come back within ",
@@ -209,10 +236,10 @@ void Coordinator::RemoveJobLocked(Job* job) {
   }
   if (!job->groups.empty()) RetireJobLocked(*job);
   // Usage windows not handed to a retired job are freed with the job.
-  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage_bytes;
+  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage.bytes();
   for (const auto& [node_id, node] : job->nodes) {
     for (const auto& [group_id, ng] : node.groups) {
-      stats_.retained_contents -= static_cast<int64_t>(ng.retained.size());
+      stats_.retained_contents -= static_cast<int64_t>(ng.contents.retained());
     }
   }
   const std::string job_id = job->job_id;
@@ -225,7 +252,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
     // A failed run is never resumed (its late requests get RUN_ENDED); a
     // healthy one whose last node only lost its connection may be (its
     // sidecar's RESUME takes it over, as after a coordinator restart).
-    if (rit->second.failed) NoteRunEndedLocked(job_id, run_id);
+    if (rit->second.state == RunState::kFailed) NoteRunEndedLocked(job_id, run_id);
     ended_runs_.push_back(
         EndedRun{job_id, KeyScopeOf(rit->second),
                  wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
@@ -264,10 +291,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     Job& job = jit->second;
     for (auto& [node_id, node] : job.nodes) {
       if (node.sink == nullptr || error == nullptr) continue;
-      v1::CoordinatorMessage m;
-      *m.mutable_error() = *error;
-      NoteErrorLocked(m.error());
-      out.direct.emplace_back(node.sink, std::move(m));
+      SendErrorLocked(node.sink, *error, out);
     }
     RemoveJobLocked(&job);  // queues the run's end
   }
@@ -339,8 +363,7 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
           absl::StrCat("job ", job_id, " run ", old, " ended: node \"", node_id,
                        "\" started a new run of the same job id (its ranks were restarted), so "
                        "this run gets no more decisions; stop the ranks of the old run");
-      v1::DecisionError e =
-          Error(v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg, job_id);
+      v1::DecisionError e = Error(v1::RUN_ENDED, msg, job_id);
       ACCORD_LOG(WARNING) << msg;
       EndRunLocked(job_id, wire::KindError(v1::RUN_ENDED, msg), &e, out);
       return start_run("");
@@ -361,14 +384,14 @@ void Coordinator::NoteRunEndedLocked(const std::string& job_id, const std::strin
 }
 
 std::string Coordinator::KeyScopeOf(const Run& run) {
-  return run.failed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
+  return run.state == RunState::kFailed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
 }
 
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
   std::vector<std::string> expired;
   for (const auto& [job_id, run] : runs_) {
-    if (jobs_.find(job_id) != jobs_.end()) continue;
+    if (run.state != RunState::kStarting) continue;
     const absl::Time due = run.started + options_.run_start_timeout;
     if (due <= now) {
       expired.push_back(job_id);
@@ -457,12 +480,12 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
     case v1::NodeMessage::kRankEvent:
     case v1::NodeMessage::kProgress:
       if (s.node == nullptr) {
-        v1::CoordinatorMessage reply;
-        *reply.mutable_error() =
-            Error(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-                  "node message before NodeHello (or after the job's state was dropped); send "
-                  "NodeHello first");
-        out.direct.emplace_back(s.sink, std::move(reply));
+        SendErrorLocked(
+            s.sink,
+            OutOfOrderError(v1::INVALID_REQUEST,
+                            "node message before NodeHello (or after the job's state was "
+                            "dropped); send NodeHello first"),
+            out);
         break;
       }
       if (message.has_registration()) {
@@ -477,14 +500,35 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
         HandleManifestsLocked(s, message.manifests(), out);
       }
       break;
-    default: {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                                     "empty or unknown NodeMessage body");
-      out.direct.emplace_back(s.sink, std::move(reply));
-    }
+    default:
+      SendErrorLocked(s.sink, Error(v1::INVALID_REQUEST, "empty or unknown NodeMessage body"), out);
   }
   FlushLocked(out);
+}
+
+void Coordinator::SendErrorLocked(NodeSink* sink, v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::CoordinatorMessage reply;
+  *reply.mutable_error() = std::move(error);
+  out.direct.emplace_back(sink, std::move(reply));
+}
+
+void Coordinator::SendRegistrationErrorLocked(NodeSink* sink, const std::string& group_id,
+                                              v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::CoordinatorMessage reply;
+  reply.mutable_registration()->set_group_id(group_id);
+  *reply.mutable_registration()->mutable_error() = std::move(error);
+  out.direct.emplace_back(sink, std::move(reply));
+}
+
+void Coordinator::SendDecisionErrorLocked(NodeSink* sink, absl::string_view group_id, int64_t step,
+                                          v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::Decision* d = out.ReplyBatch(sink)->add_decisions();
+  d->set_group_id(std::string(group_id));
+  d->set_step(step);
+  *d->mutable_error() = std::move(error);
 }
 
 void Coordinator::FlushLocked(Outbox& out) {
@@ -502,103 +546,138 @@ void Coordinator::FlushLocked(Outbox& out) {
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
 }
 
-void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,
-                                    Outbox& out) {
-  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg,
-                         std::vector<int> ranks = {}) {
-    v1::CoordinatorMessage reply;
-    *reply.mutable_error() = Error(kind, code, std::move(msg), hello.job_id());
-    for (int r : ranks) reply.mutable_error()->add_ranks(r);
-    NoteErrorLocked(reply.error());
-    out.direct.emplace_back(s.sink, std::move(reply));
-  };
+absl::Status Coordinator::ValidateHello(const Session& s, const v1::NodeHello& hello,
+                                        std::vector<int>& ranks) const {
   if (s.node != nullptr) {
-    reply_error(
-        v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-        absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session"));
-    return;
+    return wire::WithKind(
+        absl::FailedPreconditionError(
+            absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session")),
+        v1::INVALID_REQUEST);
   }
   if (hello.job_id().empty() || hello.node_id().empty()) {
-    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                "NodeHello needs a job_id and a node_id");
-    return;
+    return wire::KindError(v1::INVALID_REQUEST, "NodeHello needs a job_id and a node_id");
   }
   const int world = hello.world_size();
   if (world > options_.max_world_size) {
-    reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                             hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
-                             "; raise the coordinator's --max_ranks"));
-    return;
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
+                     hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
+                     "; raise the coordinator's --max_ranks"));
   }
   if (world < 1) {
-    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                             hello.node_id(), "\" must be at least 1"));
-    return;
+    return wire::KindError(v1::INVALID_REQUEST,
+                           absl::StrCat("job ", hello.job_id(), ": world size ", world,
+                                        " from node \"", hello.node_id(), "\" must be at least 1"));
   }
-  std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
+  ranks.assign(hello.ranks().begin(), hello.ranks().end());
   std::sort(ranks.begin(), ranks.end());
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 0 || ranks[i] >= world || (i > 0 && ranks[i] == ranks[i - 1])) {
-      reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(),
-                               "\" announced rank ", ranks[i], " twice or outside 0..", world - 1));
-      return;
+      return wire::KindError(
+          v1::INVALID_REQUEST,
+          absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(), "\" announced rank ",
+                       ranks[i], " twice or outside 0..", world - 1));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Coordinator::Job*> Coordinator::FindOrCreateJobLocked(const v1::NodeHello& hello,
+                                                                     const std::string& run_id) {
+  auto jit = jobs_.find(hello.job_id());
+  if (jit != jobs_.end()) return &jit->second;
+  if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", hello.job_id(), ": the coordinator already serves ", jobs_.size(),
+                     " jobs (--max_jobs); raise the limit or shard jobs "
+                     "across coordinators"));
+  }
+  const int world = hello.world_size();
+  Job& job = jobs_[hello.job_id()];
+  job.job_id = hello.job_id();
+  job.run_id = run_id;
+  job.world_size = world;
+  job.rank_owner.assign(world, nullptr);
+  job.rank_left_step.assign(world, -1);
+  if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
+  stats_.jobs = static_cast<int64_t>(jobs_.size());
+  ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
+                   << world << " by node \"" << hello.node_id() << "\"";
+  return &job;
+}
+
+absl::Status Coordinator::CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
+                                          const std::vector<int>& ranks) const {
+  if (job.world_size != hello.world_size()) {
+    return wire::KindError(
+        v1::WORLD_SIZE_MISMATCH,
+        absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(), "\" says world size ",
+                     hello.world_size(), " but the job has world size ", job.world_size,
+                     "; check WORLD_SIZE of every launcher"));
+  }
+  // Ranks held by another connected node are refused.
+  for (int r : ranks) {
+    const NodeState* owner = job.rank_owner[r];
+    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) {
+      return wire::KindError(
+          v1::DUPLICATE_RANK,
+          absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
+                       owner->node_id, "\"; node \"", hello.node_id(),
+                       "\" announced it too. Check RANK of the processes on both nodes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                                    Outbox& out) {
+  auto refuse = [&](const absl::Status& why, std::vector<int> error_ranks = {}) {
+    v1::DecisionError e = ErrorFrom(v1::ERROR_KIND_UNSPECIFIED, why, "", hello.job_id());
+    for (int r : error_ranks) e.add_ranks(r);
+    SendErrorLocked(s.sink, std::move(e), out);
+  };
+  std::vector<int> ranks;
+  if (absl::Status valid = ValidateHello(s, hello, ranks); !valid.ok()) {
+    refuse(valid);
+    return;
   }
   absl::StatusOr<Run*> run = JoinRunLocked(hello.job_id(), hello.run_start(), hello.run_id(),
                                            hello.node_id(), hello.node_epoch(), out);
   if (!run.ok()) {
-    reply_error(wire::KindOf(run.status()), run.status().code(),
-                std::string(run.status().message()));
+    refuse(run.status());
     return;
   }
-  const std::string run_id = (*run)->run_id;
-  auto jit = jobs_.find(hello.job_id());
-  if (jit == jobs_.end()) {
-    if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
-      reply_error(
-          v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-          absl::StrCat("job ", hello.job_id(), ": the coordinator already serves ", jobs_.size(),
-                       " jobs (--max_jobs); raise the limit or shard jobs "
-                       "across coordinators"));
-      return;
-    }
-    Job& job = jobs_[hello.job_id()];
-    job.job_id = hello.job_id();
-    job.run_id = run_id;
-    job.world_size = world;
-    job.rank_owner.assign(world, nullptr);
-    job.rank_left_step.assign(world, -1);
-    if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
-    stats_.jobs = static_cast<int64_t>(jobs_.size());
-    jit = jobs_.find(hello.job_id());
-    ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
-                     << world << " by node \"" << hello.node_id() << "\"";
+  absl::StatusOr<Job*> found = FindOrCreateJobLocked(hello, (*run)->run_id);
+  if (!found.ok()) {
+    refuse(found.status());
+    return;
   }
-  Job& job = jit->second;
-  if (job.world_size != world) {
-    reply_error(v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
-                absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(),
-                             "\" says world size ", world, " but the job has world size ",
-                             job.world_size, "; check WORLD_SIZE of every launcher"));
+  (*run)->SetRunning();
+  Job& job = **found;
+  if (absl::Status joins = CheckJoinLocked(job, hello, ranks); !joins.ok()) {
+    std::vector<int> held;
+    if (wire::KindOf(joins) == v1::DUPLICATE_RANK)
+      held.push_back(HeldRankLocked(job, hello, ranks));
+    refuse(joins, std::move(held));
     if (job.connected_nodes == 0) RemoveJobLocked(&job);
     return;
   }
-  // Ranks held by another connected node are refused.
+  PlaceNodeLocked(id, s, job, hello, ranks, out);
+}
+
+int Coordinator::HeldRankLocked(const Job& job, const v1::NodeHello& hello,
+                                const std::vector<int>& ranks) const {
   for (int r : ranks) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) {
-      reply_error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
-                  absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
-                               owner->node_id, "\"; node \"", hello.node_id(),
-                               "\" announced it too. Check RANK of the processes on both nodes"),
-                  {r});
-      if (job.connected_nodes == 0) RemoveJobLocked(&job);
-      return;
-    }
+    const NodeState* owner = job.rank_owner[r];
+    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) return r;
   }
+  return -1;
+}
+
+void Coordinator::PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
+                                  const std::vector<int>& ranks, Outbox& out) {
   NodeState& node = job.nodes[hello.node_id()];
   node.node_id = hello.node_id();
   node.answers_progress = hello.answers_progress();
@@ -642,7 +721,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
   reply.mutable_welcome()->set_run_id(job.run_id);
   out.direct.emplace_back(s.sink, std::move(reply));
-  if (job.failed) {
+  if (job.failed()) {
     v1::CoordinatorMessage fail;
     *fail.mutable_error() = job.failure;
     out.direct.emplace_back(s.sink, std::move(fail));
@@ -654,28 +733,26 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
   NodeState& node = *s.node;
   const int r = e.rank();
   if (r < 0 || r >= job.world_size) {
-    v1::CoordinatorMessage reply;
-    *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                                   absl::StrCat("job ", job.job_id, ": RankEvent for rank ", r,
-                                                " outside 0..", job.world_size - 1),
-                                   job.job_id);
-    out.direct.emplace_back(s.sink, std::move(reply));
+    SendErrorLocked(s.sink,
+                    Error(v1::INVALID_REQUEST,
+                          absl::StrCat("job ", job.job_id, ": RankEvent for rank ", r,
+                                       " outside 0..", job.world_size - 1),
+                          job.job_id),
+                    out);
     return;
   }
   if (e.joined()) {
     NodeState* owner = job.rank_owner[r];
     if (owner == &node) return;
     if (owner != nullptr && owner->session != 0) {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() =
-          Error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
+      v1::DecisionError err =
+          Error(v1::DUPLICATE_RANK,
                 absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
                              "\" but is already served by node \"", owner->node_id,
                              "\"; check RANK of the processes on both nodes"),
                 job.job_id);
-      reply.mutable_error()->add_ranks(r);
-      NoteErrorLocked(reply.error());
-      out.direct.emplace_back(s.sink, std::move(reply));
+      err.add_ranks(r);
+      SendErrorLocked(s.sink, std::move(err), out);
       return;
     }
     if (owner != nullptr) {
@@ -695,7 +772,7 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
   if (job.rank_owner[r] != &node) return;
   // The rank left: any pending step that still needs it can never complete.
   job.rank_left_step[r] = std::max(job.rank_left_step[r], e.last_step());
-  if (job.failed) return;
+  if (job.failed()) return;
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
@@ -722,30 +799,24 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
     // About this registration only: name its ranks so the sidecar answers
     // just them, not every local rank of the group.
     for (int r : nr.ranks()) err.add_ranks(r);
-    v1::CoordinatorMessage msg;
-    msg.mutable_registration()->set_group_id(reg.group_id());
-    *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteErrorLocked(msg.registration().error());
-    out.direct.emplace_back(s.sink, std::move(msg));
+    SendRegistrationErrorLocked(s.sink, reg.group_id(), std::move(err), out);
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
-    reply(Error(v1::INVALID_REQUEST, spec.status().code(),
-                absl::StrCat("job ", job.job_id, ": ", spec.status().message()), job.job_id,
-                reg.group_id()));
+    reply(ErrorFrom(v1::INVALID_REQUEST, spec.status(), absl::StrCat("job ", job.job_id, ": "),
+                    job.job_id, reg.group_id()));
     return;
   }
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
   if (!policy.ok()) {
-    reply(Error(v1::INVALID_REQUEST, policy.status().code(),
-                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
-                             "\": ", policy.status().message()),
-                job.job_id, reg.group_id()));
+    reply(ErrorFrom(v1::INVALID_REQUEST, policy.status(),
+                    absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": "),
+                    job.job_id, reg.group_id()));
     return;
   }
   if (static_cast<int64_t>(spec->params.size()) > options_.max_params_per_group) {
     reply(Error(
-        v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+        v1::LIMIT_EXCEEDED,
         absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": ", spec->params.size(),
                      " parameters exceed --max_params_per_group=", options_.max_params_per_group),
         job.job_id, reg.group_id()));
@@ -754,7 +825,7 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
   RankSet ranks(job.world_size);
   for (int r : nr.ranks()) {
     if (r < 0 || r >= job.world_size || !node.rank_set->Contains(r)) {
-      reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+      reply(Error(v1::INVALID_REQUEST,
                   absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": rank ", r,
                                " is not served by node \"", node.node_id, "\""),
                   job.job_id, reg.group_id()));
@@ -763,7 +834,7 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
     ranks.Add(r);
   }
   if (ranks.Count() == 0) {
-    reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+    reply(Error(v1::INVALID_REQUEST,
                 absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
                              "\": registration names no rank"),
                 job.job_id, reg.group_id()));
@@ -773,7 +844,7 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
   if (git == job.groups.end()) {
     if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
       reply(
-          Error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+          Error(v1::LIMIT_EXCEEDED,
                 absl::StrCat("job ", job.job_id, ": group \"", reg.group_id(),
                              "\" would exceed --max_groups_per_job=", options_.max_groups_per_job),
                 job.job_id, reg.group_id()));
@@ -806,24 +877,26 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
       if (g.registered.Full()) FinishRegistrationLocked(job, g, out);
       break;
     case RegState::kOk: {
-      v1::CoordinatorMessage msg;
-      msg.mutable_registration()->set_group_id(g.group_id);
-      if (variant == g.spec_variant) {
-        msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
-      } else {
-        *msg.mutable_registration()->mutable_error() =
-            Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
+      if (variant != g.spec_variant) {
+        SendRegistrationErrorLocked(
+            s.sink, g.group_id,
+            Error(v1::REGISTRATION_MISMATCH,
                   absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
                                FormatRanks(ranks.Members()), " on node \"", node.node_id,
                                "\" registered a spec or policy different from the one every rank "
                                "agreed on; check the model definition on those ranks"),
-                  job.job_id, g.group_id);
-        NoteErrorLocked(msg.registration().error());
+                  job.job_id, g.group_id),
+            out);
+        break;
       }
+      v1::CoordinatorMessage msg;
+      msg.mutable_registration()->set_group_id(g.group_id);
+      msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
       out.direct.emplace_back(s.sink, std::move(msg));
       break;
     }
     case RegState::kFailed: {
+      // The group's failure again (counted when it happened).
       v1::CoordinatorMessage msg;
       msg.mutable_registration()->set_group_id(g.group_id);
       *msg.mutable_registration()->mutable_error() = g.reg_error;
@@ -881,7 +954,7 @@ void Coordinator::FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
                             wire::PolicyToProto(b.policy).ShortDebugString(), ")");
     }
     v1::DecisionError err =
-        Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
+        Error(v1::REGISTRATION_MISMATCH,
               absl::StrCat("job ", job.job_id, ": ", detail, "; ranks ", FormatRanks(differing),
                            " differ from rank ", ref_rank,
                            ". Every rank must build the same model and wrap it the same way"),
@@ -913,101 +986,28 @@ void Coordinator::FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
   out.broadcast_other.emplace_back(&job, std::move(msg));
 }
 
-absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFull(
-    const NodeState& node, const GroupState& group, const RegVariant& variant, int world,
-    const v1::Manifest& m) {
-  const size_t num_params = variant.spec.params.size();
-  const bool all_node_ranks = m.rank_bits().empty();
-  if (all_node_ranks && node.ranks.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
-  }
-  auto content = std::make_shared<Content>();
-  // The node's own rank set is shared when the manifest speaks for all its
-  // ranks: only the dtypes are decoded (no rank set per manifest).
-  absl::StatusOr<Manifest> parsed;
-  if (all_node_ranks) {
-    content->dtypes.resize(num_params);
-    if (absl::Status s = wire::ManifestDTypesFromProto(m, num_params, content->dtypes.data());
-        !s.ok()) {
-      return s;
-    }
-    content->ranks = node.rank_set;
-    content->rank_count = static_cast<int>(node.ranks.size());
-    if (m.cache_key() == 0) {  // only the key needs a Manifest
-      parsed.emplace();
-      parsed->dtypes.assign(content->dtypes.begin(), content->dtypes.end());
-      parsed->ranks = *node.rank_set;
-    }
-  } else {
-    parsed = wire::ManifestFromProto(m, num_params, world, -1);
-    if (!parsed.ok()) return parsed.status();
-    const auto& words = parsed->ranks.words();
-    const auto& node_words = node.rank_set->words();
-    for (size_t i = 0; i < words.size(); ++i) {
-      if (words[i] & ~node_words[i]) {
-        std::vector<int> foreign;
-        for (int r : parsed->ranks.Members()) {
-          if (!node.rank_set->Contains(r)) foreign.push_back(r);
-        }
-        return absl::InvalidArgumentError(absl::StrCat(
-            "manifest for group \"", m.group_id(), "\" step ", m.step(), ": rank_bits name ranks ",
-            FormatRanks(foreign), " that node \"", node.node_id, "\" does not serve"));
-      }
-    }
-    content->rank_count = parsed->ranks.Count();
-    content->ranks = std::make_shared<const RankSet>(parsed->ranks);
-  }
-  for (const v1::RankUsage& u : m.rank_detail()) {
-    if (!content->ranks->Contains(u.rank())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
-                       ": rank_detail for rank ", u.rank(), " which the manifest does not cover"));
-    }
-    absl::StatusOr<std::vector<bool>> used = wire::UnpackBits(
-        u.used_bits(), num_params,
-        absl::StrCat("manifest for group \"", m.group_id(), "\" rank_detail of rank ", u.rank()));
-    if (!used.ok()) return used.status();
-    content->detail.push_back(RankDetail{u.rank(), *std::move(used)});
-  }
-  if (all_node_ranks) {
-    content->word_lo = node.word_lo;
-    content->word_hi = node.word_hi;
-  } else {
-    const std::vector<uint64_t>& words = content->ranks->words();
-    int lo = 0;
-    int hi = static_cast<int>(words.size());
-    while (lo < hi && words[lo] == 0) ++lo;
-    while (hi > lo && words[hi - 1] == 0) --hi;
-    content->word_lo = lo;
-    content->word_hi = hi;
-  }
-  content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
-  if (!all_node_ranks) content->dtypes.assign(parsed->dtypes.begin(), parsed->dtypes.end());
-  return std::shared_ptr<const Content>(std::move(content));
-}
-
 void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   BatchRecord& record = s.last_batch;
   if (batch.repeat_batch_key() != 0) {
     if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() = Error(
-          v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"", node.node_id,
-                       "\" sent a batch repeat with key ", absl::Hex(batch.repeat_batch_key()),
-                       batch.manifests_size() > 0
-                           ? std::string(" together with manifests")
-                           : absl::StrCat(" but the previous batch on this stream has key ",
-                                          absl::Hex(record.Key()), " (", record.entries.size(),
-                                          " manifests)"),
-                       "; the sidecar and the coordinator disagree on the stream's history. "
-                       "Check the sidecar's version; restarting it resends in full form"),
-          job.job_id, "", batch.repeat_step());
-      NoteErrorLocked(reply.error());
-      out.direct.emplace_back(s.sink, std::move(reply));
+      SendErrorLocked(
+          s.sink,
+          OutOfOrderError(
+              v1::INVALID_REQUEST,
+              absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
+                           node.node_id, "\" sent a batch repeat with key ",
+                           absl::Hex(batch.repeat_batch_key()),
+                           batch.manifests_size() > 0
+                               ? std::string(" together with manifests")
+                               : absl::StrCat(" but the previous batch on this stream has key ",
+                                              absl::Hex(record.Key()), " (", record.entries.size(),
+                                              " manifests)"),
+                           "; the sidecar and the coordinator disagree on the stream's history. "
+                           "Check the sidecar's version; restarting it resends in full form"),
+              job.job_id, "", batch.repeat_step()),
+          out);
       return;
     }
     ManifestRef ref;
@@ -1059,11 +1059,7 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
 }
 
 std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
-  if (group->cache.get() == content) return group->cache;
-  if (auto it = group->retained.find(content); it != group->retained.end()) {
-    return it->second.content;
-  }
-  return nullptr;  // unreachable: a pending contribution's content is owned
+  return group->contents.Owner(content);  // never null: a pending contribution's content is held
 }
 
 uint64_t Coordinator::BatchRecord::Key() {
@@ -1110,144 +1106,150 @@ std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLock
 
 void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
                                        NodeGroupState* ngp, Outbox& out) {
+  ++stats_.manifests;
+  if (AnswerWithoutContentLocked(s, m, gp, ngp, out)) return;
   Job& job = *s.job;
   NodeState& node = *s.node;
-  ++stats_.manifests;
-  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
-    v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(std::string(m.group_id));
-    d->set_step(m.step);
-    *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id, m.step);
-    NoteErrorLocked(d->error());
-    return d->mutable_error();
-  };
+  GroupState& g = *gp;
+  NodeGroupState& ng = *ngp;
+  PruneContributionsLocked(g, ng);
+  v1::DecisionError error;
+  const Content* content = ResolveContentLocked(job, node, g, ng, m, error);
+  PendingStep* p = content == nullptr ? nullptr : PendingStepLocked(job, g, m, error);
+  const Added added =
+      p == nullptr ? Added::kRefused : AddContributionLocked(job, node, ng, m, content, *p, error);
+  if (added == Added::kRefused) {
+    SendDecisionErrorLocked(s.sink, m.group_id, m.step, std::move(error), out);
+  }
+  if (added != Added::kAdded) return;
+  if (p->ranks_covered >= job.world_size) {
+    DecideStepLocked(job, g, m.step, *p, out);
+    g.pending.erase(m.step);
+  }
+}
+
+bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+                                             NodeGroupState* ng, Outbox& out) {
+  const Job& job = *s.job;
   // Built only on the error paths: the common path allocates nothing here.
   auto where = [&] {
     return absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step);
   };
-  if (job.failed) {
+  auto refuse = [&](v1::ErrorKind kind, std::string message) {
+    SendDecisionErrorLocked(s.sink, m.group_id, m.step,
+                            Error(kind, message, job.job_id, m.group_id, m.step), out);
+    return true;
+  };
+  if (job.failed()) {
+    // The job's failure again (counted when it happened).
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
     d->set_group_id(std::string(m.group_id));
     d->set_step(m.step);
     *d->mutable_error() = job.failure;
     d->mutable_error()->set_kind(v1::JOB_FAILED);
-    return;
+    return true;
   }
-  if (gp == nullptr || ngp == nullptr || ngp->variant < 0) {
-    reply_error(v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
-                absl::StrCat(where(), ": node \"", node.node_id,
-                             "\" has not registered this group; register it before sending "
-                             "manifests"));
-    return;
+  if (g == nullptr || ng == nullptr || ng->variant < 0) {
+    return refuse(v1::UNKNOWN_GROUP,
+                  absl::StrCat(where(), ": node \"", s.node->node_id,
+                               "\" has not registered this group; register it before sending "
+                               "manifests"));
   }
-  GroupState& g = *gp;
-  NodeGroupState& ng = *ngp;
-  if (g.reg_state == RegState::kFailed) {
+  if (g->reg_state == RegState::kFailed) {
+    // The group's failure again (counted when it happened).
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(g.group_id);
+    d->set_group_id(g->group_id);
     d->set_step(m.step);
-    *d->mutable_error() = g.reg_error;
+    *d->mutable_error() = g->reg_error;
     d->mutable_error()->set_step(m.step);
-    return;
+    return true;
   }
-  const int64_t step = m.step;
-  if (step < 0) {
-    reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat(where(), ": negative step"));
-    return;
+  if (m.step < 0) return refuse(v1::INVALID_MANIFEST, absl::StrCat(where(), ": negative step"));
+  if (m.step > g->last_decided_step) return false;
+  if (m.step == g->last_decided_step && g->last_decision != nullptr) {
+    // A resend after a reconnect whose decision was lost: answer again.
+    v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
+    *again = *g->last_decision;
+    again->set_step(m.step);
+    again->set_wait_us(g->last_decision_wait_us);
+    return true;
   }
-  if (step <= g.last_decided_step) {
-    if (step == g.last_decided_step && g.last_decision != nullptr) {
-      // A resend after a reconnect whose decision was lost: answer again.
-      v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
-      *again = *g.last_decision;
-      again->set_step(step);
-      again->set_wait_us(g.last_decision_wait_us);
-      return;
-    }
-    reply_error(v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
-                absl::StrCat(where(), ": step ", step, " is older than the last decided step ",
-                             g.last_decided_step,
+  return refuse(v1::STEP_REGRESSION,
+                absl::StrCat(where(), ": step ", m.step, " is older than the last decided step ",
+                             g->last_decided_step,
                              " of this group; check that the training loop's step counter "
                              "only moves forward (was the process restarted alone?)"));
-    return;
-  }
-  // Steps this node already contributed to (few: the pending window).
-  auto& mine = ng.contributed_steps;
-  mine.erase(
-      std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
-      mine.end());
-  // Contributions point at contents without owning them: ng.cache owns the
-  // current one and `retained` older ones still named by pending steps.
-  if (!ng.retained.empty()) {
-    const size_t before = ng.retained.size();
-    if (mine.empty()) {
-      ng.retained.clear();
-    } else {
-      const int64_t oldest = *std::min_element(mine.begin(), mine.end());
-      absl::erase_if(ng.retained, [&](const auto& r) { return r.second.last_step < oldest; });
-    }
-    stats_.retained_contents -= static_cast<int64_t>(before - ng.retained.size());
-  }
-  // Resolve the content.
-  const Content* content = nullptr;
+}
+
+void Coordinator::PruneContributionsLocked(const GroupState& g, NodeGroupState& ng) {
+  stats_.retained_contents -= ng.contents.Prune(g.last_decided_step);
+}
+
+const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeState& node,
+                                                              GroupState& g, NodeGroupState& ng,
+                                                              const ManifestRef& m,
+                                                              v1::DecisionError& error) {
   if (m.repeat) {
-    if (ng.cache == nullptr || ng.cache_key != m.cache_key) {
+    const Content* cached = ng.contents.Repeat(m.cache_key);
+    if (cached == nullptr) {
       ++stats_.repeat_key_mismatches;
-      reply_error(
-          v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat(where(), ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
+      error = OutOfOrderError(
+          v1::INVALID_MANIFEST,
+          absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
+                       ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
-                       ng.cache == nullptr ? std::string("is unknown here")
-                                           : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
-                       "; resend this step in full form"))
-          ->set_resend_full_form(true);
-      return;
+                       ng.contents.current() == nullptr
+                           ? std::string("is unknown here")
+                           : absl::StrCat("has key ", absl::Hex(ng.contents.current()->key)),
+                       "; resend this step in full form"),
+          job.job_id, m.group_id, m.step);
+      error.set_resend_full_form(true);
+      return nullptr;
     }
-    content = ng.cache.get();
     ++stats_.cache_hits;
     ++g.cache_hits;
     if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/true);
-  } else {
-    absl::StatusOr<std::shared_ptr<const Content>> parsed =
-        ParseFull(node, g, g.variants[ng.variant], job.world_size, *m.full);
-    if (!parsed.ok()) {
-      const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
-      reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                  absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
-      return;
-    }
-    if (!mine.empty() && ng.cache != nullptr) {
-      // Steps in `mine` so far used the old content (or older ones).
-      const int64_t last = *std::max_element(mine.begin(), mine.end());
-      const Content* key = ng.cache.get();
-      if (ng.retained.try_emplace(key, NodeGroupState::Retained{std::move(ng.cache), last})
-              .second) {
-        ++stats_.retained_contents;
-      }
-    }
-    ng.cache = *std::move(parsed);
-    content = ng.cache.get();
-    ng.cache_key = content->key;
-    ng.cache_rank_count = content->rank_count;
-    ++stats_.cache_misses;
-    ++g.cache_misses;
-    if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
+    return cached;
   }
-  auto pit = g.pending.find(step);
-  if (pit == g.pending.end()) {
-    if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
-      reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                  absl::StrCat(where(), ": ", g.pending.size(),
+  absl::StatusOr<std::shared_ptr<const Content>> parsed =
+      ParseContent(ServedRanks{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
+                               node.word_lo, node.word_hi},
+                   g.variants[ng.variant].spec.params.size(), job.world_size, *m.full);
+  if (!parsed.ok()) {
+    const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
+    error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()), job.job_id,
+                  m.group_id, m.step);
+    return nullptr;
+  }
+  stats_.retained_contents += ng.contents.Replace(*std::move(parsed));
+  ++stats_.cache_misses;
+  ++g.cache_misses;
+  if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
+  return ng.contents.current().get();
+}
+
+Coordinator::PendingStep* Coordinator::PendingStepLocked(Job& job, GroupState& g,
+                                                         const ManifestRef& m,
+                                                         v1::DecisionError& error) {
+  auto pit = g.pending.find(m.step);
+  if (pit != g.pending.end()) return &pit->second;
+  if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
+    error = Error(v1::LIMIT_EXCEEDED,
+                  absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
+                               ": ", g.pending.size(),
                                " steps of this group are already waiting for ranks "
-                               "(--max_pending_steps); some ranks are far behind"));
-      return;
-    }
-    pit = StartStepLocked(job, g, step, clock_->Now());
+                               "(--max_pending_steps); some ranks are far behind"),
+                  job.job_id, m.group_id, m.step);
+    return nullptr;
   }
-  PendingStep& p = pit->second;
-  if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
+  return &StartStepLocked(job, g, m.step, clock_->Now())->second;
+}
+
+Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng,
+                                                      const ManifestRef& m, const Content* content,
+                                                      PendingStep& p, v1::DecisionError& error) {
+  if (ng.contents.Contributed(m.step)) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.
     RankSet earlier(job.world_size);
@@ -1255,60 +1257,32 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
       if (c.node != &node) continue;
       if (c.content == content ||
           (c.content->key == content->key && *c.content->ranks == *content->ranks)) {
-        return;
+        return Added::kResent;
       }
       earlier.Union(*c.content->ranks);
     }
     if (earlier.Intersects(*content->ranks)) {
-      reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-                  absl::StrCat(where(), ": node \"", node.node_id,
-                               "\" sent a second, different manifest for ranks it already "
-                               "reported at this step"));
-      return;
+      error =
+          OutOfOrderError(v1::INVALID_MANIFEST,
+                          absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ",
+                                       m.step, ": node \"", node.node_id,
+                                       "\" sent a second, different manifest for ranks it already "
+                                       "reported at this step"),
+                          job.job_id, m.group_id, m.step);
+      return Added::kRefused;
     }
   } else {
-    mine.push_back(step);
+    ng.contents.AddStep(m.step);
   }
-  // content == ng.cache here: its key and rank count are in ng (no Content
-  // access, and no reference count traffic, per repeat).
-  p.ranks_covered += ng.cache_rank_count;
-  p.combined_key += MixKey(ng.cache_key);
+  // content is the cache's current one here: its key and rank count are in
+  // the cache (no Content access, and no reference count traffic, per repeat).
+  p.ranks_covered += ng.contents.rank_count();
+  p.combined_key += MixKey(ng.contents.key());
   p.contributions.push_back(Contribution{&node, content, &ng});
   p.all_repeat = p.all_repeat && m.repeat;
-  node.last_step = std::max(node.last_step, step);
-  CountSkips(ng, ng.cache);
-  if (p.ranks_covered >= job.world_size) {
-    DecideStepLocked(job, g, step, p, out);
-    g.pending.erase(step);
-  }
-}
-
-void Coordinator::CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content) {
-  if (ng.skip_content == content) {
-    ++ng.skip_steps;
-    return;
-  }
-  FlushSkips(ng);
-  ng.skip_content = content;
-  ng.skip_steps = 1;
-}
-
-void Coordinator::FlushSkips(NodeGroupState& ng) {
-  if (ng.skip_content == nullptr || ng.skip_steps == 0) return;
-  const Content& c = *ng.skip_content;
-  const size_t n = c.dtypes.size();
-  if (ng.node_skips.size() != n) ng.node_skips.assign(n, 0);
-  for (size_t i = 0; i < n; ++i) {
-    if (c.dtypes[i] == 0) ng.node_skips[i] += ng.skip_steps;
-  }
-  for (const RankDetail& d : c.detail) {
-    std::vector<int64_t>& extra = ng.rank_extra_skips[d.rank];
-    if (extra.size() != n) extra.assign(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      if (c.dtypes[i] != 0 && !d.used[i]) extra[i] += ng.skip_steps;
-    }
-  }
-  ng.skip_steps = 0;
+  node.last_step = std::max(node.last_step, m.step);
+  ng.contents.CountSkips();
+  return Added::kAdded;
 }
 
 void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
@@ -1351,9 +1325,9 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
     wire::DecisionToProto(*decision, d->mutable_ok());
     g.last_ok = true;
   } else {
-    *d->mutable_error() = Error(v1::INVALID_MANIFEST, decision.status().code(),
-                                absl::StrCat("job ", job.job_id, ": ", decision.status().message()),
-                                job.job_id, g.group_id, step);
+    *d->mutable_error() =
+        ErrorFrom(v1::INVALID_MANIFEST, decision.status(), absl::StrCat("job ", job.job_id, ": "),
+                  job.job_id, g.group_id, step);
     g.last_ok = false;
     NoteErrorLocked(d->error());
   }
@@ -1412,8 +1386,7 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
       submitted.empty() ? std::string("no rank submitted it")
                         : absl::StrCat("ranks ", FormatRanks(submitted), " submitted it"),
       ". Check the missing ranks' processes and their sidecars' logs; the job is failed");
-  v1::DecisionError e = Error(v1::MISSING_RANKS, absl::StatusCode::kDeadlineExceeded,
-                              std::move(msg), job.job_id, g.group_id, step);
+  v1::DecisionError e = Error(v1::MISSING_RANKS, std::move(msg), job.job_id, g.group_id, step);
   *e.mutable_ranks() = err.ranks();
   *e.mutable_last_steps() = err.last_steps();
   return e;
@@ -1422,18 +1395,16 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
 void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step,
                                 v1::DecisionError error, Outbox& out) {
   ACCORD_LOG(ERROR) << error.message();
-  job.failed = true;
-  job.failure = error;
+  job.Fail(error);
   NoteErrorLocked(error);
   // The run's key-value entries (bootstrap keys) are of no use any more:
   // dropped now. Keys set after the failure (e.g. a coordinated shutdown) go
   // to a fresh scope, which the run's end drops; a late drop of the old
   // scope can never take them.
-  if (auto rit = runs_.find(job.job_id);
-      rit != runs_.end() && rit->second.run_id == job.run_id && !rit->second.failed) {
+  if (auto rit = runs_.find(job.job_id); rit != runs_.end() && rit->second.run_id == job.run_id &&
+                                         rit->second.state != RunState::kFailed) {
     const std::string scope = KeyScopeOf(rit->second);
-    rit->second.failed = true;
-    rit->second.failure = error;
+    rit->second.SetFailed(error);
     ended_runs_.push_back(
         EndedRun{job.job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(rit->second)});
   }
@@ -1515,7 +1486,7 @@ void Coordinator::HandleProgressLocked(Session& s, const v1::NodeProgress& progr
 
 void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress) {
   Job& job = *s.job;
-  if (job.failed) return;  // every rank already has the job's failure
+  if (job.failed()) return;  // every rank already has the job's failure
   auto git = job.groups.find(progress.group_id());
   if (git == job.groups.end() || git->second.reg_state != RegState::kOk) return;
   GroupState& g = git->second;
@@ -1650,8 +1621,9 @@ absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
       auto ngit = node.groups.find(group_id);
       if (ngit == node.groups.end()) continue;
       NodeGroupState& ng = ngit->second;
-      FlushSkips(ng);
-      nodes.push_back(NodeCounts{node.ranks, ng.node_skips, ng.rank_extra_skips});
+      ng.contents.FlushSkips();
+      nodes.push_back(
+          NodeCounts{node.ranks, ng.contents.node_skips(), ng.contents.rank_extra_skips()});
     }
   }
   const size_t n = out.param_names.size();

@@ -70,7 +70,10 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/coordinator/content.h"
+#include "daemon/coordinator/content_cache.h"
 #include "daemon/coordinator/observe_hooks.h"
+#include "daemon/coordinator/usage_window.h"
 
 namespace accord::daemon {
 
@@ -151,6 +154,18 @@ struct SkipMatrix {
   std::map<int, std::vector<int64_t>> skips;
 };
 
+// Lifecycles of a job's run and of the job state it holds while a node is
+// connected (docs/ARCHITECTURE.md, "Lifecycles").
+enum class RunState {
+  kStarting,  // started by a key-value request; no node joined yet
+  kRunning,   // its job exists (a node said NodeHello)
+  kFailed,    // its job failed; its keys were dropped, late requests get the failure
+};
+enum class JobState {
+  kRunning,
+  kFailed,  // MISSING_RANKS, a rank left mid-step, or a node lost past its grace
+};
+
 class Coordinator {
  public:
   using SessionId = uint64_t;
@@ -216,58 +231,15 @@ class Coordinator {
   std::vector<JobGauges> Gauges();
 
  private:
-  struct RankDetail {
-    int rank;
-    std::vector<bool> used;
-  };
-  // One node manifest's content (shared between the cache and the steps it
-  // contributed to).
-  struct Content {
-    uint64_t key = 0;
-    // Inline for typical groups: one allocation per Content (make_shared).
-    absl::InlinedVector<DTypeMask, 32> dtypes;
-    std::shared_ptr<const RankSet> ranks;
-    int rank_count = 0;
-    // ranks->words() is zero outside [word_lo, word_hi): merges OR only those.
-    int word_lo = 0;
-    int word_hi = 0;
-    std::vector<RankDetail> detail;
-  };
-  // A run of consecutive decided steps of one group with the same node
-  // contents (the observe API's skip-matrix window).
-  struct UsageEntry {
-    int64_t first_step = 0;
-    int64_t steps = 0;
-    std::vector<std::shared_ptr<const Content>> contents;
-    int64_t bytes = 0;  // approximate size of what `contents` keeps alive
-  };
+  // A node manifest's content (content.h), shared between a node's cache,
+  // the pending steps it contributed to and the usage windows.
+  using Content = ::accord::daemon::Content;
   struct NodeState;
+  // What a node keeps per group: its registration variant and its
+  // contents (content_cache.h).
   struct NodeGroupState {
     int variant = -1;  // index of this node's registration variant, -1: none
-    // Pending steps this node spoke for (few: the pending window).
-    absl::InlinedVector<int64_t, 4> contributed_steps;
-    std::shared_ptr<const Content> cache;
-    // Earlier contents still named by this node's pending contributions
-    // (the cache moved on before those steps were decided), each with the
-    // last step that used it. An entry goes once that step is older than
-    // every pending step of this node, so there are at most as many as the
-    // node's pending steps of the group (--max_pending_steps), and Owner()
-    // finds one by its address.
-    struct Retained {
-      std::shared_ptr<const Content> content;
-      int64_t last_step = 0;
-    };
-    absl::flat_hash_map<const Content*, Retained> retained;
-    // cache->key and cache->rank_count, kept here so a repeat does not touch
-    // the Content (one cache miss fewer per node and group at scale).
-    uint64_t cache_key = 0;
-    int cache_rank_count = 0;
-    // Skip accounting: `skip_content` has been in effect for `skip_steps`
-    // contributions not yet added to the counts below.
-    std::shared_ptr<const Content> skip_content;
-    int64_t skip_steps = 0;
-    std::vector<int64_t> node_skips;  // per param: steps the whole node lacked it
-    absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips;
+    ContentCache contents;
   };
   struct NodeState {
     std::string node_id;
@@ -343,9 +315,7 @@ class Coordinator {
     std::vector<bool> last_included;
     int last_num_skipped = 0;
     int64_t last_zero_fills = 0;
-    std::deque<UsageEntry> usage;  // oldest first
-    int64_t usage_steps = 0;
-    int64_t usage_bytes = 0;
+    UsageWindow usage;
     std::unique_ptr<GroupObserver> observer;
   };
   // One run (incarnation) of a job. It starts at the job's first NodeHello
@@ -353,12 +323,26 @@ class Coordinator {
   // newer run supersedes it, or (never joined by a node) after
   // run_start_timeout. `node_epochs`: the nodes that joined it, each with the
   // epoch its sidecar drew for its ranks.
+  //
+  // Its lifecycle (docs/ARCHITECTURE.md, "Lifecycles"); these methods are the
+  // only transitions:
+  //   kStarting --SetRunning (its job was created by a NodeHello)--> kRunning
+  //   kRunning --SetFailed (its job failed)--> kFailed
+  // and from any state it ends (EndRunLocked, RemoveJobLocked): erased from
+  // runs_, remembered in recently_ended_ when it failed or was superseded.
   struct Run {
     std::string run_id;
     absl::Time started;
     absl::flat_hash_map<std::string, uint64_t> node_epochs;
-    bool failed = false;
-    v1::DecisionError failure;
+    RunState state = RunState::kStarting;
+    v1::DecisionError failure;  // set in kFailed
+    void SetRunning() {
+      if (state == RunState::kStarting) state = RunState::kRunning;
+    }
+    void SetFailed(const v1::DecisionError& error) {
+      state = RunState::kFailed;
+      failure = error;
+    }
   };
   struct Job {
     std::string job_id;
@@ -369,15 +353,21 @@ class Coordinator {
     std::vector<NodeState*> rank_owner;
     std::vector<int64_t> rank_left_step;  // from RankEvent, -1: none
     int connected_nodes = 0;
-    bool failed = false;
-    v1::DecisionError failure;
+    // kRunning --Fail--> kFailed; a job is dropped (not a state) when its
+    // run ends. A failed job answers every request with its failure.
+    JobState state = JobState::kRunning;
+    v1::DecisionError failure;  // set in kFailed
     std::unique_ptr<JobObserver> observer;
+    bool failed() const { return state == JobState::kFailed; }
+    void Fail(const v1::DecisionError& error) {
+      state = JobState::kFailed;
+      failure = error;
+    }
   };
   // What the observe API keeps of a job after its last node left.
   struct RetiredGroup {
     std::vector<std::string> param_names;
-    std::deque<UsageEntry> usage;
-    int64_t usage_bytes = 0;
+    UsageWindow usage;
   };
   struct RetiredJob {
     v1::JobStatus status;
@@ -429,6 +419,22 @@ class Coordinator {
   void CheckDeadlinesWithoutDelivery() ABSL_LOCKS_EXCLUDED(mu_);
   void HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleHelloLocked's steps: the hello's own checks (sorted, checked ranks
+  // into `ranks`), the job (created on first sight), the job's checks
+  // (world size, ranks held elsewhere), and the node's placement + Welcome.
+  absl::Status ValidateHello(const Session& s, const v1::NodeHello& hello,
+                             std::vector<int>& ranks) const;
+  absl::StatusOr<Job*> FindOrCreateJobLocked(const v1::NodeHello& hello, const std::string& run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
+                               const std::vector<int>& ranks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first of `ranks` another connected node holds (-1: none).
+  int HeldRankLocked(const Job& job, const v1::NodeHello& hello,
+                     const std::vector<int>& ranks) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
+                       const std::vector<int>& ranks, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(Session& s, const v1::NodeRegistration& reg, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
@@ -436,12 +442,46 @@ class Coordinator {
   // `g`/`ng` are the resolved group states (nullptr: unknown group).
   void HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
                             Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleManifestLocked's steps, in order. Answers a manifest that needs no
+  // content (failed job, unknown or failed group, negative or decided step);
+  // returns whether it did.
+  bool AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+                                  NodeGroupState* ng, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the node's contributions to steps decided since, and the
+  // retained contents only those named.
+  void PruneContributionsLocked(const GroupState& g, NodeGroupState& ng)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The manifest's content: the node's cached one for a repeat, else the
+  // parsed full form, which becomes the cache. nullptr with `error` set when
+  // it cannot be resolved (resend_full_form for an unknown repeat).
+  const Content* ResolveContentLocked(Job& job, NodeState& node, GroupState& g, NodeGroupState& ng,
+                                      const ManifestRef& m, v1::DecisionError& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pending step, started when new; nullptr (LIMIT_EXCEEDED in `error`)
+  // past --max_pending_steps.
+  PendingStep* PendingStepLocked(Job& job, GroupState& g, const ManifestRef& m,
+                                 v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  enum class Added { kAdded, kResent, kRefused };
+  // Adds the node's content to the step: kResent for an identical resend
+  // (no-op), kRefused (`error` set) for a different one about the same ranks.
+  Added AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng, const ManifestRef& m,
+                              const Content* content, PendingStep& p, v1::DecisionError& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one reply path for errors sent to one node: each counts the error
+  // (stats, observer event; NoteErrorLocked) and queues it in the shape the
+  // node expects (a session error, a registration result, a decision). A
+  // failure already counted (the job's or the group's) is resent as is.
+  void SendErrorLocked(NodeSink* sink, v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendRegistrationErrorLocked(NodeSink* sink, const std::string& group_id,
+                                   v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendDecisionErrorLocked(NodeSink* sink, absl::string_view group_id, int64_t step,
+                               v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::shared_ptr<const Content>> ParseFull(const NodeState& node,
-                                                           const GroupState& group,
-                                                           const RegVariant& variant, int world,
-                                                           const v1::Manifest& m);
   void FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
@@ -476,8 +516,6 @@ class Coordinator {
                                                            absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
-  void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);
-  static void FlushSkips(NodeGroupState& ng);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes the timer at `at` if that is earlier than its next wake.
@@ -519,6 +557,7 @@ class Coordinator {
   // view; DeliverEvents hands queued events to the observer.
   void NoteErrorLocked(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueEventLocked(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  UsageWindow::Limits UsageLimits() const;
   void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                              const v1::Decision& d, const Decision* decided)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -531,12 +570,6 @@ class Coordinator {
   void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
-  static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);
-  static void AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t weight,
-                       int num_params, v1::GroupSkipMatrix* matrix);
-  static v1::GroupSkipMatrix MatrixOf(const std::string& group_id,
-                                      const std::vector<std::string>& names, int world,
-                                      const std::deque<UsageEntry>& usage, int64_t window);
 
   const CoordinatorOptions options_;
   Clock* const clock_;

@@ -138,117 +138,26 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
   // Usage window: extend the last run when the contents repeat the previous
   // step; otherwise start a run with this step's contents.
   if (options_.usage_window_steps <= 0) return;
-  if (same && !g.usage.empty() && g.usage.back().first_step + g.usage.back().steps == step) {
-    ++g.usage.back().steps;
-  } else {
-    UsageEntry entry;
-    entry.first_step = step;
-    entry.steps = 1;
-    entry.contents.reserve(p.contributions.size());
-    for (const Contribution& c : p.contributions) {
-      entry.contents.push_back(c.Owner());
-    }
+  stats_.usage_bytes += g.usage.Record(step, same, [&] {
+    std::vector<std::shared_ptr<const Content>> contents;
+    contents.reserve(p.contributions.size());
+    for (const Contribution& c : p.contributions) contents.push_back(c.Owner());
     p.contributions.clear();
-    entry.bytes = ContentBytes(entry.contents);
-    g.usage_bytes += entry.bytes;
-    stats_.usage_bytes += entry.bytes;
-    g.usage.push_back(std::move(entry));
-  }
-  ++g.usage_steps;
+    return contents;
+  });
   // The global cap (usage_total_bytes): retired jobs' windows go first.
   while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
     PopRetiredLocked();
   }
-  const bool over_total = stats_.usage_bytes > options_.usage_total_bytes;
-  while (!g.usage.empty() && (g.usage_steps > options_.usage_window_steps ||
-                              ((g.usage_bytes > options_.usage_window_bytes ||
-                                stats_.usage_bytes > options_.usage_total_bytes) &&
-                               g.usage.size() > 1))) {
-    UsageEntry& front = g.usage.front();
-    const int64_t excess = g.usage_steps - options_.usage_window_steps;
-    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes &&
-        !over_total) {
-      front.first_step += excess;
-      front.steps -= excess;
-      g.usage_steps -= excess;
-      break;
-    }
-    g.usage_steps -= front.steps;
-    g.usage_bytes -= front.bytes;
-    stats_.usage_bytes -= front.bytes;
-    g.usage.pop_front();
-  }
+  g.usage.Trim(UsageLimits(), stats_.usage_bytes);
 }
 
-int64_t Coordinator::ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents) {
-  int64_t bytes = 0;
-  for (const auto& c : contents) {
-    bytes += 64 + static_cast<int64_t>(c->dtypes.size()) * 2;
-    for (const auto& d : c->detail) bytes += 32 + static_cast<int64_t>(d.used.size() / 8);
-  }
-  return bytes;
-}
-
-// Adds one run of usage into the matrix rows (`rows[i].counts` sized to the
-// world) with weight `w`.
-void Coordinator::AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t w,
-                           int num_params, v1::GroupSkipMatrix* m) {
-  std::vector<bool> any(num_params, false);
-  for (const auto& c : contents) {
-    const int n = std::min<int>(num_params, static_cast<int>(c->dtypes.size()));
-    std::vector<int> members = c->ranks->Members();
-    for (int i = 0; i < n; ++i) {
-      if (c->dtypes[i] != 0) any[i] = true;
-    }
-    for (int r : members) {
-      const std::vector<bool>* used = nullptr;
-      for (const auto& d : c->detail) {
-        if (d.rank == r) used = &d.used;
-      }
-      for (int i = 0; i < num_params; ++i) {
-        v1::SkipRow* row = m->mutable_rows(i);
-        if (r < 0 || r >= row->counts_size()) continue;
-        const bool has = i < n && c->dtypes[i] != 0 &&
-                         (used == nullptr || (i < static_cast<int>(used->size()) && (*used)[i]));
-        if (!has) row->set_counts(r, row->counts(r) + w);
-      }
-    }
-  }
-  for (int i = 0; i < num_params; ++i) {
-    if (!any[i]) {
-      v1::SkipRow* row = m->mutable_rows(i);
-      row->set_skipped_everywhere(row->skipped_everywhere() + w);
-    }
-  }
-}
-
-// The skip matrix of one group over the last `window` decided steps (0: all).
-v1::GroupSkipMatrix Coordinator::MatrixOf(const std::string& group_id,
-                                          const std::vector<std::string>& names, int world,
-                                          const std::deque<UsageEntry>& usage, int64_t window) {
-  v1::GroupSkipMatrix m;
-  m.set_group_id(group_id);
-  const int num_params = static_cast<int>(names.size());
-  for (int i = 0; i < num_params; ++i) {
-    v1::SkipRow* row = m.add_rows();
-    row->set_param_index(i);
-    row->set_param_name(names[i]);
-    row->mutable_counts()->Resize(world, 0);
-  }
-  int64_t remaining = window > 0 ? window : INT64_MAX;
-  int64_t first = -1, last = -1, steps = 0;
-  for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
-    const int64_t w = std::min(remaining, it->steps);
-    remaining -= w;
-    steps += w;
-    if (last < 0) last = it->first_step + it->steps - 1;
-    first = it->first_step + it->steps - w;
-    AddUsage(it->contents, w, num_params, &m);
-  }
-  m.set_steps(steps);
-  m.set_first_step(first);
-  m.set_last_step(last);
-  return m;
+UsageWindow::Limits Coordinator::UsageLimits() const {
+  UsageWindow::Limits limits;
+  limits.steps = options_.usage_window_steps;
+  limits.bytes = options_.usage_window_bytes;
+  limits.total_bytes = options_.usage_total_bytes;
+  return limits;
 }
 
 v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
@@ -298,8 +207,8 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
       gs->set_error(g->last_decision->error().message());
     }
   }
-  js.set_failed(job.failed);
-  if (job.failed) js.set_error(job.failure.message());
+  js.set_failed(job.failed());
+  if (job.failed()) js.set_error(job.failure.message());
   return js;
 }
 
@@ -313,10 +222,9 @@ void Coordinator::RetireJobLocked(Job& job) {
     for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
       rg.param_names.push_back(p.name);
     }
-    rg.usage = std::move(g.usage);
-    rg.usage_bytes = g.usage_bytes;
-    r.usage_bytes += g.usage_bytes;
-    g.usage_bytes = 0;  // now counted as the retired job's
+    // Now counted as the retired job's (the group's window is left empty).
+    rg.usage = g.usage.Take();
+    r.usage_bytes += rg.usage.bytes();
   }
   for (auto it = retired_.begin(); it != retired_.end();) {
     if (it->status.job_id() == job.job_id) {
@@ -375,16 +283,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   struct GroupSnapshot {
     std::string group_id;
     std::vector<std::string> names;
-    std::deque<UsageEntry> usage;
-  };
-  auto window_of = [&](const std::deque<UsageEntry>& usage) {
-    std::deque<UsageEntry> kept;
-    int64_t remaining = window_steps > 0 ? window_steps : INT64_MAX;
-    for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
-      kept.push_front(*it);
-      remaining -= it->steps;
-    }
-    return kept;
+    std::deque<UsageRun> usage;
   };
   std::vector<GroupSnapshot> groups;
   int world = 0;
@@ -418,7 +317,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
              g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
           snap.names.push_back(p.name);
         }
-        snap.usage = window_of(g.usage);
+        snap.usage = g.usage.Newest(window_steps);
       }
     } else {
       for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
@@ -428,7 +327,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
         if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
         for (const auto& [id, rg] : it->groups) {
           if (!group_id.empty() && id != group_id) continue;
-          groups.push_back(GroupSnapshot{id, rg.param_names, window_of(rg.usage)});
+          groups.push_back(GroupSnapshot{id, rg.param_names, rg.usage.Newest(window_steps)});
         }
         break;
       }
@@ -442,7 +341,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   }
   out.set_world_size(world);
   for (const GroupSnapshot& g : groups) {
-    *out.add_groups() = MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
+    *out.add_groups() = UsageWindow::MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
   }
   return out;
 }
