@@ -102,6 +102,12 @@ class ContentCache {
   absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips_;
 };
 
+// What a node keeps per group: its registration variant and its contents.
+struct NodeGroupState {
+  int variant = -1;  // index of this node's registration variant, -1: none
+  ContentCache contents;
+};
+
 }  // namespace accord::daemon
 
 #endif  // ACCORD_DAEMON_COORDINATOR_CONTENT_CACHE_H_

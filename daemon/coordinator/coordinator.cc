@@ -31,15 +31,16 @@ v1::DecisionError Error(v1::ErrorKind kind, absl::string_view message,
   return Located(wire::MakeError(kind, wire::KindError(kind, message)), job_id, group_id, step);
 }
 
-// An error of `kind` caused by a lower layer's status (a registration or
-// manifest that does not convert, a decision core Decide refused): keeps the
-// cause's code and message, after `context`.
+// An error caused by a status from a lower layer or a check (a registration
+// or manifest that does not convert, a decision core Decide refused, a
+// refused NodeHello): keeps the cause's code and message (after `context`),
+// and its kind unless `kind` is given.
 v1::DecisionError ErrorFrom(v1::ErrorKind kind, const absl::Status& cause,
                             absl::string_view context, absl::string_view job_id = "",
                             absl::string_view group_id = "", int64_t step = -1) {
-  return Located(
-      wire::MakeError(kind, absl::Status(cause.code(), absl::StrCat(context, cause.message()))),
-      job_id, group_id, step);
+  v1::DecisionError e = wire::MakeError(kind, cause);
+  if (!context.empty()) e.set_message(absl::StrCat(context, cause.message()));
+  return Located(std::move(e), job_id, group_id, step);
 }
 
 // A well-formed request the stream's state does not allow (before NodeHello,
@@ -58,15 +59,6 @@ uint64_t MixKey(uint64_t k) {
   k *= 0xff51afd7ed558ccdull;
   k ^= k >> 33;
   return k;
-}
-
-// First parameter index where two specs differ (or the shorter count).
-int FirstDifference(const GroupSpec& a, const GroupSpec& b) {
-  const size_t n = std::min(a.params.size(), b.params.size());
-  for (size_t i = 0; i < n; ++i) {
-    if (!(a.params[i] == b.params[i])) return static_cast<int>(i);
-  }
-  return a.params.size() == b.params.size() ? -1 : static_cast<int>(n);
 }
 
 }  // namespace
@@ -135,12 +127,9 @@ void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   sessions_.erase(it);
   --stats_.sessions;
   if (s.node == nullptr || s.node->session != id) return;
-  s.node->session = 0;
-  s.node->sink = nullptr;
-  s.node->disconnected_at = clock_->Now();
-  --s.job->connected_nodes;
+  s.job->members.Disconnect(*s.node, clock_->Now());
   ObserveNodeLocked(*s.job, *s.node, /*connected=*/false);
-  if (s.job->connected_nodes == 0) {
+  if (s.job->members.connected() == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
     RemoveJobLocked(s.job);
@@ -162,9 +151,9 @@ void Coordinator::WakeTimerAtLocked(absl::Time at) {
 }
 
 bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out) {
-  if (job.failed() || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
+  if (job.failed() || job.members.all_connected()) return false;
   std::vector<const NodeState*> lost;
-  for (const auto& [node_id, node] : job.nodes) {
+  for (const auto& [node_id, node] : job.members.nodes()) {
     if (node.session != 0 || node.disconnected_at == absl::InfiniteFuture()) continue;
     const absl::Time due = node.disconnected_at + options_.node_reconnect_grace;
     if (due <= now) {
@@ -189,7 +178,7 @@ bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& nex
       for (const NodeState* node : lost) {
         std::vector<int> missing;
         for (int r : node->ranks) {
-          if (job.rank_owner[r] == node && !covered.Contains(r)) missing.push_back(r);
+          if (job.members.OwnerOf(r) == node && !covered.Contains(r)) missing.push_back(r);
         }
         if (missing.empty()) continue;
         culprit = &g;
@@ -237,7 +226,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
   if (!job->groups.empty()) RetireJobLocked(*job);
   // Usage windows not handed to a retired job are freed with the job.
   for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage.bytes();
-  for (const auto& [node_id, node] : job->nodes) {
+  for (const auto& [node_id, node] : job->members.nodes()) {
     for (const auto& [group_id, ng] : node.groups) {
       stats_.retained_contents -= static_cast<int64_t>(ng.contents.retained());
     }
@@ -289,7 +278,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   const std::string scope = KeyScopeOf(rit->second);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
     Job& job = jit->second;
-    for (auto& [node_id, node] : job.nodes) {
+    for (auto& [node_id, node] : job.members.nodes()) {
       if (node.sink == nullptr || error == nullptr) continue;
       SendErrorLocked(node.sink, *error, out);
     }
@@ -538,7 +527,7 @@ void Coordinator::FlushLocked(Outbox& out) {
   auto broadcast = [&](Job* job, v1::CoordinatorMessage&& msg) {
     if (jobs_.find(job->job_id) == jobs_.end()) return;
     auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(msg));
-    for (auto& [node_id, node] : job->nodes) {
+    for (auto& [node_id, node] : job->members.nodes()) {
       if (node.sink != nullptr) node.sink->Send(shared);
     }
   };
@@ -595,12 +584,9 @@ absl::StatusOr<Coordinator::Job*> Coordinator::FindOrCreateJobLocked(const v1::N
                      "across coordinators"));
   }
   const int world = hello.world_size();
-  Job& job = jobs_[hello.job_id()];
+  Job& job = jobs_.try_emplace(hello.job_id(), world).first->second;
   job.job_id = hello.job_id();
   job.run_id = run_id;
-  job.world_size = world;
-  job.rank_owner.assign(world, nullptr);
-  job.rank_left_step.assign(world, -1);
   if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
   ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
@@ -618,15 +604,12 @@ absl::Status Coordinator::CheckJoinLocked(const Job& job, const v1::NodeHello& h
                      "; check WORLD_SIZE of every launcher"));
   }
   // Ranks held by another connected node are refused.
-  for (int r : ranks) {
-    const NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) {
-      return wire::KindError(
-          v1::DUPLICATE_RANK,
-          absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
-                       owner->node_id, "\"; node \"", hello.node_id(),
-                       "\" announced it too. Check RANK of the processes on both nodes"));
-    }
+  if (const int r = job.members.HeldElsewhere(hello.node_id(), ranks); r >= 0) {
+    return wire::KindError(
+        v1::DUPLICATE_RANK,
+        absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
+                     job.members.OwnerOf(r)->node_id, "\"; node \"", hello.node_id(),
+                     "\" announced it too. Check RANK of the processes on both nodes"));
   }
   return absl::OkStatus();
 }
@@ -658,58 +641,26 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   Job& job = **found;
   if (absl::Status joins = CheckJoinLocked(job, hello, ranks); !joins.ok()) {
     std::vector<int> held;
-    if (wire::KindOf(joins) == v1::DUPLICATE_RANK)
-      held.push_back(HeldRankLocked(job, hello, ranks));
+    if (wire::KindOf(joins) == v1::DUPLICATE_RANK) {
+      held.push_back(job.members.HeldElsewhere(hello.node_id(), ranks));
+    }
     refuse(joins, std::move(held));
-    if (job.connected_nodes == 0) RemoveJobLocked(&job);
+    if (job.members.connected() == 0) RemoveJobLocked(&job);
     return;
   }
   PlaceNodeLocked(id, s, job, hello, ranks, out);
 }
 
-int Coordinator::HeldRankLocked(const Job& job, const v1::NodeHello& hello,
-                                const std::vector<int>& ranks) const {
-  for (int r : ranks) {
-    const NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) return r;
-  }
-  return -1;
-}
-
 void Coordinator::PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
                                   const std::vector<int>& ranks, Outbox& out) {
-  NodeState& node = job.nodes[hello.node_id()];
-  node.node_id = hello.node_id();
-  node.answers_progress = hello.answers_progress();
-  if (node.session != 0) {
+  uint64_t replaced = 0;
+  NodeState& node =
+      job.members.Connect(hello.node_id(), ranks, id, s.sink, hello.answers_progress(), &replaced);
+  if (auto old = sessions_.find(replaced); replaced != 0 && old != sessions_.end()) {
     // The same node reconnected before its old stream was noticed as gone.
-    auto old = sessions_.find(node.session);
-    if (old != sessions_.end()) {
-      old->second.node = nullptr;
-      old->second.job = nullptr;
-    }
-    --job.connected_nodes;
+    old->second.node = nullptr;
+    old->second.job = nullptr;
   }
-  for (int r : node.ranks) {
-    if (job.rank_owner[r] == &node) job.rank_owner[r] = nullptr;
-  }
-  auto set = std::make_shared<RankSet>(job.world_size);
-  for (int r : ranks) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner != &node) {
-      // Moved from a disconnected node.
-      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
-                         owner->ranks.end());
-    }
-    job.rank_owner[r] = &node;
-    set->Add(r);
-  }
-  node.ranks = ranks;
-  SetRankSet(node, std::move(set));
-  node.session = id;
-  node.sink = s.sink;
-  node.disconnected_at = absl::InfiniteFuture();
-  ++job.connected_nodes;
   s.job = &job;
   s.node = &node;
   s.last_batch = BatchRecord();
@@ -742,42 +693,26 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
     return;
   }
   if (e.joined()) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner == &node) return;
-    if (owner != nullptr && owner->session != 0) {
+    if (job.members.JoinRank(node, r) == Membership::Join::kHeldElsewhere) {
       v1::DecisionError err =
           Error(v1::DUPLICATE_RANK,
                 absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
-                             "\" but is already served by node \"", owner->node_id,
+                             "\" but is already served by node \"", job.members.OwnerOf(r)->node_id,
                              "\"; check RANK of the processes on both nodes"),
                 job.job_id);
       err.add_ranks(r);
       SendErrorLocked(s.sink, std::move(err), out);
-      return;
     }
-    if (owner != nullptr) {
-      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
-                         owner->ranks.end());
-    }
-    job.rank_owner[r] = &node;
-    node.ranks.push_back(r);
-    std::sort(node.ranks.begin(), node.ranks.end());
-    auto set = std::make_shared<RankSet>(*node.rank_set);
-    set->Add(r);
-    SetRankSet(node, std::move(set));
     return;
   }
-  // A rank this node does not serve (e.g. one refused as a duplicate) leaving
-  // changes nothing.
-  if (job.rank_owner[r] != &node) return;
   // The rank left: any pending step that still needs it can never complete.
-  job.rank_left_step[r] = std::max(job.rank_left_step[r], e.last_step());
+  if (!job.members.LeaveRank(node, r, e.last_step())) return;
   if (job.failed()) return;
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-      for (int x : p.progress_reported) covered.Add(x);
+      for (int x : p.clock.reported()) covered.Add(x);
       if (covered.Contains(r)) continue;
       std::vector<int> missing = covered.Missing();
       v1::DecisionError err = MissingRanksErrorLocked(
@@ -814,175 +749,119 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
                     job.job_id, reg.group_id()));
     return;
   }
-  if (static_cast<int64_t>(spec->params.size()) > options_.max_params_per_group) {
-    reply(Error(
-        v1::LIMIT_EXCEEDED,
-        absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": ", spec->params.size(),
-                     " parameters exceed --max_params_per_group=", options_.max_params_per_group),
-        job.job_id, reg.group_id()));
+  absl::StatusOr<RankSet> ranks = CheckRegistration(job, node, nr, *spec);
+  absl::StatusOr<GroupState*> group =
+      ranks.ok() ? FindOrCreateGroupLocked(job, reg.group_id()) : ranks.status();
+  if (!group.ok()) {
+    reply(ErrorFrom(v1::ERROR_KIND_UNSPECIFIED, group.status(), "", job.job_id, reg.group_id()));
     return;
+  }
+  RegisterLocked(s, **group, *spec, *policy, *ranks, out);
+}
+
+absl::StatusOr<RankSet> Coordinator::CheckRegistration(const Job& job, const NodeState& node,
+                                                       const v1::NodeRegistration& nr,
+                                                       const GroupSpec& spec) const {
+  const std::string& group_id = nr.registration().group_id();
+  if (static_cast<int64_t>(spec.params.size()) > options_.max_params_per_group) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", job.job_id, " group \"", group_id, "\": ", spec.params.size(),
+                     " parameters exceed --max_params_per_group=", options_.max_params_per_group));
   }
   RankSet ranks(job.world_size);
   for (int r : nr.ranks()) {
     if (r < 0 || r >= job.world_size || !node.rank_set->Contains(r)) {
-      reply(Error(v1::INVALID_REQUEST,
-                  absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": rank ", r,
-                               " is not served by node \"", node.node_id, "\""),
-                  job.job_id, reg.group_id()));
-      return;
+      return wire::KindError(v1::INVALID_REQUEST,
+                             absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
+                                          " is not served by node \"", node.node_id, "\""));
     }
     ranks.Add(r);
   }
   if (ranks.Count() == 0) {
-    reply(Error(v1::INVALID_REQUEST,
-                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
-                             "\": registration names no rank"),
-                job.job_id, reg.group_id()));
-    return;
+    return wire::KindError(
+        v1::INVALID_REQUEST,
+        absl::StrCat("job ", job.job_id, " group \"", group_id, "\": registration names no rank"));
   }
-  auto git = job.groups.find(reg.group_id());
-  if (git == job.groups.end()) {
-    if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
-      reply(
-          Error(v1::LIMIT_EXCEEDED,
-                absl::StrCat("job ", job.job_id, ": group \"", reg.group_id(),
-                             "\" would exceed --max_groups_per_job=", options_.max_groups_per_job),
-                job.job_id, reg.group_id()));
-      return;
-    }
-    GroupState& g = job.groups[reg.group_id()];
-    g.group_id = reg.group_id();
-    if (job.observer != nullptr) g.observer = job.observer->ForGroup(g.group_id);
-    g.registered = RankSet(job.world_size);
-    git = job.groups.find(reg.group_id());
-  }
-  GroupState& g = git->second;
-  const std::string policy_bytes = wire::PolicyToProto(*policy).SerializeAsString();
-  int variant = -1;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    if (g.variants[i].spec == *spec && g.variants[i].policy_bytes == policy_bytes) {
-      variant = static_cast<int>(i);
-    }
-  }
-  if (variant < 0) {
-    g.variants.push_back(RegVariant{*spec, *policy, policy_bytes, RankSet(job.world_size)});
-    variant = static_cast<int>(g.variants.size()) - 1;
-  }
-  g.variants[variant].ranks.Union(ranks);
-  g.registered.Union(ranks);
-  NodeGroupState& ng = node.groups[reg.group_id()];
-  ng.variant = variant;
-  switch (g.reg_state) {
-    case RegState::kCollecting:
-      if (g.registered.Full()) FinishRegistrationLocked(job, g, out);
-      break;
-    case RegState::kOk: {
-      if (variant != g.spec_variant) {
-        SendRegistrationErrorLocked(
-            s.sink, g.group_id,
-            Error(v1::REGISTRATION_MISMATCH,
-                  absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
-                               FormatRanks(ranks.Members()), " on node \"", node.node_id,
-                               "\" registered a spec or policy different from the one every rank "
-                               "agreed on; check the model definition on those ranks"),
-                  job.job_id, g.group_id),
-            out);
-        break;
-      }
-      v1::CoordinatorMessage msg;
-      msg.mutable_registration()->set_group_id(g.group_id);
-      msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
-      out.direct.emplace_back(s.sink, std::move(msg));
-      break;
-    }
-    case RegState::kFailed: {
-      // The group's failure again (counted when it happened).
-      v1::CoordinatorMessage msg;
-      msg.mutable_registration()->set_group_id(g.group_id);
-      *msg.mutable_registration()->mutable_error() = g.reg_error;
-      out.direct.emplace_back(s.sink, std::move(msg));
-      break;
-    }
-  }
+  return ranks;
 }
 
-void Coordinator::FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out) {
+absl::StatusOr<Coordinator::GroupState*> Coordinator::FindOrCreateGroupLocked(
+    Job& job, const std::string& group_id) {
+  auto git = job.groups.find(group_id);
+  if (git != job.groups.end()) return &git->second;
+  if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", job.job_id, ": group \"", group_id,
+                     "\" would exceed --max_groups_per_job=", options_.max_groups_per_job));
+  }
+  GroupState& g =
+      job.groups.try_emplace(group_id, job.world_size, job.job_id, group_id).first->second;
+  if (job.observer != nullptr) g.observer = job.observer->ForGroup(group_id);
+  return &g;
+}
+
+void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec,
+                                 const Policy& policy, const RankSet& ranks, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  const GroupRegistration::State before = g.registration.state();
+  const GroupRegistration::Added added = g.registration.Add(spec, policy, ranks);
+  node.groups[g.group_id].variant = added.variant;
+  if (added.completed) {
+    BroadcastRegistrationLocked(job, g, out);
+    return;
+  }
+  if (before == GroupRegistration::State::kCollecting) return;
+  if (before == GroupRegistration::State::kFailed) {
+    // The group's failure again (counted when it happened).
+    v1::CoordinatorMessage msg;
+    msg.mutable_registration()->set_group_id(g.group_id);
+    *msg.mutable_registration()->mutable_error() = g.registration.error();
+    out.direct.emplace_back(s.sink, std::move(msg));
+    return;
+  }
+  if (!g.registration.IsAgreed(added.variant)) {
+    SendRegistrationErrorLocked(
+        s.sink, g.group_id,
+        Error(v1::REGISTRATION_MISMATCH,
+              absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
+                           FormatRanks(ranks.Members()), " on node \"", node.node_id,
+                           "\" registered a spec or policy different from the one every rank "
+                           "agreed on; check the model definition on those ranks"),
+              job.job_id, g.group_id),
+        out);
+    return;
+  }
   v1::CoordinatorMessage msg;
   msg.mutable_registration()->set_group_id(g.group_id);
-  // The reference is the variant of the lowest rank.
-  int ref = 0;
-  int ref_rank = job.world_size;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    std::vector<int> members = g.variants[i].ranks.Members();
-    if (!members.empty() && members[0] < ref_rank) {
-      ref_rank = members[0];
-      ref = static_cast<int>(i);
-    }
+  msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
+  out.direct.emplace_back(s.sink, std::move(msg));
+}
+
+void Coordinator::BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& out) {
+  v1::CoordinatorMessage msg;
+  msg.mutable_registration()->set_group_id(g.group_id);
+  if (g.registration.state() == GroupRegistration::State::kAgreed) {
+    msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
+    out.broadcast_other.emplace_back(&job, std::move(msg));
+    return;
   }
-  if (g.variants.size() == 1) {
-    g.reg_state = RegState::kOk;
-    g.spec_variant = 0;
-    g.spec_fingerprint = SpecFingerprint(g.variants[0].spec);
-    msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
-  } else {
-    // Name the first other variant (by lowest rank) and every differing rank.
-    int other = -1;
-    int other_rank = job.world_size;
-    std::vector<int> differing;
-    for (size_t i = 0; i < g.variants.size(); ++i) {
-      if (static_cast<int>(i) == ref) continue;
-      std::vector<int> members = g.variants[i].ranks.Members();
-      differing.insert(differing.end(), members.begin(), members.end());
-      if (!members.empty() && members[0] < other_rank) {
-        other_rank = members[0];
-        other = static_cast<int>(i);
-      }
-    }
-    std::sort(differing.begin(), differing.end());
-    const RegVariant& a = g.variants[ref];
-    const RegVariant& b = g.variants[other];
-    absl::Status cmp = CompareRegistration(a.spec, ref_rank, b.spec, other_rank);
-    std::string detail;
-    int param = -1;
-    if (!cmp.ok()) {
-      detail = std::string(cmp.message());
-      param = FirstDifference(a.spec, b.spec);
-    } else {
-      detail = absl::StrCat("group \"", g.group_id, "\": rank ", ref_rank, " and rank ", other_rank,
-                            " registered different reduce policies (",
-                            wire::PolicyToProto(a.policy).ShortDebugString(), " vs ",
-                            wire::PolicyToProto(b.policy).ShortDebugString(), ")");
-    }
-    v1::DecisionError err =
-        Error(v1::REGISTRATION_MISMATCH,
-              absl::StrCat("job ", job.job_id, ": ", detail, "; ranks ", FormatRanks(differing),
-                           " differ from rank ", ref_rank,
-                           ". Every rank must build the same model and wrap it the same way"),
-              job.job_id, g.group_id);
-    err.set_param_index(param);
-    if (param >= 0 && param < static_cast<int>(a.spec.params.size())) {
-      err.set_param_name(a.spec.params[param].name);
-    } else if (param >= 0 && param < static_cast<int>(b.spec.params.size())) {
-      err.set_param_name(b.spec.params[param].name);
-    }
-    err.add_ranks(ref_rank);
-    for (int r : differing) err.add_ranks(r);
-    g.reg_state = RegState::kFailed;
-    g.reg_error = err;
-    *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteErrorLocked(g.reg_error);
-    ACCORD_LOG(WARNING) << g.reg_error.message();
-    // Pending steps of the group can never be decided.
-    v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
-    for (auto& [step, p] : g.pending) {
-      v1::Decision* d = batch.add_decisions();
-      d->set_group_id(g.group_id);
-      d->set_step(step);
-      *d->mutable_error() = g.reg_error;
-      d->mutable_error()->set_step(step);
-    }
-    g.pending.clear();
+  const v1::DecisionError& error = g.registration.error();
+  *msg.mutable_registration()->mutable_error() = error;
+  NoteErrorLocked(error);
+  ACCORD_LOG(WARNING) << error.message();
+  // Pending steps of the group can never be decided.
+  v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+  for (auto& [step, p] : g.pending) {
+    v1::Decision* d = batch.add_decisions();
+    d->set_group_id(g.group_id);
+    d->set_step(step);
+    *d->mutable_error() = error;
+    d->mutable_error()->set_step(step);
   }
+  g.pending.clear();
   out.broadcast_other.emplace_back(&job, std::move(msg));
 }
 
@@ -1071,31 +950,17 @@ uint64_t Coordinator::BatchRecord::Key() {
   return key;
 }
 
-void Coordinator::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set) {
-  const std::vector<uint64_t>& words = set->words();
-  int lo = 0;
-  int hi = static_cast<int>(words.size());
-  while (lo < hi && words[lo] == 0) ++lo;
-  while (hi > lo && words[hi - 1] == 0) --hi;
-  node.word_lo = lo;
-  node.word_hi = hi;
-  node.rank_set = std::move(set);
-}
-
 std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(
     Job& job, GroupState& g, int64_t step, absl::Time first_seen) {
-  auto [pit, inserted] = g.pending.try_emplace(step);
+  auto pit = g.pending.try_emplace(step, first_seen, options_.deadline).first;
   PendingStep& p = pit->second;
-  p.first_seen = first_seen;
-  p.deadline = p.first_seen + options_.deadline;
-  p.contributions.reserve(job.connected_nodes);
+  p.contributions.reserve(job.members.connected());
   // With an observer the timer also wakes at half the deadline (stall event).
-  const absl::Time wake =
-      options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
+  const absl::Time wake = options_.observer != nullptr ? p.clock.stall_at() : p.clock.deadline();
   WakeTimerAtLocked(wake);
   // A node gone (sidecar restarted?) may already be past its grace.
-  if (job.connected_nodes < static_cast<int>(job.nodes.size())) {
-    for (const auto& [node_id, node] : job.nodes) {
+  if (!job.members.all_connected()) {
+    for (const auto& [node_id, node] : job.members.nodes()) {
       if (node.session == 0 && node.disconnected_at != absl::InfiniteFuture()) {
         WakeTimerAtLocked(node.disconnected_at + options_.node_reconnect_grace);
       }
@@ -1155,12 +1020,12 @@ bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, G
                                "\" has not registered this group; register it before sending "
                                "manifests"));
   }
-  if (g->reg_state == RegState::kFailed) {
+  if (g->registration.state() == GroupRegistration::State::kFailed) {
     // The group's failure again (counted when it happened).
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
     d->set_group_id(g->group_id);
     d->set_step(m.step);
-    *d->mutable_error() = g->reg_error;
+    *d->mutable_error() = g->registration.error();
     d->mutable_error()->set_step(m.step);
     return true;
   }
@@ -1214,7 +1079,7 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
   absl::StatusOr<std::shared_ptr<const Content>> parsed =
       ParseContent(ServedRanks{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
                                node.word_lo, node.word_hi},
-                   g.variants[ng.variant].spec.params.size(), job.world_size, *m.full);
+                   g.registration.variant(ng.variant).spec.params.size(), job.world_size, *m.full);
   if (!parsed.ok()) {
     const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
     error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
@@ -1291,7 +1156,7 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
   v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(step);
-  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.first_seen));
+  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.clock.first_seen()));
   ++stats_.decisions;
   if (p.all_repeat && g.last_ok && g.last_decision != nullptr && combined == g.last_combined_key) {
     d->set_same_as_previous(true);
@@ -1303,24 +1168,10 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
     ObserveDecisionLocked(job, g, step, p, *d, nullptr);
     return;
   }
-  const RegVariant& v = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0];
-  Manifest merged;
-  merged.step = step;
-  merged.dtypes.assign(v.spec.params.size(), 0);
-  // A node's ranks are a few words of a world-sized set: OR only those.
-  std::vector<uint64_t> words((job.world_size + 63) / 64, 0);
-  for (const Contribution& c : p.contributions) {
-    const Content& content = *c.content;
-    const size_t n = std::min(merged.dtypes.size(), content.dtypes.size());
-    for (size_t i = 0; i < n; ++i) merged.dtypes[i] |= content.dtypes[i];
-    const std::vector<uint64_t>& w = content.ranks->words();
-    const int hi = std::min<int>(content.word_hi, static_cast<int>(words.size()));
-    for (int i = content.word_lo; i < hi; ++i) words[i] |= w[i];
-  }
-  if (!RankSet::FromWords(job.world_size, std::move(words), &merged.ranks)) {
-    merged.ranks = RankSet(job.world_size);  // Decide reports every rank missing
-  }
-  absl::StatusOr<Decision> decision = Decide(v.spec, job.world_size, merged, v.policy);
+  const RegVariant& v = g.registration.reference();
+  StepMerger merger(v.spec.params.size(), job.world_size, step);
+  for (const Contribution& c : p.contributions) merger.Add(*c.content);
+  absl::StatusOr<Decision> decision = merger.Decide(v);
   if (decision.ok()) {
     wire::DecisionToProto(*decision, d->mutable_ok());
     g.last_ok = true;
@@ -1338,14 +1189,6 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
   ObserveDecisionLocked(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 
-int64_t Coordinator::RankLastStepLocked(const Job& job, int rank) const {
-  int64_t last = job.rank_left_step[rank];
-  if (const NodeState* owner = job.rank_owner[rank]; owner != nullptr) {
-    last = std::max(last, owner->last_step);
-  }
-  return last;
-}
-
 v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const GroupState& g,
                                                        int64_t step, const PendingStep& p,
                                                        const std::vector<int>& missing,
@@ -1353,14 +1196,14 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
   std::vector<std::string> parts;
   v1::DecisionError err;
   for (int r : missing) {
-    int64_t last = RankLastStepLocked(job, r);
-    for (const auto& [pr, pl] : p.progress_last) {
+    int64_t last = job.members.LastStep(r);
+    for (const auto& [pr, pl] : p.clock.last_steps()) {
       if (pr == r) last = pl;  // the rank's own last step, from its sidecar
     }
     err.add_ranks(r);
     err.add_last_steps(last);
     if (parts.size() < 32) {
-      const NodeState* owner = job.rank_owner[r];
+      const NodeState* owner = job.members.OwnerOf(r);
       parts.push_back(
           absl::StrCat("rank ", r, " (last step ", last, ", node ",
                        owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
@@ -1422,21 +1265,19 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
 }
 
 bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                                    const RankSet& covered, absl::Time now, Outbox& out) {
-  std::vector<const NodeState*>& asked = p.progress_unanswered;
-  asked.clear();
+                                    absl::Time now, Outbox& out) {
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  std::vector<const NodeState*> asked;
   for (int r : covered.Missing()) {
-    const NodeState* owner = job.rank_owner[r];
-    if (owner == nullptr || owner->session == 0 || owner->sink == nullptr ||
+    const NodeState* owner = job.members.OwnerOf(r);
+    if (owner == nullptr || !owner->connected() || owner->sink == nullptr ||
         !owner->answers_progress) {
       continue;
     }
     if (std::find(asked.begin(), asked.end(), owner) == asked.end()) asked.push_back(owner);
   }
   if (asked.empty()) return false;
-  p.progress_asked = true;
-  // A short grace past the deadline: a quarter of it, at most one second.
-  p.progress_deadline = now + std::min(absl::Seconds(1), options_.deadline / 4);
   for (const NodeState* node : asked) {
     v1::CoordinatorMessage q;
     q.mutable_progress_query()->set_group_id(g.group_id);
@@ -1446,20 +1287,22 @@ bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, Pendi
   ACCORD_LOG(WARNING) << "job " << job.job_id << " group \"" << g.group_id << "\" step " << step
                       << ": deadline passed; asking " << asked.size()
                       << " node(s) which of their ranks submitted";
+  // A short grace past the deadline: a quarter of it, at most one second.
+  p.clock.Ask(std::move(asked), now + std::min(absl::Seconds(1), options_.deadline / 4));
   return true;
 }
 
 void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
                                        const v1::NodeProgress& progress, PendingStep& p) {
   // Trust a node only about its own ranks.
-  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == &node; };
+  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.members.OwnerOf(r) == &node; };
   for (int r : progress.reported()) {
-    if (own(r)) p.progress_reported.push_back(r);
+    if (own(r)) p.clock.AddReported(r);
   }
   const int n = std::min(progress.ranks_size(), progress.last_steps_size());
   for (int i = 0; i < n; ++i) {
     if (own(progress.ranks(i))) {
-      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+      p.clock.AddLastStep(progress.ranks(i), progress.last_steps(i));
     }
   }
 }
@@ -1469,17 +1312,13 @@ void Coordinator::HandleProgressLocked(Session& s, const v1::NodeProgress& progr
   auto git = job.groups.find(progress.group_id());
   if (git == job.groups.end()) return;
   auto pit = git->second.pending.find(progress.step());
-  if (pit == git->second.pending.end() || !pit->second.progress_asked) return;
+  if (pit == git->second.pending.end()) return;
   PendingStep& p = pit->second;
-  const NodeState* node = s.node;
-  auto asked = std::find(p.progress_unanswered.begin(), p.progress_unanswered.end(), node);
-  if (asked == p.progress_unanswered.end()) return;  // not asked, or answered already
-  p.progress_unanswered.erase(asked);
-  RecordProgressLocked(job, *node, progress, p);
-  if (p.progress_unanswered.empty()) {
-    // Everyone asked has answered: fail now rather than at the grace's end.
-    p.progress_deadline = clock_->Now();
-    next_deadline_ = p.progress_deadline;
+  const StepDeadline::Answered answered = p.clock.Answer(s.node, clock_->Now());
+  if (answered == StepDeadline::Answered::kIgnored) return;
+  RecordProgressLocked(job, *s.node, progress, p);
+  if (answered == StepDeadline::Answered::kAll) {
+    next_deadline_ = p.clock.grace_end();
     timer_cv_.SignalAll();
   }
 }
@@ -1488,7 +1327,9 @@ void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress
   Job& job = *s.job;
   if (job.failed()) return;  // every rank already has the job's failure
   auto git = job.groups.find(progress.group_id());
-  if (git == job.groups.end() || git->second.reg_state != RegState::kOk) return;
+  if (git == job.groups.end() ||
+      git->second.registration.state() != GroupRegistration::State::kAgreed)
+    return;
   GroupState& g = git->second;
   const int64_t step = progress.step();
   // Decided already (the decision is on its way) or nonsense: nothing to time.
@@ -1514,6 +1355,39 @@ void Coordinator::CheckDeadlines() {
   DeliverEvents();
 }
 
+bool Coordinator::CheckStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                  absl::Time now, absl::Time& next, Outbox& out) {
+  switch (p.clock.Check(now, options_.observer != nullptr, next)) {
+    case StepDeadline::Due::kNothing:
+      return false;
+    case StepDeadline::Due::kStall:
+      ObserveStallLocked(job, g, step, p, now);
+      return false;
+    case StepDeadline::Due::kAsk:
+      if (AskProgressLocked(job, g, step, p, now, out)) {
+        next = std::min(next, p.clock.grace_end());
+        return false;
+      }
+      break;  // nobody to ask: the step fails now
+    case StepDeadline::Due::kFail:
+      break;
+  }
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  // Ranks their sidecar saw submit are not missing (their node waits for a
+  // node-mate); name only the others.
+  for (int r : p.clock.reported()) {
+    if (r >= 0 && r < job.world_size) covered.Add(r);
+  }
+  v1::DecisionError err = MissingRanksErrorLocked(
+      job, g, step, p, covered.Missing(),
+      absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
+                   " of the step's first submission (--deadline)"));
+  ObserveDeadlineFailureLocked(job, g, step, p, err, now);
+  FailJobLocked(job, &g, step, std::move(err), out);
+  return true;
+}
+
 void Coordinator::CheckDeadlinesWithoutDelivery() {
   accord::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
@@ -1524,54 +1398,10 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
     for (auto& [gid, g] : job.groups) {
       if (failed_now) break;
       for (auto& [step, p] : g.pending) {
-        if (p.deadline > now) {
-          next = std::min(next, p.deadline);
-          if (options_.observer != nullptr && !p.stall_reported) {
-            const absl::Time half = p.first_seen + options_.deadline / 2;
-            if (half <= now) {
-              p.stall_reported = true;
-              ObserveStallLocked(job, g, step, p, now);
-            } else {
-              next = std::min(next, half);
-            }
-          }
-          continue;
+        if (CheckStepLocked(job, g, step, p, now, next, out)) {
+          failed_now = true;
+          break;
         }
-        RankSet covered(job.world_size);
-        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-        if (!p.progress_asked && AskProgressLocked(job, g, step, p, covered, now, out)) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
-        if (p.progress_asked && p.progress_deadline > now) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
-        // Ranks their sidecar saw submit are not missing (their node waits
-        // for a node-mate); name only the others.
-        for (int r : p.progress_reported) {
-          if (r >= 0 && r < job.world_size) covered.Add(r);
-        }
-        v1::DecisionError err = MissingRanksErrorLocked(
-            job, g, step, p, covered.Missing(),
-            absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
-                         " of the step's first submission (--deadline)"));
-        if (options_.observer != nullptr) {
-          ObserveEvent e;
-          e.type = ObserveEvent::Type::kDeadlineFailure;
-          e.job_id = job.job_id;
-          e.group_id = g.group_id;
-          e.step = step;
-          e.kind = err.kind();
-          e.message = err.message();
-          e.ranks.assign(err.ranks().begin(), err.ranks().end());
-          e.last_steps.assign(err.last_steps().begin(), err.last_steps().end());
-          e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
-          QueueEventLocked(std::move(e));
-        }
-        FailJobLocked(job, &g, step, std::move(err), out);
-        failed_now = true;
-        break;
       }
     }
   }
@@ -1590,7 +1420,7 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
   std::vector<int64_t> out(it->second.world_size);
-  for (int r = 0; r < it->second.world_size; ++r) out[r] = RankLastStepLocked(it->second, r);
+  for (int r = 0; r < it->second.world_size; ++r) out[r] = it->second.members.LastStep(r);
   return out;
 }
 
@@ -1611,13 +1441,13 @@ absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
     Job& job = it->second;
     auto git = job.groups.find(group_id);
-    if (git == job.groups.end() || git->second.variants.empty()) {
+    if (git == job.groups.end() || git->second.registration.empty()) {
       return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
     }
     const GroupState& g = git->second;
-    const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+    const GroupSpec& spec = g.registration.reference().spec;
     for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
-    for (auto& [node_id, node] : job.nodes) {
+    for (auto& [node_id, node] : job.members.nodes()) {
       auto ngit = node.groups.find(group_id);
       if (ngit == node.groups.end()) continue;
       NodeGroupState& ng = ngit->second;

@@ -40,6 +40,15 @@
 // Decisions are deterministic functions of the manifests, so a restarted
 // coordinator recomputes the same answers from resent manifests.
 //
+// Structure (docs/ARCHITECTURE.md, "Classes"): this class owns the lock,
+// the sessions, the jobs and their runs, and routes each message; the state
+// of each concern is a small class of its own without gRPC: Membership
+// (nodes, rank owners), GroupRegistration and StepMerger (registration,
+// decide), ContentCache (a node's full forms and repeats), StepDeadline (a
+// pending step's deadline and progress queries), UsageWindow (the skip
+// matrix's window). Errors are built by Error/ErrorFrom/OutOfOrderError and
+// sent through Send*ErrorLocked, which count them.
+//
 // Thread-safe. Owns one timer thread (deadlines) unless disabled in options;
 // it stops in Stop() or the destructor.
 #ifndef ACCORD_DAEMON_COORDINATOR_COORDINATOR_H_
@@ -72,6 +81,9 @@
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/content.h"
 #include "daemon/coordinator/content_cache.h"
+#include "daemon/coordinator/deadline_tracker.h"
+#include "daemon/coordinator/group_agreement.h"
+#include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
 #include "daemon/coordinator/usage_window.h"
 
@@ -234,29 +246,8 @@ class Coordinator {
   // A node manifest's content (content.h), shared between a node's cache,
   // the pending steps it contributed to and the usage windows.
   using Content = ::accord::daemon::Content;
-  struct NodeState;
-  // What a node keeps per group: its registration variant and its
-  // contents (content_cache.h).
-  struct NodeGroupState {
-    int variant = -1;  // index of this node's registration variant, -1: none
-    ContentCache contents;
-  };
-  struct NodeState {
-    std::string node_id;
-    SessionId session = 0;  // 0: disconnected
-    NodeSink* sink = nullptr;
-    std::vector<int> ranks;
-    std::shared_ptr<const RankSet> rank_set;
-    // rank_set->words() is zero outside [word_lo, word_hi) (see SetRankSet).
-    int word_lo = 0;
-    int word_hi = 0;
-    int64_t last_step = -1;
-    bool answers_progress = false;  // NodeHello.answers_progress
-    // When its stream ended; InfiniteFuture while connected.
-    absl::Time disconnected_at = absl::InfiniteFuture();
-    // node_hash_map: sessions' batch records point at the values.
-    absl::node_hash_map<std::string, NodeGroupState> groups;
-  };
+  using NodeState = ::accord::daemon::NodeState;            // membership.h
+  using NodeGroupState = ::accord::daemon::NodeGroupState;  // content_cache.h
   struct Contribution {
     NodeState* node;
     // Kept alive by `group`'s cache or retained contents until the step is
@@ -266,37 +257,18 @@ class Coordinator {
     std::shared_ptr<const Content> Owner() const;
   };
   struct PendingStep {
-    absl::Time first_seen;
-    absl::Time deadline;
+    PendingStep(absl::Time first_seen, absl::Duration deadline) : clock(first_seen, deadline) {}
+    StepDeadline clock;  // deadline_tracker.h
     int ranks_covered = 0;
     bool all_repeat = true;
-    uint64_t combined_key = 0;    // sum of MixKey(content key) over contributions
-    bool stall_reported = false;  // the observer heard of it (half the deadline passed)
+    uint64_t combined_key = 0;  // sum of MixKey(content key) over contributions
     std::vector<Contribution> contributions;
-    // Past the deadline, the nodes with missing ranks were asked which of
-    // their ranks did submit (ProgressQuery). The step fails once every asked
-    // node answered or at progress_deadline, whichever comes first.
-    bool progress_asked = false;
-    std::vector<const NodeState*> progress_unanswered;  // asked, no answer yet
-    absl::Time progress_deadline;        // moved to the answer's time once all answered
-    std::vector<int> progress_reported;  // submitted, per their sidecar
-    std::vector<std::pair<int, int64_t>> progress_last;  // rank, last step per its sidecar
   };
-  struct RegVariant {
-    GroupSpec spec;
-    Policy policy;
-    std::string policy_bytes;  // serialized ReducePolicy, for equality
-    RankSet ranks;
-  };
-  enum class RegState { kCollecting, kOk, kFailed };
   struct GroupState {
+    GroupState(int world_size, const std::string& job_id, const std::string& group_id)
+        : group_id(group_id), registration(world_size, job_id, group_id) {}
     std::string group_id;
-    std::vector<RegVariant> variants;
-    RankSet registered;
-    RegState reg_state = RegState::kCollecting;
-    v1::DecisionError reg_error;
-    int spec_variant = -1;
-    uint64_t spec_fingerprint = 0;
+    GroupRegistration registration;  // group_agreement.h
     int64_t last_decided_step = -1;
     // Full form (ok body or error) of the last decided step; its step and
     // wait_us are those of the step that computed it (a same_as_previous
@@ -345,14 +317,12 @@ class Coordinator {
     }
   };
   struct Job {
+    explicit Job(int world_size) : world_size(world_size), members(world_size) {}
     std::string job_id;
     std::string run_id;
-    int world_size = 0;
-    absl::node_hash_map<std::string, NodeState> nodes;
+    const int world_size;
+    Membership members;
     absl::node_hash_map<std::string, GroupState> groups;
-    std::vector<NodeState*> rank_owner;
-    std::vector<int64_t> rank_left_step;  // from RankEvent, -1: none
-    int connected_nodes = 0;
     // kRunning --Fail--> kFailed; a job is dropped (not a state) when its
     // run ends. A failed job answers every request with its failure.
     JobState state = JobState::kRunning;
@@ -364,6 +334,7 @@ class Coordinator {
       failure = error;
     }
   };
+
   // What the observe API keeps of a job after its last node left.
   struct RetiredGroup {
     std::vector<std::string> param_names;
@@ -429,14 +400,21 @@ class Coordinator {
   absl::Status CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
                                const std::vector<int>& ranks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The first of `ranks` another connected node holds (-1: none).
-  int HeldRankLocked(const Job& job, const v1::NodeHello& hello,
-                     const std::vector<int>& ranks) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
                        const std::vector<int>& ranks, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(Session& s, const v1::NodeRegistration& reg, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleRegistrationLocked's steps: the registering ranks (served by the
+  // node, at least one) and the size limit; the group (created on first
+  // sight, up to --max_groups_per_job); the registration itself and its reply.
+  absl::StatusOr<RankSet> CheckRegistration(const Job& job, const NodeState& node,
+                                            const v1::NodeRegistration& nr,
+                                            const GroupSpec& spec) const;
+  absl::StatusOr<GroupState*> FindOrCreateGroupLocked(Job& job, const std::string& group_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec, const Policy& policy,
+                      const RankSet& ranks, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `g`/`ng` are the resolved group states (nullptr: unknown group).
@@ -482,7 +460,9 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
+  // Sends every node of the job the group's completed registration: its
+  // fingerprint, or the mismatch (which also fails the group's pending steps).
+  void BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -492,14 +472,15 @@ class Coordinator {
                                             const PendingStep& p, const std::vector<int>& missing,
                                             absl::string_view why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t RankLastStepLocked(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At a step's deadline: asks the nodes whose ranks are missing (and that
   // answer progress queries) which of their ranks submitted. Returns whether
   // any was asked (then the step fails when they answer or after a grace).
-  // `covered`: the ranks the step's contributions cover.
-  bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                         const RankSet& covered, absl::Time now, Outbox& out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                         Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One pending step at a deadline check: reports a stall, asks progress,
+  // or fails the job (returns true) as its StepDeadline says; lowers `next`.
+  bool CheckStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                       absl::Time& next, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleProgressLocked(Session& s, const v1::NodeProgress& progress)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A sidecar's own report (NodeProgress.partial) of a step some of its ranks
@@ -515,7 +496,6 @@ class Coordinator {
   std::map<int64_t, PendingStep>::iterator StartStepLocked(Job& job, GroupState& g, int64_t step,
                                                            absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes the timer at `at` if that is earlier than its next wake.
@@ -563,12 +543,18 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveNodeLocked(const Job& job, const NodeState& node, bool connected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,
+                                    const PendingStep& p, const v1::DecisionError& error,
+                                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveStallLocked(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
                           absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the oldest retired job (its usage windows).
   void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What ObserveStalls copies of one job under the lock (observe_views.cc).
+  struct StallsSnapshot;
+  StallsSnapshot StallsSnapshotLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
 
   const CoordinatorOptions options_;

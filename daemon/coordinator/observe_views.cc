@@ -35,7 +35,7 @@ void Coordinator::ObserveNodeLocked(const Job& job, const NodeState& node, bool 
   e.job_id = job.job_id;
   e.node_id = node.node_id;
   e.ranks = node.ranks;
-  e.connected_nodes = job.connected_nodes;
+  e.connected_nodes = job.members.connected();
   QueueEventLocked(std::move(e));
 }
 
@@ -46,14 +46,31 @@ void Coordinator::ObserveStallLocked(const Job& job, const GroupState& g, int64_
   e.job_id = job.job_id;
   e.group_id = g.group_id;
   e.step = step;
-  e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
-  e.deadline_in_ms = absl::ToInt64Milliseconds(p.deadline - now);
+  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
+  e.deadline_in_ms = absl::ToInt64Milliseconds(p.clock.deadline() - now);
   RankSet covered(job.world_size);
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   for (int r : covered.Missing()) {
     e.ranks.push_back(r);
-    e.last_steps.push_back(RankLastStepLocked(job, r));
+    e.last_steps.push_back(job.members.LastStep(r));
   }
+  QueueEventLocked(std::move(e));
+}
+
+void Coordinator::ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,
+                                               const PendingStep& p, const v1::DecisionError& error,
+                                               absl::Time now) {
+  if (options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kDeadlineFailure;
+  e.job_id = job.job_id;
+  e.group_id = g.group_id;
+  e.step = step;
+  e.kind = error.kind();
+  e.message = error.message();
+  e.ranks.assign(error.ranks().begin(), error.ranks().end());
+  e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
+  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
   QueueEventLocked(std::move(e));
 }
 
@@ -110,7 +127,7 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
       e.wire = std::string(DTypeName(decided->wire_dtype));
       e.included = static_cast<int>(decided->included.size()) - skipped;
       e.skipped = skipped;
-      const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+      const GroupSpec& spec = g.registration.reference().spec;
       for (size_t i = 0; i < decided->included.size() && i < spec.params.size(); ++i) {
         if (decided->included[i]) continue;
         if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
@@ -165,7 +182,7 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
   js.set_job_id(job.job_id);
   js.set_world_size(job.world_size);
   std::vector<const NodeState*> nodes;
-  for (const auto& [id, node] : job.nodes) nodes.push_back(&node);
+  for (const auto& [id, node] : job.members.nodes()) nodes.push_back(&node);
   std::sort(nodes.begin(), nodes.end(),
             [](const NodeState* a, const NodeState* b) { return a->node_id < b->node_id; });
   for (const NodeState* node : nodes) {
@@ -177,10 +194,10 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
   for (int r = 0; r < job.world_size; ++r) {
     v1::RankStatus* rs = js.add_ranks();
     rs->set_rank(r);
-    const NodeState* owner = job.rank_owner[r];
+    const NodeState* owner = job.members.OwnerOf(r);
     if (owner != nullptr) rs->set_node_id(owner->node_id);
-    rs->set_connected(owner != nullptr && owner->session != 0 && job.rank_left_step[r] < 0);
-    rs->set_last_step(RankLastStepLocked(job, r));
+    rs->set_connected(owner != nullptr && owner->connected() && !job.members.Left(r));
+    rs->set_last_step(job.members.LastStep(r));
   }
   std::vector<const GroupState*> groups;
   for (const auto& [id, g] : job.groups) groups.push_back(&g);
@@ -189,9 +206,8 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
   for (const GroupState* g : groups) {
     v1::GroupStatus* gs = js.add_groups();
     gs->set_group_id(g->group_id);
-    if (!g->variants.empty()) {
-      gs->set_num_params(static_cast<int>(
-          g->variants[g->spec_variant >= 0 ? g->spec_variant : 0].spec.params.size()));
+    if (!g->registration.empty()) {
+      gs->set_num_params(static_cast<int>(g->registration.reference().spec.params.size()));
     }
     gs->set_last_decided_step(g->last_decided_step);
     gs->set_decisions(g->decisions);
@@ -199,9 +215,9 @@ v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
     gs->set_cache_misses(g->cache_misses);
     if (g->have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g->last_wire)));
     gs->set_last_num_skipped(g->last_num_skipped);
-    if (g->reg_state == RegState::kFailed) {
+    if (g->registration.state() == GroupRegistration::State::kFailed) {
       gs->set_failed(true);
-      gs->set_error(g->reg_error.message());
+      gs->set_error(g->registration.error().message());
     } else if (g->last_decision != nullptr && g->last_decision->has_error()) {
       gs->set_failed(true);
       gs->set_error(g->last_decision->error().message());
@@ -217,9 +233,9 @@ void Coordinator::RetireJobLocked(Job& job) {
   RetiredJob r;
   r.status = JobStatusOfLocked(job);
   for (auto& [id, g] : job.groups) {
-    if (g.variants.empty()) continue;
+    if (g.registration.empty()) continue;
     RetiredGroup& rg = r.groups[id];
-    for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+    for (const ParamSpec& p : g.registration.reference().spec.params) {
       rg.param_names.push_back(p.name);
     }
     // Now counted as the retired job's (the group's window is left empty).
@@ -305,7 +321,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
       world = job.world_size;
       std::vector<std::string> ids;
       for (const auto& [id, g] : job.groups) {
-        if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
+        if (!g.registration.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
       }
       if (!group_id.empty() && ids.empty()) return unknown_group();
       std::sort(ids.begin(), ids.end());
@@ -313,8 +329,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
         const GroupState& g = job.groups.find(id)->second;
         GroupSnapshot& snap = groups.emplace_back();
         snap.group_id = id;
-        for (const ParamSpec& p :
-             g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+        for (const ParamSpec& p : g.registration.reference().spec.params) {
           snap.names.push_back(p.name);
         }
         snap.usage = g.usage.Newest(window_steps);
@@ -346,44 +361,86 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   return out;
 }
 
-absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
-  accord::MutexLock l(&mu_);
-  if (!job_id.empty() && !jobs_.contains(job_id)) {
-    return absl::NotFoundError(
-        absl::StrCat("job \"", job_id,
-                     "\" is not running on this coordinator; check the job id with "
-                     "`accordctl status`"));
+struct Coordinator::StallsSnapshot {
+  struct Step {
+    std::string group_id;
+    int64_t step;
+    absl::Time first_seen;
+    absl::Time deadline;
+    std::vector<std::shared_ptr<const RankSet>> covered;
+  };
+  std::string job_id;
+  int world_size = 0;
+  std::vector<int64_t> last_steps;  // per rank; empty when nothing is pending
+  std::vector<Step> steps;          // by group id, then step
+};
+
+Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
+  StallsSnapshot snap;
+  snap.job_id = job.job_id;
+  snap.world_size = job.world_size;
+  std::vector<const GroupState*> groups;
+  for (const auto& [gid, g] : job.groups) {
+    if (!g.pending.empty()) groups.push_back(&g);
   }
-  const absl::Time now = clock_->Now();
-  v1::StallsResponse out;
-  std::vector<std::string> ids;
-  for (const auto& [id, job] : jobs_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  for (const std::string& id : ids) {
-    if (!job_id.empty() && id != job_id) continue;
-    const Job& job = jobs_.find(id)->second;
-    std::vector<const GroupState*> groups;
-    for (const auto& [gid, g] : job.groups) {
-      if (!g.pending.empty()) groups.push_back(&g);
+  if (groups.empty()) return snap;
+  std::sort(groups.begin(), groups.end(),
+            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+  snap.last_steps.resize(job.world_size);
+  for (int r = 0; r < job.world_size; ++r) snap.last_steps[r] = job.members.LastStep(r);
+  for (const GroupState* g : groups) {
+    for (const auto& [step, p] : g->pending) {
+      StallsSnapshot::Step& s = snap.steps.emplace_back();
+      s.group_id = g->group_id;
+      s.step = step;
+      s.first_seen = p.clock.first_seen();
+      s.deadline = p.clock.deadline();
+      for (const Contribution& c : p.contributions) s.covered.push_back(c.content->ranks);
     }
-    std::sort(groups.begin(), groups.end(),
-              [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
-    for (const GroupState* g : groups) {
-      for (const auto& [step, p] : g->pending) {
-        v1::Stall* s = out.add_stalls();
-        s->set_job_id(job.job_id);
-        s->set_group_id(g->group_id);
-        s->set_step(step);
-        s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
-        s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
-        RankSet covered(job.world_size);
-        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-        for (int r : covered.Missing()) {
-          s->add_missing_ranks(r);
-          s->add_missing_last_steps(RankLastStepLocked(job, r));
-        }
-        s->set_reported_ranks(covered.Count());
+  }
+  return snap;
+}
+
+absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
+  // Snapshot under the lock (per pending step its times and the rank sets
+  // of its contributions, shared and immutable; per job its ranks' last
+  // steps); the unions and the missing ranks (O(world) per step) are built
+  // outside it.
+  using JobSnapshot = StallsSnapshot;
+  std::vector<JobSnapshot> jobs;
+  absl::Time now;
+  {
+    accord::MutexLock l(&mu_);
+    if (!job_id.empty() && !jobs_.contains(job_id)) {
+      return absl::NotFoundError(
+          absl::StrCat("job \"", job_id,
+                       "\" is not running on this coordinator; check the job id with "
+                       "`accordctl status`"));
+    }
+    now = clock_->Now();
+    for (const auto& [id, job] : jobs_) {
+      if (!job_id.empty() && id != job_id) continue;
+      jobs.push_back(StallsSnapshotLocked(job));
+    }
+  }
+  std::sort(jobs.begin(), jobs.end(),
+            [](const JobSnapshot& a, const JobSnapshot& b) { return a.job_id < b.job_id; });
+  v1::StallsResponse out;
+  for (const JobSnapshot& job : jobs) {
+    for (const StallsSnapshot::Step& p : job.steps) {
+      v1::Stall* s = out.add_stalls();
+      s->set_job_id(job.job_id);
+      s->set_group_id(p.group_id);
+      s->set_step(p.step);
+      s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
+      s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
+      RankSet covered(job.world_size);
+      for (const auto& ranks : p.covered) covered.Union(*ranks);
+      for (int r : covered.Missing()) {
+        s->add_missing_ranks(r);
+        s->add_missing_last_steps(job.last_steps[r]);
       }
+      s->set_reported_ranks(covered.Count());
     }
   }
   return out;
@@ -396,10 +453,10 @@ std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
   for (const auto& [id, job] : jobs_) {
     JobGauges g;
     g.job_id = id;
-    g.connected_nodes = job.connected_nodes;
+    g.connected_nodes = job.members.connected();
     for (const auto& [gid, group] : job.groups) {
       for (const auto& [step, p] : group.pending) {
-        if (now - p.first_seen > options_.deadline / 2) {
+        if (now - p.clock.first_seen() > options_.deadline / 2) {
           ++g.stalled_groups;
           break;
         }
