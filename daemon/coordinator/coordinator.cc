@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
+#include "daemon/common/decision_errors.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -14,8 +15,9 @@ namespace {
 
 constexpr char kServerVersion[] = "accord-coordinator/0.1";
 
-// Errors (docs/ARCHITECTURE.md, "Errors"). Every error the coordinator
-// sends is built by one of these three; none pairs a kind with a code by hand.
+// Errors (docs/ARCHITECTURE.md, "Errors"): the builders of
+// daemon/common/decision_errors.h, with the job, group and step they are
+// about. None pairs a kind with a code by hand.
 v1::DecisionError Located(v1::DecisionError e, absl::string_view job_id, absl::string_view group_id,
                           int64_t step) {
   e.set_job_id(std::string(job_id));
@@ -28,7 +30,7 @@ v1::DecisionError Located(v1::DecisionError e, absl::string_view job_id, absl::s
 v1::DecisionError Error(v1::ErrorKind kind, absl::string_view message,
                         absl::string_view job_id = "", absl::string_view group_id = "",
                         int64_t step = -1) {
-  return Located(wire::MakeError(kind, wire::KindError(kind, message)), job_id, group_id, step);
+  return Located(KindedError(kind, message), job_id, group_id, step);
 }
 
 // An error caused by a status from a lower layer or a check (a registration
@@ -38,18 +40,15 @@ v1::DecisionError Error(v1::ErrorKind kind, absl::string_view message,
 v1::DecisionError ErrorFrom(v1::ErrorKind kind, const absl::Status& cause,
                             absl::string_view context, absl::string_view job_id = "",
                             absl::string_view group_id = "", int64_t step = -1) {
-  v1::DecisionError e = wire::MakeError(kind, cause);
-  if (!context.empty()) e.set_message(absl::StrCat(context, cause.message()));
-  return Located(std::move(e), job_id, group_id, step);
+  return Located(ErrorFromStatus(kind, cause, context), job_id, group_id, step);
 }
 
 // A well-formed request the stream's state does not allow (before NodeHello,
-// a second hello, a repeat the coordinator cannot resolve): FAILED_PRECONDITION
-// whatever the kind's code, so the sender resends rather than fixes its input.
-v1::DecisionError OutOfOrderError(v1::ErrorKind kind, absl::string_view message,
-                                  absl::string_view job_id = "", absl::string_view group_id = "",
-                                  int64_t step = -1) {
-  return ErrorFrom(kind, absl::FailedPreconditionError(message), "", job_id, group_id, step);
+// a second hello, a repeat the coordinator cannot resolve): FAILED_PRECONDITION.
+v1::DecisionError OutOfOrder(v1::ErrorKind kind, absl::string_view message,
+                             absl::string_view job_id = "", absl::string_view group_id = "",
+                             int64_t step = -1) {
+  return Located(OutOfOrderError(kind, message), job_id, group_id, step);
 }
 
 // Mixes one node content key into the order-independent combination of a
@@ -469,12 +468,11 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
     case v1::NodeMessage::kRankEvent:
     case v1::NodeMessage::kProgress:
       if (s.node == nullptr) {
-        SendErrorLocked(
-            s.sink,
-            OutOfOrderError(v1::INVALID_REQUEST,
-                            "node message before NodeHello (or after the job's state was "
-                            "dropped); send NodeHello first"),
-            out);
+        SendErrorLocked(s.sink,
+                        OutOfOrder(v1::INVALID_REQUEST,
+                                   "node message before NodeHello (or after the job's state was "
+                                   "dropped); send NodeHello first"),
+                        out);
         break;
       }
       if (message.has_registration()) {
@@ -873,7 +871,7 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
       SendErrorLocked(
           s.sink,
-          OutOfOrderError(
+          OutOfOrder(
               v1::INVALID_REQUEST,
               absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
                            node.node_id, "\" sent a batch repeat with key ",
@@ -1058,7 +1056,7 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
     const Content* cached = ng.contents.Repeat(m.cache_key);
     if (cached == nullptr) {
       ++stats_.repeat_key_mismatches;
-      error = OutOfOrderError(
+      error = OutOfOrder(
           v1::INVALID_MANIFEST,
           absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
                        ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
@@ -1127,13 +1125,12 @@ Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node,
       earlier.Union(*c.content->ranks);
     }
     if (earlier.Intersects(*content->ranks)) {
-      error =
-          OutOfOrderError(v1::INVALID_MANIFEST,
-                          absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ",
-                                       m.step, ": node \"", node.node_id,
-                                       "\" sent a second, different manifest for ranks it already "
-                                       "reported at this step"),
-                          job.job_id, m.group_id, m.step);
+      error = OutOfOrder(v1::INVALID_MANIFEST,
+                         absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ",
+                                      m.step, ": node \"", node.node_id,
+                                      "\" sent a second, different manifest for ranks it already "
+                                      "reported at this step"),
+                         job.job_id, m.group_id, m.step);
       return Added::kRefused;
     }
   } else {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/decision_errors.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -99,13 +100,11 @@ v1::DecisionError GroupRegistration::MismatchError(int ref, int ref_rank) const 
                           wire::PolicyToProto(a.policy).ShortDebugString(), " vs ",
                           wire::PolicyToProto(b.policy).ShortDebugString(), ")");
   }
-  v1::DecisionError err = wire::MakeError(
-      v1::REGISTRATION_MISMATCH,
-      wire::KindError(v1::REGISTRATION_MISMATCH,
-                      absl::StrCat("job ", job_id_, ": ", detail, "; ranks ",
-                                   FormatRanks(differing), " differ from rank ", ref_rank,
-                                   ". Every rank must build the same model and wrap it the same "
-                                   "way")));
+  v1::DecisionError err =
+      KindedError(v1::REGISTRATION_MISMATCH,
+                  absl::StrCat("job ", job_id_, ": ", detail, "; ranks ", FormatRanks(differing),
+                               " differ from rank ", ref_rank,
+                               ". Every rank must build the same model and wrap it the same way"));
   err.set_job_id(job_id_);
   err.set_group_id(group_id_);
   err.set_step(-1);
