@@ -864,52 +864,15 @@ void Coordinator::BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& o
 }
 
 void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
-  Job& job = *s.job;
-  NodeState& node = *s.node;
-  BatchRecord& record = s.last_batch;
   if (batch.repeat_batch_key() != 0) {
-    if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
-      SendErrorLocked(
-          s.sink,
-          OutOfOrder(
-              v1::INVALID_REQUEST,
-              absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
-                           node.node_id, "\" sent a batch repeat with key ",
-                           absl::Hex(batch.repeat_batch_key()),
-                           batch.manifests_size() > 0
-                               ? std::string(" together with manifests")
-                               : absl::StrCat(" but the previous batch on this stream has key ",
-                                              absl::Hex(record.Key()), " (", record.entries.size(),
-                                              " manifests)"),
-                           "; the sidecar and the coordinator disagree on the stream's history. "
-                           "Check the sidecar's version; restarting it resends in full form"),
-              job.job_id, "", batch.repeat_step()),
-          out);
-      return;
-    }
-    ManifestRef ref;
-    ref.step = batch.repeat_step();
-    ref.repeat = true;
-    for (BatchEntry& e : record.entries) {
-      if (e.group == nullptr || e.node_group == nullptr) {
-        // Unknown when recorded; it may have been registered since.
-        auto git = job.groups.find(e.group_id);
-        auto ngit = node.groups.find(e.group_id);
-        if (git != job.groups.end() && ngit != node.groups.end()) {
-          e.group = &git->second;
-          e.node_group = &ngit->second;
-        }
-      }
-      ref.group_id = e.group_id;
-      ref.cache_key = e.cache_key;
-      HandleManifestLocked(s, ref, e.group, e.node_group, out);
-    }
+    HandleBatchRepeatLocked(s, batch, out);
     return;
   }
   if (batch.manifests_size() == 0) return;
   // The new record. An entry naming the same group as the old record's entry
   // at its position (the common case: the same groups every step) keeps its
   // resolved pointers instead of two hash lookups.
+  BatchRecord& record = s.last_batch;
   const size_t n = static_cast<size_t>(batch.manifests_size());
   if (record.entries.size() > n) record.entries.resize(n);
   record.entries.reserve(n);
@@ -918,20 +881,59 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     const v1::Manifest& m = batch.manifests(static_cast<int>(i));
     if (i == record.entries.size()) record.entries.emplace_back();
     BatchEntry& e = record.entries[i];
-    if (e.group == nullptr || e.node_group == nullptr || e.group_id != m.group_id()) {
+    if (e.group_id != m.group_id()) {
       e.group_id = m.group_id();
       e.group = nullptr;
       e.node_group = nullptr;
-      auto git = job.groups.find(m.group_id());
-      auto ngit = node.groups.find(m.group_id());
-      if (git != job.groups.end() && ngit != node.groups.end()) {
-        e.group = &git->second;
-        e.node_group = &ngit->second;
-      }
     }
+    ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
     HandleManifestLocked(s, ref, e.group, e.node_group, out);
+  }
+}
+
+void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
+  BatchRecord& record = s.last_batch;
+  if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
+    const Job& job = *s.job;
+    SendErrorLocked(
+        s.sink,
+        OutOfOrder(
+            v1::INVALID_REQUEST,
+            absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
+                         s.node->node_id, "\" sent a batch repeat with key ",
+                         absl::Hex(batch.repeat_batch_key()),
+                         batch.manifests_size() > 0
+                             ? std::string(" together with manifests")
+                             : absl::StrCat(" but the previous batch on this stream has key ",
+                                            absl::Hex(record.Key()), " (", record.entries.size(),
+                                            " manifests)"),
+                         "; the sidecar and the coordinator disagree on the stream's "
+                         "history. Check the sidecar's version; restarting it resends in "
+                         "full form"),
+            job.job_id, "", batch.repeat_step()),
+        out);
+    return;
+  }
+  ManifestRef ref;
+  ref.step = batch.repeat_step();
+  ref.repeat = true;
+  for (BatchEntry& e : record.entries) {
+    ResolveEntryLocked(s, e);  // unknown when recorded: it may have been registered since
+    ref.group_id = e.group_id;
+    ref.cache_key = e.cache_key;
+    HandleManifestLocked(s, ref, e.group, e.node_group, out);
+  }
+}
+
+void Coordinator::ResolveEntryLocked(Session& s, BatchEntry& e) {
+  if (e.group != nullptr && e.node_group != nullptr) return;
+  auto git = s.job->groups.find(e.group_id);
+  auto ngit = s.node->groups.find(e.group_id);
+  if (git != s.job->groups.end() && ngit != s.node->groups.end()) {
+    e.group = &git->second;
+    e.node_group = &ngit->second;
   }
 }
 

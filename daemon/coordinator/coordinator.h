@@ -417,6 +417,12 @@ class Coordinator {
                       const RankSet& ranks, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A batch repeat: every entry of the session's previous batch at a new step.
+  void HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Resolves a batch entry's group pointers when it has none (the group was
+  // unknown when recorded, or the entry is new).
+  void ResolveEntryLocked(Session& s, BatchEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `g`/`ng` are the resolved group states (nullptr: unknown group).
   void HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
                             Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -541,6 +547,13 @@ class Coordinator {
   void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                              const v1::Decision& d, const Decision* decided)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ObserveDecisionLocked's parts: a computed decision's counters and
+  // decision-changed event; the usage window (and the global byte cap).
+  void NoteDecidedLocked(const Job& job, GroupState& g, int64_t step, const PendingStep& p,
+                         const Decision& decided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static int64_t ZeroFills(const PendingStep& p, const Decision& decided);
   void ObserveNodeLocked(const Job& job, const NodeState& node, bool connected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,

@@ -91,50 +91,8 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
   ++g.decisions;
   const bool same = d.same_as_previous();
   const bool ok = same || d.has_ok();
-  // Zero-fills: (included parameter, rank) pairs without a local gradient.
   if (decided != nullptr) {
-    // Only the metrics need it: O(nodes x params).
-    int64_t zero_fills = 0;
-    if (g.observer != nullptr) {
-      for (const Contribution& c : p.contributions) {
-        const Content& content = *c.content;
-        const size_t n = std::min(content.dtypes.size(), decided->included.size());
-        for (size_t i = 0; i < n; ++i) {
-          if (!decided->included[i]) continue;
-          if (content.dtypes[i] == 0) {
-            zero_fills += content.rank_count;
-            continue;
-          }
-          for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
-        }
-      }
-    }
-    int skipped = 0;
-    for (bool in : decided->included) skipped += in ? 0 : 1;
-    const bool changed = !g.have_last_ok || g.last_wire != decided->wire_dtype ||
-                         g.last_included != decided->included;
-    g.have_last_ok = true;
-    g.last_wire = decided->wire_dtype;
-    g.last_included = decided->included;
-    g.last_num_skipped = skipped;
-    g.last_zero_fills = zero_fills;
-    if (changed && options_.observer != nullptr) {
-      ObserveEvent e;
-      e.type = ObserveEvent::Type::kDecisionChanged;
-      e.job_id = job.job_id;
-      e.group_id = g.group_id;
-      e.step = step;
-      e.wire = std::string(DTypeName(decided->wire_dtype));
-      e.included = static_cast<int>(decided->included.size()) - skipped;
-      e.skipped = skipped;
-      const GroupSpec& spec = g.registration.reference().spec;
-      for (size_t i = 0; i < decided->included.size() && i < spec.params.size(); ++i) {
-        if (decided->included[i]) continue;
-        if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
-        e.skipped_names.push_back(spec.params[i].name);
-      }
-      QueueEventLocked(std::move(e));
-    }
+    NoteDecidedLocked(job, g, step, p, *decided);
   } else if (!ok) {
     g.have_last_ok = false;
   }
@@ -152,6 +110,60 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     s.wait = absl::Microseconds(d.wait_us());
     g.observer->OnDecision(s);
   }
+  RecordUsageLocked(g, step, same, p);
+}
+
+// Zero-fills: (included parameter, rank) pairs without a local gradient.
+// O(nodes x params).
+int64_t Coordinator::ZeroFills(const PendingStep& p, const Decision& decided) {
+  int64_t zero_fills = 0;
+  for (const Contribution& c : p.contributions) {
+    const Content& content = *c.content;
+    const size_t n = std::min(content.dtypes.size(), decided.included.size());
+    for (size_t i = 0; i < n; ++i) {
+      if (!decided.included[i]) continue;
+      if (content.dtypes[i] == 0) {
+        zero_fills += content.rank_count;
+        continue;
+      }
+      for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
+    }
+  }
+  return zero_fills;
+}
+
+void Coordinator::NoteDecidedLocked(const Job& job, GroupState& g, int64_t step,
+                                    const PendingStep& p, const Decision& decided) {
+  // Only the metrics need the zero-fills.
+  const int64_t zero_fills = g.observer != nullptr ? ZeroFills(p, decided) : 0;
+  int skipped = 0;
+  for (bool in : decided.included) skipped += in ? 0 : 1;
+  const bool changed =
+      !g.have_last_ok || g.last_wire != decided.wire_dtype || g.last_included != decided.included;
+  g.have_last_ok = true;
+  g.last_wire = decided.wire_dtype;
+  g.last_included = decided.included;
+  g.last_num_skipped = skipped;
+  g.last_zero_fills = zero_fills;
+  if (!changed || options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kDecisionChanged;
+  e.job_id = job.job_id;
+  e.group_id = g.group_id;
+  e.step = step;
+  e.wire = std::string(DTypeName(decided.wire_dtype));
+  e.included = static_cast<int>(decided.included.size()) - skipped;
+  e.skipped = skipped;
+  const GroupSpec& spec = g.registration.reference().spec;
+  for (size_t i = 0; i < decided.included.size() && i < spec.params.size(); ++i) {
+    if (decided.included[i]) continue;
+    if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
+    e.skipped_names.push_back(spec.params[i].name);
+  }
+  QueueEventLocked(std::move(e));
+}
+
+void Coordinator::RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p) {
   // Usage window: extend the last run when the contents repeat the previous
   // step; otherwise start a run with this step's contents.
   if (options_.usage_window_steps <= 0) return;
