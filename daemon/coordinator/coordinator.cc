@@ -70,13 +70,15 @@ v1::DecisionBatch* Coordinator::Outbox::ReplyBatch(NodeSink* sink) {
   return direct.back().second.mutable_decisions();
 }
 
+namespace {
+uint64_t RunSeed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+}  // namespace
+
 Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
-    : options_(options), clock_(clock) {
-  {
-    accord::MutexLock l(&mu_);
-    std::random_device rd;
-    run_nonce_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
+    : options_(options), clock_(clock), runs_(RunSeed()) {
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -234,32 +236,22 @@ void Coordinator::RemoveJobLocked(Job* job) {
   const std::string run_id = job->run_id;
   jobs_.erase(job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
-  if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
-    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
-                     << " ended; its state and keys are dropped";
-    // A failed run is never resumed (its late requests get RUN_ENDED); a
-    // healthy one whose last node only lost its connection may be (its
-    // sidecar's RESUME takes it over, as after a coordinator restart).
-    if (rit->second.state == RunState::kFailed) NoteRunEndedLocked(job_id, run_id);
-    ended_runs_.push_back(
-        EndedRun{job_id, KeyScopeOf(rit->second),
-                 wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
-                                                             " ended: its last node left"))});
-    runs_.erase(rit);
-    stats_.runs = static_cast<int64_t>(runs_.size());
-  }
+  Run* run = runs_.Find(job_id);
+  if (run == nullptr || run->run_id != run_id) return;
+  ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                   << " ended; its state and keys are dropped";
+  // A failed run is never resumed (its late requests get RUN_ENDED); a
+  // healthy one whose last node only lost its connection may be (its
+  // sidecar's RESUME takes it over, as after a coordinator restart).
+  if (run->state == RunState::kFailed) runs_.Remember(job_id, run_id);
+  runs_.End(job_id, run_id,
+            wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
+                                                        " ended: its last node left")));
+  stats_.runs = static_cast<int64_t>(runs_.size());
 }
 
-Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
-  if (run_id.empty()) {
-    const uint64_t n = run_nonce_++;
-    run_id = absl::StrCat(
-        "r", absl::Hex(MixKey(n) ^ MixKey(MixKey(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
-  }
-  Run& run = runs_[job_id];
-  run = Run();
-  run.run_id = std::move(run_id);
-  run.started = clock_->Now();
+Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
+  Run& run = runs_.Start(job_id, std::move(run_id), clock_->Now());
   stats_.runs = static_cast<int64_t>(runs_.size());
   ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
   if (jobs_.find(job_id) == jobs_.end()) {
@@ -271,10 +263,10 @@ Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::st
 
 void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
                                const v1::DecisionError* error, Outbox& out) {
-  auto rit = runs_.find(job_id);
-  if (rit == runs_.end()) return;
-  const std::string run_id = rit->second.run_id;
-  const std::string scope = KeyScopeOf(rit->second);
+  const Run* run = runs_.Find(job_id);
+  if (run == nullptr) return;
+  const std::string run_id = run->run_id;
+  const std::string scope = RunRegistry::KeyScopeOf(*run);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
     Job& job = jit->second;
     for (auto& [node_id, node] : job.members.nodes()) {
@@ -283,25 +275,23 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     }
     RemoveJobLocked(&job);  // queues the run's end
   }
-  if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
+  if (runs_.End(job_id, run_id, why)) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
-    ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
-    runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
-  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == scope) {
-    ended_runs_.back().why = why;
+  } else {
+    runs_.SetLastEndReason(scope, why);  // the end RemoveJobLocked queued
   }
   // A superseded run is never resumed: its late requests get RUN_ENDED.
-  if (error != nullptr) NoteRunEndedLocked(job_id, run_id);
+  if (error != nullptr) runs_.Remember(job_id, run_id);
 }
 
-absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& job_id,
-                                                             v1::NodeHello::RunStart start,
-                                                             const std::string& run_id,
-                                                             const std::string& node_id,
-                                                             uint64_t node_epoch, Outbox& out) {
-  auto rit = runs_.find(job_id);
+absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
+                                                v1::NodeHello::RunStart start,
+                                                const std::string& run_id,
+                                                const std::string& node_id, uint64_t node_epoch,
+                                                Outbox& out) {
+  Run* current = runs_.Find(job_id);
   auto start_run = [&](std::string id) -> absl::StatusOr<Run*> {
     if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
       return wire::KindError(
@@ -317,8 +307,8 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
     // A reconnect (or a request stamped with the run): the run must be the
     // current one, or unknown here (this coordinator restarted) and not one
     // that ended here.
-    if (rit == runs_.end()) {
-      if (recently_ended_set_.contains(std::make_pair(job_id, run_id))) {
+    if (current == nullptr) {
+      if (runs_.Remembered(job_id, run_id)) {
         return wire::KindError(
             v1::RUN_ENDED,
             absl::StrCat("job ", job_id, " run ", run_id,
@@ -328,7 +318,7 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
       }
       return start_run(run_id);
     }
-    Run& run = rit->second;
+    Run& run = *current;
     if (run.run_id != run_id) {
       return wire::KindError(
           v1::RUN_ENDED,
@@ -339,8 +329,8 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
     return &run;
   }
-  if (rit == runs_.end()) return start_run(run_id);
-  Run& run = rit->second;
+  if (current == nullptr) return start_run(run_id);
+  Run& run = *current;
   if (start == v1::NodeHello::RUN_START_NEW) {
     auto nit = run.node_epochs.find(node_id);
     if (nit != run.node_epochs.end() && nit->second != node_epoch) {
@@ -361,39 +351,16 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
   return &run;
 }
 
-void Coordinator::NoteRunEndedLocked(const std::string& job_id, const std::string& run_id) {
-  if (recently_ended_set_.insert(std::make_pair(job_id, run_id)).second) {
-    recently_ended_.emplace_back(job_id, run_id);
-  }
-  while (recently_ended_.size() > kRecentlyEnded) {
-    recently_ended_set_.erase(recently_ended_.front());
-    recently_ended_.pop_front();
-  }
-}
-
-std::string Coordinator::KeyScopeOf(const Run& run) {
-  return run.state == RunState::kFailed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
-}
-
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
-  std::vector<std::string> expired;
-  for (const auto& [job_id, run] : runs_) {
-    if (run.state != RunState::kStarting) continue;
-    const absl::Time due = run.started + options_.run_start_timeout;
-    if (due <= now) {
-      expired.push_back(job_id);
-    } else {
-      next = std::min(next, due);
-    }
-  }
   Outbox none;
-  for (const std::string& job_id : expired) {
-    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << runs_[job_id].run_id
+  for (const std::string& job_id : runs_.StartingPast(now, options_.run_start_timeout, next)) {
+    const std::string run_id = runs_.Find(job_id)->run_id;
+    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << run_id
                         << " got no node within --run_start_timeout; ending it";
     EndRunLocked(job_id,
                  wire::KindError(v1::RUN_ENDED,
-                                 absl::StrCat("job ", job_id, " run ", runs_[job_id].run_id,
+                                 absl::StrCat("job ", job_id, " run ", run_id,
                                               " ended: no node joined it within ",
                                               absl::FormatDuration(options_.run_start_timeout),
                                               " (--run_start_timeout)")),
@@ -409,7 +376,7 @@ void Coordinator::DeliverRunEnds() {
   std::vector<EndedRun> ended;
   {
     accord::MutexLock l(&mu_);
-    ended.swap(ended_runs_);
+    ended = runs_.TakeEnded();
   }
   if (!options_.on_run_ended) return;
   for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why, e.successor);
@@ -432,7 +399,7 @@ absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_i
     if (!run.ok()) {
       result = run.status();
     } else {
-      result = KeyScopeOf(**run);
+      result = RunRegistry::KeyScopeOf(**run);
     }
     FlushLocked(out);
   }
@@ -443,8 +410,8 @@ absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_i
 
 std::string Coordinator::CurrentRun(const std::string& job_id) {
   accord::MutexLock l(&mu_);
-  auto it = runs_.find(job_id);
-  return it == runs_.end() ? "" : it->second.run_id;
+  const Run* run = runs_.Find(job_id);
+  return run == nullptr ? "" : run->run_id;
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
@@ -1243,13 +1210,7 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
   // dropped now. Keys set after the failure (e.g. a coordinated shutdown) go
   // to a fresh scope, which the run's end drops; a late drop of the old
   // scope can never take them.
-  if (auto rit = runs_.find(job.job_id); rit != runs_.end() && rit->second.run_id == job.run_id &&
-                                         rit->second.state != RunState::kFailed) {
-    const std::string scope = KeyScopeOf(rit->second);
-    rit->second.SetFailed(error);
-    ended_runs_.push_back(
-        EndedRun{job.job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(rit->second)});
-  }
+  runs_.Fail(job.job_id, job.run_id, error);
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {

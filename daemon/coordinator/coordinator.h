@@ -41,13 +41,14 @@
 // coordinator recomputes the same answers from resent manifests.
 //
 // Structure (docs/ARCHITECTURE.md, "Classes"): this class owns the lock,
-// the sessions, the jobs and their runs, and routes each message; the state
-// of each concern is a small class of its own without gRPC: Membership
-// (nodes, rank owners), GroupRegistration and StepMerger (registration,
-// decide), ContentCache (a node's full forms and repeats), StepDeadline (a
-// pending step's deadline and progress queries), UsageWindow (the skip
-// matrix's window). Errors are built by Error/ErrorFrom/OutOfOrderError and
-// sent through Send*ErrorLocked, which count them.
+// the sessions and the jobs, and routes each message; the state of each
+// concern is a small class of its own without gRPC: RunRegistry (runs),
+// Membership (nodes, rank owners), GroupRegistration and StepMerger
+// (registration, decide), ContentCache (a node's full forms and repeats),
+// StepDeadline (a pending step's deadline and progress queries),
+// UsageWindow (the skip matrix's window). Errors are built by
+// Error/ErrorFrom/OutOfOrder (daemon/common/decision_errors.h) and sent
+// through Send*ErrorLocked, which count them.
 //
 // Thread-safe. Owns one timer thread (deadlines) unless disabled in options;
 // it stops in Stop() or the destructor.
@@ -85,6 +86,7 @@
 #include "daemon/coordinator/group_agreement.h"
 #include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
+#include "daemon/coordinator/run_registry.h"
 #include "daemon/coordinator/usage_window.h"
 
 namespace accord::daemon {
@@ -155,7 +157,7 @@ struct CoordinatorStats {
   int64_t jobs = 0;    // live jobs
   int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
-  int64_t retained_contents = 0;  // NodeGroupState::retained entries, all jobs
+  int64_t retained_contents = 0;  // ContentCache::retained() entries, all jobs
   int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
 };
 
@@ -166,13 +168,8 @@ struct SkipMatrix {
   std::map<int, std::vector<int64_t>> skips;
 };
 
-// Lifecycles of a job's run and of the job state it holds while a node is
-// connected (docs/ARCHITECTURE.md, "Lifecycles").
-enum class RunState {
-  kStarting,  // started by a key-value request; no node joined yet
-  kRunning,   // its job exists (a node said NodeHello)
-  kFailed,    // its job failed; its keys were dropped, late requests get the failure
-};
+// The lifecycle of the job state a run holds while a node is connected
+// (docs/ARCHITECTURE.md, "Lifecycles"; runs: run_registry.h).
 enum class JobState {
   kRunning,
   kFailed,  // MISSING_RANKS, a rank left mid-step, or a node lost past its grace
@@ -251,7 +248,7 @@ class Coordinator {
   struct Contribution {
     NodeState* node;
     // Kept alive by `group`'s cache or retained contents until the step is
-    // decided (see NodeGroupState); Owner() finds the owning pointer.
+    // decided (see ContentCache); Owner() finds the owning pointer.
     const Content* content;
     NodeGroupState* group;
     std::shared_ptr<const Content> Owner() const;
@@ -289,32 +286,6 @@ class Coordinator {
     int64_t last_zero_fills = 0;
     UsageWindow usage;
     std::unique_ptr<GroupObserver> observer;
-  };
-  // One run (incarnation) of a job. It starts at the job's first NodeHello
-  // or key-value request and ends when its last node disconnects, when a
-  // newer run supersedes it, or (never joined by a node) after
-  // run_start_timeout. `node_epochs`: the nodes that joined it, each with the
-  // epoch its sidecar drew for its ranks.
-  //
-  // Its lifecycle (docs/ARCHITECTURE.md, "Lifecycles"); these methods are the
-  // only transitions:
-  //   kStarting --SetRunning (its job was created by a NodeHello)--> kRunning
-  //   kRunning --SetFailed (its job failed)--> kFailed
-  // and from any state it ends (EndRunLocked, RemoveJobLocked): erased from
-  // runs_, remembered in recently_ended_ when it failed or was superseded.
-  struct Run {
-    std::string run_id;
-    absl::Time started;
-    absl::flat_hash_map<std::string, uint64_t> node_epochs;
-    RunState state = RunState::kStarting;
-    v1::DecisionError failure;  // set in kFailed
-    void SetRunning() {
-      if (state == RunState::kStarting) state = RunState::kRunning;
-    }
-    void SetFailed(const v1::DecisionError& error) {
-      state = RunState::kFailed;
-      failure = error;
-    }
   };
   struct Job {
     explicit Job(int world_size) : world_size(world_size), members(world_size) {}
@@ -526,9 +497,6 @@ class Coordinator {
   // for on_run_ended.
   void EndRunLocked(const std::string& job_id, const absl::Status& why,
                     const v1::DecisionError* error, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The key-value scope of a run: its id, or after its failure a fresh one
-  // (the failure dropped the run's keys).
-  static std::string KeyScopeOf(const Run& run);
   // Ends runs that never got a node within run_start_timeout; returns the
   // next time one is due.
   absl::Time ExpireStartingRunsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -580,23 +548,7 @@ class Coordinator {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);  // by job id
-  uint64_t run_nonce_ ABSL_GUARDED_BY(mu_) = 0;                      // seeded at construction
-  struct EndedRun {
-    std::string job_id;
-    std::string run_id;  // the key scope (KeyScopeOf)
-    absl::Status why;
-    std::string successor;  // a failed run's fresh key scope
-  };
-  std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
-  // The last kRecentlyEnded runs that ended (job id, run id), so a late
-  // RESUME or key-value request of an ended run is refused instead of
-  // reviving it as if this coordinator had restarted (bounded FIFO).
-  static constexpr size_t kRecentlyEnded = 4096;
-  std::deque<std::pair<std::string, std::string>> recently_ended_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::pair<std::string, std::string>> recently_ended_set_ ABSL_GUARDED_BY(mu_);
-  void NoteRunEndedLocked(const std::string& job_id, const std::string& run_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RunRegistry runs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)

@@ -384,8 +384,8 @@ void ReportDeniedTokens(JobTokens* tokens, CoordinatorMetrics& metrics) {
 }
 
 // Everything after flag parsing: servers up, serve until a signal, stop.
-int Run(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTokens> tokens,
-        std::unique_ptr<EventLog> event_log) {
+int Serve(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTokens> tokens,
+          std::unique_ptr<EventLog> event_log) {
   MetricsRegistry registry;
   CoordinatorMetricsOptions metrics_options;
   metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
@@ -469,7 +469,7 @@ int Main(int argc, char** argv) {
     ACCORD_LOG(ERROR) << event_log.status().message();
     return 2;
   }
-  return Run(*std::move(creds), *std::move(tokens), *std::move(event_log));
+  return Serve(*std::move(creds), *std::move(tokens), *std::move(event_log));
 }
 
 }  // namespace
