@@ -532,7 +532,40 @@ class Coordinator {
   void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the oldest retired job (its usage windows).
   void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status view of a job: copied under the lock (StatusSnapshotLocked),
+  // built into the proto outside it (JobStatusOf; observe_views.cc).
+  struct StatusSnapshot {
+    struct Node {
+      std::string node_id;
+      bool connected = false;
+      std::vector<int> ranks;
+    };
+    struct Group {
+      std::string group_id;
+      int num_params = -1;  // -1: not registered
+      int64_t last_decided_step = -1;
+      int64_t decisions = 0;
+      int64_t cache_hits = 0;
+      int64_t cache_misses = 0;
+      bool have_last_ok = false;
+      DType last_wire = DType::kFloat32;
+      int last_num_skipped = 0;
+      bool failed = false;
+      std::string error;
+    };
+    std::string job_id;
+    int world_size = 0;
+    std::vector<Node> nodes;      // by node id
+    std::vector<int> rank_owner;  // per rank: index into nodes, -1: none
+    std::vector<bool> rank_connected;
+    std::vector<int64_t> rank_last_step;
+    std::vector<Group> groups;  // by group id
+    bool failed = false;
+    std::string error;
+  };
+  StatusSnapshot StatusSnapshotLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static StatusSnapshot::Group GroupStatusOf(const GroupState& g);
+  static v1::JobStatus JobStatusOf(const StatusSnapshot& snapshot);
   // What ObserveStalls copies of one job under the lock (observe_views.cc).
   struct StallsSnapshot;
   StallsSnapshot StallsSnapshotLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

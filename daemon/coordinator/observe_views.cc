@@ -189,61 +189,102 @@ UsageWindow::Limits Coordinator::UsageLimits() const {
   return limits;
 }
 
-v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
-  v1::JobStatus js;
-  js.set_job_id(job.job_id);
-  js.set_world_size(job.world_size);
+Coordinator::StatusSnapshot Coordinator::StatusSnapshotLocked(const Job& job) {
+  StatusSnapshot snap;
+  snap.job_id = job.job_id;
+  snap.world_size = job.world_size;
   std::vector<const NodeState*> nodes;
   for (const auto& [id, node] : job.members.nodes()) nodes.push_back(&node);
   std::sort(nodes.begin(), nodes.end(),
             [](const NodeState* a, const NodeState* b) { return a->node_id < b->node_id; });
+  absl::flat_hash_map<const NodeState*, int> index;
   for (const NodeState* node : nodes) {
-    v1::NodeStatus* ns = js.add_nodes();
-    ns->set_node_id(node->node_id);
-    ns->set_connected(node->session != 0);
-    for (int r : node->ranks) ns->add_ranks(r);
+    index[node] = static_cast<int>(snap.nodes.size());
+    snap.nodes.push_back(StatusSnapshot::Node{node->node_id, node->connected(), node->ranks});
   }
+  snap.rank_owner.assign(job.world_size, -1);
+  snap.rank_connected.assign(job.world_size, false);
+  snap.rank_last_step.resize(job.world_size);
   for (int r = 0; r < job.world_size; ++r) {
+    const NodeState* owner = job.members.OwnerOf(r);
+    if (owner != nullptr) snap.rank_owner[r] = index[owner];
+    snap.rank_connected[r] = owner != nullptr && owner->connected() && !job.members.Left(r);
+    snap.rank_last_step[r] = job.members.LastStep(r);
+  }
+  for (const auto& [id, g] : job.groups) snap.groups.push_back(GroupStatusOf(g));
+  std::sort(snap.groups.begin(), snap.groups.end(),
+            [](const StatusSnapshot::Group& a, const StatusSnapshot::Group& b) {
+              return a.group_id < b.group_id;
+            });
+  snap.failed = job.failed();
+  if (job.failed()) snap.error = job.failure.message();
+  return snap;
+}
+
+Coordinator::StatusSnapshot::Group Coordinator::GroupStatusOf(const GroupState& g) {
+  StatusSnapshot::Group s;
+  s.group_id = g.group_id;
+  if (!g.registration.empty()) {
+    s.num_params = static_cast<int>(g.registration.reference().spec.params.size());
+  }
+  s.last_decided_step = g.last_decided_step;
+  s.decisions = g.decisions;
+  s.cache_hits = g.cache_hits;
+  s.cache_misses = g.cache_misses;
+  s.have_last_ok = g.have_last_ok;
+  s.last_wire = g.last_wire;
+  s.last_num_skipped = g.last_num_skipped;
+  if (g.registration.state() == GroupRegistration::State::kFailed) {
+    s.failed = true;
+    s.error = g.registration.error().message();
+  } else if (g.last_decision != nullptr && g.last_decision->has_error()) {
+    s.failed = true;
+    s.error = g.last_decision->error().message();
+  }
+  return s;
+}
+
+v1::JobStatus Coordinator::JobStatusOf(const StatusSnapshot& snap) {
+  v1::JobStatus js;
+  js.set_job_id(snap.job_id);
+  js.set_world_size(snap.world_size);
+  for (const StatusSnapshot::Node& node : snap.nodes) {
+    v1::NodeStatus* ns = js.add_nodes();
+    ns->set_node_id(node.node_id);
+    ns->set_connected(node.connected);
+    for (int r : node.ranks) ns->add_ranks(r);
+  }
+  for (int r = 0; r < snap.world_size; ++r) {
     v1::RankStatus* rs = js.add_ranks();
     rs->set_rank(r);
-    const NodeState* owner = job.members.OwnerOf(r);
-    if (owner != nullptr) rs->set_node_id(owner->node_id);
-    rs->set_connected(owner != nullptr && owner->connected() && !job.members.Left(r));
-    rs->set_last_step(job.members.LastStep(r));
+    if (snap.rank_owner[r] >= 0) rs->set_node_id(snap.nodes[snap.rank_owner[r]].node_id);
+    rs->set_connected(snap.rank_connected[r]);
+    rs->set_last_step(snap.rank_last_step[r]);
   }
-  std::vector<const GroupState*> groups;
-  for (const auto& [id, g] : job.groups) groups.push_back(&g);
-  std::sort(groups.begin(), groups.end(),
-            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
-  for (const GroupState* g : groups) {
+  for (const StatusSnapshot::Group& g : snap.groups) {
     v1::GroupStatus* gs = js.add_groups();
-    gs->set_group_id(g->group_id);
-    if (!g->registration.empty()) {
-      gs->set_num_params(static_cast<int>(g->registration.reference().spec.params.size()));
-    }
-    gs->set_last_decided_step(g->last_decided_step);
-    gs->set_decisions(g->decisions);
-    gs->set_cache_hits(g->cache_hits);
-    gs->set_cache_misses(g->cache_misses);
-    if (g->have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g->last_wire)));
-    gs->set_last_num_skipped(g->last_num_skipped);
-    if (g->registration.state() == GroupRegistration::State::kFailed) {
+    gs->set_group_id(g.group_id);
+    if (g.num_params >= 0) gs->set_num_params(g.num_params);
+    gs->set_last_decided_step(g.last_decided_step);
+    gs->set_decisions(g.decisions);
+    gs->set_cache_hits(g.cache_hits);
+    gs->set_cache_misses(g.cache_misses);
+    if (g.have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g.last_wire)));
+    gs->set_last_num_skipped(g.last_num_skipped);
+    if (g.failed) {
       gs->set_failed(true);
-      gs->set_error(g->registration.error().message());
-    } else if (g->last_decision != nullptr && g->last_decision->has_error()) {
-      gs->set_failed(true);
-      gs->set_error(g->last_decision->error().message());
+      gs->set_error(g.error);
     }
   }
-  js.set_failed(job.failed());
-  if (job.failed()) js.set_error(job.failure.message());
+  js.set_failed(snap.failed);
+  if (snap.failed) js.set_error(snap.error);
   return js;
 }
 
 void Coordinator::RetireJobLocked(Job& job) {
   if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
-  r.status = JobStatusOfLocked(job);
+  r.status = JobStatusOf(StatusSnapshotLocked(job));
   for (auto& [id, g] : job.groups) {
     if (g.registration.empty()) continue;
     RetiredGroup& rg = r.groups[id];
@@ -272,20 +313,26 @@ void Coordinator::PopRetiredLocked() {
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
-  accord::MutexLock l(&mu_);
+  // Snapshot under the lock (plain copies, no protos); the responses are
+  // built outside it.
+  std::vector<StatusSnapshot> live;
+  std::vector<v1::JobStatus> retired;
+  {
+    accord::MutexLock l(&mu_);
+    for (const auto& [id, job] : jobs_) {
+      if (job_id.empty() || id == job_id) live.push_back(StatusSnapshotLocked(job));
+    }
+    for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+      if (!job_id.empty() && it->status.job_id() != job_id) continue;
+      if (jobs_.contains(it->status.job_id())) continue;
+      retired.push_back(it->status);
+    }
+  }
+  std::sort(live.begin(), live.end(),
+            [](const StatusSnapshot& a, const StatusSnapshot& b) { return a.job_id < b.job_id; });
   v1::StatusResponse out;
-  std::vector<std::string> ids;
-  for (const auto& [id, job] : jobs_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  for (const std::string& id : ids) {
-    if (!job_id.empty() && id != job_id) continue;
-    *out.add_jobs() = JobStatusOfLocked(jobs_.find(id)->second);
-  }
-  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
-    if (!job_id.empty() && it->status.job_id() != job_id) continue;
-    if (jobs_.contains(it->status.job_id())) continue;
-    *out.add_jobs() = it->status;
-  }
+  for (const StatusSnapshot& snap : live) *out.add_jobs() = JobStatusOf(snap);
+  for (v1::JobStatus& status : retired) *out.add_jobs() = std::move(status);
   if (!job_id.empty() && out.jobs().empty()) {
     return absl::NotFoundError(absl::StrCat("job \"", job_id,
                                             "\" is unknown to this coordinator (not running "
