@@ -1,5 +1,6 @@
 #include "core/rank_set.h"
 
+#include <algorithm>
 #include <bit>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,13 @@ namespace accord {
 int RankSet::Count() const {
   int n = 0;
   for (uint64_t w : words_) n += std::popcount(w);
+  return n;
+}
+
+int RankSet::CountInWords(int word_lo, int word_hi) const {
+  int n = 0;
+  const int hi = std::min<int>(word_hi, static_cast<int>(words_.size()));
+  for (int i = std::max(word_lo, 0); i < hi; ++i) n += std::popcount(words_[i]);
   return n;
 }
 

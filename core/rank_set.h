@@ -22,6 +22,8 @@ class RankSet {
     return rank >= 0 && rank < world_size_ && (words_[rank >> 6] >> (rank & 63)) & 1;
   }
   int Count() const;
+  // Count() when every set bit lies in words [word_lo, word_hi).
+  int CountInWords(int word_lo, int word_hi) const;
   // Every rank of the world / no rank: word compares that stop at the first
   // word deciding it (no bit count; bits beyond world_size are never set).
   bool Full() const;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
+#include "daemon/common/decision_errors.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -14,14 +15,40 @@ namespace {
 
 constexpr char kServerVersion[] = "accord-coordinator/0.1";
 
-v1::DecisionError Error(v1::ErrorKind kind, absl::StatusCode code, std::string message,
-                        absl::string_view job_id = "", absl::string_view group_id = "",
-                        int64_t step = -1) {
-  v1::DecisionError e = wire::MakeError(kind, absl::Status(code, message));
+// Errors (docs/ARCHITECTURE.md, "Errors"): the builders of
+// daemon/common/decision_errors.h, with the job, group and step they are
+// about. None pairs a kind with a code by hand.
+v1::DecisionError Located(v1::DecisionError e, absl::string_view job_id, absl::string_view group_id,
+                          int64_t step) {
   e.set_job_id(std::string(job_id));
   e.set_group_id(std::string(group_id));
   e.set_step(step);
   return e;
+}
+
+// An error of `kind` with the kind's canonical code (wire::CodeOfKind).
+v1::DecisionError Error(v1::ErrorKind kind, absl::string_view message,
+                        absl::string_view job_id = "", absl::string_view group_id = "",
+                        int64_t step = -1) {
+  return Located(KindedError(kind, message), job_id, group_id, step);
+}
+
+// An error caused by a status from a lower layer or a check (a registration
+// or manifest that does not convert, a decision core Decide refused, a
+// refused NodeHello): keeps the cause's code and message (after `context`),
+// and its kind unless `kind` is given.
+v1::DecisionError ErrorFrom(v1::ErrorKind kind, const absl::Status& cause,
+                            absl::string_view context, absl::string_view job_id = "",
+                            absl::string_view group_id = "", int64_t step = -1) {
+  return Located(ErrorFromStatus(kind, cause, context), job_id, group_id, step);
+}
+
+// A well-formed request the stream's state does not allow (before NodeHello,
+// a second hello, a repeat the coordinator cannot resolve): FAILED_PRECONDITION.
+v1::DecisionError OutOfOrder(v1::ErrorKind kind, absl::string_view message,
+                             absl::string_view job_id = "", absl::string_view group_id = "",
+                             int64_t step = -1) {
+  return Located(OutOfOrderError(kind, message), job_id, group_id, step);
 }
 
 // Mixes one node content key into the order-independent combination of a
@@ -31,15 +58,6 @@ uint64_t MixKey(uint64_t k) {
   k *= 0xff51afd7ed558ccdull;
   k ^= k >> 33;
   return k;
-}
-
-// First parameter index where two specs differ (or the shorter count).
-int FirstDifference(const GroupSpec& a, const GroupSpec& b) {
-  const size_t n = std::min(a.params.size(), b.params.size());
-  for (size_t i = 0; i < n; ++i) {
-    if (!(a.params[i] == b.params[i])) return static_cast<int>(i);
-  }
-  return a.params.size() == b.params.size() ? -1 : static_cast<int>(n);
 }
 
 }  // namespace
@@ -52,13 +70,15 @@ v1::DecisionBatch* Coordinator::Outbox::ReplyBatch(NodeSink* sink) {
   return direct.back().second.mutable_decisions();
 }
 
+namespace {
+uint64_t RunSeed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+}  // namespace
+
 Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
-    : options_(options), clock_(clock) {
-  {
-    accord::MutexLock l(&mu_);
-    std::random_device rd;
-    run_nonce_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
+    : options_(options), clock_(clock), runs_(RunSeed()) {
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -108,12 +128,9 @@ void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   sessions_.erase(it);
   --stats_.sessions;
   if (s.node == nullptr || s.node->session != id) return;
-  s.node->session = 0;
-  s.node->sink = nullptr;
-  s.node->disconnected_at = clock_->Now();
-  --s.job->connected_nodes;
+  s.job->members.Disconnect(*s.node, clock_->Now());
   ObserveNodeLocked(*s.job, *s.node, /*connected=*/false);
-  if (s.job->connected_nodes == 0) {
+  if (s.job->members.connected() == 0) {
     ACCORD_LOG(INFO) << "job " << s.job->job_id << ": last node (" << s.node->node_id
                      << ") disconnected; dropping the job's state";
     RemoveJobLocked(s.job);
@@ -135,9 +152,9 @@ void Coordinator::WakeTimerAtLocked(absl::Time at) {
 }
 
 bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& next, Outbox& out) {
-  if (job.failed || job.connected_nodes == static_cast<int>(job.nodes.size())) return false;
+  if (job.failed() || job.members.all_connected()) return false;
   std::vector<const NodeState*> lost;
-  for (const auto& [node_id, node] : job.nodes) {
+  for (const auto& [node_id, node] : job.members.nodes()) {
     if (node.session != 0 || node.disconnected_at == absl::InfiniteFuture()) continue;
     const absl::Time due = node.disconnected_at + options_.node_reconnect_grace;
     if (due <= now) {
@@ -162,7 +179,7 @@ bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& nex
       for (const NodeState* node : lost) {
         std::vector<int> missing;
         for (int r : node->ranks) {
-          if (job.rank_owner[r] == node && !covered.Contains(r)) missing.push_back(r);
+          if (job.members.OwnerOf(r) == node && !covered.Contains(r)) missing.push_back(r);
         }
         if (missing.empty()) continue;
         culprit = &g;
@@ -176,7 +193,7 @@ bool Coordinator::FailIfNodeLostLocked(Job& job, absl::Time now, absl::Time& nex
   }
   if (culprit == nullptr) return false;
   v1::DecisionError err = Error(
-      v1::UNAVAILABLE, absl::StatusCode::kUnavailable,
+      v1::UNAVAILABLE,
       absl::StrCat("job ", job.job_id, " group \"", culprit->group_id, "\" step ", culprit_step,
                    ": node \"", culprit_node->node_id, "\" (ranks ", FormatRanks(needed),
                    ") lost its connection to the coordinator and did not come back within ",
@@ -209,42 +226,32 @@ void Coordinator::RemoveJobLocked(Job* job) {
   }
   if (!job->groups.empty()) RetireJobLocked(*job);
   // Usage windows not handed to a retired job are freed with the job.
-  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage_bytes;
-  for (const auto& [node_id, node] : job->nodes) {
+  for (const auto& [group_id, g] : job->groups) stats_.usage_bytes -= g.usage.bytes();
+  for (const auto& [node_id, node] : job->members.nodes()) {
     for (const auto& [group_id, ng] : node.groups) {
-      stats_.retained_contents -= static_cast<int64_t>(ng.retained.size());
+      stats_.retained_contents -= static_cast<int64_t>(ng.contents.retained());
     }
   }
   const std::string job_id = job->job_id;
   const std::string run_id = job->run_id;
   jobs_.erase(job_id);
   stats_.jobs = static_cast<int64_t>(jobs_.size());
-  if (auto rit = runs_.find(job_id); rit != runs_.end() && rit->second.run_id == run_id) {
-    ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
-                     << " ended; its state and keys are dropped";
-    // A failed run is never resumed (its late requests get RUN_ENDED); a
-    // healthy one whose last node only lost its connection may be (its
-    // sidecar's RESUME takes it over, as after a coordinator restart).
-    if (rit->second.failed) NoteRunEndedLocked(job_id, run_id);
-    ended_runs_.push_back(
-        EndedRun{job_id, KeyScopeOf(rit->second),
-                 wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
-                                                             " ended: its last node left"))});
-    runs_.erase(rit);
-    stats_.runs = static_cast<int64_t>(runs_.size());
-  }
+  Run* run = runs_.Find(job_id);
+  if (run == nullptr || run->run_id != run_id) return;
+  ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
+                   << " ended; its state and keys are dropped";
+  // A failed run is never resumed (its late requests get RUN_ENDED); a
+  // healthy one whose last node only lost its connection may be (its
+  // sidecar's RESUME takes it over, as after a coordinator restart).
+  if (run->state == RunState::kFailed) runs_.Remember(job_id, run_id);
+  runs_.End(job_id, run_id,
+            wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
+                                                        " ended: its last node left")));
+  stats_.runs = static_cast<int64_t>(runs_.size());
 }
 
-Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
-  if (run_id.empty()) {
-    const uint64_t n = run_nonce_++;
-    run_id = absl::StrCat(
-        "r", absl::Hex(MixKey(n) ^ MixKey(MixKey(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
-  }
-  Run& run = runs_[job_id];
-  run = Run();
-  run.run_id = std::move(run_id);
-  run.started = clock_->Now();
+Run& Coordinator::StartRunLocked(const std::string& job_id, std::string run_id) {
+  Run& run = runs_.Start(job_id, std::move(run_id), clock_->Now());
   stats_.runs = static_cast<int64_t>(runs_.size());
   ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
   if (jobs_.find(job_id) == jobs_.end()) {
@@ -256,40 +263,35 @@ Coordinator::Run& Coordinator::StartRunLocked(const std::string& job_id, std::st
 
 void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
                                const v1::DecisionError* error, Outbox& out) {
-  auto rit = runs_.find(job_id);
-  if (rit == runs_.end()) return;
-  const std::string run_id = rit->second.run_id;
-  const std::string scope = KeyScopeOf(rit->second);
+  const Run* run = runs_.Find(job_id);
+  if (run == nullptr) return;
+  const std::string run_id = run->run_id;
+  const std::string scope = RunRegistry::KeyScopeOf(*run);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
     Job& job = jit->second;
-    for (auto& [node_id, node] : job.nodes) {
+    for (auto& [node_id, node] : job.members.nodes()) {
       if (node.sink == nullptr || error == nullptr) continue;
-      v1::CoordinatorMessage m;
-      *m.mutable_error() = *error;
-      NoteErrorLocked(m.error());
-      out.direct.emplace_back(node.sink, std::move(m));
+      SendErrorLocked(node.sink, *error, out);
     }
     RemoveJobLocked(&job);  // queues the run's end
   }
-  if (auto again = runs_.find(job_id); again != runs_.end() && again->second.run_id == run_id) {
+  if (runs_.End(job_id, run_id, why)) {
     ACCORD_LOG(INFO) << "job " << job_id << " run " << run_id
                      << " ended; its state and keys are dropped";
-    ended_runs_.push_back(EndedRun{job_id, KeyScopeOf(again->second), why});
-    runs_.erase(again);
     stats_.runs = static_cast<int64_t>(runs_.size());
-  } else if (!ended_runs_.empty() && ended_runs_.back().run_id == scope) {
-    ended_runs_.back().why = why;
+  } else {
+    runs_.SetLastEndReason(scope, why);  // the end RemoveJobLocked queued
   }
   // A superseded run is never resumed: its late requests get RUN_ENDED.
-  if (error != nullptr) NoteRunEndedLocked(job_id, run_id);
+  if (error != nullptr) runs_.Remember(job_id, run_id);
 }
 
-absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& job_id,
-                                                             v1::NodeHello::RunStart start,
-                                                             const std::string& run_id,
-                                                             const std::string& node_id,
-                                                             uint64_t node_epoch, Outbox& out) {
-  auto rit = runs_.find(job_id);
+absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
+                                                v1::NodeHello::RunStart start,
+                                                const std::string& run_id,
+                                                const std::string& node_id, uint64_t node_epoch,
+                                                Outbox& out) {
+  Run* current = runs_.Find(job_id);
   auto start_run = [&](std::string id) -> absl::StatusOr<Run*> {
     if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
       return wire::KindError(
@@ -305,8 +307,8 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
     // A reconnect (or a request stamped with the run): the run must be the
     // current one, or unknown here (this coordinator restarted) and not one
     // that ended here.
-    if (rit == runs_.end()) {
-      if (recently_ended_set_.contains(std::make_pair(job_id, run_id))) {
+    if (current == nullptr) {
+      if (runs_.Remembered(job_id, run_id)) {
         return wire::KindError(
             v1::RUN_ENDED,
             absl::StrCat("job ", job_id, " run ", run_id,
@@ -316,7 +318,7 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
       }
       return start_run(run_id);
     }
-    Run& run = rit->second;
+    Run& run = *current;
     if (run.run_id != run_id) {
       return wire::KindError(
           v1::RUN_ENDED,
@@ -327,8 +329,8 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
     return &run;
   }
-  if (rit == runs_.end()) return start_run(run_id);
-  Run& run = rit->second;
+  if (current == nullptr) return start_run(run_id);
+  Run& run = *current;
   if (start == v1::NodeHello::RUN_START_NEW) {
     auto nit = run.node_epochs.find(node_id);
     if (nit != run.node_epochs.end() && nit->second != node_epoch) {
@@ -339,8 +341,7 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
           absl::StrCat("job ", job_id, " run ", old, " ended: node \"", node_id,
                        "\" started a new run of the same job id (its ranks were restarted), so "
                        "this run gets no more decisions; stop the ranks of the old run");
-      v1::DecisionError e =
-          Error(v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg, job_id);
+      v1::DecisionError e = Error(v1::RUN_ENDED, msg, job_id);
       ACCORD_LOG(WARNING) << msg;
       EndRunLocked(job_id, wire::KindError(v1::RUN_ENDED, msg), &e, out);
       return start_run("");
@@ -350,39 +351,16 @@ absl::StatusOr<Coordinator::Run*> Coordinator::JoinRunLocked(const std::string& 
   return &run;
 }
 
-void Coordinator::NoteRunEndedLocked(const std::string& job_id, const std::string& run_id) {
-  if (recently_ended_set_.insert(std::make_pair(job_id, run_id)).second) {
-    recently_ended_.emplace_back(job_id, run_id);
-  }
-  while (recently_ended_.size() > kRecentlyEnded) {
-    recently_ended_set_.erase(recently_ended_.front());
-    recently_ended_.pop_front();
-  }
-}
-
-std::string Coordinator::KeyScopeOf(const Run& run) {
-  return run.failed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
-}
-
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
-  std::vector<std::string> expired;
-  for (const auto& [job_id, run] : runs_) {
-    if (jobs_.find(job_id) != jobs_.end()) continue;
-    const absl::Time due = run.started + options_.run_start_timeout;
-    if (due <= now) {
-      expired.push_back(job_id);
-    } else {
-      next = std::min(next, due);
-    }
-  }
   Outbox none;
-  for (const std::string& job_id : expired) {
-    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << runs_[job_id].run_id
+  for (const std::string& job_id : runs_.StartingPast(now, options_.run_start_timeout, next)) {
+    const std::string run_id = runs_.Find(job_id)->run_id;
+    ACCORD_LOG(WARNING) << "job " << job_id << ": run " << run_id
                         << " got no node within --run_start_timeout; ending it";
     EndRunLocked(job_id,
                  wire::KindError(v1::RUN_ENDED,
-                                 absl::StrCat("job ", job_id, " run ", runs_[job_id].run_id,
+                                 absl::StrCat("job ", job_id, " run ", run_id,
                                               " ended: no node joined it within ",
                                               absl::FormatDuration(options_.run_start_timeout),
                                               " (--run_start_timeout)")),
@@ -398,7 +376,7 @@ void Coordinator::DeliverRunEnds() {
   std::vector<EndedRun> ended;
   {
     accord::MutexLock l(&mu_);
-    ended.swap(ended_runs_);
+    ended = runs_.TakeEnded();
   }
   if (!options_.on_run_ended) return;
   for (const EndedRun& e : ended) options_.on_run_ended(e.job_id, e.run_id, e.why, e.successor);
@@ -421,7 +399,7 @@ absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_i
     if (!run.ok()) {
       result = run.status();
     } else {
-      result = KeyScopeOf(**run);
+      result = RunRegistry::KeyScopeOf(**run);
     }
     FlushLocked(out);
   }
@@ -432,8 +410,8 @@ absl::StatusOr<std::string> Coordinator::RunForKeyValue(const std::string& job_i
 
 std::string Coordinator::CurrentRun(const std::string& job_id) {
   accord::MutexLock l(&mu_);
-  auto it = runs_.find(job_id);
-  return it == runs_.end() ? "" : it->second.run_id;
+  const Run* run = runs_.Find(job_id);
+  return run == nullptr ? "" : run->run_id;
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
@@ -457,12 +435,11 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
     case v1::NodeMessage::kRankEvent:
     case v1::NodeMessage::kProgress:
       if (s.node == nullptr) {
-        v1::CoordinatorMessage reply;
-        *reply.mutable_error() =
-            Error(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-                  "node message before NodeHello (or after the job's state was dropped); send "
-                  "NodeHello first");
-        out.direct.emplace_back(s.sink, std::move(reply));
+        SendErrorLocked(s.sink,
+                        OutOfOrder(v1::INVALID_REQUEST,
+                                   "node message before NodeHello (or after the job's state was "
+                                   "dropped); send NodeHello first"),
+                        out);
         break;
       }
       if (message.has_registration()) {
@@ -477,14 +454,35 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
         HandleManifestsLocked(s, message.manifests(), out);
       }
       break;
-    default: {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                                     "empty or unknown NodeMessage body");
-      out.direct.emplace_back(s.sink, std::move(reply));
-    }
+    default:
+      SendErrorLocked(s.sink, Error(v1::INVALID_REQUEST, "empty or unknown NodeMessage body"), out);
   }
   FlushLocked(out);
+}
+
+void Coordinator::SendErrorLocked(NodeSink* sink, v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::CoordinatorMessage reply;
+  *reply.mutable_error() = std::move(error);
+  out.direct.emplace_back(sink, std::move(reply));
+}
+
+void Coordinator::SendRegistrationErrorLocked(NodeSink* sink, const std::string& group_id,
+                                              v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::CoordinatorMessage reply;
+  reply.mutable_registration()->set_group_id(group_id);
+  *reply.mutable_registration()->mutable_error() = std::move(error);
+  out.direct.emplace_back(sink, std::move(reply));
+}
+
+void Coordinator::SendDecisionErrorLocked(NodeSink* sink, absl::string_view group_id, int64_t step,
+                                          v1::DecisionError error, Outbox& out) {
+  NoteErrorLocked(error);
+  v1::Decision* d = out.ReplyBatch(sink)->add_decisions();
+  d->set_group_id(std::string(group_id));
+  d->set_step(step);
+  *d->mutable_error() = std::move(error);
 }
 
 void Coordinator::FlushLocked(Outbox& out) {
@@ -494,7 +492,7 @@ void Coordinator::FlushLocked(Outbox& out) {
   auto broadcast = [&](Job* job, v1::CoordinatorMessage&& msg) {
     if (jobs_.find(job->job_id) == jobs_.end()) return;
     auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(msg));
-    for (auto& [node_id, node] : job->nodes) {
+    for (auto& [node_id, node] : job->members.nodes()) {
       if (node.sink != nullptr) node.sink->Send(shared);
     }
   };
@@ -502,135 +500,132 @@ void Coordinator::FlushLocked(Outbox& out) {
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
 }
 
-void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,
-                                    Outbox& out) {
-  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg,
-                         std::vector<int> ranks = {}) {
-    v1::CoordinatorMessage reply;
-    *reply.mutable_error() = Error(kind, code, std::move(msg), hello.job_id());
-    for (int r : ranks) reply.mutable_error()->add_ranks(r);
-    NoteErrorLocked(reply.error());
-    out.direct.emplace_back(s.sink, std::move(reply));
-  };
+absl::Status Coordinator::ValidateHello(const Session& s, const v1::NodeHello& hello,
+                                        std::vector<int>& ranks) const {
   if (s.node != nullptr) {
-    reply_error(
-        v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-        absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session"));
-    return;
+    return wire::WithKind(
+        absl::FailedPreconditionError(
+            absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session")),
+        v1::INVALID_REQUEST);
   }
   if (hello.job_id().empty() || hello.node_id().empty()) {
-    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                "NodeHello needs a job_id and a node_id");
-    return;
+    return wire::KindError(v1::INVALID_REQUEST, "NodeHello needs a job_id and a node_id");
   }
   const int world = hello.world_size();
   if (world > options_.max_world_size) {
-    reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                             hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
-                             "; raise the coordinator's --max_ranks"));
-    return;
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
+                     hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
+                     "; raise the coordinator's --max_ranks"));
   }
   if (world < 1) {
-    reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                             hello.node_id(), "\" must be at least 1"));
-    return;
+    return wire::KindError(v1::INVALID_REQUEST,
+                           absl::StrCat("job ", hello.job_id(), ": world size ", world,
+                                        " from node \"", hello.node_id(), "\" must be at least 1"));
   }
-  std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
+  ranks.assign(hello.ranks().begin(), hello.ranks().end());
   std::sort(ranks.begin(), ranks.end());
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 0 || ranks[i] >= world || (i > 0 && ranks[i] == ranks[i - 1])) {
-      reply_error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(),
-                               "\" announced rank ", ranks[i], " twice or outside 0..", world - 1));
-      return;
+      return wire::KindError(
+          v1::INVALID_REQUEST,
+          absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(), "\" announced rank ",
+                       ranks[i], " twice or outside 0..", world - 1));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Coordinator::Job*> Coordinator::FindOrCreateJobLocked(const v1::NodeHello& hello,
+                                                                     const std::string& run_id) {
+  auto jit = jobs_.find(hello.job_id());
+  if (jit != jobs_.end()) return &jit->second;
+  if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", hello.job_id(), ": the coordinator already serves ", jobs_.size(),
+                     " jobs (--max_jobs); raise the limit or shard jobs "
+                     "across coordinators"));
+  }
+  const int world = hello.world_size();
+  Job& job = jobs_.try_emplace(hello.job_id(), world).first->second;
+  job.job_id = hello.job_id();
+  job.run_id = run_id;
+  if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
+  stats_.jobs = static_cast<int64_t>(jobs_.size());
+  ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
+                   << world << " by node \"" << hello.node_id() << "\"";
+  return &job;
+}
+
+absl::Status Coordinator::CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
+                                          const std::vector<int>& ranks) const {
+  if (job.world_size != hello.world_size()) {
+    return wire::KindError(
+        v1::WORLD_SIZE_MISMATCH,
+        absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(), "\" says world size ",
+                     hello.world_size(), " but the job has world size ", job.world_size,
+                     "; check WORLD_SIZE of every launcher"));
+  }
+  // Ranks held by another connected node are refused.
+  if (const int r = job.members.HeldElsewhere(hello.node_id(), ranks); r >= 0) {
+    return wire::KindError(
+        v1::DUPLICATE_RANK,
+        absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
+                     job.members.OwnerOf(r)->node_id, "\"; node \"", hello.node_id(),
+                     "\" announced it too. Check RANK of the processes on both nodes"));
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                                    Outbox& out) {
+  auto refuse = [&](const absl::Status& why, std::vector<int> error_ranks = {}) {
+    v1::DecisionError e = ErrorFrom(v1::ERROR_KIND_UNSPECIFIED, why, "", hello.job_id());
+    for (int r : error_ranks) e.add_ranks(r);
+    SendErrorLocked(s.sink, std::move(e), out);
+  };
+  std::vector<int> ranks;
+  if (absl::Status valid = ValidateHello(s, hello, ranks); !valid.ok()) {
+    refuse(valid);
+    return;
   }
   absl::StatusOr<Run*> run = JoinRunLocked(hello.job_id(), hello.run_start(), hello.run_id(),
                                            hello.node_id(), hello.node_epoch(), out);
   if (!run.ok()) {
-    reply_error(wire::KindOf(run.status()), run.status().code(),
-                std::string(run.status().message()));
+    refuse(run.status());
     return;
   }
-  const std::string run_id = (*run)->run_id;
-  auto jit = jobs_.find(hello.job_id());
-  if (jit == jobs_.end()) {
-    if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
-      reply_error(
-          v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-          absl::StrCat("job ", hello.job_id(), ": the coordinator already serves ", jobs_.size(),
-                       " jobs (--max_jobs); raise the limit or shard jobs "
-                       "across coordinators"));
-      return;
-    }
-    Job& job = jobs_[hello.job_id()];
-    job.job_id = hello.job_id();
-    job.run_id = run_id;
-    job.world_size = world;
-    job.rank_owner.assign(world, nullptr);
-    job.rank_left_step.assign(world, -1);
-    if (options_.observer != nullptr) job.observer = options_.observer->ForJob(job.job_id, world);
-    stats_.jobs = static_cast<int64_t>(jobs_.size());
-    jit = jobs_.find(hello.job_id());
-    ACCORD_LOG(INFO) << "job " << job.job_id << " run " << run_id << ": created with world size "
-                     << world << " by node \"" << hello.node_id() << "\"";
-  }
-  Job& job = jit->second;
-  if (job.world_size != world) {
-    reply_error(v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
-                absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(),
-                             "\" says world size ", world, " but the job has world size ",
-                             job.world_size, "; check WORLD_SIZE of every launcher"));
-    if (job.connected_nodes == 0) RemoveJobLocked(&job);
+  absl::StatusOr<Job*> found = FindOrCreateJobLocked(hello, (*run)->run_id);
+  if (!found.ok()) {
+    refuse(found.status());
     return;
   }
-  // Ranks held by another connected node are refused.
-  for (int r : ranks) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner->node_id != hello.node_id() && owner->session != 0) {
-      reply_error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
-                  absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
-                               owner->node_id, "\"; node \"", hello.node_id(),
-                               "\" announced it too. Check RANK of the processes on both nodes"),
-                  {r});
-      if (job.connected_nodes == 0) RemoveJobLocked(&job);
-      return;
+  (*run)->SetRunning();
+  Job& job = **found;
+  if (absl::Status joins = CheckJoinLocked(job, hello, ranks); !joins.ok()) {
+    std::vector<int> held;
+    if (wire::KindOf(joins) == v1::DUPLICATE_RANK) {
+      held.push_back(job.members.HeldElsewhere(hello.node_id(), ranks));
     }
+    refuse(joins, std::move(held));
+    if (job.members.connected() == 0) RemoveJobLocked(&job);
+    return;
   }
-  NodeState& node = job.nodes[hello.node_id()];
-  node.node_id = hello.node_id();
-  node.answers_progress = hello.answers_progress();
-  if (node.session != 0) {
+  PlaceNodeLocked(id, s, job, hello, ranks, out);
+}
+
+void Coordinator::PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
+                                  const std::vector<int>& ranks, Outbox& out) {
+  uint64_t replaced = 0;
+  NodeState& node =
+      job.members.Connect(hello.node_id(), ranks, id, s.sink, hello.answers_progress(), &replaced);
+  if (auto old = sessions_.find(replaced); replaced != 0 && old != sessions_.end()) {
     // The same node reconnected before its old stream was noticed as gone.
-    auto old = sessions_.find(node.session);
-    if (old != sessions_.end()) {
-      old->second.node = nullptr;
-      old->second.job = nullptr;
-    }
-    --job.connected_nodes;
+    old->second.node = nullptr;
+    old->second.job = nullptr;
   }
-  for (int r : node.ranks) {
-    if (job.rank_owner[r] == &node) job.rank_owner[r] = nullptr;
-  }
-  auto set = std::make_shared<RankSet>(job.world_size);
-  for (int r : ranks) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr && owner != &node) {
-      // Moved from a disconnected node.
-      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
-                         owner->ranks.end());
-    }
-    job.rank_owner[r] = &node;
-    set->Add(r);
-  }
-  node.ranks = ranks;
-  SetRankSet(node, std::move(set));
-  node.session = id;
-  node.sink = s.sink;
-  node.disconnected_at = absl::InfiniteFuture();
-  ++job.connected_nodes;
   s.job = &job;
   s.node = &node;
   s.last_batch = BatchRecord();
@@ -642,7 +637,7 @@ void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHell
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(options_.deadline));
   reply.mutable_welcome()->set_run_id(job.run_id);
   out.direct.emplace_back(s.sink, std::move(reply));
-  if (job.failed) {
+  if (job.failed()) {
     v1::CoordinatorMessage fail;
     *fail.mutable_error() = job.failure;
     out.direct.emplace_back(s.sink, std::move(fail));
@@ -654,53 +649,35 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
   NodeState& node = *s.node;
   const int r = e.rank();
   if (r < 0 || r >= job.world_size) {
-    v1::CoordinatorMessage reply;
-    *reply.mutable_error() = Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                                   absl::StrCat("job ", job.job_id, ": RankEvent for rank ", r,
-                                                " outside 0..", job.world_size - 1),
-                                   job.job_id);
-    out.direct.emplace_back(s.sink, std::move(reply));
+    SendErrorLocked(s.sink,
+                    Error(v1::INVALID_REQUEST,
+                          absl::StrCat("job ", job.job_id, ": RankEvent for rank ", r,
+                                       " outside 0..", job.world_size - 1),
+                          job.job_id),
+                    out);
     return;
   }
   if (e.joined()) {
-    NodeState* owner = job.rank_owner[r];
-    if (owner == &node) return;
-    if (owner != nullptr && owner->session != 0) {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() =
-          Error(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
+    if (job.members.JoinRank(node, r) == Membership::Join::kHeldElsewhere) {
+      v1::DecisionError err =
+          Error(v1::DUPLICATE_RANK,
                 absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
-                             "\" but is already served by node \"", owner->node_id,
+                             "\" but is already served by node \"", job.members.OwnerOf(r)->node_id,
                              "\"; check RANK of the processes on both nodes"),
                 job.job_id);
-      reply.mutable_error()->add_ranks(r);
-      NoteErrorLocked(reply.error());
-      out.direct.emplace_back(s.sink, std::move(reply));
-      return;
+      err.add_ranks(r);
+      SendErrorLocked(s.sink, std::move(err), out);
     }
-    if (owner != nullptr) {
-      owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), r),
-                         owner->ranks.end());
-    }
-    job.rank_owner[r] = &node;
-    node.ranks.push_back(r);
-    std::sort(node.ranks.begin(), node.ranks.end());
-    auto set = std::make_shared<RankSet>(*node.rank_set);
-    set->Add(r);
-    SetRankSet(node, std::move(set));
     return;
   }
-  // A rank this node does not serve (e.g. one refused as a duplicate) leaving
-  // changes nothing.
-  if (job.rank_owner[r] != &node) return;
   // The rank left: any pending step that still needs it can never complete.
-  job.rank_left_step[r] = std::max(job.rank_left_step[r], e.last_step());
-  if (job.failed) return;
+  if (!job.members.LeaveRank(node, r, e.last_step())) return;
+  if (job.failed()) return;
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-      for (int x : p.progress_reported) covered.Add(x);
+      for (int x : p.clock.reported()) covered.Add(x);
       if (covered.Contains(r)) continue;
       std::vector<int> missing = covered.Missing();
       v1::DecisionError err = MissingRanksErrorLocked(
@@ -722,317 +699,147 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
     // About this registration only: name its ranks so the sidecar answers
     // just them, not every local rank of the group.
     for (int r : nr.ranks()) err.add_ranks(r);
-    v1::CoordinatorMessage msg;
-    msg.mutable_registration()->set_group_id(reg.group_id());
-    *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteErrorLocked(msg.registration().error());
-    out.direct.emplace_back(s.sink, std::move(msg));
+    SendRegistrationErrorLocked(s.sink, reg.group_id(), std::move(err), out);
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
-    reply(Error(v1::INVALID_REQUEST, spec.status().code(),
-                absl::StrCat("job ", job.job_id, ": ", spec.status().message()), job.job_id,
-                reg.group_id()));
+    reply(ErrorFrom(v1::INVALID_REQUEST, spec.status(), absl::StrCat("job ", job.job_id, ": "),
+                    job.job_id, reg.group_id()));
     return;
   }
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
   if (!policy.ok()) {
-    reply(Error(v1::INVALID_REQUEST, policy.status().code(),
-                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
-                             "\": ", policy.status().message()),
-                job.job_id, reg.group_id()));
+    reply(ErrorFrom(v1::INVALID_REQUEST, policy.status(),
+                    absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": "),
+                    job.job_id, reg.group_id()));
     return;
   }
-  if (static_cast<int64_t>(spec->params.size()) > options_.max_params_per_group) {
-    reply(Error(
-        v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-        absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": ", spec->params.size(),
-                     " parameters exceed --max_params_per_group=", options_.max_params_per_group),
-        job.job_id, reg.group_id()));
+  absl::StatusOr<RankSet> ranks = CheckRegistration(job, node, nr, *spec);
+  absl::StatusOr<GroupState*> group =
+      ranks.ok() ? FindOrCreateGroupLocked(job, reg.group_id()) : ranks.status();
+  if (!group.ok()) {
+    reply(ErrorFrom(v1::ERROR_KIND_UNSPECIFIED, group.status(), "", job.job_id, reg.group_id()));
     return;
+  }
+  RegisterLocked(s, **group, *spec, *policy, *ranks, out);
+}
+
+absl::StatusOr<RankSet> Coordinator::CheckRegistration(const Job& job, const NodeState& node,
+                                                       const v1::NodeRegistration& nr,
+                                                       const GroupSpec& spec) const {
+  const std::string& group_id = nr.registration().group_id();
+  if (static_cast<int64_t>(spec.params.size()) > options_.max_params_per_group) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", job.job_id, " group \"", group_id, "\": ", spec.params.size(),
+                     " parameters exceed --max_params_per_group=", options_.max_params_per_group));
   }
   RankSet ranks(job.world_size);
   for (int r : nr.ranks()) {
     if (r < 0 || r >= job.world_size || !node.rank_set->Contains(r)) {
-      reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", job.job_id, " group \"", reg.group_id(), "\": rank ", r,
-                               " is not served by node \"", node.node_id, "\""),
-                  job.job_id, reg.group_id()));
-      return;
+      return wire::KindError(v1::INVALID_REQUEST,
+                             absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
+                                          " is not served by node \"", node.node_id, "\""));
     }
     ranks.Add(r);
   }
   if (ranks.Empty()) {
-    reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
-                             "\": registration names no rank"),
-                job.job_id, reg.group_id()));
-    return;
+    return wire::KindError(
+        v1::INVALID_REQUEST,
+        absl::StrCat("job ", job.job_id, " group \"", group_id, "\": registration names no rank"));
   }
-  auto git = job.groups.find(reg.group_id());
-  if (git == job.groups.end()) {
-    if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
-      reply(
-          Error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                absl::StrCat("job ", job.job_id, ": group \"", reg.group_id(),
-                             "\" would exceed --max_groups_per_job=", options_.max_groups_per_job),
-                job.job_id, reg.group_id()));
-      return;
-    }
-    GroupState& g = job.groups[reg.group_id()];
-    g.group_id = reg.group_id();
-    if (job.observer != nullptr) g.observer = job.observer->ForGroup(g.group_id);
-    g.registered = RankSet(job.world_size);
-    git = job.groups.find(reg.group_id());
-  }
-  GroupState& g = git->second;
-  const std::string policy_bytes = wire::PolicyToProto(*policy).SerializeAsString();
-  int variant = -1;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    if (g.variants[i].spec == *spec && g.variants[i].policy_bytes == policy_bytes) {
-      variant = static_cast<int>(i);
-    }
-  }
-  if (variant < 0) {
-    g.variants.push_back(RegVariant{*spec, *policy, policy_bytes, RankSet(job.world_size)});
-    variant = static_cast<int>(g.variants.size()) - 1;
-  }
-  g.variants[variant].ranks.Union(ranks);
-  g.registered.Union(ranks);
-  NodeGroupState& ng = node.groups[reg.group_id()];
-  ng.variant = variant;
-  switch (g.reg_state) {
-    case RegState::kCollecting:
-      if (g.registered.Full()) FinishRegistrationLocked(job, g, out);
-      break;
-    case RegState::kOk: {
-      v1::CoordinatorMessage msg;
-      msg.mutable_registration()->set_group_id(g.group_id);
-      if (variant == g.spec_variant) {
-        msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
-      } else {
-        *msg.mutable_registration()->mutable_error() =
-            Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
-                  absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
-                               FormatRanks(ranks.Members()), " on node \"", node.node_id,
-                               "\" registered a spec or policy different from the one every rank "
-                               "agreed on; check the model definition on those ranks"),
-                  job.job_id, g.group_id);
-        NoteErrorLocked(msg.registration().error());
-      }
-      out.direct.emplace_back(s.sink, std::move(msg));
-      break;
-    }
-    case RegState::kFailed: {
-      v1::CoordinatorMessage msg;
-      msg.mutable_registration()->set_group_id(g.group_id);
-      *msg.mutable_registration()->mutable_error() = g.reg_error;
-      out.direct.emplace_back(s.sink, std::move(msg));
-      break;
-    }
-  }
+  return ranks;
 }
 
-void Coordinator::FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out) {
+absl::StatusOr<Coordinator::GroupState*> Coordinator::FindOrCreateGroupLocked(
+    Job& job, const std::string& group_id) {
+  auto git = job.groups.find(group_id);
+  if (git != job.groups.end()) return &git->second;
+  if (static_cast<int>(job.groups.size()) >= options_.max_groups_per_job) {
+    return wire::KindError(
+        v1::LIMIT_EXCEEDED,
+        absl::StrCat("job ", job.job_id, ": group \"", group_id,
+                     "\" would exceed --max_groups_per_job=", options_.max_groups_per_job));
+  }
+  GroupState& g =
+      job.groups.try_emplace(group_id, job.world_size, job.job_id, group_id).first->second;
+  if (job.observer != nullptr) g.observer = job.observer->ForGroup(group_id);
+  return &g;
+}
+
+void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec,
+                                 const Policy& policy, const RankSet& ranks, Outbox& out) {
+  Job& job = *s.job;
+  NodeState& node = *s.node;
+  const GroupRegistration::State before = g.registration.state();
+  const GroupRegistration::Added added = g.registration.Add(spec, policy, ranks);
+  node.groups[g.group_id].variant = added.variant;
+  if (added.completed) {
+    BroadcastRegistrationLocked(job, g, out);
+    return;
+  }
+  if (before == GroupRegistration::State::kCollecting) return;
+  if (before == GroupRegistration::State::kFailed) {
+    // The group's failure again (counted when it happened).
+    v1::CoordinatorMessage msg;
+    msg.mutable_registration()->set_group_id(g.group_id);
+    *msg.mutable_registration()->mutable_error() = g.registration.error();
+    out.direct.emplace_back(s.sink, std::move(msg));
+    return;
+  }
+  if (!g.registration.IsAgreed(added.variant)) {
+    SendRegistrationErrorLocked(
+        s.sink, g.group_id,
+        Error(v1::REGISTRATION_MISMATCH,
+              absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
+                           FormatRanks(ranks.Members()), " on node \"", node.node_id,
+                           "\" registered a spec or policy different from the one every rank "
+                           "agreed on; check the model definition on those ranks"),
+              job.job_id, g.group_id),
+        out);
+    return;
+  }
   v1::CoordinatorMessage msg;
   msg.mutable_registration()->set_group_id(g.group_id);
-  // The reference is the variant of the lowest rank.
-  int ref = 0;
-  int ref_rank = job.world_size;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    std::vector<int> members = g.variants[i].ranks.Members();
-    if (!members.empty() && members[0] < ref_rank) {
-      ref_rank = members[0];
-      ref = static_cast<int>(i);
-    }
+  msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
+  out.direct.emplace_back(s.sink, std::move(msg));
+}
+
+void Coordinator::BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& out) {
+  v1::CoordinatorMessage msg;
+  msg.mutable_registration()->set_group_id(g.group_id);
+  if (g.registration.state() == GroupRegistration::State::kAgreed) {
+    msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
+    out.broadcast_other.emplace_back(&job, std::move(msg));
+    return;
   }
-  if (g.variants.size() == 1) {
-    g.reg_state = RegState::kOk;
-    g.spec_variant = 0;
-    g.spec_fingerprint = SpecFingerprint(g.variants[0].spec);
-    msg.mutable_registration()->set_spec_fingerprint(g.spec_fingerprint);
-  } else {
-    // Name the first other variant (by lowest rank) and every differing rank.
-    int other = -1;
-    int other_rank = job.world_size;
-    std::vector<int> differing;
-    for (size_t i = 0; i < g.variants.size(); ++i) {
-      if (static_cast<int>(i) == ref) continue;
-      std::vector<int> members = g.variants[i].ranks.Members();
-      differing.insert(differing.end(), members.begin(), members.end());
-      if (!members.empty() && members[0] < other_rank) {
-        other_rank = members[0];
-        other = static_cast<int>(i);
-      }
-    }
-    std::sort(differing.begin(), differing.end());
-    const RegVariant& a = g.variants[ref];
-    const RegVariant& b = g.variants[other];
-    absl::Status cmp = CompareRegistration(a.spec, ref_rank, b.spec, other_rank);
-    std::string detail;
-    int param = -1;
-    if (!cmp.ok()) {
-      detail = std::string(cmp.message());
-      param = FirstDifference(a.spec, b.spec);
-    } else {
-      detail = absl::StrCat("group \"", g.group_id, "\": rank ", ref_rank, " and rank ", other_rank,
-                            " registered different reduce policies (",
-                            wire::PolicyToProto(a.policy).ShortDebugString(), " vs ",
-                            wire::PolicyToProto(b.policy).ShortDebugString(), ")");
-    }
-    v1::DecisionError err =
-        Error(v1::REGISTRATION_MISMATCH, absl::StatusCode::kFailedPrecondition,
-              absl::StrCat("job ", job.job_id, ": ", detail, "; ranks ", FormatRanks(differing),
-                           " differ from rank ", ref_rank,
-                           ". Every rank must build the same model and wrap it the same way"),
-              job.job_id, g.group_id);
-    err.set_param_index(param);
-    if (param >= 0 && param < static_cast<int>(a.spec.params.size())) {
-      err.set_param_name(a.spec.params[param].name);
-    } else if (param >= 0 && param < static_cast<int>(b.spec.params.size())) {
-      err.set_param_name(b.spec.params[param].name);
-    }
-    err.add_ranks(ref_rank);
-    for (int r : differing) err.add_ranks(r);
-    g.reg_state = RegState::kFailed;
-    g.reg_error = err;
-    *msg.mutable_registration()->mutable_error() = std::move(err);
-    NoteErrorLocked(g.reg_error);
-    ACCORD_LOG(WARNING) << g.reg_error.message();
-    // Pending steps of the group can never be decided.
-    v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
-    for (auto& [step, p] : g.pending) {
-      v1::Decision* d = batch.add_decisions();
-      d->set_group_id(g.group_id);
-      d->set_step(step);
-      *d->mutable_error() = g.reg_error;
-      d->mutable_error()->set_step(step);
-    }
-    g.pending.clear();
+  const v1::DecisionError& error = g.registration.error();
+  *msg.mutable_registration()->mutable_error() = error;
+  NoteErrorLocked(error);
+  ACCORD_LOG(WARNING) << error.message();
+  // Pending steps of the group can never be decided.
+  v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+  for (auto& [step, p] : g.pending) {
+    v1::Decision* d = batch.add_decisions();
+    d->set_group_id(g.group_id);
+    d->set_step(step);
+    *d->mutable_error() = error;
+    d->mutable_error()->set_step(step);
   }
+  g.pending.clear();
   out.broadcast_other.emplace_back(&job, std::move(msg));
 }
 
-absl::StatusOr<std::shared_ptr<const Coordinator::Content>> Coordinator::ParseFull(
-    const NodeState& node, const GroupState& group, const RegVariant& variant, int world,
-    const v1::Manifest& m) {
-  const size_t num_params = variant.spec.params.size();
-  const bool all_node_ranks = m.rank_bits().empty();
-  if (all_node_ranks && node.ranks.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
-  }
-  auto content = std::make_shared<Content>();
-  // The node's own rank set is shared when the manifest speaks for all its
-  // ranks: only the dtypes are decoded (no rank set per manifest).
-  absl::StatusOr<Manifest> parsed;
-  if (all_node_ranks) {
-    content->dtypes.resize(num_params);
-    if (absl::Status s = wire::ManifestDTypesFromProto(m, num_params, content->dtypes.data());
-        !s.ok()) {
-      return s;
-    }
-    content->ranks = node.rank_set;
-    content->rank_count = static_cast<int>(node.ranks.size());
-    if (m.cache_key() == 0) {  // only the key needs a Manifest
-      parsed.emplace();
-      parsed->dtypes.assign(content->dtypes.begin(), content->dtypes.end());
-      parsed->ranks = *node.rank_set;
-    }
-  } else {
-    parsed = wire::ManifestFromProto(m, num_params, world, -1);
-    if (!parsed.ok()) return parsed.status();
-    const auto& words = parsed->ranks.words();
-    const auto& node_words = node.rank_set->words();
-    for (size_t i = 0; i < words.size(); ++i) {
-      if (words[i] & ~node_words[i]) {
-        std::vector<int> foreign;
-        for (int r : parsed->ranks.Members()) {
-          if (!node.rank_set->Contains(r)) foreign.push_back(r);
-        }
-        return absl::InvalidArgumentError(absl::StrCat(
-            "manifest for group \"", m.group_id(), "\" step ", m.step(), ": rank_bits name ranks ",
-            FormatRanks(foreign), " that node \"", node.node_id, "\" does not serve"));
-      }
-    }
-    content->rank_count = parsed->ranks.Count();
-    content->ranks = std::make_shared<const RankSet>(parsed->ranks);
-  }
-  for (const v1::RankUsage& u : m.rank_detail()) {
-    if (!content->ranks->Contains(u.rank())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
-                       ": rank_detail for rank ", u.rank(), " which the manifest does not cover"));
-    }
-    absl::StatusOr<std::vector<bool>> used = wire::UnpackBits(
-        u.used_bits(), num_params,
-        absl::StrCat("manifest for group \"", m.group_id(), "\" rank_detail of rank ", u.rank()));
-    if (!used.ok()) return used.status();
-    content->detail.push_back(RankDetail{u.rank(), *std::move(used)});
-  }
-  if (all_node_ranks) {
-    content->word_lo = node.word_lo;
-    content->word_hi = node.word_hi;
-  } else {
-    const std::vector<uint64_t>& words = content->ranks->words();
-    int lo = 0;
-    int hi = static_cast<int>(words.size());
-    while (lo < hi && words[lo] == 0) ++lo;
-    while (hi > lo && words[hi - 1] == 0) --hi;
-    content->word_lo = lo;
-    content->word_hi = hi;
-  }
-  content->key = m.cache_key() != 0 ? m.cache_key() : ManifestKey(*parsed);
-  if (!all_node_ranks) content->dtypes.assign(parsed->dtypes.begin(), parsed->dtypes.end());
-  return std::shared_ptr<const Content>(std::move(content));
-}
-
 void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
-  Job& job = *s.job;
-  NodeState& node = *s.node;
-  BatchRecord& record = s.last_batch;
   if (batch.repeat_batch_key() != 0) {
-    if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
-      v1::CoordinatorMessage reply;
-      *reply.mutable_error() = Error(
-          v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"", node.node_id,
-                       "\" sent a batch repeat with key ", absl::Hex(batch.repeat_batch_key()),
-                       batch.manifests_size() > 0
-                           ? std::string(" together with manifests")
-                           : absl::StrCat(" but the previous batch on this stream has key ",
-                                          absl::Hex(record.Key()), " (", record.entries.size(),
-                                          " manifests)"),
-                       "; the sidecar and the coordinator disagree on the stream's history. "
-                       "Check the sidecar's version; restarting it resends in full form"),
-          job.job_id, "", batch.repeat_step());
-      NoteErrorLocked(reply.error());
-      out.direct.emplace_back(s.sink, std::move(reply));
-      return;
-    }
-    ManifestRef ref;
-    ref.step = batch.repeat_step();
-    ref.repeat = true;
-    for (BatchEntry& e : record.entries) {
-      if (e.group == nullptr || e.node_group == nullptr) {
-        // Unknown when recorded; it may have been registered since.
-        auto git = job.groups.find(e.group_id);
-        auto ngit = node.groups.find(e.group_id);
-        if (git != job.groups.end() && ngit != node.groups.end()) {
-          e.group = &git->second;
-          e.node_group = &ngit->second;
-        }
-      }
-      ref.group_id = e.group_id;
-      ref.cache_key = e.cache_key;
-      HandleManifestLocked(s, ref, e.group, e.node_group, out);
-    }
+    HandleBatchRepeatLocked(s, batch, out);
     return;
   }
   if (batch.manifests_size() == 0) return;
   // The new record. An entry naming the same group as the old record's entry
   // at its position (the common case: the same groups every step) keeps its
   // resolved pointers instead of two hash lookups.
+  BatchRecord& record = s.last_batch;
   const size_t n = static_cast<size_t>(batch.manifests_size());
   if (record.entries.size() > n) record.entries.resize(n);
   record.entries.reserve(n);
@@ -1041,29 +848,64 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     const v1::Manifest& m = batch.manifests(static_cast<int>(i));
     if (i == record.entries.size()) record.entries.emplace_back();
     BatchEntry& e = record.entries[i];
-    if (e.group == nullptr || e.node_group == nullptr || e.group_id != m.group_id()) {
+    if (e.group_id != m.group_id()) {
       e.group_id = m.group_id();
       e.group = nullptr;
       e.node_group = nullptr;
-      auto git = job.groups.find(m.group_id());
-      auto ngit = node.groups.find(m.group_id());
-      if (git != job.groups.end() && ngit != node.groups.end()) {
-        e.group = &git->second;
-        e.node_group = &ngit->second;
-      }
     }
+    ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
     HandleManifestLocked(s, ref, e.group, e.node_group, out);
   }
 }
 
-std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
-  if (group->cache.get() == content) return group->cache;
-  if (auto it = group->retained.find(content); it != group->retained.end()) {
-    return it->second.content;
+void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
+  BatchRecord& record = s.last_batch;
+  if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
+    const Job& job = *s.job;
+    SendErrorLocked(
+        s.sink,
+        OutOfOrder(
+            v1::INVALID_REQUEST,
+            absl::StrCat("job ", job.job_id, " step ", batch.repeat_step(), ": node \"",
+                         s.node->node_id, "\" sent a batch repeat with key ",
+                         absl::Hex(batch.repeat_batch_key()),
+                         batch.manifests_size() > 0
+                             ? std::string(" together with manifests")
+                             : absl::StrCat(" but the previous batch on this stream has key ",
+                                            absl::Hex(record.Key()), " (", record.entries.size(),
+                                            " manifests)"),
+                         "; the sidecar and the coordinator disagree on the stream's "
+                         "history. Check the sidecar's version; restarting it resends in "
+                         "full form"),
+            job.job_id, "", batch.repeat_step()),
+        out);
+    return;
   }
-  return nullptr;  // unreachable: a pending contribution's content is owned
+  ManifestRef ref;
+  ref.step = batch.repeat_step();
+  ref.repeat = true;
+  for (BatchEntry& e : record.entries) {
+    ResolveEntryLocked(s, e);  // unknown when recorded: it may have been registered since
+    ref.group_id = e.group_id;
+    ref.cache_key = e.cache_key;
+    HandleManifestLocked(s, ref, e.group, e.node_group, out);
+  }
+}
+
+void Coordinator::ResolveEntryLocked(Session& s, BatchEntry& e) {
+  if (e.group != nullptr && e.node_group != nullptr) return;
+  auto git = s.job->groups.find(e.group_id);
+  auto ngit = s.node->groups.find(e.group_id);
+  if (git != s.job->groups.end() && ngit != s.node->groups.end()) {
+    e.group = &git->second;
+    e.node_group = &ngit->second;
+  }
+}
+
+std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
+  return group->contents.Owner(content);  // never null: a pending contribution's content is held
 }
 
 uint64_t Coordinator::BatchRecord::Key() {
@@ -1075,31 +917,17 @@ uint64_t Coordinator::BatchRecord::Key() {
   return key;
 }
 
-void Coordinator::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set) {
-  const std::vector<uint64_t>& words = set->words();
-  int lo = 0;
-  int hi = static_cast<int>(words.size());
-  while (lo < hi && words[lo] == 0) ++lo;
-  while (hi > lo && words[hi - 1] == 0) --hi;
-  node.word_lo = lo;
-  node.word_hi = hi;
-  node.rank_set = std::move(set);
-}
-
 std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(
     Job& job, GroupState& g, int64_t step, absl::Time first_seen) {
-  auto [pit, inserted] = g.pending.try_emplace(step);
+  auto pit = g.pending.try_emplace(step, first_seen, options_.deadline).first;
   PendingStep& p = pit->second;
-  p.first_seen = first_seen;
-  p.deadline = p.first_seen + options_.deadline;
-  p.contributions.reserve(job.connected_nodes);
+  p.contributions.reserve(job.members.connected());
   // With an observer the timer also wakes at half the deadline (stall event).
-  const absl::Time wake =
-      options_.observer != nullptr ? p.first_seen + options_.deadline / 2 : p.deadline;
+  const absl::Time wake = options_.observer != nullptr ? p.clock.stall_at() : p.clock.deadline();
   WakeTimerAtLocked(wake);
   // A node gone (sidecar restarted?) may already be past its grace.
-  if (job.connected_nodes < static_cast<int>(job.nodes.size())) {
-    for (const auto& [node_id, node] : job.nodes) {
+  if (!job.members.all_connected()) {
+    for (const auto& [node_id, node] : job.members.nodes()) {
       if (node.session == 0 && node.disconnected_at != absl::InfiniteFuture()) {
         WakeTimerAtLocked(node.disconnected_at + options_.node_reconnect_grace);
       }
@@ -1110,144 +938,150 @@ std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLock
 
 void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
                                        NodeGroupState* ngp, Outbox& out) {
+  ++stats_.manifests;
+  if (AnswerWithoutContentLocked(s, m, gp, ngp, out)) return;
   Job& job = *s.job;
   NodeState& node = *s.node;
-  ++stats_.manifests;
-  auto reply_error = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
-    v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(std::string(m.group_id));
-    d->set_step(m.step);
-    *d->mutable_error() = Error(kind, code, std::move(msg), job.job_id, m.group_id, m.step);
-    NoteErrorLocked(d->error());
-    return d->mutable_error();
-  };
+  GroupState& g = *gp;
+  NodeGroupState& ng = *ngp;
+  PruneContributionsLocked(g, ng);
+  v1::DecisionError error;
+  const Content* content = ResolveContentLocked(job, node, g, ng, m, error);
+  PendingStep* p = content == nullptr ? nullptr : PendingStepLocked(job, g, m, error);
+  const Added added =
+      p == nullptr ? Added::kRefused : AddContributionLocked(job, node, ng, m, content, *p, error);
+  if (added == Added::kRefused) {
+    SendDecisionErrorLocked(s.sink, m.group_id, m.step, std::move(error), out);
+  }
+  if (added != Added::kAdded) return;
+  if (p->ranks_covered >= job.world_size) {
+    DecideStepLocked(job, g, m.step, *p, out);
+    g.pending.erase(m.step);
+  }
+}
+
+bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+                                             NodeGroupState* ng, Outbox& out) {
+  const Job& job = *s.job;
   // Built only on the error paths: the common path allocates nothing here.
   auto where = [&] {
     return absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step);
   };
-  if (job.failed) {
+  auto refuse = [&](v1::ErrorKind kind, std::string message) {
+    SendDecisionErrorLocked(s.sink, m.group_id, m.step,
+                            Error(kind, message, job.job_id, m.group_id, m.step), out);
+    return true;
+  };
+  if (job.failed()) {
+    // The job's failure again (counted when it happened).
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
     d->set_group_id(std::string(m.group_id));
     d->set_step(m.step);
     *d->mutable_error() = job.failure;
     d->mutable_error()->set_kind(v1::JOB_FAILED);
-    return;
+    return true;
   }
-  if (gp == nullptr || ngp == nullptr || ngp->variant < 0) {
-    reply_error(v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
-                absl::StrCat(where(), ": node \"", node.node_id,
-                             "\" has not registered this group; register it before sending "
-                             "manifests"));
-    return;
+  if (g == nullptr || ng == nullptr || ng->variant < 0) {
+    return refuse(v1::UNKNOWN_GROUP,
+                  absl::StrCat(where(), ": node \"", s.node->node_id,
+                               "\" has not registered this group; register it before sending "
+                               "manifests"));
   }
-  GroupState& g = *gp;
-  NodeGroupState& ng = *ngp;
-  if (g.reg_state == RegState::kFailed) {
+  if (g->registration.state() == GroupRegistration::State::kFailed) {
+    // The group's failure again (counted when it happened).
     v1::Decision* d = out.ReplyBatch(s.sink)->add_decisions();
-    d->set_group_id(g.group_id);
+    d->set_group_id(g->group_id);
     d->set_step(m.step);
-    *d->mutable_error() = g.reg_error;
+    *d->mutable_error() = g->registration.error();
     d->mutable_error()->set_step(m.step);
-    return;
+    return true;
   }
-  const int64_t step = m.step;
-  if (step < 0) {
-    reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kInvalidArgument,
-                absl::StrCat(where(), ": negative step"));
-    return;
+  if (m.step < 0) return refuse(v1::INVALID_MANIFEST, absl::StrCat(where(), ": negative step"));
+  if (m.step > g->last_decided_step) return false;
+  if (m.step == g->last_decided_step && g->last_decision != nullptr) {
+    // A resend after a reconnect whose decision was lost: answer again.
+    v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
+    *again = *g->last_decision;
+    again->set_step(m.step);
+    again->set_wait_us(g->last_decision_wait_us);
+    return true;
   }
-  if (step <= g.last_decided_step) {
-    if (step == g.last_decided_step && g.last_decision != nullptr) {
-      // A resend after a reconnect whose decision was lost: answer again.
-      v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
-      *again = *g.last_decision;
-      again->set_step(step);
-      again->set_wait_us(g.last_decision_wait_us);
-      return;
-    }
-    reply_error(v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
-                absl::StrCat(where(), ": step ", step, " is older than the last decided step ",
-                             g.last_decided_step,
+  return refuse(v1::STEP_REGRESSION,
+                absl::StrCat(where(), ": step ", m.step, " is older than the last decided step ",
+                             g->last_decided_step,
                              " of this group; check that the training loop's step counter "
                              "only moves forward (was the process restarted alone?)"));
-    return;
-  }
-  // Steps this node already contributed to (few: the pending window).
-  auto& mine = ng.contributed_steps;
-  mine.erase(
-      std::remove_if(mine.begin(), mine.end(), [&](int64_t x) { return x <= g.last_decided_step; }),
-      mine.end());
-  // Contributions point at contents without owning them: ng.cache owns the
-  // current one and `retained` older ones still named by pending steps.
-  if (!ng.retained.empty()) {
-    const size_t before = ng.retained.size();
-    if (mine.empty()) {
-      ng.retained.clear();
-    } else {
-      const int64_t oldest = *std::min_element(mine.begin(), mine.end());
-      absl::erase_if(ng.retained, [&](const auto& r) { return r.second.last_step < oldest; });
-    }
-    stats_.retained_contents -= static_cast<int64_t>(before - ng.retained.size());
-  }
-  // Resolve the content.
-  const Content* content = nullptr;
+}
+
+void Coordinator::PruneContributionsLocked(const GroupState& g, NodeGroupState& ng) {
+  stats_.retained_contents -= ng.contents.Prune(g.last_decided_step);
+}
+
+const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeState& node,
+                                                              GroupState& g, NodeGroupState& ng,
+                                                              const ManifestRef& m,
+                                                              v1::DecisionError& error) {
   if (m.repeat) {
-    if (ng.cache == nullptr || ng.cache_key != m.cache_key) {
+    const Content* cached = ng.contents.Repeat(m.cache_key);
+    if (cached == nullptr) {
       ++stats_.repeat_key_mismatches;
-      reply_error(
-          v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat(where(), ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
+      error = OutOfOrder(
+          v1::INVALID_MANIFEST,
+          absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
+                       ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
                        " but node \"", node.node_id, "\"'s previous manifest for this group ",
-                       ng.cache == nullptr ? std::string("is unknown here")
-                                           : absl::StrCat("has key ", absl::Hex(ng.cache->key)),
-                       "; resend this step in full form"))
-          ->set_resend_full_form(true);
-      return;
+                       ng.contents.current() == nullptr
+                           ? std::string("is unknown here")
+                           : absl::StrCat("has key ", absl::Hex(ng.contents.current()->key)),
+                       "; resend this step in full form"),
+          job.job_id, m.group_id, m.step);
+      error.set_resend_full_form(true);
+      return nullptr;
     }
-    content = ng.cache.get();
     ++stats_.cache_hits;
     ++g.cache_hits;
     if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/true);
-  } else {
-    absl::StatusOr<std::shared_ptr<const Content>> parsed =
-        ParseFull(node, g, g.variants[ng.variant], job.world_size, *m.full);
-    if (!parsed.ok()) {
-      const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
-      reply_error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                  absl::StatusCode::kInvalidArgument,
-                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()));
-      return;
-    }
-    if (!mine.empty() && ng.cache != nullptr) {
-      // Steps in `mine` so far used the old content (or older ones).
-      const int64_t last = *std::max_element(mine.begin(), mine.end());
-      const Content* key = ng.cache.get();
-      if (ng.retained.try_emplace(key, NodeGroupState::Retained{std::move(ng.cache), last})
-              .second) {
-        ++stats_.retained_contents;
-      }
-    }
-    ng.cache = *std::move(parsed);
-    content = ng.cache.get();
-    ng.cache_key = content->key;
-    ng.cache_rank_count = content->rank_count;
-    ++stats_.cache_misses;
-    ++g.cache_misses;
-    if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
+    return cached;
   }
-  auto pit = g.pending.find(step);
-  if (pit == g.pending.end()) {
-    if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
-      reply_error(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                  absl::StrCat(where(), ": ", g.pending.size(),
+  absl::StatusOr<std::shared_ptr<const Content>> parsed =
+      ParseContent(ServedRanks{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
+                               node.word_lo, node.word_hi},
+                   g.registration.variant(ng.variant).spec.params.size(), job.world_size, *m.full);
+  if (!parsed.ok()) {
+    const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
+    error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()), job.job_id,
+                  m.group_id, m.step);
+    return nullptr;
+  }
+  stats_.retained_contents += ng.contents.Replace(*std::move(parsed));
+  ++stats_.cache_misses;
+  ++g.cache_misses;
+  if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
+  return ng.contents.current().get();
+}
+
+Coordinator::PendingStep* Coordinator::PendingStepLocked(Job& job, GroupState& g,
+                                                         const ManifestRef& m,
+                                                         v1::DecisionError& error) {
+  auto pit = g.pending.find(m.step);
+  if (pit != g.pending.end()) return &pit->second;
+  if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
+    error = Error(v1::LIMIT_EXCEEDED,
+                  absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
+                               ": ", g.pending.size(),
                                " steps of this group are already waiting for ranks "
-                               "(--max_pending_steps); some ranks are far behind"));
-      return;
-    }
-    pit = StartStepLocked(job, g, step, clock_->Now());
+                               "(--max_pending_steps); some ranks are far behind"),
+                  job.job_id, m.group_id, m.step);
+    return nullptr;
   }
-  PendingStep& p = pit->second;
-  if (std::find(mine.begin(), mine.end(), step) != mine.end()) {
+  return &StartStepLocked(job, g, m.step, clock_->Now())->second;
+}
+
+Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng,
+                                                      const ManifestRef& m, const Content* content,
+                                                      PendingStep& p, v1::DecisionError& error) {
+  if (ng.contents.Contributed(m.step)) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.
     RankSet earlier(job.world_size);
@@ -1255,60 +1089,31 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
       if (c.node != &node) continue;
       if (c.content == content ||
           (c.content->key == content->key && *c.content->ranks == *content->ranks)) {
-        return;
+        return Added::kResent;
       }
       earlier.Union(*c.content->ranks);
     }
     if (earlier.Intersects(*content->ranks)) {
-      reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-                  absl::StrCat(where(), ": node \"", node.node_id,
-                               "\" sent a second, different manifest for ranks it already "
-                               "reported at this step"));
-      return;
+      error = OutOfOrder(v1::INVALID_MANIFEST,
+                         absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ",
+                                      m.step, ": node \"", node.node_id,
+                                      "\" sent a second, different manifest for ranks it already "
+                                      "reported at this step"),
+                         job.job_id, m.group_id, m.step);
+      return Added::kRefused;
     }
   } else {
-    mine.push_back(step);
+    ng.contents.AddStep(m.step);
   }
-  // content == ng.cache here: its key and rank count are in ng (no Content
-  // access, and no reference count traffic, per repeat).
-  p.ranks_covered += ng.cache_rank_count;
-  p.combined_key += MixKey(ng.cache_key);
+  // content is the cache's current one here: its key and rank count are in
+  // the cache (no Content access, and no reference count traffic, per repeat).
+  p.ranks_covered += ng.contents.rank_count();
+  p.combined_key += MixKey(ng.contents.key());
   p.contributions.push_back(Contribution{&node, content, &ng});
   p.all_repeat = p.all_repeat && m.repeat;
-  node.last_step = std::max(node.last_step, step);
-  CountSkips(ng, ng.cache);
-  if (p.ranks_covered >= job.world_size) {
-    DecideStepLocked(job, g, step, p, out);
-    g.pending.erase(step);
-  }
-}
-
-void Coordinator::CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content) {
-  if (ng.skip_content == content) {
-    ++ng.skip_steps;
-    return;
-  }
-  FlushSkips(ng);
-  ng.skip_content = content;
-  ng.skip_steps = 1;
-}
-
-void Coordinator::FlushSkips(NodeGroupState& ng) {
-  if (ng.skip_content == nullptr || ng.skip_steps == 0) return;
-  const Content& c = *ng.skip_content;
-  const size_t n = c.dtypes.size();
-  if (ng.node_skips.size() != n) ng.node_skips.assign(n, 0);
-  for (size_t i = 0; i < n; ++i) {
-    if (c.dtypes[i] == 0) ng.node_skips[i] += ng.skip_steps;
-  }
-  for (const RankDetail& d : c.detail) {
-    std::vector<int64_t>& extra = ng.rank_extra_skips[d.rank];
-    if (extra.size() != n) extra.assign(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      if (c.dtypes[i] != 0 && !d.used[i]) extra[i] += ng.skip_steps;
-    }
-  }
-  ng.skip_steps = 0;
+  node.last_step = std::max(node.last_step, m.step);
+  ng.contents.CountSkips();
+  return Added::kAdded;
 }
 
 void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
@@ -1317,7 +1122,7 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
   v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(step);
-  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.first_seen));
+  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.clock.first_seen()));
   ++stats_.decisions;
   if (p.all_repeat && g.last_ok && g.last_decision != nullptr && combined == g.last_combined_key) {
     d->set_same_as_previous(true);
@@ -1329,31 +1134,17 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
     ObserveDecisionLocked(job, g, step, p, *d, nullptr);
     return;
   }
-  const RegVariant& v = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0];
-  Manifest merged;
-  merged.step = step;
-  merged.dtypes.assign(v.spec.params.size(), 0);
-  // A node's ranks are a few words of a world-sized set: OR only those.
-  std::vector<uint64_t> words((job.world_size + 63) / 64, 0);
-  for (const Contribution& c : p.contributions) {
-    const Content& content = *c.content;
-    const size_t n = std::min(merged.dtypes.size(), content.dtypes.size());
-    for (size_t i = 0; i < n; ++i) merged.dtypes[i] |= content.dtypes[i];
-    const std::vector<uint64_t>& w = content.ranks->words();
-    const int hi = std::min<int>(content.word_hi, static_cast<int>(words.size()));
-    for (int i = content.word_lo; i < hi; ++i) words[i] |= w[i];
-  }
-  if (!RankSet::FromWords(job.world_size, std::move(words), &merged.ranks)) {
-    merged.ranks = RankSet(job.world_size);  // Decide reports every rank missing
-  }
-  absl::StatusOr<Decision> decision = Decide(v.spec, job.world_size, merged, v.policy);
+  const RegVariant& v = g.registration.reference();
+  StepMerger merger(v.spec.params.size(), job.world_size, step);
+  for (const Contribution& c : p.contributions) merger.Add(*c.content);
+  absl::StatusOr<Decision> decision = merger.Decide(v);
   if (decision.ok()) {
     wire::DecisionToProto(*decision, d->mutable_ok());
     g.last_ok = true;
   } else {
-    *d->mutable_error() = Error(v1::INVALID_MANIFEST, decision.status().code(),
-                                absl::StrCat("job ", job.job_id, ": ", decision.status().message()),
-                                job.job_id, g.group_id, step);
+    *d->mutable_error() =
+        ErrorFrom(v1::INVALID_MANIFEST, decision.status(), absl::StrCat("job ", job.job_id, ": "),
+                  job.job_id, g.group_id, step);
     g.last_ok = false;
     NoteErrorLocked(d->error());
   }
@@ -1364,14 +1155,6 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
   ObserveDecisionLocked(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 
-int64_t Coordinator::RankLastStepLocked(const Job& job, int rank) const {
-  int64_t last = job.rank_left_step[rank];
-  if (const NodeState* owner = job.rank_owner[rank]; owner != nullptr) {
-    last = std::max(last, owner->last_step);
-  }
-  return last;
-}
-
 v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const GroupState& g,
                                                        int64_t step, const PendingStep& p,
                                                        const std::vector<int>& missing,
@@ -1379,14 +1162,14 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
   std::vector<std::string> parts;
   v1::DecisionError err;
   for (int r : missing) {
-    int64_t last = RankLastStepLocked(job, r);
-    for (const auto& [pr, pl] : p.progress_last) {
+    int64_t last = job.members.LastStep(r);
+    for (const auto& [pr, pl] : p.clock.last_steps()) {
       if (pr == r) last = pl;  // the rank's own last step, from its sidecar
     }
     err.add_ranks(r);
     err.add_last_steps(last);
     if (parts.size() < 32) {
-      const NodeState* owner = job.rank_owner[r];
+      const NodeState* owner = job.members.OwnerOf(r);
       parts.push_back(
           absl::StrCat("rank ", r, " (last step ", last, ", node ",
                        owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
@@ -1412,8 +1195,7 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
       submitted.empty() ? std::string("no rank submitted it")
                         : absl::StrCat("ranks ", FormatRanks(submitted), " submitted it"),
       ". Check the missing ranks' processes and their sidecars' logs; the job is failed");
-  v1::DecisionError e = Error(v1::MISSING_RANKS, absl::StatusCode::kDeadlineExceeded,
-                              std::move(msg), job.job_id, g.group_id, step);
+  v1::DecisionError e = Error(v1::MISSING_RANKS, std::move(msg), job.job_id, g.group_id, step);
   *e.mutable_ranks() = err.ranks();
   *e.mutable_last_steps() = err.last_steps();
   return e;
@@ -1422,21 +1204,13 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
 void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step,
                                 v1::DecisionError error, Outbox& out) {
   ACCORD_LOG(ERROR) << error.message();
-  job.failed = true;
-  job.failure = error;
+  job.Fail(error);
   NoteErrorLocked(error);
   // The run's key-value entries (bootstrap keys) are of no use any more:
   // dropped now. Keys set after the failure (e.g. a coordinated shutdown) go
   // to a fresh scope, which the run's end drops; a late drop of the old
   // scope can never take them.
-  if (auto rit = runs_.find(job.job_id);
-      rit != runs_.end() && rit->second.run_id == job.run_id && !rit->second.failed) {
-    const std::string scope = KeyScopeOf(rit->second);
-    rit->second.failed = true;
-    rit->second.failure = error;
-    ended_runs_.push_back(
-        EndedRun{job.job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(rit->second)});
-  }
+  runs_.Fail(job.job_id, job.run_id, error);
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
   for (auto& [gid, g] : job.groups) {
     for (auto& [step, p] : g.pending) {
@@ -1451,21 +1225,19 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
 }
 
 bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                                    const RankSet& covered, absl::Time now, Outbox& out) {
-  std::vector<const NodeState*>& asked = p.progress_unanswered;
-  asked.clear();
+                                    absl::Time now, Outbox& out) {
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  std::vector<const NodeState*> asked;
   for (int r : covered.Missing()) {
-    const NodeState* owner = job.rank_owner[r];
-    if (owner == nullptr || owner->session == 0 || owner->sink == nullptr ||
+    const NodeState* owner = job.members.OwnerOf(r);
+    if (owner == nullptr || !owner->connected() || owner->sink == nullptr ||
         !owner->answers_progress) {
       continue;
     }
     if (std::find(asked.begin(), asked.end(), owner) == asked.end()) asked.push_back(owner);
   }
   if (asked.empty()) return false;
-  p.progress_asked = true;
-  // A short grace past the deadline: a quarter of it, at most one second.
-  p.progress_deadline = now + std::min(absl::Seconds(1), options_.deadline / 4);
   for (const NodeState* node : asked) {
     v1::CoordinatorMessage q;
     q.mutable_progress_query()->set_group_id(g.group_id);
@@ -1475,20 +1247,22 @@ bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, Pendi
   ACCORD_LOG(WARNING) << "job " << job.job_id << " group \"" << g.group_id << "\" step " << step
                       << ": deadline passed; asking " << asked.size()
                       << " node(s) which of their ranks submitted";
+  // A short grace past the deadline: a quarter of it, at most one second.
+  p.clock.Ask(std::move(asked), now + std::min(absl::Seconds(1), options_.deadline / 4));
   return true;
 }
 
 void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
                                        const v1::NodeProgress& progress, PendingStep& p) {
   // Trust a node only about its own ranks.
-  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.rank_owner[r] == &node; };
+  auto own = [&](int r) { return r >= 0 && r < job.world_size && job.members.OwnerOf(r) == &node; };
   for (int r : progress.reported()) {
-    if (own(r)) p.progress_reported.push_back(r);
+    if (own(r)) p.clock.AddReported(r);
   }
   const int n = std::min(progress.ranks_size(), progress.last_steps_size());
   for (int i = 0; i < n; ++i) {
     if (own(progress.ranks(i))) {
-      p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+      p.clock.AddLastStep(progress.ranks(i), progress.last_steps(i));
     }
   }
 }
@@ -1498,26 +1272,24 @@ void Coordinator::HandleProgressLocked(Session& s, const v1::NodeProgress& progr
   auto git = job.groups.find(progress.group_id());
   if (git == job.groups.end()) return;
   auto pit = git->second.pending.find(progress.step());
-  if (pit == git->second.pending.end() || !pit->second.progress_asked) return;
+  if (pit == git->second.pending.end()) return;
   PendingStep& p = pit->second;
-  const NodeState* node = s.node;
-  auto asked = std::find(p.progress_unanswered.begin(), p.progress_unanswered.end(), node);
-  if (asked == p.progress_unanswered.end()) return;  // not asked, or answered already
-  p.progress_unanswered.erase(asked);
-  RecordProgressLocked(job, *node, progress, p);
-  if (p.progress_unanswered.empty()) {
-    // Everyone asked has answered: fail now rather than at the grace's end.
-    p.progress_deadline = clock_->Now();
-    next_deadline_ = p.progress_deadline;
+  const StepDeadline::Answered answered = p.clock.Answer(s.node, clock_->Now());
+  if (answered == StepDeadline::Answered::kIgnored) return;
+  RecordProgressLocked(job, *s.node, progress, p);
+  if (answered == StepDeadline::Answered::kAll) {
+    next_deadline_ = p.clock.grace_end();
     timer_cv_.SignalAll();
   }
 }
 
 void Coordinator::HandlePartialProgressLocked(Session& s, const v1::NodeProgress& progress) {
   Job& job = *s.job;
-  if (job.failed) return;  // every rank already has the job's failure
+  if (job.failed()) return;  // every rank already has the job's failure
   auto git = job.groups.find(progress.group_id());
-  if (git == job.groups.end() || git->second.reg_state != RegState::kOk) return;
+  if (git == job.groups.end() ||
+      git->second.registration.state() != GroupRegistration::State::kAgreed)
+    return;
   GroupState& g = git->second;
   const int64_t step = progress.step();
   // Decided already (the decision is on its way) or nonsense: nothing to time.
@@ -1543,6 +1315,39 @@ void Coordinator::CheckDeadlines() {
   DeliverEvents();
 }
 
+bool Coordinator::CheckStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                  absl::Time now, absl::Time& next, Outbox& out) {
+  switch (p.clock.Check(now, options_.observer != nullptr, next)) {
+    case StepDeadline::Due::kNothing:
+      return false;
+    case StepDeadline::Due::kStall:
+      ObserveStallLocked(job, g, step, p, now);
+      return false;
+    case StepDeadline::Due::kAsk:
+      if (AskProgressLocked(job, g, step, p, now, out)) {
+        next = std::min(next, p.clock.grace_end());
+        return false;
+      }
+      break;  // nobody to ask: the step fails now
+    case StepDeadline::Due::kFail:
+      break;
+  }
+  RankSet covered(job.world_size);
+  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
+  // Ranks their sidecar saw submit are not missing (their node waits for a
+  // node-mate); name only the others.
+  for (int r : p.clock.reported()) {
+    if (r >= 0 && r < job.world_size) covered.Add(r);
+  }
+  v1::DecisionError err = MissingRanksErrorLocked(
+      job, g, step, p, covered.Missing(),
+      absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
+                   " of the step's first submission (--deadline)"));
+  ObserveDeadlineFailureLocked(job, g, step, p, err, now);
+  FailJobLocked(job, &g, step, std::move(err), out);
+  return true;
+}
+
 void Coordinator::CheckDeadlinesWithoutDelivery() {
   accord::MutexLock l(&mu_);
   const absl::Time now = clock_->Now();
@@ -1553,54 +1358,10 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
     for (auto& [gid, g] : job.groups) {
       if (failed_now) break;
       for (auto& [step, p] : g.pending) {
-        if (p.deadline > now) {
-          next = std::min(next, p.deadline);
-          if (options_.observer != nullptr && !p.stall_reported) {
-            const absl::Time half = p.first_seen + options_.deadline / 2;
-            if (half <= now) {
-              p.stall_reported = true;
-              ObserveStallLocked(job, g, step, p, now);
-            } else {
-              next = std::min(next, half);
-            }
-          }
-          continue;
+        if (CheckStepLocked(job, g, step, p, now, next, out)) {
+          failed_now = true;
+          break;
         }
-        RankSet covered(job.world_size);
-        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-        if (!p.progress_asked && AskProgressLocked(job, g, step, p, covered, now, out)) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
-        if (p.progress_asked && p.progress_deadline > now) {
-          next = std::min(next, p.progress_deadline);
-          continue;
-        }
-        // Ranks their sidecar saw submit are not missing (their node waits
-        // for a node-mate); name only the others.
-        for (int r : p.progress_reported) {
-          if (r >= 0 && r < job.world_size) covered.Add(r);
-        }
-        v1::DecisionError err = MissingRanksErrorLocked(
-            job, g, step, p, covered.Missing(),
-            absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
-                         " of the step's first submission (--deadline)"));
-        if (options_.observer != nullptr) {
-          ObserveEvent e;
-          e.type = ObserveEvent::Type::kDeadlineFailure;
-          e.job_id = job.job_id;
-          e.group_id = g.group_id;
-          e.step = step;
-          e.kind = err.kind();
-          e.message = err.message();
-          e.ranks.assign(err.ranks().begin(), err.ranks().end());
-          e.last_steps.assign(err.last_steps().begin(), err.last_steps().end());
-          e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
-          QueueEventLocked(std::move(e));
-        }
-        FailJobLocked(job, &g, step, std::move(err), out);
-        failed_now = true;
-        break;
       }
     }
   }
@@ -1619,7 +1380,7 @@ absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::strin
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
   std::vector<int64_t> out(it->second.world_size);
-  for (int r = 0; r < it->second.world_size; ++r) out[r] = RankLastStepLocked(it->second, r);
+  for (int r = 0; r < it->second.world_size; ++r) out[r] = it->second.members.LastStep(r);
   return out;
 }
 
@@ -1640,18 +1401,19 @@ absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
     Job& job = it->second;
     auto git = job.groups.find(group_id);
-    if (git == job.groups.end() || git->second.variants.empty()) {
+    if (git == job.groups.end() || git->second.registration.empty()) {
       return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
     }
     const GroupState& g = git->second;
-    const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
+    const GroupSpec& spec = g.registration.reference().spec;
     for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
-    for (auto& [node_id, node] : job.nodes) {
+    for (auto& [node_id, node] : job.members.nodes()) {
       auto ngit = node.groups.find(group_id);
       if (ngit == node.groups.end()) continue;
       NodeGroupState& ng = ngit->second;
-      FlushSkips(ng);
-      nodes.push_back(NodeCounts{node.ranks, ng.node_skips, ng.rank_extra_skips});
+      ng.contents.FlushSkips();
+      nodes.push_back(
+          NodeCounts{node.ranks, ng.contents.node_skips(), ng.contents.rank_extra_skips()});
     }
   }
   const size_t n = out.param_names.size();

@@ -40,6 +40,16 @@
 // Decisions are deterministic functions of the manifests, so a restarted
 // coordinator recomputes the same answers from resent manifests.
 //
+// Structure (docs/ARCHITECTURE.md, "Classes"): this class owns the lock,
+// the sessions and the jobs, and routes each message; the state of each
+// concern is a small class of its own without gRPC: RunRegistry (runs),
+// Membership (nodes, rank owners), GroupRegistration and StepMerger
+// (registration, decide), ContentCache (a node's full forms and repeats),
+// StepDeadline (a pending step's deadline and progress queries),
+// UsageWindow (the skip matrix's window). Errors are built by
+// Error/ErrorFrom/OutOfOrder (daemon/common/decision_errors.h) and sent
+// through Send*ErrorLocked, which count them.
+//
 // Thread-safe. Owns one timer thread (deadlines) unless disabled in options;
 // it stops in Stop() or the destructor.
 #ifndef ACCORD_DAEMON_COORDINATOR_COORDINATOR_H_
@@ -70,7 +80,14 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/coordinator/content.h"
+#include "daemon/coordinator/content_cache.h"
+#include "daemon/coordinator/deadline_tracker.h"
+#include "daemon/coordinator/group_agreement.h"
+#include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
+#include "daemon/coordinator/run_registry.h"
+#include "daemon/coordinator/usage_window.h"
 
 namespace accord::daemon {
 
@@ -140,7 +157,7 @@ struct CoordinatorStats {
   int64_t jobs = 0;    // live jobs
   int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
-  int64_t retained_contents = 0;  // NodeGroupState::retained entries, all jobs
+  int64_t retained_contents = 0;  // ContentCache::retained() entries, all jobs
   int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
 };
 
@@ -149,6 +166,13 @@ struct CoordinatorStats {
 struct SkipMatrix {
   std::vector<std::string> param_names;
   std::map<int, std::vector<int64_t>> skips;
+};
+
+// The lifecycle of the job state a run holds while a node is connected
+// (docs/ARCHITECTURE.md, "Lifecycles"; runs: run_registry.h).
+enum class JobState {
+  kRunning,
+  kFailed,  // MISSING_RANKS, a rank left mid-step, or a node lost past its grace
 };
 
 class Coordinator {
@@ -216,115 +240,32 @@ class Coordinator {
   std::vector<JobGauges> Gauges();
 
  private:
-  struct RankDetail {
-    int rank;
-    std::vector<bool> used;
-  };
-  // One node manifest's content (shared between the cache and the steps it
-  // contributed to).
-  struct Content {
-    uint64_t key = 0;
-    // Inline for typical groups: one allocation per Content (make_shared).
-    absl::InlinedVector<DTypeMask, 32> dtypes;
-    std::shared_ptr<const RankSet> ranks;
-    int rank_count = 0;
-    // ranks->words() is zero outside [word_lo, word_hi): merges OR only those.
-    int word_lo = 0;
-    int word_hi = 0;
-    std::vector<RankDetail> detail;
-  };
-  // A run of consecutive decided steps of one group with the same node
-  // contents (the observe API's skip-matrix window).
-  struct UsageEntry {
-    int64_t first_step = 0;
-    int64_t steps = 0;
-    std::vector<std::shared_ptr<const Content>> contents;
-    int64_t bytes = 0;  // approximate size of what `contents` keeps alive
-  };
-  struct NodeState;
-  struct NodeGroupState {
-    int variant = -1;  // index of this node's registration variant, -1: none
-    // Pending steps this node spoke for (few: the pending window).
-    absl::InlinedVector<int64_t, 4> contributed_steps;
-    std::shared_ptr<const Content> cache;
-    // Earlier contents still named by this node's pending contributions
-    // (the cache moved on before those steps were decided), each with the
-    // last step that used it. An entry goes once that step is older than
-    // every pending step of this node, so there are at most as many as the
-    // node's pending steps of the group (--max_pending_steps), and Owner()
-    // finds one by its address.
-    struct Retained {
-      std::shared_ptr<const Content> content;
-      int64_t last_step = 0;
-    };
-    absl::flat_hash_map<const Content*, Retained> retained;
-    // cache->key and cache->rank_count, kept here so a repeat does not touch
-    // the Content (one cache miss fewer per node and group at scale).
-    uint64_t cache_key = 0;
-    int cache_rank_count = 0;
-    // Skip accounting: `skip_content` has been in effect for `skip_steps`
-    // contributions not yet added to the counts below.
-    std::shared_ptr<const Content> skip_content;
-    int64_t skip_steps = 0;
-    std::vector<int64_t> node_skips;  // per param: steps the whole node lacked it
-    absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips;
-  };
-  struct NodeState {
-    std::string node_id;
-    SessionId session = 0;  // 0: disconnected
-    NodeSink* sink = nullptr;
-    std::vector<int> ranks;
-    std::shared_ptr<const RankSet> rank_set;
-    // rank_set->words() is zero outside [word_lo, word_hi) (see SetRankSet).
-    int word_lo = 0;
-    int word_hi = 0;
-    int64_t last_step = -1;
-    bool answers_progress = false;  // NodeHello.answers_progress
-    // When its stream ended; InfiniteFuture while connected.
-    absl::Time disconnected_at = absl::InfiniteFuture();
-    // node_hash_map: sessions' batch records point at the values.
-    absl::node_hash_map<std::string, NodeGroupState> groups;
-  };
+  // A node manifest's content (content.h), shared between a node's cache,
+  // the pending steps it contributed to and the usage windows.
+  using Content = ::accord::daemon::Content;
+  using NodeState = ::accord::daemon::NodeState;            // membership.h
+  using NodeGroupState = ::accord::daemon::NodeGroupState;  // content_cache.h
   struct Contribution {
     NodeState* node;
     // Kept alive by `group`'s cache or retained contents until the step is
-    // decided (see NodeGroupState); Owner() finds the owning pointer.
+    // decided (see ContentCache); Owner() finds the owning pointer.
     const Content* content;
     NodeGroupState* group;
     std::shared_ptr<const Content> Owner() const;
   };
   struct PendingStep {
-    absl::Time first_seen;
-    absl::Time deadline;
+    PendingStep(absl::Time first_seen, absl::Duration deadline) : clock(first_seen, deadline) {}
+    StepDeadline clock;  // deadline_tracker.h
     int ranks_covered = 0;
     bool all_repeat = true;
-    uint64_t combined_key = 0;    // sum of MixKey(content key) over contributions
-    bool stall_reported = false;  // the observer heard of it (half the deadline passed)
+    uint64_t combined_key = 0;  // sum of MixKey(content key) over contributions
     std::vector<Contribution> contributions;
-    // Past the deadline, the nodes with missing ranks were asked which of
-    // their ranks did submit (ProgressQuery). The step fails once every asked
-    // node answered or at progress_deadline, whichever comes first.
-    bool progress_asked = false;
-    std::vector<const NodeState*> progress_unanswered;  // asked, no answer yet
-    absl::Time progress_deadline;        // moved to the answer's time once all answered
-    std::vector<int> progress_reported;  // submitted, per their sidecar
-    std::vector<std::pair<int, int64_t>> progress_last;  // rank, last step per its sidecar
   };
-  struct RegVariant {
-    GroupSpec spec;
-    Policy policy;
-    std::string policy_bytes;  // serialized ReducePolicy, for equality
-    RankSet ranks;
-  };
-  enum class RegState { kCollecting, kOk, kFailed };
   struct GroupState {
+    GroupState(int world_size, const std::string& job_id, const std::string& group_id)
+        : group_id(group_id), registration(world_size, job_id, group_id) {}
     std::string group_id;
-    std::vector<RegVariant> variants;
-    RankSet registered;
-    RegState reg_state = RegState::kCollecting;
-    v1::DecisionError reg_error;
-    int spec_variant = -1;
-    uint64_t spec_fingerprint = 0;
+    GroupRegistration registration;  // group_agreement.h
     int64_t last_decided_step = -1;
     // Full form (ok body or error) of the last decided step; its step and
     // wait_us are those of the step that computed it (a same_as_previous
@@ -343,41 +284,32 @@ class Coordinator {
     std::vector<bool> last_included;
     int last_num_skipped = 0;
     int64_t last_zero_fills = 0;
-    std::deque<UsageEntry> usage;  // oldest first
-    int64_t usage_steps = 0;
-    int64_t usage_bytes = 0;
+    UsageWindow usage;
     std::unique_ptr<GroupObserver> observer;
   };
-  // One run (incarnation) of a job. It starts at the job's first NodeHello
-  // or key-value request and ends when its last node disconnects, when a
-  // newer run supersedes it, or (never joined by a node) after
-  // run_start_timeout. `node_epochs`: the nodes that joined it, each with the
-  // epoch its sidecar drew for its ranks.
-  struct Run {
-    std::string run_id;
-    absl::Time started;
-    absl::flat_hash_map<std::string, uint64_t> node_epochs;
-    bool failed = false;
-    v1::DecisionError failure;
-  };
   struct Job {
+    explicit Job(int world_size) : world_size(world_size), members(world_size) {}
     std::string job_id;
     std::string run_id;
-    int world_size = 0;
-    absl::node_hash_map<std::string, NodeState> nodes;
+    const int world_size;
+    Membership members;
     absl::node_hash_map<std::string, GroupState> groups;
-    std::vector<NodeState*> rank_owner;
-    std::vector<int64_t> rank_left_step;  // from RankEvent, -1: none
-    int connected_nodes = 0;
-    bool failed = false;
-    v1::DecisionError failure;
+    // kRunning --Fail--> kFailed; a job is dropped (not a state) when its
+    // run ends. A failed job answers every request with its failure.
+    JobState state = JobState::kRunning;
+    v1::DecisionError failure;  // set in kFailed
     std::unique_ptr<JobObserver> observer;
+    bool failed() const { return state == JobState::kFailed; }
+    void Fail(const v1::DecisionError& error) {
+      state = JobState::kFailed;
+      failure = error;
+    }
   };
+
   // What the observe API keeps of a job after its last node left.
   struct RetiredGroup {
     std::vector<std::string> param_names;
-    std::deque<UsageEntry> usage;
-    int64_t usage_bytes = 0;
+    UsageWindow usage;
   };
   struct RetiredJob {
     v1::JobStatus status;
@@ -429,20 +361,85 @@ class Coordinator {
   void CheckDeadlinesWithoutDelivery() ABSL_LOCKS_EXCLUDED(mu_);
   void HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleHelloLocked's steps: the hello's own checks (sorted, checked ranks
+  // into `ranks`), the job (created on first sight), the job's checks
+  // (world size, ranks held elsewhere), and the node's placement + Welcome.
+  absl::Status ValidateHello(const Session& s, const v1::NodeHello& hello,
+                             std::vector<int>& ranks) const;
+  absl::StatusOr<Job*> FindOrCreateJobLocked(const v1::NodeHello& hello, const std::string& run_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
+                               const std::vector<int>& ranks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlaceNodeLocked(SessionId id, Session& s, Job& job, const v1::NodeHello& hello,
+                       const std::vector<int>& ranks, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(Session& s, const v1::NodeRegistration& reg, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleRegistrationLocked's steps: the registering ranks (served by the
+  // node, at least one) and the size limit; the group (created on first
+  // sight, up to --max_groups_per_job); the registration itself and its reply.
+  absl::StatusOr<RankSet> CheckRegistration(const Job& job, const NodeState& node,
+                                            const v1::NodeRegistration& nr,
+                                            const GroupSpec& spec) const;
+  absl::StatusOr<GroupState*> FindOrCreateGroupLocked(Job& job, const std::string& group_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec, const Policy& policy,
+                      const RankSet& ranks, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A batch repeat: every entry of the session's previous batch at a new step.
+  void HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Resolves a batch entry's group pointers when it has none (the group was
+  // unknown when recorded, or the entry is new).
+  void ResolveEntryLocked(Session& s, BatchEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `g`/`ng` are the resolved group states (nullptr: unknown group).
   void HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
                             Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // HandleManifestLocked's steps, in order. Answers a manifest that needs no
+  // content (failed job, unknown or failed group, negative or decided step);
+  // returns whether it did.
+  bool AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+                                  NodeGroupState* ng, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the node's contributions to steps decided since, and the
+  // retained contents only those named.
+  void PruneContributionsLocked(const GroupState& g, NodeGroupState& ng)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The manifest's content: the node's cached one for a repeat, else the
+  // parsed full form, which becomes the cache. nullptr with `error` set when
+  // it cannot be resolved (resend_full_form for an unknown repeat).
+  const Content* ResolveContentLocked(Job& job, NodeState& node, GroupState& g, NodeGroupState& ng,
+                                      const ManifestRef& m, v1::DecisionError& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pending step, started when new; nullptr (LIMIT_EXCEEDED in `error`)
+  // past --max_pending_steps.
+  PendingStep* PendingStepLocked(Job& job, GroupState& g, const ManifestRef& m,
+                                 v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  enum class Added { kAdded, kResent, kRefused };
+  // Adds the node's content to the step: kResent for an identical resend
+  // (no-op), kRefused (`error` set) for a different one about the same ranks.
+  Added AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng, const ManifestRef& m,
+                              const Content* content, PendingStep& p, v1::DecisionError& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one reply path for errors sent to one node: each counts the error
+  // (stats, observer event; NoteErrorLocked) and queues it in the shape the
+  // node expects (a session error, a registration result, a decision). A
+  // failure already counted (the job's or the group's) is resent as is.
+  void SendErrorLocked(NodeSink* sink, v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendRegistrationErrorLocked(NodeSink* sink, const std::string& group_id,
+                                   v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendDecisionErrorLocked(NodeSink* sink, absl::string_view group_id, int64_t step,
+                               v1::DecisionError error, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::shared_ptr<const Content>> ParseFull(const NodeState& node,
-                                                           const GroupState& group,
-                                                           const RegVariant& variant, int world,
-                                                           const v1::Manifest& m);
-  void FinishRegistrationLocked(Job& job, GroupState& g, Outbox& out)
+  // Sends every node of the job the group's completed registration: its
+  // fingerprint, or the mismatch (which also fails the group's pending steps).
+  void BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -452,14 +449,15 @@ class Coordinator {
                                             const PendingStep& p, const std::vector<int>& missing,
                                             absl::string_view why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t RankLastStepLocked(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At a step's deadline: asks the nodes whose ranks are missing (and that
   // answer progress queries) which of their ranks submitted. Returns whether
   // any was asked (then the step fails when they answer or after a grace).
-  // `covered`: the ranks the step's contributions cover.
-  bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                         const RankSet& covered, absl::Time now, Outbox& out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                         Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One pending step at a deadline check: reports a stall, asks progress,
+  // or fails the job (returns true) as its StepDeadline says; lowers `next`.
+  bool CheckStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
+                       absl::Time& next, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleProgressLocked(Session& s, const v1::NodeProgress& progress)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A sidecar's own report (NodeProgress.partial) of a step some of its ranks
@@ -475,9 +473,6 @@ class Coordinator {
   std::map<int64_t, PendingStep>::iterator StartStepLocked(Job& job, GroupState& g, int64_t step,
                                                            absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
-  void CountSkips(NodeGroupState& ng, const std::shared_ptr<const Content>& content);
-  static void FlushSkips(NodeGroupState& ng);
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes the timer at `at` if that is earlier than its next wake.
@@ -502,9 +497,6 @@ class Coordinator {
   // for on_run_ended.
   void EndRunLocked(const std::string& job_id, const absl::Status& why,
                     const v1::DecisionError* error, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The key-value scope of a run: its id, or after its failure a fresh one
-  // (the failure dropped the run's keys).
-  static std::string KeyScopeOf(const Run& run);
   // Ends runs that never got a node within run_start_timeout; returns the
   // next time one is due.
   absl::Time ExpireStartingRunsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -519,24 +511,65 @@ class Coordinator {
   // view; DeliverEvents hands queued events to the observer.
   void NoteErrorLocked(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueEventLocked(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  UsageWindow::Limits UsageLimits() const;
   void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                              const v1::Decision& d, const Decision* decided)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ObserveDecisionLocked's parts: a computed decision's counters and
+  // decision-changed event; the usage window (and the global byte cap).
+  void NoteDecidedLocked(const Job& job, GroupState& g, int64_t step, const PendingStep& p,
+                         const Decision& decided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static int64_t ZeroFills(const PendingStep& p, const Decision& decided);
   void ObserveNodeLocked(const Job& job, const NodeState& node, bool connected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,
+                                    const PendingStep& p, const v1::DecisionError& error,
+                                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ObserveStallLocked(const Job& job, const GroupState& g, int64_t step, const PendingStep& p,
                           absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetireJobLocked(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the oldest retired job (its usage windows).
   void PopRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::JobStatus JobStatusOfLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status view of a job: copied under the lock (StatusSnapshotLocked),
+  // built into the proto outside it (JobStatusOf; observe_views.cc).
+  struct StatusSnapshot {
+    struct Node {
+      std::string node_id;
+      bool connected = false;
+      std::vector<int> ranks;
+    };
+    struct Group {
+      std::string group_id;
+      int num_params = -1;  // -1: not registered
+      int64_t last_decided_step = -1;
+      int64_t decisions = 0;
+      int64_t cache_hits = 0;
+      int64_t cache_misses = 0;
+      bool have_last_ok = false;
+      DType last_wire = DType::kFloat32;
+      int last_num_skipped = 0;
+      bool failed = false;
+      std::string error;
+    };
+    std::string job_id;
+    int world_size = 0;
+    std::vector<Node> nodes;      // by node id
+    std::vector<int> rank_owner;  // per rank: index into nodes, -1: none
+    std::vector<bool> rank_connected;
+    std::vector<int64_t> rank_last_step;
+    std::vector<Group> groups;  // by group id
+    bool failed = false;
+    std::string error;
+  };
+  StatusSnapshot StatusSnapshotLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static StatusSnapshot::Group GroupStatusOf(const GroupState& g);
+  static v1::JobStatus JobStatusOf(const StatusSnapshot& snapshot);
+  // What ObserveStalls copies of one job under the lock (observe_views.cc).
+  struct StallsSnapshot;
+  StallsSnapshot StallsSnapshotLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliverEvents() ABSL_LOCKS_EXCLUDED(mu_);
-  static int64_t ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents);
-  static void AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t weight,
-                       int num_params, v1::GroupSkipMatrix* matrix);
-  static v1::GroupSkipMatrix MatrixOf(const std::string& group_id,
-                                      const std::vector<std::string>& names, int world,
-                                      const std::deque<UsageEntry>& usage, int64_t window);
 
   const CoordinatorOptions options_;
   Clock* const clock_;
@@ -548,23 +581,7 @@ class Coordinator {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);  // by job id
-  uint64_t run_nonce_ ABSL_GUARDED_BY(mu_) = 0;                      // seeded at construction
-  struct EndedRun {
-    std::string job_id;
-    std::string run_id;  // the key scope (KeyScopeOf)
-    absl::Status why;
-    std::string successor;  // a failed run's fresh key scope
-  };
-  std::vector<EndedRun> ended_runs_ ABSL_GUARDED_BY(mu_);
-  // The last kRecentlyEnded runs that ended (job id, run id), so a late
-  // RESUME or key-value request of an ended run is refused instead of
-  // reviving it as if this coordinator had restarted (bounded FIFO).
-  static constexpr size_t kRecentlyEnded = 4096;
-  std::deque<std::pair<std::string, std::string>> recently_ended_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::pair<std::string, std::string>> recently_ended_set_ ABSL_GUARDED_BY(mu_);
-  void NoteRunEndedLocked(const std::string& job_id, const std::string& run_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RunRegistry runs_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<ObserveEvent> events_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> have_events_{false};                 // events_ is not empty (read without mu_)

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -151,7 +152,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
   return grpc::SslServerCredentials(ssl);
 }
 
-int Main(int argc, char** argv) {
+void ParseCoordinatorFlags(int argc, char** argv) {
   ParseFlagsWithEnv(
       argc, argv,
       {"listen",
@@ -183,81 +184,219 @@ int Main(int argc, char** argv) {
       "TLS), or --plaintext to accept clear text explicitly. --tokens_file makes every job prove "
       "its token.\nEvery flag --name may also be set as the environment variable ACCORD_<NAME> "
       "(the command line wins).");
-  BlockTerminationSignals();
-  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
-    ACCORD_LOG(ERROR) << s.message();
-    return 2;
-  }
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentials();
-  if (!creds.ok()) {
-    ACCORD_LOG(ERROR) << creds.status().message();
-    return 2;
-  }
-  std::unique_ptr<JobTokens> tokens;
-  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
-    absl::StatusOr<std::unique_ptr<JobTokens>> loaded = JobTokens::Load(path);
-    if (!loaded.ok()) {
-      ACCORD_LOG(ERROR) << loaded.status().message();
-      return 2;
-    }
-    tokens = *std::move(loaded);
-  } else {
+}
+
+// The job tokens of --tokens_file; nullptr (with a warning) without one.
+absl::StatusOr<std::unique_ptr<JobTokens>> LoadTokens() {
+  const std::string path = absl::GetFlag(FLAGS_tokens_file);
+  if (path.empty()) {
     ACCORD_LOG(WARNING) << "no --tokens_file: any client that reaches this port may join any job "
                            "and read its decisions and key-value entries";
+    return std::unique_ptr<JobTokens>();
   }
+  return JobTokens::Load(path);
+}
 
-  std::unique_ptr<EventLog> event_log;
-  if (const std::string path = absl::GetFlag(FLAGS_event_log); !path.empty()) {
-    EventLog::Options log_options;
-    log_options.path = path;
-    log_options.max_bytes = absl::GetFlag(FLAGS_event_log_max_bytes);
-    log_options.max_files = absl::GetFlag(FLAGS_event_log_max_files);
-    absl::StatusOr<std::unique_ptr<EventLog>> opened = EventLog::Open(log_options);
-    if (!opened.ok()) {
-      ACCORD_LOG(ERROR) << "--event_log: " << opened.status().message();
-      return 2;
-    }
-    event_log = *std::move(opened);
+// The --event_log; nullptr without one.
+absl::StatusOr<std::unique_ptr<EventLog>> OpenEventLog() {
+  const std::string path = absl::GetFlag(FLAGS_event_log);
+  if (path.empty()) return std::unique_ptr<EventLog>();
+  EventLog::Options log_options;
+  log_options.path = path;
+  log_options.max_bytes = absl::GetFlag(FLAGS_event_log_max_bytes);
+  log_options.max_files = absl::GetFlag(FLAGS_event_log_max_files);
+  absl::StatusOr<std::unique_ptr<EventLog>> opened = EventLog::Open(log_options);
+  if (!opened.ok()) {
+    return absl::Status(opened.status().code(),
+                        absl::StrCat("--event_log: ", opened.status().message()));
   }
-  MetricsRegistry registry;
-  CoordinatorMetricsOptions metrics_options;
-  metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
-  metrics_options.event_log = event_log.get();
-  metrics_options.series_grace = absl::GetFlag(FLAGS_metrics_series_grace);
-  CoordinatorMetrics metrics(&registry, metrics_options);
-  if (tokens != nullptr) {
-    tokens->SetDeniedCallback([&metrics](const std::string& job_id, const std::string& message) {
-      ObserveEvent e;
-      e.type = ObserveEvent::Type::kError;
-      e.job_id = job_id;
-      e.kind = v1::PERMISSION_DENIED;
-      e.message = message;
-      metrics.OnEvent(e);
-    });
-  }
+  return opened;
+}
 
+CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, KvStore* kv) {
   CoordinatorOptions options;
-  options.observer = &metrics;
+  options.observer = observer;
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   options.max_groups_per_job = absl::GetFlag(FLAGS_max_groups_per_job);
   options.max_params_per_group = absl::GetFlag(FLAGS_max_params_per_group);
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
-  KvOptions kv_options;
-  kv_options.max_jobs = options.max_jobs;
-  KvStore kv(kv_options, RealClock::Get());
   // Runs own the key-value entries: a run's keys go when it ends or fails.
-  options.on_run_ended = [&kv](const std::string& job_id, const std::string& run_id,
-                               const absl::Status& why, const std::string& successor) {
-    kv.DropRun(job_id, run_id, why, successor);
+  options.on_run_ended = [kv](const std::string& job_id, const std::string& run_id,
+                              const absl::Status& why, const std::string& successor) {
+    kv->DropRun(job_id, run_id, why, successor);
   };
   options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
   options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);
   options.usage_window_bytes = absl::GetFlag(FLAGS_usage_window_bytes);
   options.usage_total_bytes = absl::GetFlag(FLAGS_usage_window_total_bytes);
-  Coordinator coordinator(options, RealClock::Get());
+  return options;
+}
+
+// Liveness (docs/ARCHITECTURE.md, "Liveness"): both ends ping, so a
+// half-open node stream ends within keepalive_time + keepalive_timeout and
+// CloseSession drops the node (and the job with its last node).
+absl::Status AddKeepalive(grpc::ServerBuilder& builder) {
+  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  const int64_t keepalive_timeout_ms =
+      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
+      keepalive_timeout_ms > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
+  }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Sidecars ping on their own --keepalive_time; gRPC's default would answer
+  // pings more often than every 5 minutes with GOAWAY (too_many_pings).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             static_cast<int>(keepalive_ms / 2));
+  return absl::OkStatus();
+}
+
+// The main server on --listen with every service; `port` gets the bound port.
+// Exit code 2 for bad flags, 1 when it cannot listen.
+struct Started {
+  std::unique_ptr<grpc::Server> server;
+  int exit_code = 0;
+};
+Started StartServer(const std::shared_ptr<grpc::ServerCredentials>& creds,
+                    const std::vector<grpc::Service*>& services, int& port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, creds, &port);
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  if (absl::Status s = AddKeepalive(builder); !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return {nullptr, 2};
+  }
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  Started started{builder.BuildAndStart(), 0};
+  if (started.server == nullptr || port == 0) {
+    ACCORD_LOG(ERROR) << "cannot listen on " << listen
+                      << " (--listen); is the port in use or the address not local?";
+    return {nullptr, 1};
+  }
+  return started;
+}
+
+// The health-only plaintext server of --health_port (nullptr when off): it
+// registers no service of ours, so nothing but grpc.health.v1.Health is
+// reachable on it. `unimplemented` answers every other method and gives the
+// builder the callback queue it insists on before the health service is
+// added at start. Exit code 1 when it cannot listen.
+Started StartHealthServer(const std::string& host, grpc::CallbackGenericService* unimplemented) {
+  const int health_port = absl::GetFlag(FLAGS_health_port);
+  if (health_port == 0) return {};
+  grpc::ServerBuilder health_builder;
+  health_builder.RegisterCallbackGenericService(unimplemented);
+  int bound = 0;
+  health_builder.AddListeningPort(absl::StrCat(host, ":", health_port),
+                                  grpc::InsecureServerCredentials(), &bound);
+  Started started{health_builder.BuildAndStart(), 0};
+  if (started.server == nullptr || bound == 0) {
+    ACCORD_LOG(ERROR) << "cannot listen on " << host << ":" << health_port
+                      << " (--health_port); is the port in use?";
+    return {nullptr, 1};
+  }
+  std::printf("accord-coordinator health on %s:%d\n", host.c_str(), bound);
+  return started;
+}
+
+// What the bounds of docs/ARCHITECTURE.md ("Bounds") keep in check, set at
+// each scrape.
+class BoundsGauges {
+ public:
+  explicit BoundsGauges(MetricsRegistry& registry)
+      : runs_(registry.AddGauge("accord_runs", "Live runs (jobs' incarnations).").Get()),
+        kv_runs_(registry.AddGauge("accord_kv_runs", "Runs holding key-value entries.").Get()),
+        kv_keys_(registry.AddGauge("accord_kv_keys", "Key-value entries held.").Get()),
+        streams_(
+            registry.AddGauge("accord_node_streams", "Sidecar streams open on the coordinator.")
+                .Get()),
+        retained_(registry
+                      .AddGauge("accord_retained_contents",
+                                "Node manifest contents kept for pending steps.")
+                      .Get()),
+        usage_(registry
+                   .AddGauge("accord_usage_window_bytes",
+                             "Approximate bytes the usage windows keep alive.")
+                   .Get()) {}
+
+  void Set(const CoordinatorStats& st, KvStore& kv) {
+    runs_.Set(static_cast<double>(st.runs));
+    streams_.Set(static_cast<double>(st.sessions));
+    retained_.Set(static_cast<double>(st.retained_contents));
+    usage_.Set(static_cast<double>(st.usage_bytes));
+    kv_runs_.Set(kv.NumRuns());
+    kv_keys_.Set(static_cast<double>(kv.NumKeys()));
+  }
+
+ private:
+  Gauge& runs_;
+  Gauge& kv_runs_;
+  Gauge& kv_keys_;
+  Gauge& streams_;
+  Gauge& retained_;
+  Gauge& usage_;
+};
+
+// Waits for SIGTERM/SIGINT, reloading the tokens on each SIGHUP; returns the
+// signal.
+int ServeUntilSignal(JobTokens* tokens) {
+  int sig = 0;
+  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
+    if (tokens == nullptr) {
+      ACCORD_LOG(INFO) << "SIGHUP: no --tokens_file to reload";
+    } else if (absl::Status s = tokens->Reload(); !s.ok()) {
+      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
+    }
+  }
+  return sig;
+}
+
+void PrintStats(const CoordinatorStats& stats) {
+  std::printf(
+      "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
+      "cache_hits=%lld cache_misses=%lld errors=%lld\n",
+      static_cast<long long>(stats.decisions), static_cast<long long>(stats.same_as_previous),
+      static_cast<long long>(stats.manifests), static_cast<long long>(stats.cache_hits),
+      static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors));
+  std::fflush(stdout);
+}
+
+void ReportDeniedTokens(JobTokens* tokens, CoordinatorMetrics& metrics) {
+  if (tokens == nullptr) return;
+  tokens->SetDeniedCallback([&metrics](const std::string& job_id, const std::string& message) {
+    ObserveEvent e;
+    e.type = ObserveEvent::Type::kError;
+    e.job_id = job_id;
+    e.kind = v1::PERMISSION_DENIED;
+    e.message = message;
+    metrics.OnEvent(e);
+  });
+}
+
+// Everything after flag parsing: servers up, serve until a signal, stop.
+int Serve(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTokens> tokens,
+          std::unique_ptr<EventLog> event_log) {
+  MetricsRegistry registry;
+  CoordinatorMetricsOptions metrics_options;
+  metrics_options.param_skip_metrics = absl::GetFlag(FLAGS_param_skip_metrics);
+  metrics_options.event_log = event_log.get();
+  metrics_options.series_grace = absl::GetFlag(FLAGS_metrics_series_grace);
+  CoordinatorMetrics metrics(&registry, metrics_options);
+  ReportDeniedTokens(tokens.get(), metrics);
+  KvOptions kv_options;
+  kv_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  KvStore kv(kv_options, RealClock::Get());
+  Coordinator coordinator(CoordinatorOptionsFromFlags(&metrics, &kv), RealClock::Get());
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
@@ -269,88 +408,19 @@ int Main(int argc, char** argv) {
         return job_id.empty() ? tokens->CheckAdmin(token, "observe request about every job")
                               : tokens->CheckJobRead(job_id, token, "observe request");
       });
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
-  builder.AddListeningPort(listen, *creds, &port);
-  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  // Liveness (docs/ARCHITECTURE.md, "Liveness"): both ends ping, so a
-  // half-open node stream ends within keepalive_time + keepalive_timeout and
-  // CloseSession drops the node (and the job with its last node).
-  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
-  const int64_t keepalive_timeout_ms =
-      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
-  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
-      keepalive_timeout_ms > INT32_MAX) {
-    ACCORD_LOG(ERROR) << "--keepalive_time and --keepalive_timeout must be between 1ms and "
-                         "about 24 days";
-    return 2;
-  }
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // Sidecars ping on their own --keepalive_time; gRPC's default would answer
-  // pings more often than every 5 minutes with GOAWAY (too_many_pings).
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             static_cast<int>(keepalive_ms / 2));
-  builder.RegisterService(&coordinator_service);
-  builder.RegisterService(&kv_service);
-  builder.RegisterService(&observe_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    ACCORD_LOG(ERROR) << "cannot listen on " << listen
-                      << " (--listen); is the port in use or the address not local?";
-    return 1;
-  }
+  Started main_server =
+      StartServer(creds, {&coordinator_service, &kv_service, &observe_service}, port);
+  if (main_server.server == nullptr) return main_server.exit_code;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
   const std::string host = listen.substr(0, listen.rfind(':'));
-  // The health-only plaintext server: it registers no service of ours, so
-  // nothing but grpc.health.v1.Health is reachable on it.
-  std::unique_ptr<grpc::Server> health_server;
-  // Answers every other method with UNIMPLEMENTED; also gives the builder the
-  // callback queue it insists on before the health service is added at start.
   grpc::CallbackGenericService unimplemented;
-  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
-    grpc::ServerBuilder health_builder;
-    health_builder.RegisterCallbackGenericService(&unimplemented);
-    int bound = 0;
-    health_builder.AddListeningPort(absl::StrCat(host, ":", health_port),
-                                    grpc::InsecureServerCredentials(), &bound);
-    health_server = health_builder.BuildAndStart();
-    if (health_server == nullptr || bound == 0) {
-      ACCORD_LOG(ERROR) << "cannot listen on " << host << ":" << health_port
-                        << " (--health_port); is the port in use?";
-      return 1;
-    }
-    std::printf("accord-coordinator health on %s:%d\n", host.c_str(), bound);
-  }
-  // What the bounds of docs/ARCHITECTURE.md ("Bounds") keep in check.
-  Gauge& runs_gauge = registry.AddGauge("accord_runs", "Live runs (jobs' incarnations).").Get();
-  Gauge& kv_runs_gauge =
-      registry.AddGauge("accord_kv_runs", "Runs holding key-value entries.").Get();
-  Gauge& kv_keys_gauge = registry.AddGauge("accord_kv_keys", "Key-value entries held.").Get();
-  Gauge& streams_gauge =
-      registry.AddGauge("accord_node_streams", "Sidecar streams open on the coordinator.").Get();
-  Gauge& retained_gauge =
-      registry
-          .AddGauge("accord_retained_contents", "Node manifest contents kept for pending steps.")
-          .Get();
-  Gauge& usage_gauge =
-      registry
-          .AddGauge("accord_usage_window_bytes", "Approximate bytes the usage windows keep alive.")
-          .Get();
+  Started health = StartHealthServer(host, &unimplemented);
+  if (health.exit_code != 0) return health.exit_code;
+  BoundsGauges bounds(registry);
   MetricsHttpServer metrics_server([&] {
     metrics.Refresh(coordinator);
-    const CoordinatorStats st = coordinator.stats();
-    runs_gauge.Set(static_cast<double>(st.runs));
-    streams_gauge.Set(static_cast<double>(st.sessions));
-    retained_gauge.Set(static_cast<double>(st.retained_contents));
-    usage_gauge.Set(static_cast<double>(st.usage_bytes));
-    kv_runs_gauge.Set(kv.NumRuns());
-    kv_keys_gauge.Set(static_cast<double>(kv.NumKeys()));
+    bounds.Set(coordinator.stats(), kv);
     return registry.Render();
   });
   if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
@@ -364,37 +434,42 @@ int Main(int argc, char** argv) {
   std::printf("accord-coordinator listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
 
-  int sig = 0;
-  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
-    if (tokens == nullptr) {
-      ACCORD_LOG(INFO) << "SIGHUP: no --tokens_file to reload";
-    } else if (absl::Status s = tokens->Reload(); !s.ok()) {
-      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
-    }
-  }
+  const int sig = ServeUntilSignal(tokens.get());
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping (finishing in-flight replies)";
-  for (grpc::Server* srv : {server.get(), health_server.get()}) {
+  for (grpc::Server* srv : {main_server.server.get(), health.server.get()}) {
     if (srv == nullptr) continue;
-    if (auto* health = srv->GetHealthCheckService(); health != nullptr) {
-      health->SetServingStatus(false);
+    if (auto* health_service = srv->GetHealthCheckService(); health_service != nullptr) {
+      health_service->SetServingStatus(false);
     }
   }
   coordinator_service.FinishAll();
   kv.Stop();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(absl::Now()));
+  main_server.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  if (health.server != nullptr) health.server->Shutdown(absl::ToChronoTime(absl::Now()));
   coordinator.Stop();
   metrics_server.Stop();
-  const CoordinatorStats stats = coordinator.stats();
-  std::printf(
-      "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
-      "cache_hits=%lld cache_misses=%lld errors=%lld\n",
-      static_cast<long long>(stats.decisions), static_cast<long long>(stats.same_as_previous),
-      static_cast<long long>(stats.manifests), static_cast<long long>(stats.cache_hits),
-      static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors));
-  std::fflush(stdout);
+  PrintStats(coordinator.stats());
   ACCORD_LOG(INFO) << "stopped";
   return 0;
+}
+
+int Main(int argc, char** argv) {
+  ParseCoordinatorFlags(argc, argv);
+  BlockTerminationSignals();
+  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return 2;
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentials();
+  absl::StatusOr<std::unique_ptr<JobTokens>> tokens =
+      creds.ok() ? LoadTokens() : absl::StatusOr<std::unique_ptr<JobTokens>>(creds.status());
+  absl::StatusOr<std::unique_ptr<EventLog>> event_log =
+      tokens.ok() ? OpenEventLog() : absl::StatusOr<std::unique_ptr<EventLog>>(tokens.status());
+  if (!event_log.ok()) {
+    ACCORD_LOG(ERROR) << event_log.status().message();
+    return 2;
+  }
+  return Serve(*std::move(creds), *std::move(tokens), *std::move(event_log));
 }
 
 }  // namespace

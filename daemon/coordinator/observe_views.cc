@@ -35,7 +35,7 @@ void Coordinator::ObserveNodeLocked(const Job& job, const NodeState& node, bool 
   e.job_id = job.job_id;
   e.node_id = node.node_id;
   e.ranks = node.ranks;
-  e.connected_nodes = job.connected_nodes;
+  e.connected_nodes = job.members.connected();
   QueueEventLocked(std::move(e));
 }
 
@@ -46,14 +46,31 @@ void Coordinator::ObserveStallLocked(const Job& job, const GroupState& g, int64_
   e.job_id = job.job_id;
   e.group_id = g.group_id;
   e.step = step;
-  e.waiting_ms = absl::ToInt64Milliseconds(now - p.first_seen);
-  e.deadline_in_ms = absl::ToInt64Milliseconds(p.deadline - now);
+  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
+  e.deadline_in_ms = absl::ToInt64Milliseconds(p.clock.deadline() - now);
   RankSet covered(job.world_size);
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   for (int r : covered.Missing()) {
     e.ranks.push_back(r);
-    e.last_steps.push_back(RankLastStepLocked(job, r));
+    e.last_steps.push_back(job.members.LastStep(r));
   }
+  QueueEventLocked(std::move(e));
+}
+
+void Coordinator::ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,
+                                               const PendingStep& p, const v1::DecisionError& error,
+                                               absl::Time now) {
+  if (options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kDeadlineFailure;
+  e.job_id = job.job_id;
+  e.group_id = g.group_id;
+  e.step = step;
+  e.kind = error.kind();
+  e.message = error.message();
+  e.ranks.assign(error.ranks().begin(), error.ranks().end());
+  e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
+  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
   QueueEventLocked(std::move(e));
 }
 
@@ -74,50 +91,8 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
   ++g.decisions;
   const bool same = d.same_as_previous();
   const bool ok = same || d.has_ok();
-  // Zero-fills: (included parameter, rank) pairs without a local gradient.
   if (decided != nullptr) {
-    // Only the metrics need it: O(nodes x params).
-    int64_t zero_fills = 0;
-    if (g.observer != nullptr) {
-      for (const Contribution& c : p.contributions) {
-        const Content& content = *c.content;
-        const size_t n = std::min(content.dtypes.size(), decided->included.size());
-        for (size_t i = 0; i < n; ++i) {
-          if (!decided->included[i]) continue;
-          if (content.dtypes[i] == 0) {
-            zero_fills += content.rank_count;
-            continue;
-          }
-          for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
-        }
-      }
-    }
-    int skipped = 0;
-    for (bool in : decided->included) skipped += in ? 0 : 1;
-    const bool changed = !g.have_last_ok || g.last_wire != decided->wire_dtype ||
-                         g.last_included != decided->included;
-    g.have_last_ok = true;
-    g.last_wire = decided->wire_dtype;
-    g.last_included = decided->included;
-    g.last_num_skipped = skipped;
-    g.last_zero_fills = zero_fills;
-    if (changed && options_.observer != nullptr) {
-      ObserveEvent e;
-      e.type = ObserveEvent::Type::kDecisionChanged;
-      e.job_id = job.job_id;
-      e.group_id = g.group_id;
-      e.step = step;
-      e.wire = std::string(DTypeName(decided->wire_dtype));
-      e.included = static_cast<int>(decided->included.size()) - skipped;
-      e.skipped = skipped;
-      const GroupSpec& spec = g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec;
-      for (size_t i = 0; i < decided->included.size() && i < spec.params.size(); ++i) {
-        if (decided->included[i]) continue;
-        if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
-        e.skipped_names.push_back(spec.params[i].name);
-      }
-      QueueEventLocked(std::move(e));
-    }
+    NoteDecidedLocked(job, g, step, p, *decided);
   } else if (!ok) {
     g.have_last_ok = false;
   }
@@ -135,188 +110,190 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     s.wait = absl::Microseconds(d.wait_us());
     g.observer->OnDecision(s);
   }
+  RecordUsageLocked(g, step, same, p);
+}
+
+// Zero-fills: (included parameter, rank) pairs without a local gradient.
+// O(nodes x params).
+int64_t Coordinator::ZeroFills(const PendingStep& p, const Decision& decided) {
+  int64_t zero_fills = 0;
+  for (const Contribution& c : p.contributions) {
+    const Content& content = *c.content;
+    const size_t n = std::min(content.dtypes.size(), decided.included.size());
+    for (size_t i = 0; i < n; ++i) {
+      if (!decided.included[i]) continue;
+      if (content.dtypes[i] == 0) {
+        zero_fills += content.rank_count;
+        continue;
+      }
+      for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
+    }
+  }
+  return zero_fills;
+}
+
+void Coordinator::NoteDecidedLocked(const Job& job, GroupState& g, int64_t step,
+                                    const PendingStep& p, const Decision& decided) {
+  // Only the metrics need the zero-fills.
+  const int64_t zero_fills = g.observer != nullptr ? ZeroFills(p, decided) : 0;
+  int skipped = 0;
+  for (bool in : decided.included) skipped += in ? 0 : 1;
+  const bool changed =
+      !g.have_last_ok || g.last_wire != decided.wire_dtype || g.last_included != decided.included;
+  g.have_last_ok = true;
+  g.last_wire = decided.wire_dtype;
+  g.last_included = decided.included;
+  g.last_num_skipped = skipped;
+  g.last_zero_fills = zero_fills;
+  if (!changed || options_.observer == nullptr) return;
+  ObserveEvent e;
+  e.type = ObserveEvent::Type::kDecisionChanged;
+  e.job_id = job.job_id;
+  e.group_id = g.group_id;
+  e.step = step;
+  e.wire = std::string(DTypeName(decided.wire_dtype));
+  e.included = static_cast<int>(decided.included.size()) - skipped;
+  e.skipped = skipped;
+  const GroupSpec& spec = g.registration.reference().spec;
+  for (size_t i = 0; i < decided.included.size() && i < spec.params.size(); ++i) {
+    if (decided.included[i]) continue;
+    if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
+    e.skipped_names.push_back(spec.params[i].name);
+  }
+  QueueEventLocked(std::move(e));
+}
+
+void Coordinator::RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p) {
   // Usage window: extend the last run when the contents repeat the previous
   // step; otherwise start a run with this step's contents.
   if (options_.usage_window_steps <= 0) return;
-  if (same && !g.usage.empty() && g.usage.back().first_step + g.usage.back().steps == step) {
-    ++g.usage.back().steps;
-  } else {
-    UsageEntry entry;
-    entry.first_step = step;
-    entry.steps = 1;
-    entry.contents.reserve(p.contributions.size());
-    for (const Contribution& c : p.contributions) {
-      entry.contents.push_back(c.Owner());
-    }
+  stats_.usage_bytes += g.usage.Record(step, same, [&] {
+    std::vector<std::shared_ptr<const Content>> contents;
+    contents.reserve(p.contributions.size());
+    for (const Contribution& c : p.contributions) contents.push_back(c.Owner());
     p.contributions.clear();
-    entry.bytes = ContentBytes(entry.contents);
-    g.usage_bytes += entry.bytes;
-    stats_.usage_bytes += entry.bytes;
-    g.usage.push_back(std::move(entry));
-  }
-  ++g.usage_steps;
+    return contents;
+  });
   // The global cap (usage_total_bytes): retired jobs' windows go first.
   while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
     PopRetiredLocked();
   }
-  const bool over_total = stats_.usage_bytes > options_.usage_total_bytes;
-  while (!g.usage.empty() && (g.usage_steps > options_.usage_window_steps ||
-                              ((g.usage_bytes > options_.usage_window_bytes ||
-                                stats_.usage_bytes > options_.usage_total_bytes) &&
-                               g.usage.size() > 1))) {
-    UsageEntry& front = g.usage.front();
-    const int64_t excess = g.usage_steps - options_.usage_window_steps;
-    if (excess > 0 && excess < front.steps && g.usage_bytes <= options_.usage_window_bytes &&
-        !over_total) {
-      front.first_step += excess;
-      front.steps -= excess;
-      g.usage_steps -= excess;
-      break;
-    }
-    g.usage_steps -= front.steps;
-    g.usage_bytes -= front.bytes;
-    stats_.usage_bytes -= front.bytes;
-    g.usage.pop_front();
-  }
+  g.usage.Trim(UsageLimits(), stats_.usage_bytes);
 }
 
-int64_t Coordinator::ContentBytes(const std::vector<std::shared_ptr<const Content>>& contents) {
-  int64_t bytes = 0;
-  for (const auto& c : contents) {
-    bytes += 64 + static_cast<int64_t>(c->dtypes.size()) * 2;
-    for (const auto& d : c->detail) bytes += 32 + static_cast<int64_t>(d.used.size() / 8);
-  }
-  return bytes;
+UsageWindow::Limits Coordinator::UsageLimits() const {
+  UsageWindow::Limits limits;
+  limits.steps = options_.usage_window_steps;
+  limits.bytes = options_.usage_window_bytes;
+  limits.total_bytes = options_.usage_total_bytes;
+  return limits;
 }
 
-// Adds one run of usage into the matrix rows (`rows[i].counts` sized to the
-// world) with weight `w`.
-void Coordinator::AddUsage(const std::vector<std::shared_ptr<const Content>>& contents, int64_t w,
-                           int num_params, v1::GroupSkipMatrix* m) {
-  std::vector<bool> any(num_params, false);
-  for (const auto& c : contents) {
-    const int n = std::min<int>(num_params, static_cast<int>(c->dtypes.size()));
-    std::vector<int> members = c->ranks->Members();
-    for (int i = 0; i < n; ++i) {
-      if (c->dtypes[i] != 0) any[i] = true;
-    }
-    for (int r : members) {
-      const std::vector<bool>* used = nullptr;
-      for (const auto& d : c->detail) {
-        if (d.rank == r) used = &d.used;
-      }
-      for (int i = 0; i < num_params; ++i) {
-        v1::SkipRow* row = m->mutable_rows(i);
-        if (r < 0 || r >= row->counts_size()) continue;
-        const bool has = i < n && c->dtypes[i] != 0 &&
-                         (used == nullptr || (i < static_cast<int>(used->size()) && (*used)[i]));
-        if (!has) row->set_counts(r, row->counts(r) + w);
-      }
-    }
-  }
-  for (int i = 0; i < num_params; ++i) {
-    if (!any[i]) {
-      v1::SkipRow* row = m->mutable_rows(i);
-      row->set_skipped_everywhere(row->skipped_everywhere() + w);
-    }
-  }
-}
-
-// The skip matrix of one group over the last `window` decided steps (0: all).
-v1::GroupSkipMatrix Coordinator::MatrixOf(const std::string& group_id,
-                                          const std::vector<std::string>& names, int world,
-                                          const std::deque<UsageEntry>& usage, int64_t window) {
-  v1::GroupSkipMatrix m;
-  m.set_group_id(group_id);
-  const int num_params = static_cast<int>(names.size());
-  for (int i = 0; i < num_params; ++i) {
-    v1::SkipRow* row = m.add_rows();
-    row->set_param_index(i);
-    row->set_param_name(names[i]);
-    row->mutable_counts()->Resize(world, 0);
-  }
-  int64_t remaining = window > 0 ? window : INT64_MAX;
-  int64_t first = -1, last = -1, steps = 0;
-  for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
-    const int64_t w = std::min(remaining, it->steps);
-    remaining -= w;
-    steps += w;
-    if (last < 0) last = it->first_step + it->steps - 1;
-    first = it->first_step + it->steps - w;
-    AddUsage(it->contents, w, num_params, &m);
-  }
-  m.set_steps(steps);
-  m.set_first_step(first);
-  m.set_last_step(last);
-  return m;
-}
-
-v1::JobStatus Coordinator::JobStatusOfLocked(const Job& job) {
-  v1::JobStatus js;
-  js.set_job_id(job.job_id);
-  js.set_world_size(job.world_size);
+Coordinator::StatusSnapshot Coordinator::StatusSnapshotLocked(const Job& job) {
+  StatusSnapshot snap;
+  snap.job_id = job.job_id;
+  snap.world_size = job.world_size;
   std::vector<const NodeState*> nodes;
-  for (const auto& [id, node] : job.nodes) nodes.push_back(&node);
+  for (const auto& [id, node] : job.members.nodes()) nodes.push_back(&node);
   std::sort(nodes.begin(), nodes.end(),
             [](const NodeState* a, const NodeState* b) { return a->node_id < b->node_id; });
+  absl::flat_hash_map<const NodeState*, int> index;
   for (const NodeState* node : nodes) {
-    v1::NodeStatus* ns = js.add_nodes();
-    ns->set_node_id(node->node_id);
-    ns->set_connected(node->session != 0);
-    for (int r : node->ranks) ns->add_ranks(r);
+    index[node] = static_cast<int>(snap.nodes.size());
+    snap.nodes.push_back(StatusSnapshot::Node{node->node_id, node->connected(), node->ranks});
   }
+  snap.rank_owner.assign(job.world_size, -1);
+  snap.rank_connected.assign(job.world_size, false);
+  snap.rank_last_step.resize(job.world_size);
   for (int r = 0; r < job.world_size; ++r) {
+    const NodeState* owner = job.members.OwnerOf(r);
+    if (owner != nullptr) snap.rank_owner[r] = index[owner];
+    snap.rank_connected[r] = owner != nullptr && owner->connected() && !job.members.Left(r);
+    snap.rank_last_step[r] = job.members.LastStep(r);
+  }
+  for (const auto& [id, g] : job.groups) snap.groups.push_back(GroupStatusOf(g));
+  std::sort(snap.groups.begin(), snap.groups.end(),
+            [](const StatusSnapshot::Group& a, const StatusSnapshot::Group& b) {
+              return a.group_id < b.group_id;
+            });
+  snap.failed = job.failed();
+  if (job.failed()) snap.error = job.failure.message();
+  return snap;
+}
+
+Coordinator::StatusSnapshot::Group Coordinator::GroupStatusOf(const GroupState& g) {
+  StatusSnapshot::Group s;
+  s.group_id = g.group_id;
+  if (!g.registration.empty()) {
+    s.num_params = static_cast<int>(g.registration.reference().spec.params.size());
+  }
+  s.last_decided_step = g.last_decided_step;
+  s.decisions = g.decisions;
+  s.cache_hits = g.cache_hits;
+  s.cache_misses = g.cache_misses;
+  s.have_last_ok = g.have_last_ok;
+  s.last_wire = g.last_wire;
+  s.last_num_skipped = g.last_num_skipped;
+  if (g.registration.state() == GroupRegistration::State::kFailed) {
+    s.failed = true;
+    s.error = g.registration.error().message();
+  } else if (g.last_decision != nullptr && g.last_decision->has_error()) {
+    s.failed = true;
+    s.error = g.last_decision->error().message();
+  }
+  return s;
+}
+
+v1::JobStatus Coordinator::JobStatusOf(const StatusSnapshot& snap) {
+  v1::JobStatus js;
+  js.set_job_id(snap.job_id);
+  js.set_world_size(snap.world_size);
+  for (const StatusSnapshot::Node& node : snap.nodes) {
+    v1::NodeStatus* ns = js.add_nodes();
+    ns->set_node_id(node.node_id);
+    ns->set_connected(node.connected);
+    for (int r : node.ranks) ns->add_ranks(r);
+  }
+  for (int r = 0; r < snap.world_size; ++r) {
     v1::RankStatus* rs = js.add_ranks();
     rs->set_rank(r);
-    const NodeState* owner = job.rank_owner[r];
-    if (owner != nullptr) rs->set_node_id(owner->node_id);
-    rs->set_connected(owner != nullptr && owner->session != 0 && job.rank_left_step[r] < 0);
-    rs->set_last_step(RankLastStepLocked(job, r));
+    if (snap.rank_owner[r] >= 0) rs->set_node_id(snap.nodes[snap.rank_owner[r]].node_id);
+    rs->set_connected(snap.rank_connected[r]);
+    rs->set_last_step(snap.rank_last_step[r]);
   }
-  std::vector<const GroupState*> groups;
-  for (const auto& [id, g] : job.groups) groups.push_back(&g);
-  std::sort(groups.begin(), groups.end(),
-            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
-  for (const GroupState* g : groups) {
+  for (const StatusSnapshot::Group& g : snap.groups) {
     v1::GroupStatus* gs = js.add_groups();
-    gs->set_group_id(g->group_id);
-    if (!g->variants.empty()) {
-      gs->set_num_params(static_cast<int>(
-          g->variants[g->spec_variant >= 0 ? g->spec_variant : 0].spec.params.size()));
-    }
-    gs->set_last_decided_step(g->last_decided_step);
-    gs->set_decisions(g->decisions);
-    gs->set_cache_hits(g->cache_hits);
-    gs->set_cache_misses(g->cache_misses);
-    if (g->have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g->last_wire)));
-    gs->set_last_num_skipped(g->last_num_skipped);
-    if (g->reg_state == RegState::kFailed) {
+    gs->set_group_id(g.group_id);
+    if (g.num_params >= 0) gs->set_num_params(g.num_params);
+    gs->set_last_decided_step(g.last_decided_step);
+    gs->set_decisions(g.decisions);
+    gs->set_cache_hits(g.cache_hits);
+    gs->set_cache_misses(g.cache_misses);
+    if (g.have_last_ok) gs->set_last_wire_dtype(std::string(DTypeName(g.last_wire)));
+    gs->set_last_num_skipped(g.last_num_skipped);
+    if (g.failed) {
       gs->set_failed(true);
-      gs->set_error(g->reg_error.message());
-    } else if (g->last_decision != nullptr && g->last_decision->has_error()) {
-      gs->set_failed(true);
-      gs->set_error(g->last_decision->error().message());
+      gs->set_error(g.error);
     }
   }
-  js.set_failed(job.failed);
-  if (job.failed) js.set_error(job.failure.message());
+  js.set_failed(snap.failed);
+  if (snap.failed) js.set_error(snap.error);
   return js;
 }
 
 void Coordinator::RetireJobLocked(Job& job) {
   if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
-  r.status = JobStatusOfLocked(job);
+  r.status = JobStatusOf(StatusSnapshotLocked(job));
   for (auto& [id, g] : job.groups) {
-    if (g.variants.empty()) continue;
+    if (g.registration.empty()) continue;
     RetiredGroup& rg = r.groups[id];
-    for (const ParamSpec& p : g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+    for (const ParamSpec& p : g.registration.reference().spec.params) {
       rg.param_names.push_back(p.name);
     }
-    rg.usage = std::move(g.usage);
-    rg.usage_bytes = g.usage_bytes;
-    r.usage_bytes += g.usage_bytes;
-    g.usage_bytes = 0;  // now counted as the retired job's
+    // Now counted as the retired job's (the group's window is left empty).
+    rg.usage = g.usage.Take();
+    r.usage_bytes += rg.usage.bytes();
   }
   for (auto it = retired_.begin(); it != retired_.end();) {
     if (it->status.job_id() == job.job_id) {
@@ -336,20 +313,26 @@ void Coordinator::PopRetiredLocked() {
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
-  accord::MutexLock l(&mu_);
+  // Snapshot under the lock (plain copies, no protos); the responses are
+  // built outside it.
+  std::vector<StatusSnapshot> live;
+  std::vector<v1::JobStatus> retired;
+  {
+    accord::MutexLock l(&mu_);
+    for (const auto& [id, job] : jobs_) {
+      if (job_id.empty() || id == job_id) live.push_back(StatusSnapshotLocked(job));
+    }
+    for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
+      if (!job_id.empty() && it->status.job_id() != job_id) continue;
+      if (jobs_.contains(it->status.job_id())) continue;
+      retired.push_back(it->status);
+    }
+  }
+  std::sort(live.begin(), live.end(),
+            [](const StatusSnapshot& a, const StatusSnapshot& b) { return a.job_id < b.job_id; });
   v1::StatusResponse out;
-  std::vector<std::string> ids;
-  for (const auto& [id, job] : jobs_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  for (const std::string& id : ids) {
-    if (!job_id.empty() && id != job_id) continue;
-    *out.add_jobs() = JobStatusOfLocked(jobs_.find(id)->second);
-  }
-  for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
-    if (!job_id.empty() && it->status.job_id() != job_id) continue;
-    if (jobs_.contains(it->status.job_id())) continue;
-    *out.add_jobs() = it->status;
-  }
+  for (const StatusSnapshot& snap : live) *out.add_jobs() = JobStatusOf(snap);
+  for (v1::JobStatus& status : retired) *out.add_jobs() = std::move(status);
   if (!job_id.empty() && out.jobs().empty()) {
     return absl::NotFoundError(absl::StrCat("job \"", job_id,
                                             "\" is unknown to this coordinator (not running "
@@ -375,16 +358,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   struct GroupSnapshot {
     std::string group_id;
     std::vector<std::string> names;
-    std::deque<UsageEntry> usage;
-  };
-  auto window_of = [&](const std::deque<UsageEntry>& usage) {
-    std::deque<UsageEntry> kept;
-    int64_t remaining = window_steps > 0 ? window_steps : INT64_MAX;
-    for (auto it = usage.rbegin(); it != usage.rend() && remaining > 0; ++it) {
-      kept.push_front(*it);
-      remaining -= it->steps;
-    }
-    return kept;
+    std::deque<UsageRun> usage;
   };
   std::vector<GroupSnapshot> groups;
   int world = 0;
@@ -406,7 +380,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
       world = job.world_size;
       std::vector<std::string> ids;
       for (const auto& [id, g] : job.groups) {
-        if (!g.variants.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
+        if (!g.registration.empty() && (group_id.empty() || id == group_id)) ids.push_back(id);
       }
       if (!group_id.empty() && ids.empty()) return unknown_group();
       std::sort(ids.begin(), ids.end());
@@ -414,11 +388,10 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
         const GroupState& g = job.groups.find(id)->second;
         GroupSnapshot& snap = groups.emplace_back();
         snap.group_id = id;
-        for (const ParamSpec& p :
-             g.variants[g.spec_variant >= 0 ? g.spec_variant : 0].spec.params) {
+        for (const ParamSpec& p : g.registration.reference().spec.params) {
           snap.names.push_back(p.name);
         }
-        snap.usage = window_of(g.usage);
+        snap.usage = g.usage.Newest(window_steps);
       }
     } else {
       for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
@@ -428,7 +401,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
         if (!group_id.empty() && !it->groups.contains(group_id)) return unknown_group();
         for (const auto& [id, rg] : it->groups) {
           if (!group_id.empty() && id != group_id) continue;
-          groups.push_back(GroupSnapshot{id, rg.param_names, window_of(rg.usage)});
+          groups.push_back(GroupSnapshot{id, rg.param_names, rg.usage.Newest(window_steps)});
         }
         break;
       }
@@ -442,49 +415,91 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   }
   out.set_world_size(world);
   for (const GroupSnapshot& g : groups) {
-    *out.add_groups() = MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
+    *out.add_groups() = UsageWindow::MatrixOf(g.group_id, g.names, world, g.usage, window_steps);
   }
   return out;
 }
 
-absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
-  accord::MutexLock l(&mu_);
-  if (!job_id.empty() && !jobs_.contains(job_id)) {
-    return absl::NotFoundError(
-        absl::StrCat("job \"", job_id,
-                     "\" is not running on this coordinator; check the job id with "
-                     "`accordctl status`"));
+struct Coordinator::StallsSnapshot {
+  struct Step {
+    std::string group_id;
+    int64_t step;
+    absl::Time first_seen;
+    absl::Time deadline;
+    std::vector<std::shared_ptr<const RankSet>> covered;
+  };
+  std::string job_id;
+  int world_size = 0;
+  std::vector<int64_t> last_steps;  // per rank; empty when nothing is pending
+  std::vector<Step> steps;          // by group id, then step
+};
+
+Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
+  StallsSnapshot snap;
+  snap.job_id = job.job_id;
+  snap.world_size = job.world_size;
+  std::vector<const GroupState*> groups;
+  for (const auto& [gid, g] : job.groups) {
+    if (!g.pending.empty()) groups.push_back(&g);
   }
-  const absl::Time now = clock_->Now();
-  v1::StallsResponse out;
-  std::vector<std::string> ids;
-  for (const auto& [id, job] : jobs_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  for (const std::string& id : ids) {
-    if (!job_id.empty() && id != job_id) continue;
-    const Job& job = jobs_.find(id)->second;
-    std::vector<const GroupState*> groups;
-    for (const auto& [gid, g] : job.groups) {
-      if (!g.pending.empty()) groups.push_back(&g);
+  if (groups.empty()) return snap;
+  std::sort(groups.begin(), groups.end(),
+            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+  snap.last_steps.resize(job.world_size);
+  for (int r = 0; r < job.world_size; ++r) snap.last_steps[r] = job.members.LastStep(r);
+  for (const GroupState* g : groups) {
+    for (const auto& [step, p] : g->pending) {
+      StallsSnapshot::Step& s = snap.steps.emplace_back();
+      s.group_id = g->group_id;
+      s.step = step;
+      s.first_seen = p.clock.first_seen();
+      s.deadline = p.clock.deadline();
+      for (const Contribution& c : p.contributions) s.covered.push_back(c.content->ranks);
     }
-    std::sort(groups.begin(), groups.end(),
-              [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
-    for (const GroupState* g : groups) {
-      for (const auto& [step, p] : g->pending) {
-        v1::Stall* s = out.add_stalls();
-        s->set_job_id(job.job_id);
-        s->set_group_id(g->group_id);
-        s->set_step(step);
-        s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
-        s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
-        RankSet covered(job.world_size);
-        for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-        for (int r : covered.Missing()) {
-          s->add_missing_ranks(r);
-          s->add_missing_last_steps(RankLastStepLocked(job, r));
-        }
-        s->set_reported_ranks(covered.Count());
+  }
+  return snap;
+}
+
+absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
+  // Snapshot under the lock (per pending step its times and the rank sets
+  // of its contributions, shared and immutable; per job its ranks' last
+  // steps); the unions and the missing ranks (O(world) per step) are built
+  // outside it.
+  using JobSnapshot = StallsSnapshot;
+  std::vector<JobSnapshot> jobs;
+  absl::Time now;
+  {
+    accord::MutexLock l(&mu_);
+    if (!job_id.empty() && !jobs_.contains(job_id)) {
+      return absl::NotFoundError(
+          absl::StrCat("job \"", job_id,
+                       "\" is not running on this coordinator; check the job id with "
+                       "`accordctl status`"));
+    }
+    now = clock_->Now();
+    for (const auto& [id, job] : jobs_) {
+      if (!job_id.empty() && id != job_id) continue;
+      jobs.push_back(StallsSnapshotLocked(job));
+    }
+  }
+  std::sort(jobs.begin(), jobs.end(),
+            [](const JobSnapshot& a, const JobSnapshot& b) { return a.job_id < b.job_id; });
+  v1::StallsResponse out;
+  for (const JobSnapshot& job : jobs) {
+    for (const StallsSnapshot::Step& p : job.steps) {
+      v1::Stall* s = out.add_stalls();
+      s->set_job_id(job.job_id);
+      s->set_group_id(p.group_id);
+      s->set_step(p.step);
+      s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
+      s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
+      RankSet covered(job.world_size);
+      for (const auto& ranks : p.covered) covered.Union(*ranks);
+      for (int r : covered.Missing()) {
+        s->add_missing_ranks(r);
+        s->add_missing_last_steps(job.last_steps[r]);
       }
+      s->set_reported_ranks(covered.Count());
     }
   }
   return out;
@@ -497,10 +512,10 @@ std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
   for (const auto& [id, job] : jobs_) {
     JobGauges g;
     g.job_id = id;
-    g.connected_nodes = job.connected_nodes;
+    g.connected_nodes = job.members.connected();
     for (const auto& [gid, group] : job.groups) {
       for (const auto& [step, p] : group.pending) {
-        if (now - p.first_seen > options_.deadline / 2) {
+        if (now - p.clock.first_seen() > options_.deadline / 2) {
           ++g.stalled_groups;
           break;
         }

@@ -8,16 +8,13 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/decision_errors.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
 namespace {
 
 constexpr char kServerVersion[] = "accord-sidecar/0.1";
-
-v1::DecisionError Error(v1::ErrorKind kind, absl::StatusCode code, std::string message) {
-  return wire::MakeError(kind, absl::Status(code, std::move(message)));
-}
 
 absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatus(e); }
 
@@ -243,8 +240,7 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
   }
   if (s.rank < 0) {
     v1::RankReply reply;
-    *reply.mutable_error() =
-        Error(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition, "send RankHello first");
+    *reply.mutable_error() = OutOfOrderError(v1::INVALID_REQUEST, "send RankHello first");
     s.sink->Send(std::make_shared<const v1::RankReply>(reply));
     s.sink->Close(ErrorStatus(reply.error()));
     return;
@@ -257,34 +253,35 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
 }
 
 void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
-  auto refuse = [&](v1::ErrorKind kind, absl::StatusCode code, std::string msg) {
+  auto refuse = [&](v1::DecisionError error) {
     v1::RankReply reply;
-    *reply.mutable_error() = Error(kind, code, std::move(msg));
+    *reply.mutable_error() = std::move(error);
     reply.mutable_error()->set_job_id(hello.job_id());
     reply.mutable_error()->add_ranks(hello.rank());
     s.sink->Send(std::make_shared<const v1::RankReply>(reply));
     s.sink->Close(ErrorStatus(reply.error()));
   };
   if (s.rank >= 0) {
-    refuse(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-           absl::StrCat("rank ", s.rank, " sent a second RankHello"));
+    refuse(OutOfOrderError(v1::INVALID_REQUEST,
+                           absl::StrCat("rank ", s.rank, " sent a second RankHello")));
     return;
   }
   if (hello.job_id().empty()) {
-    refuse(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument, "RankHello without a job_id");
+    refuse(KindedError(v1::INVALID_REQUEST, "RankHello without a job_id"));
     return;
   }
   if (!options_.job.empty() && hello.job_id() != options_.job) {
-    refuse(v1::PERMISSION_DENIED, absl::StatusCode::kPermissionDenied,
-           absl::StrCat("this sidecar serves job ", options_.job, " (--job) only; rank ",
-                        hello.rank(), " belongs to job ", hello.job_id()));
+    refuse(KindedError(v1::PERMISSION_DENIED, absl::StrCat("this sidecar serves job ", options_.job,
+                                                           " (--job) only; rank ", hello.rank(),
+                                                           " belongs to job ", hello.job_id())));
     return;
   }
   if (!job_id_.empty() && hello.job_id() != job_id_) {
-    refuse(v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-           absl::StrCat("this sidecar is serving job ", job_id_, "; rank ", hello.rank(),
-                        " of job ", hello.job_id(),
-                        " must wait until that job's ranks have left or use another sidecar"));
+    refuse(OutOfOrderError(
+        v1::INVALID_REQUEST,
+        absl::StrCat("this sidecar is serving job ", job_id_, "; rank ", hello.rank(), " of job ",
+                     hello.job_id(),
+                     " must wait until that job's ranks have left or use another sidecar")));
     return;
   }
   if (const std::string& expected = options_.token.empty() ? rank_token_ : options_.token;
@@ -293,42 +290,45 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
     ACCORD_LOG(WARNING) << "permission denied: job " << hello.job_id() << " rank " << hello.rank()
                         << ": RankHello token "
                         << (hello.token().empty() ? "missing" : "differs from the job's");
-    refuse(v1::PERMISSION_DENIED, absl::StatusCode::kPermissionDenied,
-           absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                        hello.token().empty()
-                            ? " sent no token and this sidecar requires one (--require_rank_token)"
-                            : " sent a token that is not the one this sidecar holds for the job",
-                        "; check ACCORD_TOKEN / ClientOptions.token of the rank"));
+    refuse(KindedError(
+        v1::PERMISSION_DENIED,
+        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
+                     hello.token().empty()
+                         ? " sent no token and this sidecar requires one (--require_rank_token)"
+                         : " sent a token that is not the one this sidecar holds for the job",
+                     "; check ACCORD_TOKEN / ClientOptions.token of the rank")));
     return;
   }
   if (hello.world_size() < 1) {
-    refuse(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-           absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size()));
+    refuse(KindedError(v1::INVALID_REQUEST,
+                       absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size())));
     return;
   }
   if (!job_id_.empty() && hello.world_size() != world_size_) {
-    refuse(v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
-           absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
-                        hello.world_size(), " but this node's other ranks say ", world_size_,
-                        "; check WORLD_SIZE of the launcher"));
+    refuse(KindedError(
+        v1::WORLD_SIZE_MISMATCH,
+        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
+                     hello.world_size(), " but this node's other ranks say ", world_size_,
+                     "; check WORLD_SIZE of the launcher")));
     return;
   }
   if (hello.rank() < 0 || hello.rank() >= hello.world_size()) {
-    refuse(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-           absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " outside 0..",
-                        hello.world_size() - 1));
+    refuse(KindedError(v1::INVALID_REQUEST,
+                       absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " outside 0..",
+                                    hello.world_size() - 1)));
     return;
   }
   if (ranks_.count(hello.rank())) {
-    refuse(v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
-           absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                        " is already connected to this sidecar; check RANK of the local "
-                        "processes"));
+    refuse(
+        KindedError(v1::DUPLICATE_RANK,
+                    absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
+                                 " is already connected to this sidecar; check RANK of the local "
+                                 "processes")));
     return;
   }
   if (static_cast<int>(ranks_.size()) >= options_.max_ranks) {
-    refuse(v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-           absl::StrCat("this sidecar already serves ", ranks_.size(), " ranks (--max_ranks)"));
+    refuse(KindedError(v1::LIMIT_EXCEEDED, absl::StrCat("this sidecar already serves ",
+                                                        ranks_.size(), " ranks (--max_ranks)")));
     return;
   }
   const bool first = job_id_.empty();
@@ -375,15 +375,14 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
   };
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
-    reply_error(
-        Error(v1::INVALID_REQUEST, spec.status().code(),
-              absl::StrCat("job ", job_id_, " rank ", rank, ": ", spec.status().message())));
+    reply_error(ErrorFromStatus(v1::INVALID_REQUEST, spec.status(),
+                                absl::StrCat("job ", job_id_, " rank ", rank, ": ")));
     return;
   }
   if (absl::StatusOr<Policy> p = wire::PolicyFromProto(reg.policy()); !p.ok()) {
-    reply_error(Error(v1::INVALID_REQUEST, p.status().code(),
-                      absl::StrCat("job ", job_id_, " rank ", rank, " group \"", reg.group_id(),
-                                   "\": ", p.status().message())));
+    reply_error(ErrorFromStatus(
+        v1::INVALID_REQUEST, p.status(),
+        absl::StrCat("job ", job_id_, " rank ", rank, " group \"", reg.group_id(), "\": ")));
     return;
   }
   auto [git, inserted] = groups_.try_emplace(reg.group_id());
@@ -446,12 +445,11 @@ void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight) {
 void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   RankState& rs = ranks_[rank];
   v1::RankReply errors;
-  auto reply_error = [&](const v1::Manifest& m, v1::ErrorKind kind, absl::StatusCode code,
-                         std::string msg) {
+  auto reply_error = [&](const v1::Manifest& m, v1::DecisionError error) {
     v1::Decision* d = errors.mutable_decisions()->add_decisions();
     d->set_group_id(m.group_id());
     d->set_step(m.step());
-    *d->mutable_error() = Error(kind, code, std::move(msg));
+    *d->mutable_error() = std::move(error);
     d->mutable_error()->set_job_id(job_id_);
     d->mutable_error()->set_group_id(m.group_id());
     d->mutable_error()->set_step(m.step());
@@ -461,10 +459,10 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     // Batch repeats are a sidecar -> coordinator form only.
     v1::RankReply reply;
     *reply.mutable_error() =
-        Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-              absl::StrCat("job ", job_id_, " rank ", rank, " step ", batch.repeat_step(),
-                           ": a rank must send manifests, not a batch repeat record; check the "
-                           "client library's version"));
+        KindedError(v1::INVALID_REQUEST,
+                    absl::StrCat("job ", job_id_, " rank ", rank, " step ", batch.repeat_step(),
+                                 ": a rank must send manifests, not a batch repeat record; check "
+                                 "the client library's version"));
     reply.mutable_error()->add_ranks(rank);
     SendToRankLocked(rank, std::move(reply));
     return;
@@ -477,9 +475,10 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     auto git = groups_.find(m.group_id());
     if (git == groups_.end() ||
         !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
-      reply_error(m, v1::UNKNOWN_GROUP, absl::StatusCode::kNotFound,
-                  absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
-                               m.group_id(), "\" which this rank has not registered"));
+      reply_error(
+          m, KindedError(v1::UNKNOWN_GROUP,
+                         absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
+                                      m.group_id(), "\" which this rank has not registered")));
       continue;
     }
     LocalGroup& g = git->second;
@@ -491,9 +490,10 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     }
     if (m.step() <= g.last_decided_step) {
       reply_error(
-          m, v1::STEP_REGRESSION, absl::StatusCode::kFailedPrecondition,
-          absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
-                       m.step(), ": older than the last decided step ", g.last_decided_step));
+          m, KindedError(v1::STEP_REGRESSION,
+                         absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
+                                      "\" step ", m.step(), ": older than the last decided step ",
+                                      g.last_decided_step)));
       continue;
     }
     const size_t num_params = g.spec.params.size();
@@ -506,11 +506,13 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     uint64_t full_key = 0;
     if (m.repeat()) {
       if (!have_last || last->key != m.cache_key()) {
-        reply_error(
-            m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-            absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
-                         m.step(), ": repeat of cache key ", m.cache_key(),
-                         " which is not this rank's previous manifest; send the full form"));
+        reply_error(m,
+                    OutOfOrderError(
+                        v1::INVALID_MANIFEST,
+                        absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
+                                     "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
+                                     " which is not this rank's previous manifest; send the "
+                                     "full form")));
         continue;
       }
       content = &last->dtypes;
@@ -523,9 +525,9 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
       }
       if (!valid.ok()) {
         const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
-        reply_error(m, non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                    absl::StatusCode::kInvalidArgument,
-                    absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message()));
+        reply_error(
+            m, KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                           absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message())));
         continue;
       }
       // The key covers content, not the step; recompute it so a client that
@@ -541,10 +543,11 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
       // A second manifest for the step: a resend of the same content is a
       // no-op, different content is an error.
       if (!std::equal(content->begin(), content->end(), st.rows.begin() + row * num_params)) {
-        reply_error(
-            m, v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-            absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
-                         m.step(), ": a second, different manifest for the same step"));
+        reply_error(m, OutOfOrderError(v1::INVALID_MANIFEST,
+                                       absl::StrCat("job ", job_id_, " rank ", rank, " group \"",
+                                                    m.group_id(), "\" step ", m.step(),
+                                                    ": a second, different manifest for the same "
+                                                    "step")));
       }
       continue;
     }

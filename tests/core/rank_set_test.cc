@@ -48,6 +48,9 @@ TEST(RankSetTest, FullAndEmptyAgreeWithCount) {
       EXPECT_EQ(all_but.Empty(), world == 1) << world << " " << hole;
       EXPECT_EQ(only.Full(), world == 1) << world << " " << hole;
       EXPECT_FALSE(only.Empty()) << world << " " << hole;
+      EXPECT_EQ(only.CountInWords(hole / 64, hole / 64 + 1), 1);
+      EXPECT_EQ(only.CountInWords(0, (world + 63) / 64), 1);
+      EXPECT_EQ(all_but.CountInWords(0, (world + 63) / 64), world - 1);
       all_but.Add(hole);
       EXPECT_TRUE(all_but.Full()) << world;
       EXPECT_EQ(all_but.Count(), world);

@@ -1,0 +1,96 @@
+// What the ranks of a job agree on per group: the registration (the same
+// spec and policy on every rank) and, per step, the decision computed from
+// the node manifests (docs/ARCHITECTURE.md, "Classes").
+#ifndef ACCORD_DAEMON_COORDINATOR_GROUP_AGREEMENT_H_
+#define ACCORD_DAEMON_COORDINATOR_GROUP_AGREEMENT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "accord/v1/accord.pb.h"
+#include "core/decide.h"
+#include "core/group.h"
+#include "core/manifest.h"
+#include "core/rank_set.h"
+#include "daemon/coordinator/content.h"
+
+namespace accord::daemon {
+
+// A (spec, policy) some ranks registered.
+struct RegVariant {
+  GroupSpec spec;
+  Policy policy;
+  std::string policy_bytes;  // serialized ReducePolicy, for equality
+  RankSet ranks;
+};
+
+// The registrations of one group by the ranks of a job. Collecting until
+// every rank registered; then agreed (one variant: every node gets its
+// fingerprint) or failed (REGISTRATION_MISMATCH naming the first differing
+// parameter and the ranks that differ from the lowest rank's registration).
+// A later registration is checked against the agreed variant. Not
+// thread-safe: the coordinator's lock guards it.
+class GroupRegistration {
+ public:
+  enum class State { kCollecting, kAgreed, kFailed };
+  struct Added {
+    int variant = -1;        // the index of the registering ranks' variant
+    bool completed = false;  // this registration completed it (kAgreed or kFailed now)
+  };
+
+  GroupRegistration(int world_size, std::string job_id, std::string group_id);
+
+  // `ranks` (in the world) registered `spec` and `policy`.
+  Added Add(const GroupSpec& spec, const Policy& policy, const RankSet& ranks);
+
+  State state() const { return state_; }
+  // kAgreed: the agreed spec's fingerprint.
+  uint64_t fingerprint() const { return fingerprint_; }
+  // kFailed: the mismatch every rank gets.
+  const v1::DecisionError& error() const { return error_; }
+  // Whether `variant` is the agreed one (kAgreed).
+  bool IsAgreed(int variant) const { return state_ == State::kAgreed && variant == agreed_; }
+  // The agreed variant, or the first registered one before agreement.
+  // Requires !empty().
+  const RegVariant& reference() const { return variants_[agreed_ >= 0 ? agreed_ : 0]; }
+  const RegVariant& variant(int i) const { return variants_[i]; }
+  bool empty() const { return variants_.empty(); }
+
+ private:
+  void Complete();
+  v1::DecisionError MismatchError(int ref, int ref_rank) const;
+
+  const int world_size_;
+  const std::string job_id_;
+  const std::string group_id_;
+  std::vector<RegVariant> variants_;
+  RankSet registered_;
+  State state_ = State::kCollecting;
+  int agreed_ = -1;
+  uint64_t fingerprint_ = 0;
+  v1::DecisionError error_;
+};
+
+// The OR-merge of one step's node contents and the decision on it.
+class StepMerger {
+ public:
+  StepMerger(size_t num_params, int world_size, int64_t step);
+  // Adds one node's content (its ranks and dtypes).
+  void Add(const Content& content);
+  // Core Decide on the merged manifest: the wire dtype and included set,
+  // or why there is none (a rank missing, dtypes that do not reduce).
+  absl::StatusOr<Decision> Decide(const RegVariant& agreed);
+
+ private:
+  const int world_size_;
+  Manifest merged_;
+  // A node's ranks are a few words of a world-sized set: OR only those.
+  std::vector<uint64_t> words_;
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_COORDINATOR_GROUP_AGREEMENT_H_

@@ -1,0 +1,101 @@
+#include "daemon/coordinator/membership.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace accord::daemon {
+
+Membership::Membership(int world_size)
+    : world_size_(world_size), owner_(world_size, nullptr), left_step_(world_size, -1) {}
+
+int Membership::HeldElsewhere(absl::string_view node_id, const std::vector<int>& ranks) const {
+  for (int r : ranks) {
+    const NodeState* owner = owner_[r];
+    if (owner != nullptr && owner->node_id != node_id && owner->connected()) return r;
+  }
+  return -1;
+}
+
+NodeState& Membership::Connect(const std::string& node_id, const std::vector<int>& ranks,
+                               uint64_t session, NodeSink* sink, bool answers_progress,
+                               uint64_t* replaced) {
+  NodeState& node = nodes_[node_id];
+  node.node_id = node_id;
+  node.answers_progress = answers_progress;
+  *replaced = node.session;
+  if (node.connected()) --connected_;
+  for (int r : node.ranks) {
+    if (owner_[r] == &node) owner_[r] = nullptr;
+  }
+  auto set = std::make_shared<RankSet>(world_size_);
+  for (int r : ranks) {
+    TakeRank(node, r);
+    set->Add(r);
+  }
+  node.ranks = ranks;
+  SetRankSet(node, std::move(set));
+  node.session = session;
+  node.sink = sink;
+  node.disconnected_at = absl::InfiniteFuture();
+  ++connected_;
+  return node;
+}
+
+void Membership::Disconnect(NodeState& node, absl::Time now) {
+  node.session = 0;
+  node.sink = nullptr;
+  node.disconnected_at = now;
+  --connected_;
+}
+
+Membership::Join Membership::JoinRank(NodeState& node, int rank) {
+  const NodeState* owner = owner_[rank];
+  if (owner == &node) return Join::kAlreadyServed;
+  if (owner != nullptr && owner->connected()) return Join::kHeldElsewhere;
+  TakeRank(node, rank);
+  node.ranks.push_back(rank);
+  std::sort(node.ranks.begin(), node.ranks.end());
+  auto set = std::make_shared<RankSet>(*node.rank_set);
+  set->Add(rank);
+  SetRankSet(node, std::move(set));
+  return Join::kJoined;
+}
+
+bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step) {
+  // A rank this node does not serve (e.g. one refused as a duplicate)
+  // leaving changes nothing.
+  if (owner_[rank] != &node) return false;
+  left_step_[rank] = std::max(left_step_[rank], last_step);
+  return true;
+}
+
+int64_t Membership::LastStep(int rank) const {
+  int64_t last = left_step_[rank];
+  if (const NodeState* owner = owner_[rank]; owner != nullptr) {
+    last = std::max(last, owner->last_step);
+  }
+  return last;
+}
+
+void Membership::TakeRank(NodeState& node, int rank) {
+  NodeState* owner = owner_[rank];
+  if (owner != nullptr && owner != &node) {
+    // Moved from a disconnected node.
+    owner->ranks.erase(std::remove(owner->ranks.begin(), owner->ranks.end(), rank),
+                       owner->ranks.end());
+  }
+  owner_[rank] = &node;
+}
+
+void Membership::SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set) {
+  const std::vector<uint64_t>& words = set->words();
+  int lo = 0;
+  int hi = static_cast<int>(words.size());
+  while (lo < hi && words[lo] == 0) ++lo;
+  while (hi > lo && words[hi - 1] == 0) --hi;
+  node.word_lo = lo;
+  node.word_hi = hi;
+  node.rank_set = std::move(set);
+}
+
+}  // namespace accord::daemon

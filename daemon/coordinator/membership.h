@@ -1,0 +1,100 @@
+// Which node serves which rank of one job (docs/ARCHITECTURE.md, "Classes").
+#ifndef ACCORD_DAEMON_COORDINATOR_MEMBERSHIP_H_
+#define ACCORD_DAEMON_COORDINATOR_MEMBERSHIP_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/node_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "core/rank_set.h"
+#include "daemon/coordinator/content_cache.h"
+
+namespace accord::daemon {
+
+class NodeSink;
+
+// One node (sidecar) of a job.
+struct NodeState {
+  std::string node_id;
+  uint64_t session = 0;  // the coordinator's session id; 0: disconnected
+  NodeSink* sink = nullptr;
+  std::vector<int> ranks;  // sorted
+  std::shared_ptr<const RankSet> rank_set;
+  // rank_set->words() is zero outside [word_lo, word_hi).
+  int word_lo = 0;
+  int word_hi = 0;
+  int64_t last_step = -1;         // the highest step it contributed to
+  bool answers_progress = false;  // NodeHello.answers_progress
+  // When its stream ended; InfiniteFuture while connected.
+  absl::Time disconnected_at = absl::InfiniteFuture();
+  // Per group; node_hash_map: sessions' batch records point at the values.
+  absl::node_hash_map<std::string, NodeGroupState> groups;
+
+  bool connected() const { return session != 0; }
+  // Whether its stream ended and it has not come back (yet).
+  bool lost() const { return session == 0 && disconnected_at != absl::InfiniteFuture(); }
+};
+
+// The nodes of one job and the owner of each rank. A rank is owned by at
+// most one node; a connected node's ranks cannot be taken by another node,
+// a disconnected node's can (the rank moved). Not thread-safe: the
+// coordinator's lock guards it. NodeState addresses are stable.
+class Membership {
+ public:
+  explicit Membership(int world_size);
+
+  int world_size() const { return world_size_; }
+  int connected() const { return connected_; }
+  bool all_connected() const { return connected_ == static_cast<int>(nodes_.size()); }
+  absl::node_hash_map<std::string, NodeState>& nodes() { return nodes_; }
+  const absl::node_hash_map<std::string, NodeState>& nodes() const { return nodes_; }
+
+  // The first of `ranks` that a connected node other than `node_id` serves
+  // (-1: none): the DUPLICATE_RANK check of a NodeHello.
+  int HeldElsewhere(absl::string_view node_id, const std::vector<int>& ranks) const;
+  // Connects node `node_id` (created on first sight) on `session`, serving
+  // exactly `ranks` (sorted, each in the world, checked with HeldElsewhere):
+  // ranks it served before and no longer announces are released, ranks of
+  // disconnected nodes move to it. Returns the node; `*replaced` is the
+  // session it was still connected on (it reconnected before its old stream
+  // was noticed as gone), 0 when none.
+  NodeState& Connect(const std::string& node_id, const std::vector<int>& ranks, uint64_t session,
+                     NodeSink* sink, bool answers_progress, uint64_t* replaced);
+  // The node's stream ended at `now`.
+  void Disconnect(NodeState& node, absl::Time now);
+
+  enum class Join { kJoined, kAlreadyServed, kHeldElsewhere };
+  // RankEvent(joined): `rank` (in the world) joined `node`'s sidecar.
+  // kHeldElsewhere when a connected node serves it (nothing changes).
+  Join JoinRank(NodeState& node, int rank);
+  // RankEvent(left): `rank` of `node` left after `last_step`. False (nothing
+  // recorded) when `node` does not serve it.
+  bool LeaveRank(const NodeState& node, int rank, int64_t last_step);
+
+  // The node serving `rank` (nullptr: none).
+  const NodeState* OwnerOf(int rank) const { return owner_[rank]; }
+  // Whether `rank` left (RankEvent) since it joined.
+  bool Left(int rank) const { return left_step_[rank] >= 0; }
+  // The last step `rank` reached: from its RankEvent when it left, or its
+  // node's last contribution (-1: none).
+  int64_t LastStep(int rank) const;
+
+ private:
+  static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);
+  // Moves `rank` from its current owner (if any) to `node`.
+  void TakeRank(NodeState& node, int rank);
+
+  const int world_size_;
+  int connected_ = 0;
+  absl::node_hash_map<std::string, NodeState> nodes_;
+  std::vector<NodeState*> owner_;   // per rank
+  std::vector<int64_t> left_step_;  // per rank, from RankEvent; -1: none
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_COORDINATOR_MEMBERSHIP_H_

@@ -1,0 +1,96 @@
+#include "daemon/coordinator/run_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/wire.h"
+
+namespace accord::daemon {
+namespace {
+
+// A 64-bit finalizer: consecutive nonces give unrelated run ids.
+uint64_t Mix(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  return k;
+}
+
+}  // namespace
+
+Run* RunRegistry::Find(const std::string& job_id) {
+  auto it = runs_.find(job_id);
+  return it == runs_.end() ? nullptr : &it->second;
+}
+
+Run& RunRegistry::Start(const std::string& job_id, std::string run_id, absl::Time now) {
+  if (run_id.empty()) {
+    const uint64_t n = nonce_++;
+    run_id = absl::StrCat(
+        "r", absl::Hex(Mix(n) ^ Mix(Mix(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
+  }
+  Run& run = runs_[job_id];
+  run = Run();
+  run.run_id = std::move(run_id);
+  run.started = now;
+  return run;
+}
+
+bool RunRegistry::End(const std::string& job_id, const std::string& run_id, absl::Status why) {
+  auto it = runs_.find(job_id);
+  if (it == runs_.end() || it->second.run_id != run_id) return false;
+  ended_.push_back(EndedRun{job_id, KeyScopeOf(it->second), std::move(why), ""});
+  runs_.erase(it);
+  return true;
+}
+
+void RunRegistry::SetLastEndReason(const std::string& scope, absl::Status why) {
+  if (!ended_.empty() && ended_.back().run_id == scope) ended_.back().why = std::move(why);
+}
+
+void RunRegistry::Fail(const std::string& job_id, const std::string& run_id,
+                       const v1::DecisionError& error) {
+  Run* run = Find(job_id);
+  if (run == nullptr || run->run_id != run_id || run->state == RunState::kFailed) return;
+  const std::string scope = KeyScopeOf(*run);
+  run->SetFailed(error);
+  ended_.push_back(EndedRun{job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(*run)});
+}
+
+void RunRegistry::Remember(const std::string& job_id, const std::string& run_id) {
+  if (remembered_set_.insert(std::make_pair(job_id, run_id)).second) {
+    remembered_.emplace_back(job_id, run_id);
+  }
+  while (remembered_.size() > kRemembered) {
+    remembered_set_.erase(remembered_.front());
+    remembered_.pop_front();
+  }
+}
+
+std::vector<std::string> RunRegistry::StartingPast(absl::Time now, absl::Duration timeout,
+                                                   absl::Time& next) const {
+  std::vector<std::string> expired;
+  for (const auto& [job_id, run] : runs_) {
+    if (run.state != RunState::kStarting) continue;
+    const absl::Time due = run.started + timeout;
+    if (due <= now) {
+      expired.push_back(job_id);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  return expired;
+}
+
+std::vector<EndedRun> RunRegistry::TakeEnded() {
+  std::vector<EndedRun> ended;
+  ended.swap(ended_);
+  return ended;
+}
+
+std::string RunRegistry::KeyScopeOf(const Run& run) {
+  return run.state == RunState::kFailed ? absl::StrCat(run.run_id, "/after-failure") : run.run_id;
+}
+
+}  // namespace accord::daemon

@@ -1,0 +1,110 @@
+// The runs (incarnations) of the jobs a coordinator serves
+// (docs/ARCHITECTURE.md, "Runs" and "Lifecycles").
+#ifndef ACCORD_DAEMON_COORDINATOR_RUN_REGISTRY_H_
+#define ACCORD_DAEMON_COORDINATOR_RUN_REGISTRY_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "accord/v1/accord.pb.h"
+
+namespace accord::daemon {
+
+enum class RunState {
+  kStarting,  // started by a key-value request; no node joined yet
+  kRunning,   // its job exists (a node said NodeHello)
+  kFailed,    // its job failed; its keys were dropped, late requests get the failure
+};
+
+// One run of a job. It starts at the job's first NodeHello or key-value
+// request and ends when its last node disconnects, when a newer run
+// supersedes it, or (never joined by a node) after run_start_timeout.
+// SetRunning and SetFailed are its only transitions:
+//   kStarting --SetRunning (its job was created by a NodeHello)--> kRunning
+//   kRunning --SetFailed (its job failed)--> kFailed
+// and from any state it ends (RunRegistry::End).
+struct Run {
+  std::string run_id;
+  absl::Time started;
+  // The nodes that joined it, each with the epoch its sidecar drew for its ranks.
+  absl::flat_hash_map<std::string, uint64_t> node_epochs;
+  RunState state = RunState::kStarting;
+  v1::DecisionError failure;  // set in kFailed
+  void SetRunning() {
+    if (state == RunState::kStarting) state = RunState::kRunning;
+  }
+  void SetFailed(const v1::DecisionError& error) {
+    state = RunState::kFailed;
+    failure = error;
+  }
+};
+
+// A run's end (or its failure's drop of its keys) for
+// CoordinatorOptions::on_run_ended.
+struct EndedRun {
+  std::string job_id;
+  std::string run_id;  // the key scope (RunRegistry::KeyScopeOf)
+  absl::Status why;
+  std::string successor;  // a failed run's fresh key scope
+};
+
+// The current run of each job id, the ends not yet delivered, and the last
+// kRemembered runs that failed or were superseded (so a late request of one
+// is refused instead of reviving it). Not thread-safe: the coordinator's
+// lock guards it.
+class RunRegistry {
+ public:
+  static constexpr size_t kRemembered = 4096;
+
+  // `seed` draws run ids.
+  explicit RunRegistry(uint64_t seed) : nonce_(seed) {}
+
+  size_t size() const { return runs_.size(); }
+  // The job's current run (nullptr: none).
+  Run* Find(const std::string& job_id);
+  // Starts the job's run (the caller ended any previous one) at `now`, under
+  // `run_id`, or a fresh id when empty.
+  Run& Start(const std::string& job_id, std::string run_id, absl::Time now);
+  // Ends the job's run if it is still `run_id`: it is erased and its end
+  // queued with `why`. Returns whether it did.
+  bool End(const std::string& job_id, const std::string& run_id, absl::Status why);
+  // Replaces the reason of the last queued end when it is that of `scope`.
+  void SetLastEndReason(const std::string& scope, absl::Status why);
+  // The job's run failed (when it is still `run_id` and not failed yet):
+  // kFailed, and the drop of its keys is queued; keys set afterwards go to a
+  // fresh scope (KeyScopeOf), dropped when the run ends.
+  void Fail(const std::string& job_id, const std::string& run_id, const v1::DecisionError& error);
+  // Remembers that `run_id` of `job_id` ended here (bounded, oldest first out).
+  void Remember(const std::string& job_id, const std::string& run_id);
+  bool Remembered(const std::string& job_id, const std::string& run_id) const {
+    return remembered_set_.contains(std::make_pair(job_id, run_id));
+  }
+  // The jobs whose run is still kStarting `timeout` after it started; lowers
+  // `next` to when the next one is due.
+  std::vector<std::string> StartingPast(absl::Time now, absl::Duration timeout,
+                                        absl::Time& next) const;
+  // The queued ends, oldest first; the queue is left empty.
+  std::vector<EndedRun> TakeEnded();
+
+  // The key-value scope of a run: its id, or after its failure a fresh one
+  // (the failure dropped the run's keys).
+  static std::string KeyScopeOf(const Run& run);
+
+ private:
+  absl::flat_hash_map<std::string, Run> runs_;  // by job id
+  uint64_t nonce_;
+  std::vector<EndedRun> ended_;
+  std::deque<std::pair<std::string, std::string>> remembered_;
+  absl::flat_hash_set<std::pair<std::string, std::string>> remembered_set_;
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_COORDINATOR_RUN_REGISTRY_H_

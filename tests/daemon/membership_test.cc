@@ -1,0 +1,104 @@
+#include "daemon/coordinator/membership.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace accord::daemon {
+namespace {
+
+using ::testing::ElementsAre;
+
+// A world of 4: node "a" connects with ranks 0,1 and node "b" with 2,3.
+class MembershipTest : public ::testing::Test {
+ protected:
+  MembershipTest() : members_(4) {
+    a_ = &Connect("a", {0, 1}, 1);
+    b_ = &Connect("b", {2, 3}, 2);
+  }
+  NodeState& Connect(const std::string& id, std::vector<int> ranks, uint64_t session) {
+    uint64_t replaced = 0;
+    return members_.Connect(id, ranks, session, nullptr, true, &replaced);
+  }
+  Membership members_;
+  NodeState* a_;
+  NodeState* b_;
+};
+
+TEST_F(MembershipTest, OwnersAreTheConnectingNodes) {
+  EXPECT_EQ(members_.OwnerOf(0), a_);
+  EXPECT_EQ(members_.OwnerOf(1), a_);
+  EXPECT_EQ(members_.OwnerOf(3), b_);
+  EXPECT_EQ(members_.connected(), 2);
+  EXPECT_TRUE(members_.all_connected());
+  EXPECT_TRUE(a_->rank_set->Contains(1));
+  EXPECT_FALSE(a_->rank_set->Contains(2));
+}
+
+TEST_F(MembershipTest, ARankOfAConnectedNodeIsHeldElsewhere) {
+  EXPECT_EQ(members_.HeldElsewhere("c", {1, 2}), 1);
+  EXPECT_EQ(members_.HeldElsewhere("a", {0, 1}), -1);  // its own ranks
+  EXPECT_EQ(members_.JoinRank(*b_, 0), Membership::Join::kHeldElsewhere);
+  EXPECT_EQ(members_.OwnerOf(0), a_);  // unchanged
+}
+
+TEST_F(MembershipTest, ARankOfADisconnectedNodeMovesToItsNewNode) {
+  members_.Disconnect(*a_, absl::UnixEpoch());
+  EXPECT_EQ(members_.connected(), 1);
+  EXPECT_FALSE(members_.all_connected());
+  EXPECT_TRUE(a_->lost());
+  EXPECT_EQ(members_.HeldElsewhere("c", {1}), -1);
+  NodeState& c = Connect("c", {1}, 3);
+  EXPECT_EQ(members_.OwnerOf(1), &c);
+  EXPECT_THAT(a_->ranks, ElementsAre(0));
+}
+
+TEST_F(MembershipTest, AReconnectTakesTheNodesStateOverAndNamesTheOldSession) {
+  a_->last_step = 7;
+  uint64_t replaced = 0;
+  NodeState& again = members_.Connect("a", {0, 1}, 9, nullptr, true, &replaced);
+  EXPECT_EQ(&again, a_);
+  EXPECT_EQ(replaced, 1u);  // still connected on session 1
+  EXPECT_EQ(members_.connected(), 2);
+  EXPECT_EQ(again.last_step, 7);
+  EXPECT_EQ(again.session, 9u);
+}
+
+TEST_F(MembershipTest, AReconnectWithFewerRanksReleasesTheOthers) {
+  members_.Disconnect(*a_, absl::UnixEpoch());
+  Connect("a", {0}, 5);
+  EXPECT_EQ(members_.OwnerOf(0), a_);
+  EXPECT_EQ(members_.OwnerOf(1), nullptr);
+}
+
+TEST_F(MembershipTest, RankLeaveAndRejoin) {
+  b_->last_step = 4;
+  EXPECT_FALSE(members_.LeaveRank(*a_, 3, 10));  // not a's rank: nothing recorded
+  EXPECT_FALSE(members_.Left(3));
+  EXPECT_TRUE(members_.LeaveRank(*b_, 3, 6));
+  EXPECT_TRUE(members_.Left(3));
+  EXPECT_EQ(members_.LastStep(3), 6);  // its own last step, past its node's
+  EXPECT_EQ(members_.LastStep(2), 4);  // its node's
+  EXPECT_EQ(members_.JoinRank(*b_, 3), Membership::Join::kAlreadyServed);
+}
+
+TEST_F(MembershipTest, ARankJoiningAnotherNodeAfterItsNodeLeft) {
+  members_.Disconnect(*b_, absl::UnixEpoch());
+  EXPECT_EQ(members_.JoinRank(*a_, 2), Membership::Join::kJoined);
+  EXPECT_EQ(members_.OwnerOf(2), a_);
+  EXPECT_THAT(a_->ranks, ElementsAre(0, 1, 2));
+  EXPECT_TRUE(a_->rank_set->Contains(2));
+  EXPECT_THAT(b_->ranks, ElementsAre(3));
+}
+
+TEST_F(MembershipTest, RankSetWordBoundsCoverOnlyTheNodesWords) {
+  Membership wide(256);
+  uint64_t replaced = 0;
+  NodeState& n = wide.Connect("n", {130, 140}, 1, nullptr, false, &replaced);
+  EXPECT_EQ(n.word_lo, 2);
+  EXPECT_EQ(n.word_hi, 3);
+}
+
+}  // namespace
+}  // namespace accord::daemon
