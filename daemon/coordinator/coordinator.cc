@@ -1260,6 +1260,11 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
       earlier.Union(*c.content->ranks);
     }
     if (earlier.Intersects(*content->ranks)) {
+      // A restarted relay resends in parts what it had sent as one manifest
+      // (docs/ARCHITECTURE.md, "Relays"): ranks already spoken for add nothing.
+      RankSet both = earlier;
+      both.Union(*content->ranks);
+      if (both == earlier) return;
       reply_error(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
                   absl::StrCat(where(), ": node \"", node.node_id,
                                "\" sent a second, different manifest for ranks it already "
@@ -1387,9 +1392,13 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
     err.add_last_steps(last);
     if (parts.size() < 32) {
       const NodeState* owner = job.rank_owner[r];
+      std::string node = owner ? owner->node_id : std::string();
+      for (const auto& [pr, pn] : p.progress_node) {
+        if (pr == r) node = pn;  // the sidecar behind a relay
+      }
       parts.push_back(
           absl::StrCat("rank ", r, " (last step ", last, ", node ",
-                       owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
+                       node.empty() ? std::string("unknown") : absl::StrCat("\"", node, "\""),
                        // A rank already past this step skipped it (e.g. its step counter
                        // moved on across a restart): it will never submit it.
                        last > step ? ", past this step: it skipped it" : "", ")"));
@@ -1489,6 +1498,9 @@ void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
   for (int i = 0; i < n; ++i) {
     if (own(progress.ranks(i))) {
       p.progress_last.emplace_back(progress.ranks(i), progress.last_steps(i));
+      if (progress.rank_nodes_size() == progress.ranks_size()) {
+        p.progress_node.emplace_back(progress.ranks(i), progress.rank_nodes(i));
+      }
     }
   }
 }

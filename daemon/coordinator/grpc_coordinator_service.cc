@@ -80,8 +80,8 @@ class NodeSessionReactor final
 
  private:
   CoordinatorGrpcService* const service_;
-  Coordinator* const coordinator_;
-  Coordinator::SessionId id_ = 0;
+  NodeSessionHandler* const coordinator_;
+  NodeSessionHandler::SessionId id_ = 0;
   v1::NodeMessage in_;
 };
 

@@ -10,6 +10,7 @@
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/node_session.h"
 #include "daemon/common/write_queue_limits.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/kv_store.h"
@@ -28,7 +29,10 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
  public:
   // `queue_limits`: the watermarks of each stream's write queue
   // (write_queue_limits.h).
-  explicit CoordinatorGrpcService(Coordinator* coordinator, const JobTokens* tokens = nullptr,
+  // `coordinator`: the Coordinator, or a relay (anything that serves node
+  // sessions; daemon/common/node_session.h).
+  explicit CoordinatorGrpcService(NodeSessionHandler* coordinator,
+                                  const JobTokens* tokens = nullptr,
                                   WriteQueueLimits queue_limits = {})
       : coordinator_(coordinator), tokens_(tokens), queue_limits_(queue_limits) {}
   grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
@@ -41,7 +45,7 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
   friend class NodeSessionReactor;
   void Remove(NodeSessionReactor* r);
 
-  Coordinator* const coordinator_;
+  NodeSessionHandler* const coordinator_;
   const JobTokens* const tokens_;
   const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
