@@ -33,8 +33,8 @@ std::unique_ptr<LocalCluster> StartCluster(int sidecars, int sidecars_per_relay)
   return c.ok() ? *std::move(c) : nullptr;
 }
 
-std::vector<RankResult> Run(LocalCluster& cluster, const std::vector<std::string>& flags,
-                            const std::string& job, int world = kWorld) {
+std::vector<RankResult> RunJob(LocalCluster& cluster, const std::vector<std::string>& flags,
+                               const std::string& job, int world = kWorld) {
   std::vector<std::string> cmd = {ACCORD_RANK_SCENARIO, "--socket={socket}",
                                   "--rank={rank}",      "--world={world}",
                                   "--job={job}",        "--local_rank={local_rank}"};
@@ -71,14 +71,14 @@ const std::vector<std::string> kFlags = {"--steps=5", "--groups=3",
 TEST(RelayTest, TwoRelaysOfTwoSidecarsDecideExactlyAsTheDirectJob) {
   std::unique_ptr<LocalCluster> direct = StartCluster(4, 0);
   ASSERT_NE(direct, nullptr);
-  const std::string want = CommonDigest(Run(*direct, kFlags, "direct"));
+  const std::string want = CommonDigest(RunJob(*direct, kFlags, "direct"));
   ASSERT_FALSE(want.empty());
   direct.reset();
 
   std::unique_ptr<LocalCluster> relayed = StartCluster(4, 2);
   ASSERT_NE(relayed, nullptr);
   ASSERT_EQ(relayed->num_relays(), 2);
-  EXPECT_EQ(CommonDigest(Run(*relayed, kFlags, "relayed")), want);
+  EXPECT_EQ(CommonDigest(RunJob(*relayed, kFlags, "relayed")), want);
   // The coordinator saw the relays, never a sidecar.
   const std::string log = relayed->CoordinatorOutput();
   EXPECT_THAT(log, HasSubstr("by node \"relay")) << log;
@@ -88,11 +88,11 @@ TEST(RelayTest, TwoRelaysOfTwoSidecarsDecideExactlyAsTheDirectJob) {
 TEST(RelayTest, ARelayedJobRunsAgainUnderTheSameIdAndRepeatsGoUpInRepeatForm) {
   std::unique_ptr<LocalCluster> relayed = StartCluster(2, 2);
   ASSERT_NE(relayed, nullptr);
-  const std::string first = CommonDigest(Run(*relayed, {"--steps=6", "--groups=2"}, "again"));
+  const std::string first = CommonDigest(RunJob(*relayed, {"--steps=6", "--groups=2"}, "again"));
   ASSERT_FALSE(first.empty());
   // The relay dropped the job when its sidecars left; the same id starts a
   // new run through it and decides the same.
-  EXPECT_EQ(CommonDigest(Run(*relayed, {"--steps=6", "--groups=2"}, "again")), first);
+  EXPECT_EQ(CommonDigest(RunJob(*relayed, {"--steps=6", "--groups=2"}, "again")), first);
   // Steady-state steps repeat: the coordinator answered same_as_previous.
   std::string stats = relayed->StopCoordinator();
   std::smatch m;
@@ -107,7 +107,7 @@ TEST(RelayTest, SkipMatrixStaysPerRankThroughARelay) {
   // at step 0 only. Ranks 0,1 are on node0 and 2,3 on node1, both behind
   // relay0, so the per-rank detail must survive two merges.
   std::vector<RankResult> results =
-      Run(*relayed,
+      RunJob(*relayed,
           {"--groups=1", "--params=4", "--steps=5", "--rules=*:3:*:none,1:1:*:none,2:2:0:none"},
           "obsjob", /*world=*/4);
   ASSERT_EQ(results.size(), 4u);
