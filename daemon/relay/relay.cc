@@ -46,6 +46,31 @@ std::string ShapeOf(const v1::Manifest& m) {
   return shape;
 }
 
+// The registrations of a group as one per distinct spec, with the union of
+// the ranks that sent it: what a resend after a reconnect needs (the
+// coordinator compares specs per rank), in O(variants) messages instead of
+// one per sidecar.
+std::vector<v1::NodeRegistration> MergedRegistrations(const std::vector<v1::NodeRegistration>& in) {
+  std::map<std::string, v1::NodeRegistration> by_spec;
+  std::map<std::string, std::set<int>> ranks;
+  std::vector<std::string> order;
+  for (const v1::NodeRegistration& nr : in) {
+    const std::string key = nr.registration().SerializeAsString();
+    if (by_spec.count(key) == 0) {
+      order.push_back(key);
+      *by_spec[key].mutable_registration() = nr.registration();
+    }
+    ranks[key].insert(nr.ranks().begin(), nr.ranks().end());
+  }
+  std::vector<v1::NodeRegistration> out;
+  for (const std::string& key : order) {
+    v1::NodeRegistration& nr = by_spec[key];
+    for (int r : ranks[key]) nr.add_ranks(r);
+    out.push_back(std::move(nr));
+  }
+  return out;
+}
+
 }  // namespace
 
 Relay::Relay(RelayOptions options)
@@ -579,9 +604,9 @@ void Relay::OnUpstreamConnected() {
     hello_sent_ = true;
     for (auto& [gid, g] : groups_) {
       g.have_last_sent = false;  // a new stream holds no previous manifest
-      for (const v1::NodeRegistration& nr : g.registrations) {
+      for (v1::NodeRegistration& nr : MergedRegistrations(g.registrations)) {
         v1::NodeMessage m;
-        *m.mutable_registration() = nr;
+        *m.mutable_registration() = std::move(nr);
         resend.push_back(std::move(m));
       }
     }

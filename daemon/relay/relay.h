@@ -14,7 +14,9 @@
 //    world size that differs, or a rank another connected sidecar serves is
 //    refused with the coordinator's error kinds.
 //  - NodeRegistration and RankEvent are forwarded unchanged (the
-//    coordinator compares registrations per rank).
+//    coordinator compares registrations per rank); after an upstream
+//    reconnect the registrations go again as one per distinct spec with the
+//    union of its ranks.
 //  - Node manifests (full or repeat form; a repeat is resolved against the
 //    sidecar's previous full form, or answered with resend_full_form) are
 //    collected per (group, step). Once every sidecar that registered the

@@ -273,6 +273,27 @@ TEST_F(RelayTest, ASidecarGonePastTheGraceHasItsRanksReportedAsLeft) {
   ASSERT_EQ(up_.manifests().size(), 1u);
 }
 
+TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedManifest) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, false}));
+  Submit(b_, NodeManifest(0, {2, 3}, {true, false, false}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  relay_->OnUpstreamConnected();
+  int hellos = 0;
+  std::vector<v1::NodeRegistration> regs;
+  std::vector<v1::Manifest> resent;
+  for (const v1::NodeMessage& m : up_.reset) {
+    hellos += m.has_hello() ? 1 : 0;
+    if (m.has_registration()) regs.push_back(m.registration());
+    for (const v1::Manifest& x : m.manifests().manifests()) resent.push_back(x);
+  }
+  EXPECT_EQ(hellos, 1);
+  ASSERT_EQ(regs.size(), 1u) << "both sidecars registered the same spec";
+  EXPECT_THAT(regs[0].ranks(), ElementsAre(0, 1, 2, 3));
+  ASSERT_EQ(resent.size(), 1u);
+  EXPECT_FALSE(resent[0].repeat()) << "a new stream gets the full form";
+  EXPECT_EQ(resent[0].SerializeAsString(), up_.manifests()[0].SerializeAsString());
+}
+
 TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
   FakeNodeSink other;
   const Relay::SessionId id = relay_->OpenSession(&other);
