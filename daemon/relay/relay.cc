@@ -269,6 +269,8 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   node.welcomed = false;
   node.last_full.clear();  // a new stream starts without a previous manifest
   node.ranks = ranks;
+  node.rank_set = RankSet(world_size_);
+  for (int r : ranks) node.rank_set.Add(r);
   s.node_id = node.node_id;
   // Ranks not yet announced upstream join the relay's node there.
   for (int r : ranks) {
@@ -339,6 +341,8 @@ void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
     node.ranks.insert(std::lower_bound(node.ranks.begin(), node.ranks.end(), e.rank()), e.rank());
     announced_.insert(e.rank());
   }
+  node.rank_set = RankSet(world_size_);
+  for (int r : node.ranks) node.rank_set.Add(r);
   v1::NodeMessage up;
   *up.mutable_rank_event() = e;
   upstream_->Send(std::move(up));
@@ -408,12 +412,13 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, v1::Manifest
   LocalStep& st = g.steps[step];
   if (st.contributed.empty()) st.first_seen = clock_->Now();
   if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
-  std::vector<int> covered = node.ranks;
+  // Explicit ranks only when the sidecar named a subset; empty: all of its ranks.
+  std::vector<int> covered;
   if (!m.rank_bits().empty()) {
     absl::StatusOr<RankSet> set = wire::RankSetFromBits(m.rank_bits(), world_size_, "rank_bits");
     if (set.ok()) covered = set->Members();
   }
-  st.contributed[node.node_id] = covered;
+  st.contributed[node.node_id] = std::move(covered);
   st.unsent.push_back(Part{node.node_id, std::move(m)});
   if (deadline_ms_ > 0) ArmTimerLocked(st.first_seen + absl::Milliseconds(deadline_ms_) / 2);
   MaybeSendStepLocked(g, step, out);
@@ -423,6 +428,9 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   auto sit = g.steps.find(step);
   if (sit == g.steps.end() || sit->second.unsent.empty()) return;
   LocalStep& st = sit->second;
+  // Cheap test first: fewer contributions than registered sidecars cannot be
+  // complete (the full check below runs about once per step).
+  if (st.contributed.size() < g.nodes.size()) return;
   for (const std::string& n : g.nodes) {
     if (nodes_.count(n) != 0 && st.contributed.count(n) == 0) return;  // still waiting for n
   }
@@ -460,7 +468,6 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
   merged.step = step;
   merged.dtypes.assign(g.num_params, 0);
   merged.ranks = RankSet(world_size_);
-  std::map<int, std::string> usage;  // per covered rank: its used bits
   std::vector<DTypeMask> dtypes;
   for (const Part& p : parts) {
     if (absl::Status s = wire::ManifestDTypesFromProto(p.manifest, g.num_params, &dtypes);
@@ -468,31 +475,48 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
       return s;
     }
     for (size_t i = 0; i < g.num_params; ++i) merged.dtypes[i] |= dtypes[i];
-    auto nit = nodes_.find(p.node_id);
-    std::vector<int> ranks;
-    if (!p.manifest.rank_bits().empty()) {
-      absl::StatusOr<RankSet> set =
-          wire::RankSetFromBits(p.manifest.rank_bits(), world_size_, "rank_bits");
-      if (!set.ok()) return set.status();
-      ranks = set->Members();
-    } else if (nit != nodes_.end()) {
-      ranks = nit->second.ranks;
-    }
-    for (int r : ranks) merged.ranks.Add(r);
-    RankUsageOf(p.manifest, ranks, &usage);
+    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
+    if (!ranks.ok()) return ranks.status();
+    merged.ranks.Union(*ranks);
   }
-  const bool all_announced = merged.ranks.Count() == static_cast<int>(announced_.size()) &&
-                             std::all_of(announced_.begin(), announced_.end(),
-                                         [&](int r) { return merged.ranks.Contains(r); });
+  // Every rank merged here was announced upstream, so equal counts mean the
+  // manifest covers all of them (rank_bits may then be left out).
+  const bool all_announced = merged.ranks.Count() == static_cast<int>(announced_.size());
   v1::Manifest out;
   wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!all_announced, &out);
-  for (const auto& [rank, used] : usage) {
-    if (used == out.used_bits()) continue;
-    v1::RankUsage* u = out.add_rank_detail();
-    u->set_rank(rank);
-    u->set_used_bits(used);
+  // Per-rank detail for the ranks whose usage differs from the merge: only
+  // parts whose own usage differs, or that carry detail, need a look.
+  const std::string used = out.used_bits();
+  for (const Part& p : parts) {
+    if (p.manifest.used_bits() == used) {
+      for (const v1::RankUsage& u : p.manifest.rank_detail()) {
+        if (u.used_bits() != used) *out.add_rank_detail() = u;
+      }
+      continue;
+    }
+    std::map<int, std::string> usage;
+    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
+    if (!ranks.ok()) return ranks.status();
+    RankUsageOf(p.manifest, ranks->Members(), &usage);
+    for (const auto& [rank, bits] : usage) {
+      if (bits == used) continue;
+      v1::RankUsage* u = out.add_rank_detail();
+      u->set_rank(rank);
+      u->set_used_bits(bits);
+    }
   }
+  std::sort(out.mutable_rank_detail()->begin(), out.mutable_rank_detail()->end(),
+            [](const v1::RankUsage& a, const v1::RankUsage& b) { return a.rank() < b.rank(); });
   return out;
+}
+
+absl::StatusOr<RankSet> Relay::PartRanksLocked(const Part& p) {
+  if (!p.manifest.rank_bits().empty()) {
+    return wire::RankSetFromBits(p.manifest.rank_bits(), world_size_, "rank_bits");
+  }
+  auto nit = nodes_.find(p.node_id);
+  if (nit == nodes_.end()) return RankSet(world_size_);
+  return nit->second.rank_set;
 }
 
 void Relay::SendBatchLocked(v1::ManifestBatch batch) {
@@ -505,12 +529,15 @@ void Relay::SendBatchLocked(v1::ManifestBatch batch) {
 // ---------------------------------------------------------------------------
 // Silent ranks.
 
-std::vector<int> Relay::ContributedRanks(const Group& g, int64_t step) {
+std::vector<int> Relay::ContributedRanksLocked(const Group& g, int64_t step) {
   std::vector<int> ranks;
   auto it = g.steps.find(step);
   if (it == g.steps.end()) return ranks;
   for (const auto& [node, covered] : it->second.contributed) {
-    ranks.insert(ranks.end(), covered.begin(), covered.end());
+    auto nit = nodes_.find(node);
+    const std::vector<int>& of =
+        !covered.empty() || nit == nodes_.end() ? covered : nit->second.ranks;
+    ranks.insert(ranks.end(), of.begin(), of.end());
   }
   std::sort(ranks.begin(), ranks.end());
   return ranks;
@@ -529,7 +556,7 @@ void Relay::HandleProgressLocked(Node& node, const v1::NodeProgress& p) {
         st.first_seen = clock_->Now() - absl::Microseconds(p.waited_us());
       }
       st.partial_reported = true;
-      for (int r : ContributedRanks(g, p.step())) up.mutable_progress()->add_reported(r);
+      for (int r : ContributedRanksLocked(g, p.step())) up.mutable_progress()->add_reported(r);
       up.mutable_progress()->set_waited_us(std::max<int64_t>(
           p.waited_us(), absl::ToInt64Microseconds(clock_->Now() - st.first_seen)));
     }
@@ -568,7 +595,7 @@ void Relay::HandleProgressQueryLocked(const v1::ProgressQuery& q) {
   query.answer.Clear();
   query.answer.set_group_id(q.group_id());
   query.answer.set_step(q.step());
-  for (int r : ContributedRanks(g, q.step())) query.answer.add_reported(r);
+  for (int r : ContributedRanksLocked(g, q.step())) query.answer.add_reported(r);
   auto st = g.steps.find(q.step());
   for (auto& [id, node] : nodes_) {
     const bool done = st != g.steps.end() && st->second.contributed.count(id) != 0;
@@ -792,7 +819,7 @@ void Relay::CheckTimersLocked() {
         p.set_step(step);
         p.set_partial(true);
         p.set_waited_us(absl::ToInt64Microseconds(now - st.first_seen));
-        for (int r : ContributedRanks(g, step)) p.add_reported(r);
+        for (int r : ContributedRanksLocked(g, step)) p.add_reported(r);
         upstream_->Send(std::move(up));
       }
     }

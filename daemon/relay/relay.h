@@ -62,6 +62,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
+#include "core/rank_set.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/node_session.h"
@@ -124,6 +125,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     SessionId session = 0;  // 0: its stream ended (within the grace)
     NodeSink* sink = nullptr;
     std::vector<int> ranks;  // ascending
+    RankSet rank_set;        // the same, as a set (merges OR it in)
     bool answers_progress = false;
     bool welcomed = false;
     absl::Time lost_at = absl::InfiniteFuture();
@@ -139,7 +141,8 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   struct LocalStep {
     absl::Time first_seen;
     std::vector<Part> unsent;
-    // Sidecars that contributed (sent up or not) and the ranks they covered.
+    // Sidecars that contributed (sent up or not), with the ranks covered
+    // when the sidecar named a subset (empty: all of its ranks).
     std::map<std::string, std::vector<int>> contributed;
     bool partial_reported = false;
   };
@@ -197,7 +200,10 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   void HandleProgressQueryLocked(const v1::ProgressQuery& q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishQueryLocked(Group& g, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks of the sidecars that contributed (g, step).
-  static std::vector<int> ContributedRanks(const Group& g, int64_t step);
+  std::vector<int> ContributedRanksLocked(const Group& g, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The ranks a contribution covers: its rank_bits, else its sidecar's ranks.
+  absl::StatusOr<RankSet> PartRanksLocked(const Part& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records decided steps; takes out answers about the relay's own repeat
   // forms (resending those steps upstream in full form).
   void HandleDecisionsLocked(v1::DecisionBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
