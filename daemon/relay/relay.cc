@@ -244,6 +244,23 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
       }
     }
   }
+  if (!job_id_.empty() && RanksRestartedLocked(hello)) {
+    // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
+    // current run is over for every sidecar here; the hello then starts a
+    // new one, and the relay's NEW hello with a fresh epoch ends the run at
+    // the coordinator for every other node too.
+    const std::string msg = absl::StrCat(
+        "job ", job_id_, " run ", run_id_, " ended: node \"", hello.node_id(),
+        "\" started a new run of the same job id (its ranks were restarted), so this run gets "
+        "no more decisions; stop the ranks of the old run");
+    ACCORD_LOG(WARNING) << msg;
+    for (auto& [sid, other] : sessions_) {
+      if (sid == id || other.node_id.empty()) continue;
+      RefuseLocked(other.sink, v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg);
+      other.node_id.clear();
+    }
+    ResetJobLocked();
+  }
   if (job_id_.empty()) {
     job_id_ = hello.job_id();
     world_size_ = hello.world_size();
@@ -265,6 +282,7 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   node.session = id;
   node.sink = s.sink;
   node.answers_progress = hello.answers_progress();
+  node.epoch = hello.node_epoch();
   node.lost_at = absl::InfiniteFuture();
   node.welcomed = false;
   node.last_full.clear();  // a new stream starts without a previous manifest
@@ -285,6 +303,12 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
     hello_sent_ = true;
   }
   if (welcomed_) WelcomeLocked(node);
+}
+
+bool Relay::RanksRestartedLocked(const v1::NodeHello& hello) const {
+  if (hello.run_start() != v1::NodeHello::RUN_START_NEW || hello.node_epoch() == 0) return false;
+  auto nit = nodes_.find(hello.node_id());
+  return nit != nodes_.end() && nit->second.epoch != 0 && nit->second.epoch != hello.node_epoch();
 }
 
 v1::NodeMessage Relay::HelloMessageLocked() {

@@ -10,9 +10,12 @@
 //    id when the sidecar resumes one, so a restarted relay rejoins the run).
 //    A sidecar is welcomed once the upstream Welcome is in (run id,
 //    deadline; batch repeats are not offered downstream). Later sidecars'
-//    ranks go up as RankEvent joins. Another job while one is served, a
-//    world size that differs, or a rank another connected sidecar serves is
-//    refused with the coordinator's error kinds.
+//    ranks go up as RankEvent joins. A NEW hello from a sidecar of the run
+//    under another epoch (its ranks were restarted) ends the run: every
+//    other sidecar gets RUN_ENDED, and the relay rejoins upstream NEW with a
+//    fresh epoch, which ends the run at the coordinator for everyone. Another job while one is
+//    served, a world size that differs, or a rank another connected sidecar serves is refused with
+//    the coordinator's error kinds.
 //  - NodeRegistration and RankEvent are forwarded unchanged (the
 //    coordinator compares registrations per rank); after an upstream
 //    reconnect the registrations go again as one per distinct spec with the
@@ -127,6 +130,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     std::vector<int> ranks;  // ascending
     RankSet rank_set;        // the same, as a set (merges OR it in)
     bool answers_progress = false;
+    uint64_t epoch = 0;  // NodeHello.node_epoch: its ranks' incarnation
     bool welcomed = false;
     absl::Time lost_at = absl::InfiniteFuture();
     // Its previous full-form manifest per group (step cleared), against which
@@ -178,6 +182,9 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
                     const std::string& message, std::vector<int> ranks = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WelcomeLocked(Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A NEW hello from a sidecar of the current job under another epoch: its
+  // ranks were restarted, so the current run is over.
+  bool RanksRestartedLocked(const v1::NodeHello& hello) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEventLocked(Node& node, const v1::RankEvent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -101,6 +101,8 @@ class RelayTest : public ::testing::Test {
     hello.mutable_hello()->set_node_id(node);
     hello.mutable_hello()->set_world_size(kWorld);
     hello.mutable_hello()->set_answers_progress(true);
+    hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+    hello.mutable_hello()->set_node_epoch(7);
     for (int r : ranks) hello.mutable_hello()->add_ranks(r);
     relay_->HandleMessage(id, hello);
     return id;
@@ -292,6 +294,36 @@ TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedMa
   ASSERT_EQ(resent.size(), 1u);
   EXPECT_FALSE(resent[0].repeat()) << "a new stream gets the full form";
   EXPECT_EQ(resent[0].SerializeAsString(), up_.manifests()[0].SerializeAsString());
+}
+
+TEST_F(RelayTest, ASidecarWhoseRanksRestartedEndsTheRunForEveryOtherSidecar) {
+  // node0 joined under epoch 7; it comes back NEW under epoch 8.
+  FakeNodeSink again;
+  const Relay::SessionId id = relay_->OpenSession(&again);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_job_id("j");
+  hello.mutable_hello()->set_node_id("node0");
+  hello.mutable_hello()->set_world_size(kWorld);
+  hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+  hello.mutable_hello()->set_node_epoch(8);
+  hello.mutable_hello()->add_ranks(0);
+  hello.mutable_hello()->add_ranks(1);
+  relay_->HandleMessage(id, hello);
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->errors().size(), 1u);
+    EXPECT_EQ(s->errors()[0].kind(), v1::RUN_ENDED);
+    EXPECT_EQ(s->errors()[0].message(),
+              "job j run run1 ended: node \"node0\" started a new run of the same job id (its "
+              "ranks were restarted), so this run gets no more decisions; stop the ranks of the "
+              "old run");
+  }
+  EXPECT_EQ(up_.reconnects, 1);
+  // The new run goes up NEW, for the restarted node's ranks only.
+  relay_->OnUpstreamConnected();
+  ASSERT_FALSE(up_.reset.empty());
+  const v1::NodeHello& up_hello = up_.reset[0].hello();
+  EXPECT_EQ(up_hello.run_start(), v1::NodeHello::RUN_START_NEW);
+  EXPECT_THAT(up_hello.ranks(), ElementsAre(0, 1));
 }
 
 TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
