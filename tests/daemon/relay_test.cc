@@ -45,7 +45,6 @@ class FakeUpstream : public UpstreamSink {
 };
 
 constexpr int kWorld = 4;
-constexpr int kParams = 3;
 
 GroupSpec Spec() {
   return GroupSpec{"g", {ParamSpec{"a", 8, 64}, ParamSpec{"b", 8, 64}, ParamSpec{"c", 8, 64}}};
