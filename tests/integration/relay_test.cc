@@ -108,8 +108,8 @@ TEST(RelayTest, SkipMatrixStaysPerRankThroughARelay) {
   // relay0, so the per-rank detail must survive two merges.
   std::vector<RankResult> results =
       RunJob(*relayed,
-          {"--groups=1", "--params=4", "--steps=5", "--rules=*:3:*:none,1:1:*:none,2:2:0:none"},
-          "obsjob", /*world=*/4);
+             {"--groups=1", "--params=4", "--steps=5", "--rules=*:3:*:none,1:1:*:none,2:2:0:none"},
+             "obsjob", /*world=*/4);
   ASSERT_EQ(results.size(), 4u);
   CommonDigest(results);
   absl::StatusOr<std::unique_ptr<ChildProcess>> ctl =
