@@ -1,11 +1,18 @@
 // Client over gRPC: one RankService.Session stream to the node's sidecar.
 //
 // Threads: the caller's threads (Register/Submit/Wait), a writer thread that
-// drains the outbox onto the stream (so Submit never blocks on the network),
-// and a reader thread that receives replies and completes futures. Both
-// background threads belong to GrpcClient and are joined in its destructor.
+// drains the outbox onto the stream, and a reader thread that receives
+// replies and completes futures. Both background threads belong to
+// GrpcClient and are joined in its destructor. SubmitBatch writes its batch
+// on the caller's thread when no write is in flight and nothing is queued
+// (the steady state), which saves a thread hand-off per round trip
+// (docs/ARCHITECTURE.md, "Threading"); otherwise it queues for the writer.
+// gRPC hands a write to the transport without waiting for the peer, so a
+// direct write only blocks when HTTP/2 flow control is exhausted (the
+// sidecar stopped reading).
 // The stream is gRPC's synchronous one: one Read and one Write may run
-// concurrently; Finish runs only after the writer has stopped.
+// concurrently (`writing_` keeps writes one at a time); Finish runs only
+// after the writer has stopped and no direct write is in flight.
 #include <algorithm>
 #include <atomic>
 #include <deque>
@@ -233,7 +240,19 @@ class GrpcClient : public Client {
       g.last_step = sub.step;
       g.pending.emplace_back(sub.step, std::move(state));
     }
-    if (mb->manifests_size() > 0) EnqueueLocked(std::move(msg));
+    if (mb->manifests_size() == 0) return out;
+    if (!CanWriteDirectlyLocked()) {
+      EnqueueLocked(std::move(msg));
+      return out;
+    }
+    writing_ = true;
+    mu_.Unlock();
+    const bool ok = stream_->Write(msg);
+    mu_.Lock();
+    writing_ = false;
+    RecycleBatchLocked(&msg);
+    // A failed write means the stream is broken: the reader sees it end.
+    if (!ok) ctx_.TryCancel();
     return out;
   }
 
@@ -335,31 +354,38 @@ class GrpcClient : public Client {
     outbox_.push_back(std::move(msg));
   }
 
+  // Whether the caller may write its message itself: the stream is up, no
+  // write is in flight and nothing queued would be overtaken.
+  bool CanWriteDirectlyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return welcomed_ && !writing_ && outbox_.empty() && !read_ended_ && !stopping_;
+  }
+
+  // Keeps a written batch's manifests for the next SubmitBatch.
+  void RecycleBatchLocked(v1::RankMessage* msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!msg->has_manifests() || spare_batches_.size() >= kMaxSpareBatches) return;
+    std::unique_ptr<v1::ManifestBatch> batch(msg->release_manifests());
+    batch->Clear();
+    spare_batches_.push_back(std::move(batch));
+  }
+
   void WriterLoop() {
-    std::unique_ptr<v1::ManifestBatch> sent;  // returned to spare_batches_
-    while (true) {
-      v1::RankMessage msg;
-      {
-        accord::MutexLock lock(&mu_);
-        if (sent != nullptr && spare_batches_.size() < kMaxSpareBatches) {
-          spare_batches_.push_back(std::move(sent));
-        }
-        sent.reset();
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return !outbox_.empty() || read_ended_ || stopping_;
-        };
-        mu_.Await(absl::Condition(&ready));
-        if (read_ended_ || stopping_) break;
-        msg = std::move(outbox_.front());
-        outbox_.pop_front();
-      }
-      if (!stream_->Write(msg)) break;  // the reader sees the stream end
-      if (msg.has_manifests()) {
-        sent.reset(msg.release_manifests());
-        sent->Clear();
-      }
-    }
     accord::MutexLock lock(&mu_);
+    while (true) {
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return (!outbox_.empty() && !writing_) || read_ended_ || stopping_;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (read_ended_ || stopping_) break;
+      v1::RankMessage msg = std::move(outbox_.front());
+      outbox_.pop_front();
+      writing_ = true;
+      mu_.Unlock();
+      const bool ok = stream_->Write(msg);
+      mu_.Lock();
+      writing_ = false;
+      if (!ok) break;  // the reader sees the stream end
+      RecycleBatchLocked(&msg);
+    }
     writer_done_ = true;
   }
 
@@ -369,7 +395,11 @@ class GrpcClient : public Client {
     {
       accord::MutexLock lock(&mu_);
       read_ended_ = true;
-      mu_.Await(absl::Condition(&writer_done_));
+      // Finish must not overlap a write: the writer's or a caller's.
+      auto writes_over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return writer_done_ && !writing_;
+      };
+      mu_.Await(absl::Condition(&writes_over));
     }
     const grpc::Status s = stream_->Finish();
     accord::MutexLock lock(&mu_);
@@ -554,7 +584,8 @@ class GrpcClient : public Client {
   std::unique_ptr<KeyValueStore> kv_;
   grpc::ClientContext ctx_;
   // Set once in Start before the threads; then Read is used by the reader,
-  // Write by the writer and Finish by the reader after the writer stopped.
+  // Write by the writer or a caller (one at a time, `writing_`) and Finish by
+  // the reader once both are done.
   std::unique_ptr<grpc::ClientReaderWriter<v1::RankMessage, v1::RankReply>> stream_;
 
   mutable accord::Mutex mu_;
@@ -564,6 +595,7 @@ class GrpcClient : public Client {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a Write is in flight (writer or caller)
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status closed_status_ ABSL_GUARDED_BY(mu_);
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);  // a session/job-wide error from the sidecar

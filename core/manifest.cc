@@ -36,7 +36,7 @@ absl::Status ValidateManifest(const Manifest& m, absl::string_view group_id, siz
     return absl::InvalidArgumentError(absl::StrCat(where(), ": rank set for world size ",
                                                    m.ranks.world_size(), ", job has ", world_size));
   }
-  if (m.ranks.Count() == 0) {
+  if (m.ranks.Empty()) {
     return absl::InvalidArgumentError(absl::StrCat(where(), ": speaks for no rank"));
   }
   return absl::OkStatus();

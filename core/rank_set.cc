@@ -12,6 +12,22 @@ int RankSet::Count() const {
   return n;
 }
 
+bool RankSet::Full() const {
+  const size_t whole = static_cast<size_t>(world_size_) / 64;
+  for (size_t i = 0; i < whole; ++i) {
+    if (words_[i] != ~uint64_t{0}) return false;
+  }
+  const int rest = world_size_ % 64;
+  return rest == 0 || words_[whole] == (uint64_t{1} << rest) - 1;
+}
+
+bool RankSet::Empty() const {
+  for (uint64_t w : words_) {
+    if (w != 0) return false;
+  }
+  return true;
+}
+
 std::vector<int> RankSet::Missing() const {
   std::vector<int> out;
   for (int r = 0; r < world_size_; ++r) {

@@ -22,7 +22,10 @@ class RankSet {
     return rank >= 0 && rank < world_size_ && (words_[rank >> 6] >> (rank & 63)) & 1;
   }
   int Count() const;
-  bool Full() const { return Count() == world_size_; }
+  // Every rank of the world / no rank: word compares that stop at the first
+  // word deciding it (no bit count; bits beyond world_size are never set).
+  bool Full() const;
+  bool Empty() const;
   // Ranks of the world not in the set, ascending.
   std::vector<int> Missing() const;
   std::vector<int> Members() const;

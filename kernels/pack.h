@@ -7,6 +7,9 @@
 // multiple of W). Each source gradient is read once in its own dtype and
 // converted to the layout's wire dtype; parameters without a local gradient
 // and the padding are written as zeros; skipped parameters take no bytes.
+// An output larger than the caches is written with streaming stores
+// (PackOptions::streaming_min_bytes): a widening pack then moves fewer bytes
+// than a memcpy of its output, which reads the whole output's worth.
 //
 // Conversions follow kernels/element_convert.h: identity on bits for equal
 // dtypes, otherwise exact via double with one round-to-nearest-even step; the
@@ -39,6 +42,12 @@ struct PackOptions {
   // error unless this is set; when set it is rounded to nearest even. Set it
   // only when the wire dtype is an exact (user-chosen) reduce dtype.
   bool allow_narrowing = false;
+  // PackCpu: outputs of at least this many bytes are written with streaming
+  // (non-temporal) stores: they do not fit the caches, and a streaming store
+  // does not read the line it overwrites, so the pack moves fewer bytes than
+  // a copy of its output does. Smaller outputs stay in the cache for the
+  // collective that reads them next. 0: always stream.
+  int64_t streaming_min_bytes = int64_t{8} << 20;
 };
 
 // Packs `sources` (one per parameter of `spec`, in group order) into `out`,

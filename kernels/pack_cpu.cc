@@ -16,9 +16,25 @@ namespace {
 // Below this many output bytes threads cost more than they save.
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
 
+// How PackRange writes: regular or streaming stores (PackOptions).
+// Streaming stores are weakly ordered: `fence` orders them before the thread
+// join or the return that hands the buffer on.
+struct Stores {
+  void (*convert)(DType, DType, const void*, void*, int64_t);
+  void (*zero)(void*, int64_t);
+  void (*fence)();
+};
+
+void ZeroRegular(void* dst, int64_t bytes) { std::memset(dst, 0, static_cast<size_t>(bytes)); }
+void NoFence() {}
+
+constexpr Stores kRegularStores{&kernels::ConvertRun, &ZeroRegular, &NoFence};
+constexpr Stores kStreamingStores{&kernels::ConvertRunStreaming, &kernels::ZeroStreaming,
+                                  &kernels::StreamFence};
+
 // Packs the elements [begin, end) of the whole buffer.
 void PackRange(const GroupSpec& spec, const Layout& layout, absl::Span<const GradSource> sources,
-               char* out, int64_t begin, int64_t end) {
+               const Stores& stores, char* out, int64_t begin, int64_t end) {
   const int64_t row = layout.row_numel;
   const DType wire = layout.wire_dtype;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(wire));
@@ -40,13 +56,14 @@ void PackRange(const GroupSpec& spec, const Layout& layout, absl::Span<const Gra
       if (src.data != nullptr) {
         n_copy = std::clamp<int64_t>(spec.params[i].numel - src_begin, 0, b - a);
         const int64_t ssize = static_cast<int64_t>(DTypeSize(src.dtype));
-        kernels::ConvertRun(src.dtype, wire, static_cast<const char*>(src.data) + src_begin * ssize,
-                            dst, n_copy);
+        stores.convert(src.dtype, wire, static_cast<const char*>(src.data) + src_begin * ssize, dst,
+                       n_copy);
       }
       // Zero bits are +0 in every dtype: padding and missing gradients.
-      std::memset(dst + n_copy * wsize, 0, static_cast<size_t>((b - a - n_copy) * wsize));
+      stores.zero(dst + n_copy * wsize, (b - a - n_copy) * wsize);
     }
   }
+  stores.fence();
 }
 
 }  // namespace
@@ -61,18 +78,21 @@ absl::Status PackCpu(const GroupSpec& spec, const Layout& layout,
   char* out_bytes = static_cast<char*>(out);
   const int threads = static_cast<int>(
       std::clamp<int64_t>(layout.total_bytes() / kMinBytesPerThread, 1, options.num_threads));
+  const Stores& stores =
+      layout.total_bytes() >= options.streaming_min_bytes ? kStreamingStores : kRegularStores;
   if (threads == 1) {
-    PackRange(spec, layout, sources, out_bytes, 0, total);
+    PackRange(spec, layout, sources, stores, out_bytes, 0, total);
     return absl::OkStatus();
   }
   std::vector<std::thread> workers;
   workers.reserve(threads - 1);
   for (int t = 1; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      PackRange(spec, layout, sources, out_bytes, total * t / threads, total * (t + 1) / threads);
+      PackRange(spec, layout, sources, stores, out_bytes, total * t / threads,
+                total * (t + 1) / threads);
     });
   }
-  PackRange(spec, layout, sources, out_bytes, 0, total / threads);
+  PackRange(spec, layout, sources, stores, out_bytes, 0, total / threads);
   for (std::thread& w : workers) w.join();
   return absl::OkStatus();
 }

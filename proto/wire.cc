@@ -230,7 +230,7 @@ absl::StatusOr<Manifest> ManifestFromProto(const v1::Manifest& m, size_t num_par
     absl::StatusOr<RankSet> ranks =
         RankSetFromBits(m.rank_bits(), world_size, absl::StrCat(where(), " rank_bits"));
     if (!ranks.ok()) return ranks.status();
-    if (ranks->Count() == 0) {
+    if (ranks->Empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": speaks for no rank"));
     }
     out.ranks = *std::move(ranks);

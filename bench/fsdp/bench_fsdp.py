@@ -28,6 +28,12 @@ negotiation still on the critical path.
 and the coordinator (a TCP proxy in this script), standing for a coordinator
 in another rack.
 
+All ranks share one sidecar here, so by default the sidecar is started with
+--local_decisions=false: every decision takes the coordinator's path, as in
+any job across nodes. --local-decisions times the single-node job as users
+get it by default (docs/ARCHITECTURE.md, "Local decisions"), where the
+sidecar decides and the latency to the coordinator is off the path.
+
     PYTHONPATH=<build>/python/pkg python bench/fsdp/bench_fsdp.py \\
         --model llama --layers 32 --latency-ms 1
 
@@ -275,6 +281,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="added per direction between sidecar and coordinator")
+    ap.add_argument("--local-decisions", action="store_true",
+                    help="let the sidecar decide this single-node job (its default); "
+                         "off: the coordinator path every multi-node job takes")
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()
 
@@ -293,6 +302,7 @@ def main():
             sys.exit("bench: the latency proxy did not start")
         coordinator_flags = [f"--listen=127.0.0.1:{coord_port}"]
         sidecar_flags = [f"--coordinator=127.0.0.1:{proxy_port}"]
+    sidecar_flags.append(f"--local_decisions={'true' if args.local_decisions else 'false'}")
     try:
         with accord.LocalCluster(num_sidecars=1, coordinator_flags=coordinator_flags,
                                  sidecar_flags=sidecar_flags) as cluster, \
@@ -325,7 +335,9 @@ def main():
              "vlm": f"LLaVA (CLIP 4 layers + Llama {args.layers} layers), hidden {args.width}, "
                     f"batch {args.batch}x{args.seq + 16}"}[args.model]
     print(f"FSDP2 {args.world} ranks CPU/Gloo, {shape} + root = {groups} FSDP groups, "
-          f"added latency {args.latency_ms:g} ms/direction, {n} timed steps per mode")
+          f"added latency {args.latency_ms:g} ms/direction, "
+          f"{'local' if args.local_decisions else 'coordinator'} decisions, "
+          f"{n} timed steps per mode")
     print(f"  {'mode':10s} {'steps/s':>9s} {'vs plain':>9s} {'exposed ms/step':>16s} "
           f"{'blocked/step':>12s}")
     for m in modes(args):

@@ -4,6 +4,12 @@
 // allreduce (TCP loopback, 8 processes) of the usage bitmap and dtype codes.
 //
 //   accord_negotiation_bench [--ranks=8] [--iterations=200] [--gloo=false]
+//                            [--paths=local,coordinator]
+//
+// Both decision paths are timed in one run: "local", where the sidecar of
+// this single-node job decides itself (docs/ARCHITECTURE.md, "Local
+// decisions"), and "coordinator" (--local_decisions=false), the path every
+// multi-node job takes.
 //
 // Two more baseline rows, measured by the launcher before the ranks start: a
 // bare gRPC bidirectional-stream ping-pong (64 B) over a Unix socket and over
@@ -23,6 +29,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/negotiation/pingpong.grpc.pb.h"
 #include "client/client.h"
@@ -42,6 +49,10 @@ ABSL_FLAG(int, batch_groups, 200, "groups in the batch case");
 ABSL_FLAG(int, batch_params, 10, "parameters per group in the batch case");
 ABSL_FLAG(bool, gloo, true, "run the Gloo baseline (off: accord cases only, e.g. for profiling)");
 ABSL_FLAG(std::string, bin_dir, "", "daemon binaries (default: the build tree)");
+ABSL_FLAG(std::string, paths, "local,coordinator",
+          "which decision paths to time: local (the sidecar decides a single-node job, "
+          "--local_decisions) and/or coordinator (--local_decisions=false)");
+ABSL_FLAG(std::string, label, "", "rank role: the path being timed, printed in its rows");
 // Rank role.
 ABSL_FLAG(std::string, socket, "", "");
 ABSL_FLAG(int, rank, 0, "");
@@ -217,30 +228,84 @@ int RunRank() {
   if (rank == 0) {
     const Percentiles m = Summarize(miss), h = Summarize(hit), b = Summarize(batch),
                       g = Summarize(gloo_us);
-    printf("negotiation, %d ranks, 1 node, %d iterations (rank 0's view)\n", world, iters);
-    printf("%-44s %10s %10s\n", "case", "p50 us", "p99 us");
-    printf("%-44s %10.1f %10.1f\n",
-           absl::StrCat("accord 1 group x ", n, " params, cache miss").c_str(), m.p50_us, m.p99_us);
-    printf("%-44s %10.1f %10.1f\n",
-           absl::StrCat("accord 1 group x ", n, " params, cache hit").c_str(), h.p50_us, h.p99_us);
-    printf("%-44s %10.1f %10.1f\n",
-           absl::StrCat("accord batch of ", ng, " groups x ", nbp, " params (hit)").c_str(),
-           b.p50_us, b.p99_us);
+    const std::string label = absl::GetFlag(FLAGS_label);
+    printf("negotiation, %d ranks, 1 node, %d iterations (rank 0's view), %s path\n", world, iters,
+           label.c_str());
+    printf("%-52s %10s %10s\n", "case", "p50 us", "p99 us");
+    printf("%-52s %10.1f %10.1f\n",
+           absl::StrCat("accord 1 group x ", n, " params, cache miss, ", label).c_str(), m.p50_us,
+           m.p99_us);
+    printf("%-52s %10.1f %10.1f\n",
+           absl::StrCat("accord 1 group x ", n, " params, cache hit, ", label).c_str(), h.p50_us,
+           h.p99_us);
+    printf(
+        "%-52s %10.1f %10.1f\n",
+        absl::StrCat("accord batch of ", ng, " groups x ", nbp, " params (hit), ", label).c_str(),
+        b.p50_us, b.p99_us);
     if (!gloo_us.empty()) {
-      printf("%-44s %10.1f %10.1f\n",
+      printf("%-52s %10.1f %10.1f\n",
              absl::StrCat("gloo allreduce ", 2 * n, " x int32 (baseline)").c_str(), g.p50_us,
              g.p99_us);
-      printf("cache-hit p50 / gloo p50 = %.2fx (target <= 1.0x)\n", h.p50_us / g.p50_us);
+      printf("%s: cache-hit p50 / gloo p50 = %.2fx (target <= 1.0x)\n", label.c_str(),
+             h.p50_us / g.p50_us);
     }
     const double hops = absl::GetFlag(FLAGS_hops_us);
     if (hops > 0) {
-      printf("cache-hit p50 / (UDS + TCP ping-pong p50) = %.2fx (target <= 1.3x)\n",
-             h.p50_us / hops);
+      printf("%s: cache-hit p50 / (UDS + TCP ping-pong p50) = %.2fx (target <= 1.3x)\n",
+             label.c_str(), h.p50_us / hops);
     }
-    printf("batch p50 / single-group hit p50 = %.2fx (target <= 5x)\n", b.p50_us / h.p50_us);
+    printf("%s: batch p50 / single-group hit p50 = %.2fx (target <= 5x)\n", label.c_str(),
+           b.p50_us / h.p50_us);
     fflush(stdout);
   }
   return 0;
+}
+
+// One cluster whose sidecar decides locally (path "local") or leaves every
+// decision to the coordinator ("coordinator"); the ranks print their rows.
+// Returns the number of failed ranks.
+int RunPath(const char* self, const std::string& path, bool gloo, double hops_us) {
+  testing::LocalClusterOptions o;
+  o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
+  o.num_sidecars = 1;
+  o.echo = false;
+  o.sidecar_flags = {path == "local" ? "--local_decisions=true" : "--local_decisions=false"};
+  absl::StatusOr<std::unique_ptr<testing::LocalCluster>> cluster = testing::LocalCluster::Start(o);
+  if (!cluster.ok()) {
+    fprintf(stderr, "accord_negotiation_bench: %s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  char tmpl[] = "/tmp/accord-negbench-XXXXXX";
+  const std::string store_dir = mkdtemp(tmpl);
+  std::vector<std::string> cmd = {
+      self,
+      "--role=rank",
+      "--label=" + path,
+      "--socket={socket}",
+      "--rank={rank}",
+      absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
+      absl::StrCat("--iterations=", absl::GetFlag(FLAGS_iterations)),
+      absl::StrCat("--params=", absl::GetFlag(FLAGS_params)),
+      absl::StrCat("--batch_groups=", absl::GetFlag(FLAGS_batch_groups)),
+      absl::StrCat("--batch_params=", absl::GetFlag(FLAGS_batch_params)),
+      absl::StrCat("--gloo=", gloo ? "true" : "false"),
+      absl::StrCat("--hops_us=", hops_us),
+      "--store_dir=" + store_dir};
+  absl::StatusOr<std::vector<testing::RankResult>> results =
+      (*cluster)->RunRanks(cmd, absl::GetFlag(FLAGS_ranks), "bench", absl::Minutes(10));
+  std::string rm = "rm -rf " + store_dir;
+  (void)!system(rm.c_str());
+  if (!results.ok()) {
+    fprintf(stderr, "accord_negotiation_bench: %s\n", results.status().ToString().c_str());
+    return 1;
+  }
+  int failed = 0;
+  for (const testing::RankResult& r : *results) {
+    if (r.rank == 0 || r.exit_code != 0) fputs(r.output.c_str(), stdout);
+    if (r.exit_code != 0) ++failed;
+  }
+  fflush(stdout);
+  return failed;
 }
 
 int RunLauncher(const char* self) {
@@ -261,43 +326,19 @@ int RunLauncher(const char* self) {
                       uds_pp->p50_us, uds_pp->p99_us),
       absl::StrFormat("%-44s %10.1f %10.1f\n", "grpc bidi ping-pong 64 B, TCP (baseline)",
                       tcp_pp->p50_us, tcp_pp->p99_us));
-  testing::LocalClusterOptions o;
-  o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
-  o.num_sidecars = 1;
-  o.echo = false;
-  absl::StatusOr<std::unique_ptr<testing::LocalCluster>> cluster = testing::LocalCluster::Start(o);
-  if (!cluster.ok()) {
-    fprintf(stderr, "accord_negotiation_bench: %s\n", cluster.status().ToString().c_str());
-    return 1;
-  }
-  char tmpl[] = "/tmp/accord-negbench-XXXXXX";
-  const std::string store_dir = mkdtemp(tmpl);
-  std::vector<std::string> cmd = {
-      self,
-      "--role=rank",
-      "--socket={socket}",
-      "--rank={rank}",
-      absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
-      absl::StrCat("--iterations=", absl::GetFlag(FLAGS_iterations)),
-      absl::StrCat("--params=", absl::GetFlag(FLAGS_params)),
-      absl::StrCat("--batch_groups=", absl::GetFlag(FLAGS_batch_groups)),
-      absl::StrCat("--batch_params=", absl::GetFlag(FLAGS_batch_params)),
-      absl::StrCat("--gloo=", absl::GetFlag(FLAGS_gloo) ? "true" : "false"),
-      absl::StrCat("--hops_us=", uds_pp->p50_us + tcp_pp->p50_us),
-      "--store_dir=" + store_dir};
-  absl::StatusOr<std::vector<testing::RankResult>> results =
-      (*cluster)->RunRanks(cmd, absl::GetFlag(FLAGS_ranks), "bench", absl::Minutes(10));
-  std::string rm = "rm -rf " + store_dir;
-  (void)!system(rm.c_str());
-  if (!results.ok()) {
-    fprintf(stderr, "accord_negotiation_bench: %s\n", results.status().ToString().c_str());
-    return 1;
-  }
   fputs(hop_rows.c_str(), stdout);
+  fflush(stdout);
   int failed = 0;
-  for (const testing::RankResult& r : *results) {
-    if (r.rank == 0 || r.exit_code != 0) fputs(r.output.c_str(), stdout);
-    if (r.exit_code != 0) ++failed;
+  bool gloo = absl::GetFlag(FLAGS_gloo);  // the baseline runs once
+  for (absl::string_view path : absl::StrSplit(absl::GetFlag(FLAGS_paths), ',')) {
+    if (path != "local" && path != "coordinator") {
+      fprintf(stderr,
+              "accord_negotiation_bench: --paths: unknown path \"%s\" (local, coordinator)\n",
+              std::string(path).c_str());
+      return 2;
+    }
+    failed += RunPath(self, std::string(path), gloo, uds_pp->p50_us + tcp_pp->p50_us);
+    gloo = false;
   }
   return failed == 0 ? 0 : 1;
 }

@@ -6,16 +6,17 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/collective/wire_policy.h"
 #include "client/kv_store.h"
 #include "core/dtype.h"
 
 namespace accord {
-
-enum class Backend { kGloo, kNccl };
 
 // One member of a communicator of `world_size` ranks. Not thread-safe: one
 // thread (the trainer's) issues the collectives, in the same order on every
@@ -40,6 +41,14 @@ class Collective {
   // (docs/GPU.md, "fp8"); FAILED_PRECONDITION saying why and what to use
   // instead otherwise. Cheap: callers check before packing.
   virtual absl::Status CheckWireDType(DType wire) const = 0;
+  // The wire dtype a job whose policy would decide `wire` must decide
+  // instead for this communicator (ResolveWireDType): `wire` when
+  // CheckWireDType accepts it, the widened dtype for a refused fp8 one with
+  // CollectiveOptions::nccl_widen_fp8_to, or CheckWireDType's error.
+  virtual absl::StatusOr<DType> WireDTypeFor(DType wire) const {
+    if (absl::Status s = CheckWireDType(wire); !s.ok()) return s;
+    return wire;
+  }
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual Backend backend() const = 0;
@@ -75,6 +84,19 @@ struct CollectiveOptions {
   // (e4m3 to +-448, e5m2 to +-57344, an inf becomes finite) where accord's
   // sum gives inf/NaN (docs/GPU.md, "fp8"). Off: fp8 is refused.
   bool nccl_allow_saturating_fp8 = false;
+  // NCCL only: an fp8 wire dtype NCCL refuses is widened to this dtype
+  // (kBFloat16 or kFloat16) instead: Collective::WireDTypeFor says so, and
+  // the job's policy must carry the widened dtype (PolicyForCollective in
+  // client/collective/reducer.h), since every rank reduces the decision's.
+  std::optional<DType> nccl_widen_fp8_to;
+  // The wire dtypes this communicator's decisions can carry (the job
+  // policy's reduce dtype and empty-group dtype). NCCL's Create resolves
+  // each (ResolveWireDType) before any rendezvous and fails with
+  // FAILED_PRECONDITION naming the dtype, the device's compute capability
+  // and the NCCL version for one it refuses. Empty: nothing is checked at
+  // Create, and ReduceScatterSum still refuses such a dtype. (Gloo reduces
+  // every dtype.)
+  std::vector<DType> wire_dtypes;
 };
 
 // Creates a backend's communicator, rendezvousing through `kv` under
@@ -82,8 +104,9 @@ struct CollectiveOptions {
 // options.incarnation. Blocks until every rank has joined or the timeout
 // passes (DEADLINE_EXCEEDED; never longer). UNIMPLEMENTED when the backend was
 // not compiled in; INVALID_ARGUMENT for a bad rank/world size or, for NCCL, an
-// empty incarnation; ALREADY_EXISTS when NCCL's unique id of this
-// incarnation was already published.
+// empty incarnation or a widening dtype other than bf16/fp16;
+// FAILED_PRECONDITION for a refused dtype of options.wire_dtypes; ALREADY_EXISTS when NCCL's unique
+// id of this incarnation was already published.
 absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(Backend backend, int rank,
                                                              int world_size, KeyValueStore& kv,
                                                              std::string key_prefix,

@@ -128,6 +128,24 @@ absl::StatusOr<NcclRuntimeInfo> ReadRuntimeInfo(const std::string& what) {
   return info;
 }
 
+Fp8Options Fp8OptionsOf(const CollectiveOptions& options) {
+  return {options.nccl_allow_saturating_fp8, options.nccl_widen_fp8_to};
+}
+
+// Resolves every wire dtype the caller declared (CollectiveOptions::wire_dtypes).
+absl::Status CheckWireDTypesAtCreate(const NcclRuntimeInfo& info,
+                                     const CollectiveOptions& options) {
+  for (DType wire : options.wire_dtypes) {
+    absl::StatusOr<DType> resolved =
+        ResolveWireDType(Backend::kNccl, wire, info, Fp8OptionsOf(options));
+    if (!resolved.ok()) {
+      return absl::Status(resolved.status().code(), absl::StrCat("CollectiveOptions::wire_dtypes: ",
+                                                                 resolved.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 NcclCollective::NcclCollective(int rank, int world_size, std::unique_ptr<Comm> comm,
@@ -185,6 +203,11 @@ absl::StatusOr<std::unique_ptr<Collective>> NcclCollective::Create(
                                         key_prefix, "\" incarnation \"", options.incarnation, "\"");
   absl::StatusOr<NcclRuntimeInfo> info = ReadRuntimeInfo(what);
   if (!info.ok()) return info.status();
+  // Refused wire dtypes fail here, before the rendezvous, not at the first
+  // reduce-scatter (docs/GPU.md, "fp8").
+  if (absl::Status s = CheckWireDTypesAtCreate(*info, options); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  }
 
   ncclUniqueId id;
   if (rank == 0) {
@@ -258,6 +281,10 @@ absl::StatusOr<std::unique_ptr<Collective>> NcclCollective::Create(
 
 absl::Status NcclCollective::CheckWireDType(DType wire) const {
   return NcclWireDTypeStatus(wire, info_, options_.nccl_allow_saturating_fp8);
+}
+
+absl::StatusOr<DType> NcclCollective::WireDTypeFor(DType wire) const {
+  return ResolveWireDType(Backend::kNccl, wire, info_, Fp8OptionsOf(options_));
 }
 
 absl::Status NcclCollective::ReduceScatterSum(const void* in, void* out, int64_t row_numel,

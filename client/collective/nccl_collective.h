@@ -23,6 +23,9 @@ namespace accord {
 // destroys a kReady communicator within the timeout, and aborts it otherwise.
 class NcclCollective : public Collective {
  public:
+  // First reads the device's compute capability and ncclGetVersion() and
+  // refuses (FAILED_PRECONDITION) any of options.wire_dtypes this device and
+  // NCCL cannot reduce with accord's semantics (ResolveWireDType).
   // Rank 0 creates the NCCL unique id and publishes it, once, under
   // "<key_prefix>/<options.incarnation>/nccl_unique_id"; the others wait for
   // it. The communicator is created non-blocking (ncclConfig_t::blocking = 0)
@@ -40,6 +43,7 @@ class NcclCollective : public Collective {
   absl::Status ReduceScatterSum(const void* in, void* out, int64_t row_numel, DType wire,
                                 void* stream) override;
   absl::Status CheckWireDType(DType wire) const override;
+  absl::StatusOr<DType> WireDTypeFor(DType wire) const override;
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   Backend backend() const override { return Backend::kNccl; }

@@ -170,4 +170,23 @@ absl::Status GroupReducer::Unpack(absl::Span<const UnpackTarget> targets,
 #endif
 }
 
+absl::StatusOr<Policy> PolicyForCollective(const Policy& policy, const Collective& collective) {
+  Policy out = policy;
+  if (policy.reduce_dtype.has_value()) {
+    absl::StatusOr<DType> wire = collective.WireDTypeFor(*policy.reduce_dtype);
+    if (!wire.ok()) {
+      return absl::Status(wire.status().code(),
+                          absl::StrCat("policy reduce dtype: ", wire.status().message()));
+    }
+    out.reduce_dtype = *wire;
+  }
+  absl::StatusOr<DType> empty = collective.WireDTypeFor(policy.empty_group_dtype);
+  if (!empty.ok()) {
+    return absl::Status(empty.status().code(),
+                        absl::StrCat("policy empty-group dtype: ", empty.status().message()));
+  }
+  out.empty_group_dtype = *empty;
+  return out;
+}
+
 }  // namespace accord

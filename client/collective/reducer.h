@@ -79,6 +79,16 @@ class GroupReducer {
   void* shard_ = nullptr;
 };
 
+// The job's policy with each wire dtype it configures (the reduce dtype, the
+// empty-group dtype) replaced by what `collective` reduces it in
+// (Collective::WireDTypeFor): an fp8 dtype NCCL refuses becomes the widening
+// dtype, so every rank's decision carries it. Every rank must pass the same
+// policy to the coordinator, hence run on the same kind of device and NCCL.
+// A policy without a reduce dtype can still decide an fp8 wire dtype when all
+// of a group's gradients are fp8; GroupReducer::Reduce refuses that one.
+// Errors: WireDTypeFor's, naming the policy field.
+absl::StatusOr<Policy> PolicyForCollective(const Policy& policy, const Collective& collective);
+
 }  // namespace accord
 
 #endif  // ACCORD_CLIENT_COLLECTIVE_REDUCER_H_

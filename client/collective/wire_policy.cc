@@ -45,4 +45,23 @@ absl::Status NcclWireDTypeStatus(DType wire, const NcclRuntimeInfo& info,
 
 absl::Status GlooWireDTypeStatus(DType) { return absl::OkStatus(); }
 
+absl::StatusOr<DType> ResolveWireDType(Backend backend, DType wire, const NcclRuntimeInfo& info,
+                                       const Fp8Options& fp8) {
+  if (fp8.widen_to.has_value() && *fp8.widen_to != DType::kBFloat16 &&
+      *fp8.widen_to != DType::kFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("collective: fp8 may widen only to bf16 or fp16 (the lattice's fp8 "
+                     "tie-break), not to ",
+                     DTypeName(*fp8.widen_to)));
+  }
+  if (backend == Backend::kGloo) {
+    if (absl::Status s = GlooWireDTypeStatus(wire); !s.ok()) return s;
+    return wire;
+  }
+  absl::Status s = NcclWireDTypeStatus(wire, info, fp8.allow_saturating);
+  if (s.ok()) return wire;
+  if (IsFp8(wire) && fp8.widen_to.has_value()) return *fp8.widen_to;
+  return s;
+}
+
 }  // namespace accord

@@ -762,7 +762,7 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
     }
     ranks.Add(r);
   }
-  if (ranks.Count() == 0) {
+  if (ranks.Empty()) {
     reply(Error(v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
                 absl::StrCat("job ", job.job_id, " group \"", reg.group_id(),
                              "\": registration names no rank"),

@@ -80,6 +80,13 @@ ABSL_FLAG(int, max_message_bytes, 4 << 20,
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
 ABSL_FLAG(absl::Duration, reconnect_max_backoff, absl::Seconds(5),
           "upper bound of the exponential backoff between coordinator reconnects");
+ABSL_FLAG(bool, local_decisions, true,
+          "when every rank of the job is on this node, decide complete steps here and answer "
+          "the ranks at once; the coordinator still gets every manifest and must decide the "
+          "same (docs/ARCHITECTURE.md, \"Local decisions\")");
+ABSL_FLAG(int, local_decision_lag, 4,
+          "locally decided steps per group that may wait for the coordinator's confirming "
+          "decision; past it ranks wait for the coordinator");
 
 namespace accord::daemon {
 namespace {
@@ -222,6 +229,13 @@ int Main(int argc, char** argv) {
   options.max_ranks = absl::GetFlag(FLAGS_max_ranks);
   options.token = *token;
   options.require_rank_token = absl::GetFlag(FLAGS_require_rank_token);
+  options.local_decisions = absl::GetFlag(FLAGS_local_decisions);
+  options.local_decision_lag = absl::GetFlag(FLAGS_local_decision_lag);
+  if (options.local_decision_lag < 1) {
+    ACCORD_LOG(ERROR) << "--local_decision_lag must be at least 1 (got "
+                      << options.local_decision_lag << ")";
+    return 2;
+  }
   Sidecar sidecar(options);
   GrpcUpstream upstream(channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
   sidecar.SetUpstream(&upstream);

@@ -14,6 +14,11 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
       "Merged node manifests sent to the coordinator, by form (full or repeat).", {"job", "form"});
   decisions_ = &registry->AddCounter("accord_sidecar_decisions_total",
                                      "Decisions received from the coordinator.", {"job"});
+  local_decisions_ = &registry->AddCounter(
+      "accord_sidecar_local_decisions_total",
+      "Steps decided by this sidecar for a single-node job (--local_decisions), by outcome: "
+      "made, confirmed by the coordinator, or mismatched (the job failed).",
+      {"job", "outcome"});
   rank_streams_ =
       &registry->AddGauge("accord_sidecar_rank_streams", "Rank streams open on this sidecar.");
 }
@@ -30,6 +35,12 @@ void SidecarMetrics::Refresh(const SidecarStats& stats) {
         .SetTotal(static_cast<double>(stats.node_manifests_repeat - base_.node_manifests_repeat));
     decisions_->WithLabels({job_}).SetTotal(
         static_cast<double>(stats.decisions_in - base_.decisions_in));
+    local_decisions_->WithLabels({job_, "made"})
+        .SetTotal(static_cast<double>(stats.local_decisions - base_.local_decisions));
+    local_decisions_->WithLabels({job_, "confirmed"})
+        .SetTotal(static_cast<double>(stats.local_confirmed - base_.local_confirmed));
+    local_decisions_->WithLabels({job_, "mismatched"})
+        .SetTotal(static_cast<double>(stats.local_mismatches - base_.local_mismatches));
   };
   if (stats.job_id != job_) {
     // What happened since the last scrape belongs to the job that ended
@@ -49,6 +60,7 @@ void SidecarMetrics::Refresh(const SidecarStats& stats) {
         rank_manifests_->RemoveByFirstLabel(old);
         node_manifests_->RemoveByFirstLabel(old);
         decisions_->RemoveByFirstLabel(old);
+        local_decisions_->RemoveByFirstLabel(old);
         jobs_.pop_front();
       }
     }

@@ -32,6 +32,7 @@ class SidecarMetrics {
   Family<Counter>* rank_manifests_;
   Family<Counter>* node_manifests_;
   Family<Counter>* decisions_;
+  Family<Counter>* local_decisions_;
   Family<Gauge>* rank_streams_;
   accord::Mutex mu_;
   std::deque<std::string> jobs_ ABSL_GUARDED_BY(mu_);  // with series, oldest first

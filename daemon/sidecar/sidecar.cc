@@ -432,11 +432,12 @@ Sidecar::LocalStep& Sidecar::StepFor(LocalGroup& g, int64_t step) {
   return *g.steps.insert(it, std::move(fresh));
 }
 
-void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step) {
+void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight) {
   size_t n = 0;
   while (n < g.steps.size() && g.steps[n].step <= step) ++n;
   for (size_t i = 0; i < n; ++i) g.spare.push_back(std::move(g.steps[i]));
   g.steps.erase(g.steps.begin(), g.steps.begin() + n);
+  if (keep_inflight) return;  // resent until the coordinator decided them
   size_t k = 0;
   while (k < g.inflight.size() && g.inflight[k].step <= step) ++k;
   g.inflight.erase(g.inflight.begin(), g.inflight.begin() + k);
@@ -571,6 +572,7 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   // Collected as (group, step, key) first: a batch that repeats the previous
   // one goes up as a batch repeat without building its manifests.
   for (LocalGroup* g : touched_) CollectCompleteLocked(*g, &outgoing_);
+  DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
 }
 
@@ -637,6 +639,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       g.last_node_detail = detail;
       g.last_node_with_ranks = with_ranks;
       g.last_node_full = std::move(full);
+      ++g.node_content_gen;
     }
     g.inflight.insert(std::lower_bound(g.inflight.begin(), g.inflight.end(), st.step,
                                        [](const Inflight& f, int64_t s) { return f.step < s; }),
@@ -649,6 +652,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       ++stats_.node_manifests_full;
     }
     g.have_last_sent = true;
+    if (options_.local_decisions) DecideLocallyLocked(g, st);
   }
 }
 
@@ -678,6 +682,7 @@ void Sidecar::CloseRank(SessionId id) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
     CollectCompleteLocked(*g, &outgoing_);
   }
+  DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
 }
 
@@ -837,7 +842,8 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   if (upstream_ != nullptr) upstream_->Send(std::move(up));
 }
 
-void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take) {
+void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                                    bool local) {
   // Pass 1: group state, and per decision which ranks need the full body
   // instead of the coordinator's `same_as_previous`.
   struct Routed {
@@ -851,7 +857,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   bool uniform = true;  // every connected rank gets every routed decision as is
   v1::NodeMessage resend;
   for (const v1::Decision& d : batch.decisions()) {
-    ++stats_.decisions_in;
+    if (!local) ++stats_.decisions_in;
     auto git = groups_.find(d.group_id());
     if (git == groups_.end()) continue;
     LocalGroup& g = git->second;
@@ -867,6 +873,18 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
         continue;
       }
     }
+    if (!local) {
+      // Already delivered (decided here): only compared.
+      if (ConfirmLocalLocked(g, d)) continue;
+      // What the coordinator's next `same_as_previous` stands for, kept
+      // when local decisions are on (a new body is rare in the steady state).
+      if (d.has_ok() || d.has_error()) g.local_ok_delivered.reset();
+      if (d.has_error()) {
+        g.coordinator_ok_bytes.reset();
+      } else if (d.has_ok() && options_.local_decisions) {
+        g.coordinator_ok_bytes = d.ok().SerializeAsString();
+      }
+    }
     const int64_t previous = g.last_decided_step;
     if (d.step() > g.last_decided_step) g.last_decided_step = d.step();
     if (d.has_ok()) g.last_ok = d.ok();
@@ -878,7 +896,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
         g.last_error.reset();
       }
     }
-    DropStepsUpTo(g, d.step());
+    DropStepsUpTo(g, d.step(), /*keep_inflight=*/local);
     Routed& out = routed.emplace_back(Routed{&d, &g, {}});
     size_t connected = 0;
     for (int r : g.ranks) {
@@ -930,7 +948,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   }
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
-  SendManifestsLocked(std::move(resend));
+  if (!local) SendManifestsLocked(std::move(resend));
 }
 
 }  // namespace accord::daemon

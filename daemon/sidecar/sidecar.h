@@ -41,6 +41,7 @@
 #define ACCORD_DAEMON_SIDECAR_SIDECAR_H_
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -87,6 +88,15 @@ struct SidecarOptions {
   Clock* clock = nullptr;
   // Tests that drive CheckPartialSteps() by hand may turn the thread off.
   bool start_timer_thread = true;
+  // Single-node jobs: when every rank of the job is connected here, the
+  // sidecar decides each complete step itself and answers its ranks at once;
+  // the node manifest still goes to the coordinator, whose decision must
+  // match (docs/ARCHITECTURE.md, "Local decisions"). --local_decisions.
+  bool local_decisions = true;
+  // At most this many locally decided steps per group may wait for the
+  // coordinator's confirming decision; past it ranks wait for the
+  // coordinator as usual. --local_decision_lag.
+  int local_decision_lag = 4;
 };
 
 struct SidecarStats {
@@ -95,6 +105,9 @@ struct SidecarStats {
   int64_t node_manifests_repeat = 0;
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
+  int64_t local_decisions = 0;   // decided here (single-node job), see SidecarOptions
+  int64_t local_confirmed = 0;   // ... and later confirmed by the coordinator
+  int64_t local_mismatches = 0;  // ... where the coordinator decided otherwise (job failed)
   int ranks = 0;
   int sessions = 0;    // open rank streams (accepted or not yet)
   std::string job_id;  // the job served now, else the last one ("" before the first)
@@ -219,11 +232,29 @@ class Sidecar final : public UpstreamHandler {
     std::optional<v1::Decision> last_error;
     std::vector<LastFull> last_full;  // per local rank, ascending rank
     uint64_t touched_epoch = 0;       // HandleManifestsLocked dedup
+    // Local decisions (SidecarOptions::local_decisions): steps decided here
+    // that the coordinator has not decided yet, ascending, each with its
+    // DecisionOk's bytes; the bytes of the last local decision and the node
+    // manifest key they were computed for; the coordinator's own last ok
+    // (what its `same_as_previous` stands for).
+    struct Unconfirmed {
+      int64_t step = 0;
+      std::shared_ptr<const std::string> ok_bytes;
+    };
+    std::deque<Unconfirmed> unconfirmed;
+    std::shared_ptr<const std::string> local_ok_bytes;
+    uint64_t node_content_gen = 0;   // bumped when last_node_* changes
+    uint64_t local_content_gen = 0;  // the generation local_ok_bytes is for
+    // last_ok holds these bytes (set by a local decision, reset by any
+    // decision of the coordinator delivered as such).
+    std::shared_ptr<const std::string> local_ok_delivered;
+    std::optional<std::string> coordinator_ok_bytes;
   };
   // The group's LocalStep for `step`, created (from spare storage) if absent.
   static LocalStep& StepFor(LocalGroup& g, int64_t step);
-  // Drops every step and inflight entry <= `step`, keeping step storage.
-  static void DropStepsUpTo(LocalGroup& g, int64_t step);
+  // Drops every step (and, unless `keep_inflight`, inflight entry) <= `step`,
+  // keeping step storage.
+  static void DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight = false);
 
   void HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -249,8 +280,21 @@ class Sidecar final : public UpstreamHandler {
   // batch does not repeat the previous one); clears `items`.
   void SendOutgoingLocked(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `take`: null, or `batch` itself, whose decisions may be moved out.
-  void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `local`: decisions made here (local_decisions.cc), not the coordinator's.
+  void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                             bool local = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Local decisions (local_decisions.cc). Decides the complete step `st` of
+  // `g` here when allowed, into local_batch_ ...
+  void DecideLocallyLocked(LocalGroup& g, const LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ... which this delivers to the ranks (after the steps were collected).
+  void DeliverLocalDecisionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool LocalDecisionAllowedLocked(const LocalGroup& g) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A coordinator decision for a step decided here: compares it with the
+  // local one (a difference fails the job on this node) and drops the step.
+  // Returns false when `d` is not about a locally decided step.
+  bool ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the job on this node: every rank gets `e` and its stream closes.
+  void FailRanksLocked(const v1::DecisionError& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRankLocked(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
   // previous batch, and records it as the stream's previous batch.
@@ -297,6 +341,7 @@ class Sidecar final : public UpstreamHandler {
   uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifestsLocked
   std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoingLocked
+  v1::DecisionBatch local_batch_ ABSL_GUARDED_BY(mu_);     // DecideLocallyLocked's output
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
   // The current upstream stream: whether the coordinator accepts batch

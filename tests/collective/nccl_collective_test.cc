@@ -235,5 +235,82 @@ TEST_F(NcclCollectiveTest, Fp8IsRefusedWhenTheLoadedNcclIsOlderThan224) {
   EXPECT_NE(s.message().find("NCCL 2.23.4"), std::string::npos) << s;
 }
 
+TEST_F(NcclCollectiveTest, Fp8WireDTypeIsRefusedAtCreateBelowSm90BeforeTheRendezvous) {
+  Fake().cc_major = 8;
+  options_.nccl_allow_saturating_fp8 = true;
+  options_.wire_dtypes = {DType::kBFloat16, DType::kFloat8E4M3FN};
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make();
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  const std::string m(c.status().message());
+  EXPECT_NE(m.find(std::string(DTypeName(DType::kFloat8E4M3FN))), std::string::npos) << m;
+  EXPECT_NE(m.find("sm_80"), std::string::npos) << m;
+  EXPECT_NE(m.find("NCCL 2.28.9"), std::string::npos) << m;
+  EXPECT_NE(m.find("wire_dtypes"), std::string::npos) << m;
+  EXPECT_EQ(Fake().init_calls, 0);
+  EXPECT_TRUE(kv_.values_.empty());  // no unique id published
+}
+
+TEST_F(NcclCollectiveTest, Fp8WireDTypeIsRefusedAtCreateWhenTheLoadedNcclIsOlderThan224) {
+  Fake().version = 22304;
+  options_.nccl_allow_saturating_fp8 = true;
+  options_.wire_dtypes = {DType::kFloat8E5M2};
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make(1);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_NE(c.status().message().find("NCCL 2.23.4"), std::string::npos) << c.status();
+  EXPECT_NE(c.status().message().find("sm_90"), std::string::npos) << c.status();
+  EXPECT_EQ(Fake().init_calls, 0);
+}
+
+TEST_F(NcclCollectiveTest, Fp8WireDTypeOnSm90IsRefusedAtCreateWithoutTheOptInAndAcceptedWithIt) {
+  options_.wire_dtypes = {DType::kFloat8E4M3FN};
+  absl::StatusOr<std::unique_ptr<Collective>> refused = Make();
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("saturates"), std::string::npos) << refused.status();
+  EXPECT_EQ(Fake().init_calls, 0);
+
+  options_.nccl_allow_saturating_fp8 = true;
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Fake().init_calls, 1);
+  absl::StatusOr<DType> wire = (*c)->WireDTypeFor(DType::kFloat8E4M3FN);
+  ASSERT_TRUE(wire.ok()) << wire.status();
+  EXPECT_EQ(*wire, DType::kFloat8E4M3FN);
+}
+
+TEST_F(NcclCollectiveTest, NonFp8WireDTypesAreAcceptedAtCreateOnAnyDevice) {
+  Fake().cc_major = 7;
+  Fake().version = 21805;
+  options_.wire_dtypes = {DType::kFloat16, DType::kBFloat16, DType::kFloat32, DType::kFloat64};
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make();
+  ASSERT_TRUE(c.ok()) << c.status();
+}
+
+TEST_F(NcclCollectiveTest, RefusedFp8IsWidenedWhenAskedAndTheWidenedDTypeIsWhatIsReduced) {
+  Fake().cc_major = 8;
+  options_.nccl_widen_fp8_to = DType::kFloat16;
+  options_.wire_dtypes = {DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make();
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (DType d : {DType::kFloat8E4M3FN, DType::kFloat8E5M2}) {
+    absl::StatusOr<DType> wire = (*c)->WireDTypeFor(d);
+    ASSERT_TRUE(wire.ok()) << wire.status();
+    EXPECT_EQ(*wire, DType::kFloat16) << DTypeName(d);
+    // The decision must carry the widened dtype: fp8 itself is still refused.
+    EXPECT_EQ((*c)->ReduceScatterSum(in_, out_, 8, d, nullptr).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(Fake().reduce_scatters, 0);
+  EXPECT_TRUE((*c)->ReduceScatterSum(in_, out_, 8, DType::kFloat16, nullptr).ok());
+}
+
+TEST_F(NcclCollectiveTest, WideningToFp32IsInvalidAtCreate) {
+  Fake().cc_major = 8;
+  options_.nccl_widen_fp8_to = DType::kFloat32;
+  options_.wire_dtypes = {DType::kFloat8E4M3FN};
+  absl::StatusOr<std::unique_ptr<Collective>> c = Make();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_EQ(Fake().init_calls, 0);
+}
+
 }  // namespace
 }  // namespace accord

@@ -6,6 +6,7 @@
 // its own process (ctest), and the two-process test forks before any CUDA
 // call.
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -203,6 +204,57 @@ TEST(NcclReduceScatterTest, Fp8WithTheOptInRunsOnSm90AndIsRefusedBelow) {
     ASSERT_TRUE(s.ok()) << DTypeName(wire) << ": " << s;
     EXPECT_EQ(shard, ExpectedShard(wire, 1, 0)) << DTypeName(wire);
   }
+}
+
+// fp8 declared in CollectiveOptions::wire_dtypes is refused at Create (before
+// the rendezvous) with the dtype, this device's compute capability and the
+// loaded NCCL's version, or widened when asked (docs/GPU.md, "fp8").
+TEST(NcclReduceScatterTest, Fp8IsRefusedOrWidenedAtCreate) {
+  SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0, version = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  ASSERT_EQ(ncclGetVersion(&version), ncclSuccess);
+  testing::DirKeyValueStore kv(TempDir());
+  CollectiveOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.wire_dtypes = {DType::kBFloat16, DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+
+  o.incarnation = Incarnation();
+  absl::StatusOr<std::unique_ptr<Collective>> refused =
+      CreateCollective(Backend::kNccl, 0, 1, kv, "job/nccl.create", o);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  const std::string m(refused.status().message());
+  EXPECT_NE(m.find(std::string(DTypeName(DType::kFloat8E4M3FN))), std::string::npos) << m;
+  EXPECT_NE(m.find(absl::StrCat("sm_", major, minor)), std::string::npos) << m;
+  EXPECT_NE(m.find(absl::StrCat("NCCL ", version / 10000, ".", (version / 100) % 100, ".",
+                                version % 100)),
+            std::string::npos)
+      << m;
+  std::printf("fp8 at Create without the opt-in: %s\n", refused.status().ToString().c_str());
+
+  o.incarnation = Incarnation();
+  o.nccl_allow_saturating_fp8 = true;
+  absl::StatusOr<std::unique_ptr<Collective>> opted =
+      CreateCollective(Backend::kNccl, 0, 1, kv, "job/nccl.create", o);
+  if (major >= 9 && version >= 22400) {
+    ASSERT_TRUE(opted.ok()) << opted.status();
+  } else {
+    EXPECT_EQ(opted.status().code(), absl::StatusCode::kFailedPrecondition) << opted.status();
+  }
+
+  o.incarnation = Incarnation();
+  o.nccl_allow_saturating_fp8 = false;
+  o.nccl_widen_fp8_to = DType::kBFloat16;
+  absl::StatusOr<std::unique_ptr<Collective>> widened =
+      CreateCollective(Backend::kNccl, 0, 1, kv, "job/nccl.create", o);
+  ASSERT_TRUE(widened.ok()) << widened.status();
+  absl::StatusOr<DType> wire = (*widened)->WireDTypeFor(DType::kFloat8E4M3FN);
+  ASSERT_TRUE(wire.ok()) << wire.status();
+  EXPECT_EQ(*wire, DType::kBFloat16);
+  std::vector<uint8_t> shard;
+  ASSERT_TRUE(ReduceOnce(**widened, *wire, 1, &shard).ok());
+  EXPECT_EQ(shard, ExpectedShard(*wire, 1, 0));
 }
 
 TEST(NcclReduceScatterTest, RendezvousWithAMissingPeerEndsAtTheTimeout) {

@@ -4,6 +4,7 @@
 #include "client/collective/reducer.h"
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,12 +28,19 @@ class FakeCollective : public Collective {
     }
     return absl::OkStatus();
   }
+  absl::StatusOr<DType> WireDTypeFor(DType wire) const override {
+    if (widen_fp8_to.has_value() && CheckWireDType(wire).code() != absl::StatusCode::kOk) {
+      return *widen_fp8_to;
+    }
+    return Collective::WireDTypeFor(wire);
+  }
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   Backend backend() const override { return backend_; }
 
   int calls = 0;
   bool refuse_fp8 = false;
+  std::optional<DType> widen_fp8_to;
 
  private:
   const Backend backend_;
@@ -86,6 +94,55 @@ TEST(GroupReducerTest, WireDTypeRefusedByTheBackendStopsBeforePacking) {
   // The same reducer goes on with a dtype the backend accepts.
   EXPECT_TRUE(reducer.Reduce(MakeDecision(DType::kFloat32), sources).ok());
   EXPECT_EQ(gloo.calls, 1);
+}
+
+TEST(PolicyForCollectiveTest, AnAcceptingBackendKeepsThePolicy) {
+  FakeCollective gloo(Backend::kGloo);
+  Policy p;
+  p.reduce_dtype = DType::kFloat8E4M3FN;
+  p.reduce_dtype_exact = true;
+  p.empty_group_dtype = DType::kFloat8E5M2;
+  absl::StatusOr<Policy> got = PolicyForCollective(p, gloo);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->reduce_dtype, DType::kFloat8E4M3FN);
+  EXPECT_EQ(got->empty_group_dtype, DType::kFloat8E5M2);
+  EXPECT_TRUE(got->reduce_dtype_exact);
+}
+
+TEST(PolicyForCollectiveTest, ARefusedFp8IsAnErrorNamingThePolicyField) {
+  FakeCollective nccl(Backend::kNccl);
+  nccl.refuse_fp8 = true;
+  Policy p;
+  p.reduce_dtype = DType::kFloat8E5M2;
+  absl::StatusOr<Policy> got = PolicyForCollective(p, nccl);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  EXPECT_NE(got.status().message().find("reduce dtype"), std::string::npos) << got.status();
+  p.reduce_dtype.reset();
+  p.empty_group_dtype = DType::kFloat8E4M3FN;
+  got = PolicyForCollective(p, nccl);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  EXPECT_NE(got.status().message().find("empty-group dtype"), std::string::npos) << got.status();
+}
+
+TEST(PolicyForCollectiveTest, AWideningBackendWidensEveryFp8FieldAndNothingElse) {
+  FakeCollective nccl(Backend::kNccl);
+  nccl.refuse_fp8 = true;
+  nccl.widen_fp8_to = DType::kBFloat16;
+  Policy p;
+  p.reduce_dtype = DType::kFloat8E4M3FN;
+  p.reduce_dtype_exact = true;
+  p.empty_group_dtype = DType::kFloat8E5M2;
+  absl::StatusOr<Policy> got = PolicyForCollective(p, nccl);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->reduce_dtype, DType::kBFloat16);
+  EXPECT_EQ(got->empty_group_dtype, DType::kBFloat16);
+  EXPECT_TRUE(got->reduce_dtype_exact);
+  p.reduce_dtype = DType::kFloat16;
+  p.empty_group_dtype = DType::kFloat32;
+  got = PolicyForCollective(p, nccl);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->reduce_dtype, DType::kFloat16);
+  EXPECT_EQ(got->empty_group_dtype, DType::kFloat32);
 }
 
 }  // namespace

@@ -34,6 +34,30 @@ TEST(RankSetTest, AddContainsCountAcrossWordBoundaries) {
   }
 }
 
+// Full and Empty agree with Count for every single-rank gap and every
+// single rank, across word boundaries.
+TEST(RankSetTest, FullAndEmptyAgreeWithCount) {
+  for (int world : {1, 2, 63, 64, 65, 127, 128, 129, 200}) {
+    for (int hole = 0; hole < world; ++hole) {
+      RankSet all_but(world), only(world);
+      for (int r = 0; r < world; ++r) {
+        if (r != hole) all_but.Add(r);
+      }
+      only.Add(hole);
+      EXPECT_FALSE(all_but.Full()) << world << " " << hole;
+      EXPECT_EQ(all_but.Empty(), world == 1) << world << " " << hole;
+      EXPECT_EQ(only.Full(), world == 1) << world << " " << hole;
+      EXPECT_FALSE(only.Empty()) << world << " " << hole;
+      all_but.Add(hole);
+      EXPECT_TRUE(all_but.Full()) << world;
+      EXPECT_EQ(all_but.Count(), world);
+    }
+    EXPECT_TRUE(RankSet(world).Empty());
+  }
+  EXPECT_TRUE(RankSet(0).Empty());
+  EXPECT_TRUE(RankSet(0).Full());
+}
+
 TEST(RankSetTest, UnionAndIntersects) {
   RankSet a(70), b(70);
   a.Add(1);

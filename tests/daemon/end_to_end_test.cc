@@ -47,6 +47,10 @@ class EndToEndTest : public ::testing::Test {
                                        grpc::InsecureChannelCredentials());
     SidecarOptions so;
     so.node_id = "node0";
+    // These tests follow each decision through the coordinator (its cache,
+    // its stats); local decisions have their own tests
+    // (local_decisions_test.cc, tests/integration/local_decisions_test.cc).
+    so.local_decisions = false;
     sidecar_ = std::make_unique<Sidecar>(so);
     upstream_ = std::make_unique<GrpcUpstream>(channel, sidecar_.get(), absl::Seconds(1));
     sidecar_->SetUpstream(upstream_.get());

@@ -1,4 +1,6 @@
 // CPU pack/unpack against the naive reference in reference.cc, bit for bit.
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -174,6 +176,99 @@ TEST(ConvertRunTest, EveryPairMatchesReferenceOnEveryOrRandomPattern) {
   }
 }
 
+// Every pattern of the 8- and 16-bit dtypes (NaNs, infs, -0, subnormals),
+// random fp32/fp64 patterns otherwise.
+std::vector<uint8_t> AllOrRandomPatterns(DType d, int64_t* n, std::mt19937_64& rng) {
+  if (DTypeSize(d) <= 2) {
+    *n = int64_t{1} << (8 * DTypeSize(d));
+    std::vector<uint8_t> src(*n * DTypeSize(d));
+    for (int64_t k = 0; k < *n; ++k) testing::StoreBits(d, src.data(), k, k);
+    return src;
+  }
+  *n = 20011;
+  return RandomBits(d, *n, rng);
+}
+
+// The streaming kernels peel a head up to a 16- or 32-byte boundary and
+// convert a tail: every destination offset within 32 bytes, source offsets,
+// and lengths around the vector widths, with guard bytes on both sides.
+TEST(ConvertRunStreamingTest, EveryPairMatchesTheReferenceAtEveryOffsetAndLength) {
+  std::mt19937_64 rng(11);
+  const int64_t lengths[] = {0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 130, -1};
+  for (DType from : kAllDTypes) {
+    int64_t all = 0;
+    const std::vector<uint8_t> src = AllOrRandomPatterns(from, &all, rng);
+    for (DType to : kAllDTypes) {
+      const int64_t to_size = static_cast<int64_t>(DTypeSize(to));
+      for (int64_t dst_off = 0; dst_off * to_size < 32; ++dst_off) {
+        for (int64_t src_off = 0; src_off < 4; ++src_off) {
+          for (int64_t len : lengths) {
+            const int64_t n = len < 0 ? all - src_off : len;
+            if (src_off + n > all || (len < 0 && src_off > 0 && dst_off > 1)) continue;
+            const uint8_t* in = src.data() + src_off * DTypeSize(from);
+            // 64-byte aligned storage, so that dst_off fixes the alignment.
+            std::vector<uint64_t> storage(static_cast<size_t>((n + dst_off + 80) * to_size / 8 + 2),
+                                          0xA5A5A5A5A5A5A5A5ull);
+            uint8_t* base = reinterpret_cast<uint8_t*>(storage.data());
+            base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+            uint8_t* out = base + dst_off * to_size;
+            kernels::ConvertRunStreaming(from, to, in, out, n);
+            kernels::StreamFence();
+            for (int64_t k = 0; k < n; ++k) {
+              const uint64_t bits = LoadBits(from, in, k);
+              ASSERT_EQ(LoadBits(to, out, k), RefConvert(from, to, bits))
+                  << DTypeName(from) << " -> " << DTypeName(to) << " dst offset " << dst_off
+                  << " src offset " << src_off << " n " << n << " element " << k << " bits 0x"
+                  << std::hex << bits;
+            }
+            for (uint8_t* p = base; p < out; ++p) ASSERT_EQ(*p, 0xA5) << "before the run";
+            for (int64_t k = 0; k < 16; ++k) ASSERT_EQ(out[n * to_size + k], 0xA5) << "after";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ZeroStreamingTest, ZeroesExactlyTheRangeAtEveryOffsetAndLength) {
+  std::vector<uint8_t> buf(256 + 64);
+  uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  for (int64_t off = 0; off < 33; ++off) {
+    for (int64_t len = 0; len < 150; ++len) {
+      std::fill(buf.begin(), buf.end(), 0x5A);
+      kernels::ZeroStreaming(base + off, len);
+      kernels::StreamFence();
+      for (int64_t k = 0; k < 200; ++k) {
+        ASSERT_EQ(base[k], k >= off && k < off + len ? 0 : 0x5A)
+            << "offset " << off << " length " << len << " byte " << k;
+      }
+    }
+  }
+}
+
+// Streaming stores (PackOptions::streaming_min_bytes = 0) write the same bits
+// as regular ones, for every wire dtype, world size and thread count, with
+// an output that starts one element past a 16-byte boundary.
+TEST_P(PackCpuTest, StreamingStoresMatchReferenceAtAMisalignedOutput) {
+  const auto [wire, world] = GetParam();
+  const size_t wsize = DTypeSize(wire);
+  for (uint64_t seed = 0; seed < 3; ++seed) {
+    Case c = MakeCase(wire, world, /*narrowing=*/seed == 2, seed);
+    const std::vector<uint8_t> want = RefPack(c.spec, c.layout, c.sources);
+    for (int threads : {1, 2}) {
+      std::vector<uint64_t> storage(want.size() / 8 + 8, 0xCDCDCDCDCDCDCDCDull);
+      uint8_t* out = reinterpret_cast<uint8_t*>(storage.data()) + (wsize < 16 ? wsize : 0);
+      PackOptions options;
+      options.streaming_min_bytes = 0;
+      options.num_threads = threads;
+      options.allow_narrowing = seed == 2;
+      ASSERT_TRUE(PackCpu(c.spec, c.layout, c.sources, out, options).ok());
+      EXPECT_EQ(std::vector<uint8_t>(out, out + want.size()), want)
+          << "seed " << seed << ", " << threads << " threads";
+    }
+  }
+}
+
 TEST(PackCpuThreadsTest, TwoAndThreeThreadsMatchOneThread) {
   GroupSpec spec{"big", {{"a", 1001, 1001 * 300}, {"b", 77, 77 * 1000}, {"c", 4097, 4097 * 100}}};
   std::mt19937_64 rng(1);
@@ -187,11 +282,14 @@ TEST(PackCpuThreadsTest, TwoAndThreeThreadsMatchOneThread) {
   ASSERT_GT(layout.total_bytes(), 2 << 20);
   const std::vector<uint8_t> want = RefPack(spec, layout, sources);
   for (int threads : {1, 2, 3}) {
-    std::vector<uint8_t> out(layout.total_bytes(), 0xCD);
-    PackOptions options;
-    options.num_threads = threads;
-    ASSERT_TRUE(PackCpu(spec, layout, sources, out.data(), options).ok());
-    EXPECT_EQ(out, want) << threads << " threads";
+    for (int64_t streaming_min_bytes : {int64_t{0}, INT64_MAX}) {
+      std::vector<uint8_t> out(layout.total_bytes(), 0xCD);
+      PackOptions options;
+      options.num_threads = threads;
+      options.streaming_min_bytes = streaming_min_bytes;
+      ASSERT_TRUE(PackCpu(spec, layout, sources, out.data(), options).ok());
+      EXPECT_EQ(out, want) << threads << " threads, streaming from " << streaming_min_bytes;
+    }
   }
 }
 
