@@ -1,7 +1,8 @@
 // Faults around a relay, through the real daemons (docs/RELIABILITY.md,
 // "Relay faults"): a silent rank behind a relay is named to every rank with
 // the exact error and within the deadline bound; a relay killed mid-step and
-// restarted on its address resumes the job with the same decisions; a relay
+// restarted on its address resumes the job with the same decisions, and so
+// does a coordinator restarted behind relays; a relay
 // killed for good gives the other relays' ranks one UNAVAILABLE naming it;
 // a relay whose upstream connection is cut (decisions lost on the way)
 // loses nothing. Ranks are held before a step at a FIFO gate; nothing waits
@@ -173,6 +174,23 @@ TEST_F(RelayFaultTest, RelayKilledMidStepAndRestartedGivesEveryRankTheSameDecisi
   ASSERT_TRUE(cluster_->RestartRelay(0).ok());
   ASSERT_TRUE(gate_.Release());
   ExpectAllSucceededWith(LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(90)), digest);
+}
+
+// The coordinator killed while the relays' ranks wait for step 2 and
+// restarted on its address: each relay reconnects, resends its hello
+// (RESUME), its registrations merged and its undecided merged manifests; the
+// sidecars behind it notice nothing. Same decisions as undisturbed.
+TEST_F(RelayFaultTest, CoordinatorKilledMidStepAndRestartedBehindRelaysGivesTheSameDecisions) {
+  StartCluster(4, 2);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  auto procs = StartGated(kWorld, "faulty", /*gated=*/{5}, /*step=*/2, kFlags);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  cluster_->KillCoordinator();
+  ASSERT_TRUE(cluster_->RestartCoordinator().ok());
+  ASSERT_TRUE(gate_.Release());
+  ExpectAllSucceededWith(LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(90)), digest);
+  EXPECT_THAT(cluster_->RelayOutput(0), HasSubstr("reconnecting"));
 }
 
 // A relay killed for good: past the coordinator's --node_reconnect_grace the
