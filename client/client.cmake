@@ -17,7 +17,7 @@ target_link_libraries(accord_local_cluster PUBLIC accord_health_proto absl::sync
   absl::time absl::strings absl::status absl::statusor Threads::Threads)
 target_include_directories(accord_local_cluster PUBLIC ${PROJECT_SOURCE_DIR})
 target_compile_definitions(accord_local_cluster PRIVATE
-  ACCORD_DEFAULT_BIN_DIRS="${PROJECT_BINARY_DIR}/daemon/coordinator:${PROJECT_BINARY_DIR}/daemon/sidecar:${PROJECT_BINARY_DIR}/daemon")
+  ACCORD_DEFAULT_BIN_DIRS="${PROJECT_BINARY_DIR}/daemon/coordinator:${PROJECT_BINARY_DIR}/daemon/sidecar:${PROJECT_BINARY_DIR}/daemon/relay:${PROJECT_BINARY_DIR}/daemon")
 accord_target_options(accord_local_cluster)
 
 add_executable(accord-local-cluster ${CMAKE_CURRENT_LIST_DIR}/testing/local_cluster_main.cc)

@@ -6,11 +6,26 @@
 // repeat_batch_key), and (c) none repeating (full form, full Decide). Baseline in the same run:
 // protobuf parsing of the same messages alone, so the logic's own cost is visible.
 //
+// --relays=R: the coordinator sees R relays (docs/ARCHITECTURE.md, "Relays")
+// instead of the nodes, each sending one merged manifest per group covering
+// nodes/R nodes' ranks; the bench then also times one relay's own merge of
+// its nodes/R sidecars (the accord Relay class in-process). --serialize says
+// whether the broadcast DecisionBatch is serialized by the sinks (once per
+// message, as the gRPC adapter does, or once per stream, as before) and
+// counted in the CPU figure. Mode "recover" times a restarted coordinator
+// taking every node's hello, registrations and one pending step in full form
+// until every node has its decisions (the coordinator's side of recovery;
+// reconnect backoff and the network come on top). Peak RSS is printed last.
+//
 //   accord_coordinator_bench --nodes=2048 --ranks_per_node=8 --groups=200 --params=16 --steps=3
+//   accord_coordinator_bench --nodes=16384 --relays=128 --modes=batch,full,recover
+#include <sys/resource.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,6 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
+#include "daemon/relay/relay.h"
 #include "proto/wire.h"
 
 ABSL_FLAG(int, nodes, 2048, "sidecars");
@@ -30,18 +46,60 @@ ABSL_FLAG(int, params, 16, "parameters per group");
 ABSL_FLAG(int, steps, 3, "measured steps per mode");
 ABSL_FLAG(std::string, modes, "repeat,batch,full",
           "modes to run, in order: repeat (per-manifest repeat form), batch (batch repeat "
-          "record), full (every manifest in full form)");
+          "record), full (every manifest in full form), recover (a restarted coordinator: "
+          "hellos, registrations and one pending step from every node)");
+ABSL_FLAG(int, relays, 0,
+          "0: the coordinator sees every node; R > 0: it sees R relays, each merging nodes/R "
+          "nodes (nodes must be a multiple of R)");
+ABSL_FLAG(std::string, serialize, "none",
+          "broadcast serialization counted in the CPU figure: none, once (one serialization "
+          "per message, shared by every stream) or per_stream (one per stream)");
 
 namespace accord::daemon {
 namespace {
+
+enum class Serialize { kNone, kOnce, kPerStream };
+
+// The bytes of the last message serialized (shared by every sink, as the gRPC
+// adapter's SerializedOnce is).
+struct SharedSerialization {
+  std::shared_ptr<const v1::CoordinatorMessage> last;
+  std::string bytes;
+  int64_t serializations = 0;
+};
 
 class CountingSink : public NodeSink {
  public:
   void Send(std::shared_ptr<const v1::CoordinatorMessage> m) override {
     count_.fetch_add(1, std::memory_order_relaxed);
+    if (mode_ == Serialize::kPerStream) {
+      bytes_ += static_cast<int64_t>(m->SerializeAsString().size());
+    } else if (mode_ == Serialize::kOnce && shared_ != nullptr) {
+      if (shared_->last != m) {
+        shared_->last = m;
+        shared_->bytes = m->SerializeAsString();
+        ++shared_->serializations;
+      }
+      bytes_ += static_cast<int64_t>(shared_->bytes.size());
+    }
+  }
+  void Configure(Serialize mode, SharedSerialization* shared) {
+    mode_ = mode;
+    shared_ = shared;
   }
   std::atomic<int64_t> count_{0};
+  int64_t bytes_ = 0;
+
+ private:
+  Serialize mode_ = Serialize::kNone;
+  SharedSerialization* shared_ = nullptr;
 };
+
+int64_t PeakRssMiB() {
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024;
+}
 
 double ThreadCpuSeconds() {
   timespec ts;
@@ -49,6 +107,8 @@ double ThreadCpuSeconds() {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+// `nodes` are the coordinator's peers: sidecars, or relays (then `rpn` is the
+// ranks behind one relay).
 struct Setup {
   int nodes, rpn, groups, params, world;
 };
@@ -125,17 +185,9 @@ Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, c
   return r;
 }
 
-int Main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  Setup s{absl::GetFlag(FLAGS_nodes), absl::GetFlag(FLAGS_ranks_per_node),
-          absl::GetFlag(FLAGS_groups), absl::GetFlag(FLAGS_params), 0};
-  s.world = s.nodes * s.rpn;
-  const int steps = absl::GetFlag(FLAGS_steps);
-  CoordinatorOptions o;
-  o.start_timer_thread = false;
-  o.deadline = absl::Hours(1);
-  Coordinator c(o, RealClock::Get());
-  std::vector<CountingSink> sinks(s.nodes);
+// Every peer's hello and every group's registration, as after a (re)start.
+std::vector<Coordinator::SessionId> JoinAll(Coordinator& c, std::vector<CountingSink>& sinks,
+                                            const Setup& s) {
   std::vector<Coordinator::SessionId> ids(s.nodes);
   for (int n = 0; n < s.nodes; ++n) {
     ids[n] = c.OpenSession(&sinks[n]);
@@ -160,47 +212,225 @@ int Main(int argc, char** argv) {
       c.HandleMessage(ids[n], reg);
     }
   }
-  std::printf("coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params\n",
-              s.nodes, s.rpn, s.world, s.groups, s.params);
+  return ids;
+}
+
+std::unique_ptr<Coordinator> NewCoordinator() {
+  CoordinatorOptions o;
+  o.start_timer_thread = false;
+  o.deadline = absl::Hours(1);
+  return std::make_unique<Coordinator>(o, RealClock::Get());
+}
+
+void Configure(std::vector<CountingSink>& sinks, Serialize mode, SharedSerialization* shared) {
+  for (CountingSink& k : sinks) k.Configure(mode, shared);
+}
+
+// A restarted coordinator: every peer's hello, registrations and one pending
+// step in full form, until every peer has its decisions (synchronous here).
+void RunRecovery(const Setup& s, Serialize serialize) {
   std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+  std::unique_ptr<Coordinator> c = NewCoordinator();
+  std::vector<CountingSink> sinks(s.nodes);
+  SharedSerialization shared;
+  Configure(sinks, serialize, &shared);
+  const absl::Time wall0 = absl::Now();
+  const double t0 = ThreadCpuSeconds();
+  std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
+  const double joined = ThreadCpuSeconds() - t0;
+  Result r = RunStep(*c, ids, s, /*step=*/0, Mode::kFull, keys);
+  const double wall = absl::ToDoubleSeconds(absl::Now() - wall0);
+  std::printf(
+      "%-12s CPU %8.1f ms (hellos + %d registrations %8.1f ms, pending step %8.1f ms)  "
+      "wall %8.1f ms  decisions %lld (expected %d)\n",
+      "recover", 1e3 * (joined + r.cpu_s), s.nodes * s.groups, 1e3 * joined, 1e3 * r.cpu_s,
+      1e3 * wall, static_cast<long long>(r.decisions), s.groups);
+  c->Stop();
+}
+
+class CountingUpstream : public UpstreamSink {
+ public:
+  void Send(v1::NodeMessage m) override {
+    ++sent;
+    if (m.has_manifests()) manifests += m.manifests().manifests_size();
+  }
+  void Reset(std::vector<v1::NodeMessage> m) override {}
+  void Reconnect() override {}
+  int64_t sent = 0;
+  int64_t manifests = 0;
+};
+
+// One relay's own work per step: `fanin` sidecars' node manifests (each of
+// `rpn` ranks) merged into one upstream manifest per group, then one decision
+// batch fanned out. Full form or per-manifest repeat form.
+void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
+  Setup s{fanin, rpn, groups, params, fanin * rpn};
+  RelayOptions o;
+  o.relay_id = "relay0";
+  o.start_timer_thread = false;
+  Relay relay(o);
+  CountingUpstream up;
+  relay.SetUpstream(&up);
+  relay.OnUpstreamConnected();
+  std::vector<CountingSink> sinks(fanin);
+  std::vector<Relay::SessionId> ids(fanin);
+  for (int n = 0; n < fanin; ++n) {
+    ids[n] = relay.OpenSession(&sinks[n]);
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_job_id("bench");
+    hello.mutable_hello()->set_node_id(absl::StrCat("node", n));
+    hello.mutable_hello()->set_world_size(s.world);
+    for (int r = 0; r < rpn; ++r) hello.mutable_hello()->add_ranks(n * rpn + r);
+    relay.HandleMessage(ids[n], hello);
+  }
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_run_id("r");
+  relay.HandleCoordinatorMessage(&welcome);
+  for (int g = 0; g < groups; ++g) {
+    GroupSpec spec;
+    spec.group_id = absl::StrCat("group", g);
+    for (int p = 0; p < params; ++p)
+      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
+    v1::NodeMessage reg;
+    *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());
+    for (int n = 0; n < fanin; ++n) relay.HandleMessage(ids[n], reg);
+  }
+  std::vector<std::vector<uint64_t>> keys(fanin, std::vector<uint64_t>(groups));
   int64_t step = 0;
-  RunStep(c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+  for (Mode mode : {Mode::kFull, Mode::kRepeat}) {
+    double cpu = 0;
+    const int64_t before = up.manifests;
+    for (int i = 0; i < steps; ++i, ++step) {
+      std::vector<std::string> wire(fanin);
+      for (int n = 0; n < fanin; ++n) {
+        v1::NodeMessage msg;
+        for (int g = 0; g < groups; ++g) {
+          v1::Manifest* m = msg.mutable_manifests()->add_manifests();
+          if (mode == Mode::kRepeat) {
+            m->set_group_id(absl::StrCat("group", g));
+            m->set_step(step);
+            m->set_repeat(true);
+            m->set_cache_key(keys[n][g]);
+          } else {
+            *m = FullManifest(s, n, g, step, 0);
+            keys[n][g] = m->cache_key();
+          }
+        }
+        wire[n] = msg.SerializeAsString();
+      }
+      v1::CoordinatorMessage decisions;
+      for (int g = 0; g < groups; ++g) {
+        v1::Decision* d = decisions.mutable_decisions()->add_decisions();
+        d->set_group_id(absl::StrCat("group", g));
+        d->set_step(step);
+        d->set_same_as_previous(true);
+      }
+      const double t0 = ThreadCpuSeconds();
+      v1::NodeMessage msg;
+      for (int n = 0; n < fanin; ++n) {
+        msg.ParseFromString(wire[n]);
+        relay.HandleMessage(ids[n], msg);
+      }
+      relay.HandleCoordinatorMessage(&decisions);
+      cpu += ThreadCpuSeconds() - t0;
+    }
+    std::printf(
+        "relay fan-in %d x %d ranks, %-11s CPU/step %8.2f ms  upstream manifests/step %lld\n",
+        fanin, rpn, mode == Mode::kFull ? "full form" : "repeat form", 1e3 * cpu / steps,
+        static_cast<long long>((up.manifests - before) / steps));
+  }
+  relay.Stop();
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int nodes = absl::GetFlag(FLAGS_nodes);
+  const int relays = absl::GetFlag(FLAGS_relays);
+  if (relays < 0 || (relays > 0 && nodes % relays != 0)) {
+    std::fprintf(stderr, "--relays must divide --nodes\n");
+    return 2;
+  }
+  const std::string ser = absl::GetFlag(FLAGS_serialize);
+  const Serialize serialize = ser == "once"         ? Serialize::kOnce
+                              : ser == "per_stream" ? Serialize::kPerStream
+                                                    : Serialize::kNone;
+  const int rpn = absl::GetFlag(FLAGS_ranks_per_node);
+  // The coordinator's peers: the nodes, or the relays.
+  const int peers = relays > 0 ? relays : nodes;
+  Setup s{peers, nodes * rpn / peers, absl::GetFlag(FLAGS_groups), absl::GetFlag(FLAGS_params), 0};
+  s.world = nodes * rpn;
+  const int steps = absl::GetFlag(FLAGS_steps);
+  std::printf(
+      "coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params; the "
+      "coordinator sees %d %s; broadcast serialization: %s\n",
+      nodes, rpn, s.world, s.groups, s.params, peers, relays > 0 ? "relays" : "nodes", ser.c_str());
   std::vector<Mode> modes;
+  bool recover = false;
   for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
     if (m == "repeat") modes.push_back(Mode::kRepeat);
     if (m == "batch") modes.push_back(Mode::kBatchRepeat);
     if (m == "full") modes.push_back(Mode::kFull);
+    if (m == "recover") recover = true;
   }
-  for (Mode mode : modes) {
-    double cpu = 0, parse = 0, worst = 0;
-    int64_t decisions = 0, bytes = 0;
-    for (int i = 0; i < steps; ++i) {
-      Result r = RunStep(c, ids, s, step++, mode, keys);
-      cpu += r.cpu_s;
-      parse += r.parse_s;
-      worst = std::max(worst, r.cpu_s);
-      decisions += r.decisions;
-      bytes += r.bytes;
+  if (!modes.empty()) {
+    std::unique_ptr<Coordinator> c = NewCoordinator();
+    std::vector<CountingSink> sinks(s.nodes);
+    SharedSerialization shared;
+    Configure(sinks, serialize, &shared);
+    std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
+    std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+    int64_t step = 0;
+    RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+    for (Mode mode : modes) {
+      double cpu = 0, parse = 0, worst = 0, wall = 0;
+      int64_t decisions = 0, bytes = 0, out_before = 0, out_after = 0;
+      for (auto& k : sinks) out_before += k.bytes_;
+      for (int i = 0; i < steps; ++i) {
+        const absl::Time w0 = absl::Now();
+        Result r = RunStep(*c, ids, s, step++, mode, keys);
+        wall += absl::ToDoubleSeconds(absl::Now() - w0);
+        cpu += r.cpu_s;
+        parse += r.parse_s;
+        worst = std::max(worst, r.cpu_s);
+        decisions += r.decisions;
+        bytes += r.bytes;
+      }
+      for (auto& k : sinks) out_after += k.bytes_;
+      CoordinatorStats st = c->stats();
+      if (serialize != Serialize::kNone) {
+        std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
+                    (out_after - out_before) / 1e3 / steps / s.nodes,
+                    (out_after - out_before) / 1e6 / steps);
+      }
+      std::printf(
+          "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms; wall/step incl. "
+          "building the input %8.1f ms)  decisions/s %10.0f  node manifests/s %10.0f  in %6.1f "
+          "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
+          "%lld errors %lld\n",
+          mode == Mode::kRepeat        ? "all-repeat"
+          : mode == Mode::kBatchRepeat ? "batch-repeat"
+                                       : "none-repeat",
+          1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, 1e3 * wall / steps, decisions / cpu,
+          double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
+          static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
+          static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
+          static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors));
     }
-    CoordinatorStats st = c.stats();
+    int64_t sent = 0, out_bytes = 0;
+    for (auto& k : sinks) {
+      sent += k.count_.load();
+      out_bytes += k.bytes_;
+    }
     std::printf(
-        "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  "
-        "decisions/s %10.0f  node manifests/s %10.0f  in %6.1f MB/step  decisions %lld "
-        "(expected %lld)  cache hits %lld misses %lld same_as_previous %lld errors %lld\n",
-        mode == Mode::kRepeat        ? "all-repeat"
-        : mode == Mode::kBatchRepeat ? "batch-repeat"
-                                     : "none-repeat",
-        1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, decisions / cpu,
-        double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
-        static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
-        static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
-        static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors));
+        "messages to sinks: %lld (one shared DecisionBatch per peer per completing batch); "
+        "broadcast bytes %lld, serializations %lld\n",
+        static_cast<long long>(sent), static_cast<long long>(out_bytes),
+        static_cast<long long>(serialize == Serialize::kPerStream ? sent : shared.serializations));
+    c->Stop();
   }
-  int64_t sent = 0;
-  for (auto& k : sinks) sent += k.count_.load();
-  std::printf("messages to sinks: %lld (one shared DecisionBatch per node per completing batch)\n",
-              static_cast<long long>(sent));
-  c.Stop();
+  if (recover) RunRecovery(s, serialize);
+  if (relays > 0) RunRelayFanIn(nodes / relays, rpn, s.groups, s.params, steps);
+  std::printf("peak RSS %lld MiB\n", static_cast<long long>(PeakRssMiB()));
   return 0;
 }
 

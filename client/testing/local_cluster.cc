@@ -270,8 +270,19 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   }
   c->dir_ = tmpl;
   if (absl::Status s = c->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
+  const int per_relay = options.sidecars_per_relay;
+  if (per_relay > 0) {
+    const int relays = (options.num_sidecars + per_relay - 1) / per_relay;
+    for (int j = 0; j < relays; ++j) {
+      if (absl::Status s = c->StartRelay(j, "127.0.0.1:0", c->coordinator_address_); !s.ok()) {
+        return s;
+      }
+    }
+  }
   for (int i = 0; i < options.num_sidecars; ++i) {
-    if (absl::Status s = c->StartSidecar(i, c->coordinator_address_); !s.ok()) return s;
+    const std::string& upstream =
+        per_relay > 0 ? c->relay_addresses_[i / per_relay] : c->coordinator_address_;
+    if (absl::Status s = c->StartSidecar(i, upstream); !s.ok()) return s;
   }
   return c;
 }
@@ -280,6 +291,10 @@ LocalCluster::~LocalCluster() {
   // Sidecars first (they would otherwise reconnect), then the coordinator.
   for (auto& s : sidecars_) s->Terminate(absl::Seconds(5));
   sidecars_.clear();
+  for (auto& r : relays_) {
+    if (r) r->Terminate(absl::Seconds(5));
+  }
+  relays_.clear();
   if (coordinator_) coordinator_->Terminate(absl::Seconds(5));
   coordinator_.reset();
   if (!dir_.empty()) {
@@ -332,6 +347,60 @@ absl::Status LocalCluster::StartSidecar(int i, const std::string& coordinator) {
   absl::StatusOr<std::string> line = sidecars_[i]->WaitForLine("accord-sidecar serving", deadline);
   if (!line.ok()) return line.status();
   return WaitHealthy("unix:" + socket, deadline);
+}
+
+absl::Status LocalCluster::StartRelay(int j, const std::string& listen,
+                                      const std::string& coordinator) {
+  absl::StatusOr<std::string> bin = FindBinary(options_.bin_dir, "accord-relay");
+  if (!bin.ok()) return bin.status();
+  std::vector<std::string> argv = {*bin, "--listen=" + listen, "--coordinator=" + coordinator,
+                                   absl::StrCat("--relay_id=relay", j)};
+  argv.insert(argv.end(), options_.relay_flags.begin(), options_.relay_flags.end());
+  absl::StatusOr<std::unique_ptr<ChildProcess>> p =
+      ChildProcess::Spawn(argv, absl::StrCat("relay", j), options_.echo);
+  if (!p.ok()) return p.status();
+  if (j < static_cast<int>(relays_.size())) {  // a restart in place
+    relays_[j] = *std::move(p);
+  } else {
+    relays_.push_back(*std::move(p));
+    relay_addresses_.emplace_back();
+    relay_upstreams_.push_back(coordinator);
+  }
+  const absl::Time deadline = absl::Now() + options_.ready_timeout;
+  constexpr absl::string_view kReady = "accord-relay listening on ";
+  absl::StatusOr<std::string> line = relays_[j]->WaitForLine(kReady, deadline);
+  if (!line.ok()) return line.status();
+  std::string addr = line->substr(line->find(kReady.data(), 0, kReady.size()) + kReady.size());
+  while (!addr.empty() && (addr.back() == '\r' || addr.back() == ' ')) addr.pop_back();
+  relay_addresses_[j] = addr;
+  return WaitHealthy(addr, deadline);
+}
+
+std::string LocalCluster::RelayOutput(int j) const {
+  return relays_[j] ? relays_[j]->Output() : std::string();
+}
+
+void LocalCluster::KillRelay(int j) {
+  kill(relays_[j]->pid(), SIGKILL);
+  (void)relays_[j]->Wait(absl::InfiniteFuture());
+}
+
+absl::Status LocalCluster::RestartRelay(int j) {
+  if (j < 0 || j >= static_cast<int>(relays_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("no relay ", j));
+  }
+  return StartRelay(j, relay_addresses_[j], relay_upstreams_[j]);
+}
+
+absl::StatusOr<int> LocalCluster::AddRelay(const std::string& coordinator) {
+  const int j = static_cast<int>(relays_.size());
+  if (absl::Status s = StartRelay(j, "127.0.0.1:0", coordinator); !s.ok()) return s;
+  return j;
+}
+
+absl::Status LocalCluster::WaitForRelayOutput(int j, absl::string_view needle, int count,
+                                              absl::Time deadline) {
+  return relays_[j]->WaitForCount(needle, count, deadline);
 }
 
 int LocalCluster::SidecarOf(int rank, int world) const {

@@ -70,6 +70,11 @@ struct LocalClusterOptions {
   int num_sidecars = 1;
   std::vector<std::string> coordinator_flags;  // extra flags, e.g. "--deadline=2s"
   std::vector<std::string> sidecar_flags;
+  // Relays (docs/ARCHITECTURE.md, "Relays"): 0 connects every sidecar to the
+  // coordinator; K > 0 places one accord-relay per K sidecars (sidecar i goes
+  // through relay i / K).
+  int sidecars_per_relay = 0;
+  std::vector<std::string> relay_flags;
   absl::Duration ready_timeout = absl::Seconds(30);
   bool echo = true;  // copy children's output to stderr, prefixed
 };
@@ -119,6 +124,19 @@ class LocalCluster {
   // Starts sidecar `i` again (same socket, node id and coordinator) after
   // KillSidecar: a sidecar restart.
   absl::Status RestartSidecar(int i);
+  // Relays (when sidecars_per_relay > 0): their count, addresses (the
+  // sidecars' --coordinator) and output.
+  int num_relays() const { return static_cast<int>(relays_.size()); }
+  const std::string& relay_address(int j) const { return relay_addresses_[j]; }
+  std::string RelayOutput(int j) const;
+  // Kills relay `j` with SIGKILL.
+  void KillRelay(int j);
+  // Starts relay `j` again on the same address after KillRelay.
+  absl::Status RestartRelay(int j);
+  // Starts one more relay whose upstream is `coordinator` (e.g. a proxy) and
+  // returns its index; no sidecar uses it until one is added (AddSidecar).
+  absl::StatusOr<int> AddRelay(const std::string& coordinator);
+  absl::Status WaitForRelayOutput(int j, absl::string_view needle, int count, absl::Time deadline);
   // Process ids, e.g. for SIGSTOP/SIGCONT; -1 when not running.
   int coordinator_pid() const { return coordinator_ ? coordinator_->pid() : -1; }
   int sidecar_pid(int i) const { return sidecars_[i]->pid(); }
@@ -137,6 +155,8 @@ class LocalCluster {
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status StartCoordinator(const std::string& listen);
   absl::Status StartSidecar(int i, const std::string& coordinator);
+  // Starts relay `j` listening on `listen` with `coordinator` upstream.
+  absl::Status StartRelay(int j, const std::string& listen, const std::string& coordinator);
 
   LocalClusterOptions options_;
   std::string bin_dir_;
@@ -146,6 +166,9 @@ class LocalCluster {
   std::vector<std::string> sidecar_coordinators_;  // per sidecar
   std::unique_ptr<ChildProcess> coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> sidecars_;
+  std::vector<std::unique_ptr<ChildProcess>> relays_;
+  std::vector<std::string> relay_addresses_;
+  std::vector<std::string> relay_upstreams_;
   std::string last_coordinator_output_;
 };
 

@@ -1094,6 +1094,11 @@ Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node,
       earlier.Union(*c.content->ranks);
     }
     if (earlier.Intersects(*content->ranks)) {
+      // A restarted relay resends in parts what it had sent as one manifest
+      // (docs/ARCHITECTURE.md, "Relays"): ranks already spoken for add nothing.
+      RankSet both = earlier;
+      both.Union(*content->ranks);
+      if (both == earlier) return Added::kResent;
       error = OutOfOrder(v1::INVALID_MANIFEST,
                          absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ",
                                       m.step, ": node \"", node.node_id,
@@ -1170,9 +1175,13 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
     err.add_last_steps(last);
     if (parts.size() < 32) {
       const NodeState* owner = job.members.OwnerOf(r);
+      std::string node = owner ? owner->node_id : std::string();
+      for (const auto& [pr, pn] : p.clock.rank_nodes()) {
+        if (pr == r) node = pn;  // the sidecar behind a relay
+      }
       parts.push_back(
           absl::StrCat("rank ", r, " (last step ", last, ", node ",
-                       owner ? absl::StrCat("\"", owner->node_id, "\"") : std::string("unknown"),
+                       node.empty() ? std::string("unknown") : absl::StrCat("\"", node, "\""),
                        // A rank already past this step skipped it (e.g. its step counter
                        // moved on across a restart): it will never submit it.
                        last > step ? ", past this step: it skipped it" : "", ")"));
@@ -1263,6 +1272,9 @@ void Coordinator::RecordProgressLocked(const Job& job, const NodeState& node,
   for (int i = 0; i < n; ++i) {
     if (own(progress.ranks(i))) {
       p.clock.AddLastStep(progress.ranks(i), progress.last_steps(i));
+      if (progress.rank_nodes_size() == progress.ranks_size()) {
+        p.clock.AddRankNode(progress.ranks(i), progress.rank_nodes(i));
+      }
     }
   }
 }

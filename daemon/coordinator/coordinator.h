@@ -80,6 +80,7 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/node_session.h"
 #include "daemon/coordinator/content.h"
 #include "daemon/coordinator/content_cache.h"
 #include "daemon/coordinator/deadline_tracker.h"
@@ -136,14 +137,8 @@ struct CoordinatorOptions {
   int retired_jobs = 8;
 };
 
-// Where the coordinator sends one node session's messages. Send is called
-// with the coordinator's lock held: it must not block and must not call back
-// into the Coordinator. The same message object may go to many sinks.
-class NodeSink {
- public:
-  virtual ~NodeSink() = default;
-  virtual void Send(std::shared_ptr<const v1::CoordinatorMessage> message) = 0;
-};
+// Node sessions send through NodeSink (daemon/common/node_session.h), called
+// with the coordinator's lock held.
 
 // Counters for the metrics hook.
 struct CoordinatorStats {
@@ -175,9 +170,9 @@ enum class JobState {
   kFailed,  // MISSING_RANKS, a rank left mid-step, or a node lost past its grace
 };
 
-class Coordinator {
+class Coordinator : public NodeSessionHandler {
  public:
-  using SessionId = uint64_t;
+  using SessionId = NodeSessionHandler::SessionId;
 
   Coordinator(CoordinatorOptions options, Clock* clock);
   ~Coordinator();
@@ -188,12 +183,12 @@ class Coordinator {
   void Stop();
 
   // A node stream opened; messages for it go to `sink` until CloseSession.
-  SessionId OpenSession(NodeSink* sink);
+  SessionId OpenSession(NodeSink* sink) override;
   // Handles one message of a session. Replies and broadcasts go to the sinks
   // before this returns.
-  void HandleMessage(SessionId session, const v1::NodeMessage& message);
+  void HandleMessage(SessionId session, const v1::NodeMessage& message) override;
   // The stream ended; `sink` is not used afterwards.
-  void CloseSession(SessionId session);
+  void CloseSession(SessionId session) override;
 
   // Fails every pending step whose deadline passed at clock->Now(). The timer
   // thread calls this; tests without the thread may call it directly.

@@ -4,6 +4,7 @@
 #define ACCORD_DAEMON_COORDINATOR_DEADLINE_TRACKER_H_
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -53,6 +54,8 @@ class StepDeadline {
   // What an asked (or partially submitted) node said of one of its ranks.
   void AddReported(int rank) { reported_.push_back(rank); }
   void AddLastStep(int rank, int64_t last_step) { last_steps_.emplace_back(rank, last_step); }
+  // The node a relay says serves `rank` (its sidecar, docs/ARCHITECTURE.md, "Relays").
+  void AddRankNode(int rank, std::string node) { rank_nodes_.emplace_back(rank, std::move(node)); }
 
   Phase phase() const { return phase_; }
   absl::Time first_seen() const { return first_seen_; }
@@ -64,6 +67,8 @@ class StepDeadline {
   const std::vector<int>& reported() const { return reported_; }
   // (rank, last step) as their sidecars said.
   const std::vector<std::pair<int, int64_t>>& last_steps() const { return last_steps_; }
+  // (rank, node) as relays said.
+  const std::vector<std::pair<int, std::string>>& rank_nodes() const { return rank_nodes_; }
 
  private:
   absl::Time first_seen_;
@@ -75,6 +80,7 @@ class StepDeadline {
   absl::Time grace_end_ = absl::InfiniteFuture();  // moved to the last answer's time
   std::vector<int> reported_;
   std::vector<std::pair<int, int64_t>> last_steps_;
+  std::vector<std::pair<int, std::string>> rank_nodes_;
 };
 
 }  // namespace accord::daemon

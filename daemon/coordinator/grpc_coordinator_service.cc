@@ -17,9 +17,10 @@ grpc::Status ToGrpcStatus(const absl::Status& s) {
 
 // One sidecar stream. Reads feed Coordinator::HandleMessage; the coordinator
 // sends through NodeSink::Send, which queues and writes one message at a time.
-class NodeSessionReactor final
-    : public QueuedStreamReactor<v1::NodeMessage, v1::CoordinatorMessage>,
-      public NodeSink {
+// The stream is raw (wire bytes both ways): a broadcast is serialized once for
+// every stream (SerializedOnce), not once per stream.
+class NodeSessionReactor final : public QueuedStreamReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                 public NodeSink {
  public:
   NodeSessionReactor(CoordinatorGrpcService* service, bool refuse, const std::string& peer)
       : service_(service), coordinator_(service->coordinator_) {
@@ -29,18 +30,28 @@ class NodeSessionReactor final
       return;
     }
     id_ = coordinator_->OpenSession(this);
-    StartRead(&in_);
+    StartRead(&raw_in_);
   }
 
   // Replies queued while the stream is being ended (shutdown) still go out.
   void Send(std::shared_ptr<const v1::CoordinatorMessage> message) override {
-    Enqueue(std::move(message), /*after_end=*/true);
+    std::shared_ptr<const grpc::ByteBuffer> bytes = service_->serialized_.Get(message);
+    if (bytes != nullptr) Enqueue(std::move(bytes), /*after_end=*/true);
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
       coordinator_->CloseSession(id_);
       ReadEnded();
+      return;
+    }
+    in_.Clear();
+    if (!grpc::SerializationTraits<v1::NodeMessage>::Deserialize(&raw_in_, &in_).ok()) {
+      // Not a NodeMessage: nothing on this stream can be trusted any more.
+      coordinator_->CloseSession(id_);
+      EndAfterWrites(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                  "the stream carried a message that is not an "
+                                  "accord.v1.NodeMessage; check the sender's accord version"));
       return;
     }
     if (in_.has_hello() && service_->tokens_ != nullptr) {
@@ -53,7 +64,7 @@ class NodeSessionReactor final
       }
     }
     coordinator_->HandleMessage(id_, in_);
-    StartRead(&in_);
+    StartRead(&raw_in_);
   }
 
   // A refused hello: the error message, then the stream ends with `status`.
@@ -63,7 +74,7 @@ class NodeSessionReactor final
     auto reply = std::make_shared<v1::CoordinatorMessage>();
     *reply->mutable_error() = wire::MakeError(v1::PERMISSION_DENIED, status);
     reply->mutable_error()->set_job_id(job_id);
-    Enqueue(std::move(reply), /*after_end=*/true);
+    Send(std::move(reply));
     EndAfterWrites(ToGrpcStatus(status));
   }
 
@@ -80,12 +91,13 @@ class NodeSessionReactor final
 
  private:
   CoordinatorGrpcService* const service_;
-  Coordinator* const coordinator_;
-  Coordinator::SessionId id_ = 0;
+  NodeSessionHandler* const coordinator_;
+  NodeSessionHandler::SessionId id_ = 0;
+  grpc::ByteBuffer raw_in_;
   v1::NodeMessage in_;
 };
 
-grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* CoordinatorGrpcService::Session(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorGrpcService::Session(
     grpc::CallbackServerContext* context) {
   accord::MutexLock l(&mu_);
   auto* r = new NodeSessionReactor(this, shutting_down_, context->peer());

@@ -10,6 +10,8 @@
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/node_session.h"
+#include "daemon/common/serialized_once.h"
 #include "daemon/common/write_queue_limits.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/kv_store.h"
@@ -24,15 +26,24 @@ class NodeSessionReactor;
 // (not owned; null: no tokens configured) every NodeHello must carry its
 // job's token; otherwise the stream gets a PERMISSION_DENIED error message
 // and ends with that status, and the Coordinator never sees the hello.
-class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackService {
+class CoordinatorGrpcService final : public v1::CoordinatorService::WithRawCallbackMethod_Session<
+                                         v1::CoordinatorService::Service> {
  public:
   // `queue_limits`: the watermarks of each stream's write queue
   // (write_queue_limits.h).
-  explicit CoordinatorGrpcService(Coordinator* coordinator, const JobTokens* tokens = nullptr,
+  // `coordinator`: the Coordinator, or a relay (anything that serves node
+  // sessions; daemon/common/node_session.h).
+  explicit CoordinatorGrpcService(NodeSessionHandler* coordinator,
+                                  const JobTokens* tokens = nullptr,
                                   WriteQueueLimits queue_limits = {})
       : coordinator_(coordinator), tokens_(tokens), queue_limits_(queue_limits) {}
-  grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
+  // Raw (wire bytes both ways), so a broadcast is serialized once for every
+  // stream; each read is parsed as a NodeMessage.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Session(
       grpc::CallbackServerContext* context) override;
+  // Serializations and reuses of outgoing messages so far (tests, metrics).
+  int64_t serializations() { return serialized_.serializations(); }
+  int64_t serialization_reuses() { return serialized_.hits(); }
   // Ends every open session (UNAVAILABLE) once its queued replies are
   // written; for shutdown. New sessions are refused afterwards.
   void FinishAll();
@@ -41,12 +52,13 @@ class CoordinatorGrpcService final : public v1::CoordinatorService::CallbackServ
   friend class NodeSessionReactor;
   void Remove(NodeSessionReactor* r);
 
-  Coordinator* const coordinator_;
+  NodeSessionHandler* const coordinator_;
   const JobTokens* const tokens_;
   const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<NodeSessionReactor*> live_ ABSL_GUARDED_BY(mu_);
+  SerializedOnce<v1::CoordinatorMessage> serialized_;
 };
 
 // KeyValueService over a KvStore; `Get` waits without holding a thread.

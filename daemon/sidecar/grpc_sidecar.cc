@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
+#include "daemon/common/backoff.h"
 #include "daemon/common/queued_stream_reactor.h"
 
 namespace accord::daemon {
@@ -192,10 +193,10 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
   return reactor;
 }
 
-GrpcUpstream::GrpcUpstream(std::shared_ptr<grpc::Channel> channel, Sidecar* sidecar,
+GrpcUpstream::GrpcUpstream(std::shared_ptr<grpc::Channel> channel, UpstreamHandler* handler,
                            absl::Duration max_backoff)
     : stub_(v1::CoordinatorService::NewStub(channel)),
-      sidecar_(sidecar),
+      handler_(handler),
       max_backoff_(max_backoff) {}
 
 GrpcUpstream::~GrpcUpstream() { Stop(); }
@@ -255,7 +256,7 @@ void GrpcUpstream::WriteLoop() {
 }
 
 void GrpcUpstream::ReadLoop() {
-  absl::Duration backoff = absl::Milliseconds(100);
+  ReconnectBackoff backoff(absl::Milliseconds(100), max_backoff_);
   while (true) {
     auto context = std::make_unique<grpc::ClientContext>();
     {
@@ -270,7 +271,7 @@ void GrpcUpstream::ReadLoop() {
       connected_ = true;
       queue_.clear();
     }
-    sidecar_->OnUpstreamConnected();
+    handler_->OnUpstreamConnected();
     {
       accord::MutexLock l(&mu_);
       stream_ = stream.get();
@@ -279,7 +280,7 @@ void GrpcUpstream::ReadLoop() {
     bool got_any = false;
     while (stream->Read(&in)) {
       got_any = true;
-      sidecar_->HandleCoordinatorMessage(&in);
+      handler_->HandleCoordinatorMessage(&in);
     }
     {
       accord::MutexLock l(&mu_);
@@ -293,7 +294,7 @@ void GrpcUpstream::ReadLoop() {
       queue_.clear();
     }
     grpc::Status status = stream->Finish();
-    if (got_any) backoff = absl::Milliseconds(100);
+    if (got_any) backoff.Reset();
     accord::MutexLock l(&mu_);
     if (stopping_) return;
     if (reconnect_requested_) {
@@ -302,12 +303,12 @@ void GrpcUpstream::ReadLoop() {
       reconnect_requested_ = false;
       continue;
     }
+    const absl::Duration wait = backoff.Next();
     ACCORD_LOG(WARNING) << "coordinator stream ended (" << status.error_message() << ")"
                         << UpstreamHint(status) << "; reconnecting in "
-                        << absl::FormatDuration(backoff);
+                        << absl::FormatDuration(wait);
     // Interruptible wait: Stop() sets stopping_.
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
-    backoff = std::min(backoff * 2, max_backoff_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
   }
 }
 

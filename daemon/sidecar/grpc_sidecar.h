@@ -88,7 +88,8 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
 // Stop() or the destructor.
 class GrpcUpstream final : public UpstreamSink {
  public:
-  GrpcUpstream(std::shared_ptr<grpc::Channel> channel, Sidecar* sidecar,
+  // `handler`: the Sidecar, or a relay's upstream side.
+  GrpcUpstream(std::shared_ptr<grpc::Channel> channel, UpstreamHandler* handler,
                absl::Duration max_backoff);
   ~GrpcUpstream() override;
   void Start();
@@ -103,7 +104,7 @@ class GrpcUpstream final : public UpstreamSink {
   void WriteLoop();
 
   std::unique_ptr<v1::CoordinatorService::Stub> stub_;
-  Sidecar* const sidecar_;
+  UpstreamHandler* const handler_;
   const absl::Duration max_backoff_;
   accord::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -60,6 +60,7 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/upstream.h"
 
 namespace accord::daemon {
 
@@ -70,18 +71,6 @@ class RankSink {
   virtual void Send(std::shared_ptr<const v1::RankReply> reply) = 0;
   // Ends the stream with `status` after the queued replies.
   virtual void Close(const absl::Status& status) = 0;
-};
-
-// The stream to the coordinator.
-class UpstreamSink {
- public:
-  virtual ~UpstreamSink() = default;
-  // Queues a message; dropped while disconnected (resent on reconnect).
-  virtual void Send(v1::NodeMessage message) = 0;
-  // Replaces whatever is queued with `messages` (called on connect).
-  virtual void Reset(std::vector<v1::NodeMessage> messages) = 0;
-  // Drops the current stream and connects again.
-  virtual void Reconnect() = 0;
 };
 
 struct SidecarOptions {
@@ -124,7 +113,7 @@ struct SidecarStats {
   std::string job_id;  // the job served now, else the last one ("" before the first)
 };
 
-class Sidecar {
+class Sidecar final : public UpstreamHandler {
  public:
   using SessionId = uint64_t;
 
@@ -144,11 +133,11 @@ class Sidecar {
   void HandleRankMessage(SessionId session, const v1::RankMessage& message);
   void CloseRank(SessionId session);
 
-  void OnUpstreamConnected();
+  void OnUpstreamConnected() override;
   void HandleCoordinatorMessage(const v1::CoordinatorMessage& message);
   // The same; may move the message's contents out (a decision batch that goes
   // to every rank unchanged is forwarded without a copy).
-  void HandleCoordinatorMessage(v1::CoordinatorMessage* message);
+  void HandleCoordinatorMessage(v1::CoordinatorMessage* message) override;
 
   SidecarStats stats();
 

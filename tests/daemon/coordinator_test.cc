@@ -112,6 +112,28 @@ TEST_F(CoordinatorTest, PolicyMismatchIsARegistrationMismatch) {
   EXPECT_TRUE(absl::StrContains(sink_b_.registrations()[0].error().message(), "polic"));
 }
 
+// A restarted relay resends in parts what it sent as one manifest
+// (docs/ARCHITECTURE.md, "Relays"): a part naming only ranks the node already
+// reported is a no-op; one overlapping them with new ranks is still an error.
+TEST_F(CoordinatorTest, AResentSubsetOfANodesContributionIsANoOpAnOverlapIsAnError) {
+  Join();
+  RegisterAll(MakeSpec("g0", 3));
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16, kNone, kNone}, 4, {0, 1})}));
+  // Rank 1 alone, with other content: ignored (rank 1 is already covered).
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kFp16, kFp16, kNone}, 4, {0, 1}, {1})}));
+  EXPECT_TRUE(sink_a_.decisions().empty()) << "no error, no decision yet";
+  // Ranks 1 and 2 (2 belongs to node b): refused as before.
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16, kNone, kNone}, 4, {2, 3}, {2})}));
+  coord_.HandleMessage(b_,
+                       Batch({NodeManifest("g0", 0, {kBf16, kNone, kNone}, 4, {2, 3}, {2, 3})}));
+  ASSERT_EQ(sink_b_.decisions().size(), 1u);
+  EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_TRUE(
+      absl::StrContains(sink_b_.decisions()[0].error().message(), "second, different manifest"))
+      << sink_b_.decisions()[0].error().message();
+}
+
 TEST_F(CoordinatorTest, DecidesOnlyWhenEveryRankIsCoveredAndBroadcasts) {
   Join();
   RegisterAll(MakeSpec("g0", 3));

@@ -21,11 +21,17 @@ class FakeNodeSink : public NodeSink {
   void Send(std::shared_ptr<const v1::CoordinatorMessage> message) override {
     accord::MutexLock l(&mu_);
     messages_.push_back(*message);
+    last_sent_ = message;
     cv_wait_.SignalAll();
   }
   std::vector<v1::CoordinatorMessage> messages() {
     accord::MutexLock l(&mu_);
     return messages_;
+  }
+  // The last message object sent (to check that fan-outs share one).
+  std::shared_ptr<const v1::CoordinatorMessage> last_sent() {
+    accord::MutexLock l(&mu_);
+    return last_sent_;
   }
   void Clear() {
     accord::MutexLock l(&mu_);
@@ -69,6 +75,7 @@ class FakeNodeSink : public NodeSink {
   accord::Mutex mu_;
   accord::CondVar cv_wait_;
   std::vector<v1::CoordinatorMessage> messages_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const v1::CoordinatorMessage> last_sent_ ABSL_GUARDED_BY(mu_);
 };
 
 inline GroupSpec MakeSpec(const std::string& id, int num_params) {

@@ -142,6 +142,14 @@ def flags_of(container: dict[str, Any]) -> dict[str, str | None]:
     return out
 
 
+def coordinator_service(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    found = [o for o in by_kind(objs, "Service")
+             if o["metadata"]["labels"].get("app.kubernetes.io/component") == "coordinator"]
+    if len(found) != 1:
+        raise AssertionError(f"expected one coordinator Service, found {len(found)}")
+    return found[0]
+
+
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
@@ -281,6 +289,11 @@ class ChartTest(unittest.TestCase):
                             "service": {"type": "LoadBalancer"}},
             "sidecar": {"extraArgs": ["--bar"]},
         },
+        "relays": {
+            "relay": {"enabled": True, "replicas": 2, "nodesPerRelay": 2,
+                      "extraArgs": ["--foo=1"]},
+            "trainerExample": {"enabled": True, "nodes": 4, "procsPerNode": 8},
+        },
     }
 
     @classmethod
@@ -335,6 +348,11 @@ class ChartTest(unittest.TestCase):
             ({"tls": {"coordinatorSecret": "Not_A_Name"}}, "/tls/coordinatorSecret"),
             ({"imag": {"tag": "x"}}, "'imag' not allowed"),
             ({"trainerExample": {"enabled": True, "jobId": "Bad Id"}}, "/trainerExample/jobId"),
+            ({"relay": {"enabled": True, "replicas": 1, "nodesPerRelay": 2},
+              "trainerExample": {"enabled": True, "nodes": 4}},
+             "relay.replicas x relay.nodesPerRelay (1 x 2) must cover trainerExample.nodes (4)"),
+            ({"relay": {"enabled": True, "tlsSecret": None}}, "relay.tlsSecret"),
+            ({"relay": {"nodesPerRelay": 0}}, "/relay/nodesPerRelay"),
         ]
         for values, expected in cases:
             with self.subTest(values=values):
@@ -348,7 +366,7 @@ class ChartTest(unittest.TestCase):
                 values = self.COMBOS[name]
                 tls = values.get("tls", {}).get("enabled", True)
                 dep = one(objs, "Deployment")
-                svc = one(objs, "Service")
+                svc = coordinator_service(objs)
                 self.assertEqual(dep["spec"]["replicas"], 1)
                 self.assertEqual(dep["spec"]["strategy"]["type"], "Recreate")
                 pod = dep["spec"]["template"]
@@ -391,7 +409,7 @@ class ChartTest(unittest.TestCase):
                 continue
             with self.subTest(name):
                 job = one(objs, "Job")
-                svc = one(objs, "Service")
+                svc = coordinator_service(objs)
                 spec = job["spec"]["template"]["spec"]
                 self.assertEqual(job["spec"]["completionMode"], "Indexed")
                 (sidecar,) = spec["initContainers"]
@@ -414,8 +432,15 @@ class ChartTest(unittest.TestCase):
                 self.assertIn("$(NODE_NAME)", flags["node_id"])
                 self.assertIn("$(POD_NAME)", flags["node_id"])
                 ns = svc["metadata"]["namespace"]
-                self.assertEqual(flags["coordinator"],
-                                 f"{svc['metadata']['name']}.{ns}.svc:7070")
+                if self.COMBOS[name].get("relay", {}).get("enabled"):
+                    # The sidecar's shell computes its relay from the pod index.
+                    self.assertNotIn("coordinator", flags)
+                    self.assertEqual(sidecar["command"][:2], ["/bin/sh", "-c"])
+                    self.assertIn("--coordinator=accord-relay-$((JOB_COMPLETION_INDEX / 2))"
+                                  f".accord-relay.{ns}.svc:7072", sidecar["command"][2])
+                else:
+                    self.assertEqual(flags["coordinator"],
+                                     f"{svc['metadata']['name']}.{ns}.svc:7070")
                 self.assertEqual(spec["securityContext"]["fsGroup"], 65532)
                 self.assertEqual(sidecar["securityContext"]["runAsUser"], 65532)
                 tls = self.COMBOS[name].get("tls", {}).get("enabled", True)
@@ -428,6 +453,36 @@ class ChartTest(unittest.TestCase):
                     port_names = {p["name"] for p in sidecar["ports"]}
                     for ep in pm["spec"]["podMetricsEndpoints"]:
                         self.assertIn(ep["port"], port_names)
+
+    def test_relay_wiring(self):
+        for name, objs in self.renders.items():
+            sets = by_kind(objs, "StatefulSet")
+            if not self.COMBOS[name].get("relay", {}).get("enabled"):
+                self.assertEqual(sets, [])
+                continue
+            with self.subTest(name):
+                sts = one(objs, "StatefulSet")
+                (headless,) = [o for o in by_kind(objs, "Service")
+                               if o["spec"].get("clusterIP") == "None"]
+                self.assertEqual(sts["spec"]["serviceName"], headless["metadata"]["name"])
+                self.assertEqual(sts["spec"]["replicas"], 2)
+                sel = sts["spec"]["selector"]["matchLabels"]
+                self.assertEqual(headless["spec"]["selector"], sel)
+                self.assertNotEqual(coordinator_service(objs)["spec"]["selector"], sel)
+                (c,) = sts["spec"]["template"]["spec"]["containers"]
+                flags = flags_of(c)
+                svc = coordinator_service(objs)
+                ns = svc["metadata"]["namespace"]
+                self.assertEqual(flags["coordinator"], f"{svc['metadata']['name']}.{ns}.svc:7070")
+                self.assertEqual(flags["listen"], "0.0.0.0:7072")
+                self.assertEqual(flags["relay_id"], "$(POD_NAME)")
+                for f in ("tls_cert", "tls_key", "tls_ca", "upstream_tls_cert",
+                          "upstream_tls_key", "upstream_tls_ca", "tokens_file"):
+                    self.assertTrue(flags[f].startswith("/etc/accord/"), f)
+                mounts = {m["mountPath"] for m in c["volumeMounts"]}
+                for f in ("tls_cert", "upstream_tls_ca", "tokens_file"):
+                    self.assertIn(str(Path(flags[f]).parent), mounts, f)
+                self.assertEqual(c["securityContext"]["runAsUser"], 65532)
 
     def test_service_monitor_selects_the_service(self):
         objs = self.renders["plain-manifest values"]
@@ -447,7 +502,7 @@ class ChartTest(unittest.TestCase):
             for o in objs:
                 spec = o.get("spec", {}).get("template", {}).get("spec", {})
                 for c in spec.get("containers", []) + spec.get("initContainers", []):
-                    if c["name"] in ("coordinator", "accord-sidecar"):
+                    if c["name"] in ("coordinator", "accord-sidecar", "relay"):
                         flags |= flags_of(c).keys()
         flags -= {"foo", "bar"}  # extraArgs test values
         for f in sorted(flags):

@@ -93,6 +93,7 @@ class DaemonsSecurityTest : public ::testing::Test {
       }
     }
     sidecar_.reset();
+    relay_.reset();
     coordinator_.reset();
   }
 
@@ -132,6 +133,26 @@ class DaemonsSecurityTest : public ::testing::Test {
     return socket;
   }
 
+  // Starts an accord-relay on 127.0.0.1:0 with `coordinator` upstream;
+  // returns "localhost:PORT" (docs/ARCHITECTURE.md, "Relays").
+  std::string StartRelay(const std::string& coordinator, std::vector<std::string> flags) {
+    std::vector<std::string> argv = {ACCORD_RELAY_BIN, "--listen=127.0.0.1:0",
+                                     "--coordinator=" + coordinator, "--relay_id=relay0",
+                                     "--reconnect_max_backoff=200ms"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto p = ChildProcess::Spawn(argv, "relay", /*echo=*/false);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return "";
+    relay_ = *std::move(p);
+    absl::StatusOr<std::string> line =
+        relay_->WaitForLine("accord-relay listening on 127.0.0.1:", Deadline());
+    EXPECT_TRUE(line.ok()) << line.status() << relay_->Output();
+    if (!line.ok()) return "";
+    std::string port = line->substr(line->rfind(':') + 1);
+    while (!port.empty() && !std::isdigit(static_cast<unsigned char>(port.back()))) port.pop_back();
+    return "localhost:" + port;
+  }
+
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(60); }
 
   // One rank of a world of 1: connect, register, submit step 0, wait.
@@ -161,6 +182,7 @@ class DaemonsSecurityTest : public ::testing::Test {
   static std::string* dir_;
   static bool have_certs_;
   std::unique_ptr<ChildProcess> coordinator_;
+  std::unique_ptr<ChildProcess> relay_;
   std::unique_ptr<ChildProcess> sidecar_;
 };
 
@@ -274,6 +296,48 @@ TEST_F(DaemonsSecurityTest, HealthPortServesPlaintextHealthBesideTls) {
   req.add_keys("k");
   v1::KeyValueGetResponse resp;
   EXPECT_EQ(stub->Get(&ctx, req, &resp).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+// A relay between sidecar and coordinator: mutual TLS on both of its sides
+// (it serves the sidecar with the server certificate and verifies client
+// certificates; it dials the coordinator with the client certificate).
+TEST_F(DaemonsSecurityTest, MutualTlsOnBothSidesOfARelayARankGetsADecision) {
+  REQUIRE_CERTS();
+  const std::string addr = StartCoordinator(ServerTls());
+  std::vector<std::string> relay_flags = ServerTls();
+  for (const std::string& f :
+       {"--upstream_tls_ca=" + F("ca.crt"), "--upstream_tls_cert=" + F("client.crt"),
+        "--upstream_tls_key=" + F("client.key")}) {
+    relay_flags.push_back(f);
+  }
+  const std::string relay = StartRelay(addr, relay_flags);
+  const std::string socket = StartSidecar(
+      relay,
+      {"--tls_ca=" + F("ca.crt"), "--tls_cert=" + F("client.crt"), "--tls_key=" + F("client.key")});
+  absl::StatusOr<Decision> d = OneDecision(socket, "", absl::Seconds(60));
+  ASSERT_TRUE(d.ok()) << d.status() << "\n" << relay_->Output();
+  EXPECT_EQ(d->included, (std::vector<bool>{true, false}));
+  EXPECT_THAT(coordinator_->Output(), HasSubstr("by node \"relay0\""));
+}
+
+// Job tokens through a relay: the relay checks each sidecar's hello against
+// its --tokens_file exactly as the coordinator does, and the coordinator
+// checks the token the relay forwards.
+TEST_F(DaemonsSecurityTest, JobTokensThroughARelay) {
+  std::ofstream(F("tokens")) << "# test\njob-a tokA\njob-b tokB\n";
+  std::ofstream(F("token-b")) << "tokB\n";
+  std::ofstream(F("token-a")) << "tokA\n";
+  const std::string addr = StartCoordinator({"--tokens_file=" + F("tokens")});
+  const std::string relay = StartRelay(addr, {"--tokens_file=" + F("tokens")});
+  std::string socket = StartSidecar(relay, {"--token_file=" + F("token-b")}, "wrong-relay.sock");
+  absl::StatusOr<Decision> d = OneDecision(socket, "", absl::Seconds(30));
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kPermissionDenied) << d.status();
+  EXPECT_THAT(d.status().message(), HasSubstr("job-a"));
+  EXPECT_THAT(d.status().message(), Not(HasSubstr("tokB")));
+  sidecar_.reset();
+  socket = StartSidecar(relay, {"--token_file=" + F("token-a")}, "right-relay.sock");
+  d = OneDecision(socket, "tokA", absl::Seconds(60));
+  EXPECT_TRUE(d.ok()) << d.status() << "\n" << relay_->Output();
 }
 
 TEST_F(DaemonsSecurityTest, JobTokensEndToEnd) {

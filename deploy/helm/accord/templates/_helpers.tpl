@@ -24,6 +24,16 @@
 {{- printf "%s.%s.svc:%d" (include "accord.coordinatorName" .) .Release.Namespace (int .Values.coordinator.ports.grpc) -}}
 {{- end -}}
 
+{{/* Relays (values: relay): the StatefulSet and its headless Service share a name. */}}
+{{- define "accord.relayName" -}}
+{{- printf "%s-relay" (include "accord.fullname" .) -}}
+{{- end -}}
+
+{{/* The relay a trainer pod's sidecar dials; JOB_COMPLETION_INDEX is expanded by its shell. */}}
+{{- define "accord.relayAddressForPod" -}}
+{{- printf "%s-$((JOB_COMPLETION_INDEX / %d)).%s.%s.svc:%d" (include "accord.relayName" .) (int .Values.relay.nodesPerRelay) (include "accord.relayName" .) .Release.Namespace (int .Values.relay.port) -}}
+{{- end -}}
+
 {{- define "accord.image" -}}
 {{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
 {{- end -}}

@@ -23,6 +23,14 @@ coordinator-deployment.yaml.
 {{- $_ := required "auth.enabled=true with trainerExample.enabled=true needs auth.sidecarTokenSecret: a Secret whose key `token` holds the job's token." $v.auth.sidecarTokenSecret -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.relay.enabled $v.trainerExample.enabled -}}
+{{- if lt (mul (int $v.relay.replicas) (int $v.relay.nodesPerRelay)) (int $v.trainerExample.nodes) -}}
+{{- fail (printf "relay.replicas x relay.nodesPerRelay (%d x %d) must cover trainerExample.nodes (%d): trainer pod i dials relay i / nodesPerRelay. Raise relay.replicas." (int $v.relay.replicas) (int $v.relay.nodesPerRelay) (int $v.trainerExample.nodes)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.relay.enabled $v.tls.enabled -}}
+{{- $_ := required "relay.enabled=true with tls.enabled=true needs relay.tlsSecret: a Secret with tls.crt, tls.key and ca.crt for the relays (server certificate for *.<release>-relay.<namespace>.svc, also their client certificate towards the coordinator)." $v.relay.tlsSecret -}}
+{{- end -}}
 {{- $p := $v.coordinator.ports -}}
 {{- if or (eq (int $p.grpc) (int $p.metrics)) (eq (int $p.grpc) (int $p.health)) (eq (int $p.metrics) (int $p.health)) -}}
 {{- fail (printf "coordinator.ports must be distinct: grpc=%d metrics=%d health=%d." (int $p.grpc) (int $p.metrics) (int $p.health)) -}}

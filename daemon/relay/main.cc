@@ -1,0 +1,301 @@
+// accord-relay: one tier between the sidecars of a rack and the coordinator
+// (docs/ARCHITECTURE.md, "Relays"). Sidecars connect to it exactly as to a
+// coordinator (--coordinator=<relay>); it merges their node manifests per
+// (group, step) into one upstream manifest and fans decisions back out.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "core/log.h"
+#include "daemon/common/auth_tokens.h"
+#include "daemon/common/flags_env.h"
+#include "daemon/common/signals.h"
+#include "daemon/common/tls.h"
+#include "daemon/coordinator/grpc_coordinator_service.h"
+#include "daemon/relay/relay.h"
+#include "daemon/sidecar/grpc_sidecar.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
+          "host:port the sidecars connect to (port 0: any free port, printed). A non-loopback "
+          "address needs TLS (--tls_cert/--tls_key) or an explicit --plaintext");
+ABSL_FLAG(std::string, coordinator, "localhost:7070",
+          "coordinator (or upper relay) host:port. A non-loopback address needs TLS "
+          "(--upstream_tls_ca) or an explicit --upstream_plaintext");
+ABSL_FLAG(std::string, relay_id, "",
+          "this relay's node id upstream (default: relay-<hostname>); one per relay");
+ABSL_FLAG(std::string, token, "",
+          "the job token sent upstream (prefer --token_file or ACCORD_TOKEN); default: the first "
+          "sidecar's");
+ABSL_FLAG(std::string, token_file, "", "file holding the job token; wins over --token");
+ABSL_FLAG(std::string, tokens_file, "",
+          "job tokens file (the coordinator's format): every sidecar's NodeHello must carry its "
+          "job's token (PERMISSION_DENIED otherwise). Re-read on SIGHUP");
+ABSL_FLAG(std::string, tls_cert, "", "server certificate (PEM) for the sidecars; with --tls_key");
+ABSL_FLAG(std::string, tls_key, "", "server private key (PEM)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "CA bundle (PEM) that signs the sidecars' client certificates (mutual TLS)");
+ABSL_FLAG(bool, plaintext, false, "serve a non-loopback --listen without TLS");
+ABSL_FLAG(std::string, upstream_tls_ca, "",
+          "CA bundle (PEM) to verify the coordinator's certificate; enables TLS upstream");
+ABSL_FLAG(std::string, upstream_tls_cert, "", "client certificate (PEM) for mutual TLS upstream");
+ABSL_FLAG(std::string, upstream_tls_key, "", "client private key (PEM) for mutual TLS upstream");
+ABSL_FLAG(bool, upstream_plaintext, false, "connect to a non-loopback --coordinator without TLS");
+ABSL_FLAG(absl::Duration, node_reconnect_grace, absl::Seconds(10),
+          "how long a sidecar whose stream ended keeps its place before its ranks are reported "
+          "as left upstream; use the coordinator's value");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(10),
+          "gRPC keepalive on both sides; use the coordinator's value");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
+          "a keepalive ping not answered within this closes the connection");
+ABSL_FLAG(absl::Duration, reconnect_max_backoff, absl::Seconds(5),
+          "upper bound of the jittered exponential backoff between upstream reconnects");
+ABSL_FLAG(absl::Duration, kv_slack, absl::Seconds(60),
+          "how long a forwarded key-value request may take beyond its own wait");
+ABSL_FLAG(int, max_message_bytes, 4 << 20, "largest gRPC message received or sent");
+ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
+          "messages queued for one sidecar stream past which it is logged as slow");
+ABSL_FLAG(int64_t, stream_queue_high_watermark, 16384,
+          "messages queued for one sidecar stream past which it is cut off");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace accord::daemon {
+namespace {
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
+  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
+  const std::string ca_path = absl::GetFlag(FLAGS_tls_ca);
+  const bool tls = !cert_path.empty() || !key_path.empty() || !ca_path.empty();
+  if (absl::Status s =
+          CheckServerPlaintext(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_plaintext), tls);
+      !s.ok()) {
+    return s;
+  }
+  if (!tls) return grpc::InsecureServerCredentials();
+  if (cert_path.empty() || key_path.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPemFile(key_path, "tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  if (!ca_path.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "tls_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(ssl);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials() {
+  const std::string ca_path = absl::GetFlag(FLAGS_upstream_tls_ca);
+  const std::string cert_path = absl::GetFlag(FLAGS_upstream_tls_cert);
+  const std::string key_path = absl::GetFlag(FLAGS_upstream_tls_key);
+  const bool tls = !ca_path.empty() || !cert_path.empty() || !key_path.empty();
+  if (absl::Status s = CheckClientPlaintext(absl::GetFlag(FLAGS_coordinator),
+                                            absl::GetFlag(FLAGS_upstream_plaintext), tls);
+      !s.ok()) {
+    return s;
+  }
+  if (!tls) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  if (!ca_path.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "upstream_tls_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  if (cert_path.empty() != key_path.empty()) {
+    return absl::InvalidArgumentError(
+        "mutual TLS upstream needs both --upstream_tls_cert and --upstream_tls_key");
+  }
+  if (!cert_path.empty()) {
+    absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "upstream_tls_cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile(key_path, "upstream_tls_key");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+absl::StatusOr<std::string> JobToken() {
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::string> text = ReadPemFile(path, "token_file");
+    if (!text.ok()) return text.status();
+    std::string token(absl::StripAsciiWhitespace(*text));
+    if (token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token_file=", path, " is empty"));
+    }
+    return token;
+  }
+  return absl::GetFlag(FLAGS_token);
+}
+
+// Keepalive (docs/ARCHITECTURE.md, "Liveness") in milliseconds, checked.
+absl::StatusOr<std::pair<int, int>> Keepalive() {
+  const int64_t time_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  const int64_t timeout_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  if (time_ms < 1 || timeout_ms < 1 || time_ms > INT32_MAX || timeout_ms > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
+  }
+  return std::make_pair(static_cast<int>(time_ms), static_cast<int>(timeout_ms));
+}
+
+std::shared_ptr<grpc::Channel> UpstreamChannel(std::shared_ptr<grpc::ChannelCredentials> creds,
+                                               std::pair<int, int> keepalive) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, absl::GetFlag(FLAGS_max_message_bytes));
+  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, absl::GetFlag(FLAGS_max_message_bytes));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive.first);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive.second);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(
+      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_reconnect_max_backoff))));
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), std::move(creds), args);
+}
+
+int Main(int argc, char** argv) {
+  ParseFlagsWithEnv(argc, argv,
+                    {"listen",
+                     "coordinator",
+                     "relay_id",
+                     "token",
+                     "token_file",
+                     "tokens_file",
+                     "tls_cert",
+                     "tls_key",
+                     "tls_ca",
+                     "plaintext",
+                     "upstream_tls_ca",
+                     "upstream_tls_cert",
+                     "upstream_tls_key",
+                     "upstream_plaintext",
+                     "node_reconnect_grace",
+                     "keepalive_time",
+                     "keepalive_timeout",
+                     "reconnect_max_backoff",
+                     "kv_slack",
+                     "max_message_bytes",
+                     "stream_queue_low_watermark",
+                     "stream_queue_high_watermark",
+                     "log_level"},
+                    "relays the node streams of many sidecars (a rack) to the coordinator as one "
+                    "node: one merged manifest per group and step upstream, decisions fanned "
+                    "back out. Sidecars point --coordinator at it.\nEvery flag --name may also "
+                    "be set as the environment variable ACCORD_<NAME> (the command line wins).");
+  BlockTerminationSignals();
+  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return 2;
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_creds = ServerCredentials();
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_creds = ChannelCredentials();
+  absl::StatusOr<std::string> token = JobToken();
+  absl::StatusOr<std::pair<int, int>> keepalive = Keepalive();
+  for (const absl::Status& s :
+       {server_creds.status(), channel_creds.status(), token.status(), keepalive.status()}) {
+    if (!s.ok()) {
+      ACCORD_LOG(ERROR) << s.message();
+      return 2;
+    }
+  }
+  std::unique_ptr<JobTokens> tokens;
+  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
+    absl::StatusOr<std::unique_ptr<JobTokens>> loaded = JobTokens::Load(path);
+    if (!loaded.ok()) {
+      ACCORD_LOG(ERROR) << loaded.status().message();
+      return 2;
+    }
+    tokens = *std::move(loaded);
+  }
+  RelayOptions options;
+  options.relay_id = absl::GetFlag(FLAGS_relay_id);
+  if (options.relay_id.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.relay_id = absl::StrCat("relay-", host);
+  }
+  options.token = *token;
+  options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
+  std::shared_ptr<grpc::Channel> channel = UpstreamChannel(*channel_creds, *keepalive);
+  Relay relay(options);
+  GrpcUpstream upstream(channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
+  relay.SetUpstream(&upstream);
+  WriteQueueLimits queue_limits;
+  queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
+  queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
+  CoordinatorGrpcService node_service(&relay, tokens.get(), queue_limits);
+  // Key-value requests pass through unchanged (the sidecar stamped them).
+  KeyValueForwarder kv_service(channel, /*only_job=*/"", /*token=*/"",
+                               absl::GetFlag(FLAGS_kv_slack));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  int port = 0;
+  builder.AddListeningPort(listen, *server_creds, &port);
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive->first);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive->second);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             keepalive->first / 2);
+  builder.RegisterService(&node_service);
+  builder.RegisterService(&kv_service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    ACCORD_LOG(ERROR) << "cannot listen on " << listen
+                      << " (--listen); is the port in use or the address not local?";
+    return 1;
+  }
+  upstream.Start();
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  std::printf("accord-relay listening on %s:%d\n", host.c_str(), port);
+  std::fflush(stdout);
+
+  int sig = 0;
+  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
+    if (tokens == nullptr) continue;
+    if (absl::Status s = tokens->Reload(); !s.ok()) {
+      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
+    }
+  }
+  ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
+  node_service.FinishAll();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  relay.Stop();  // its timer sends upstream
+  upstream.Stop();
+  const RelayStats stats = relay.stats();
+  std::printf("accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld batches=%lld\n",
+              static_cast<long long>(stats.node_manifests_in),
+              static_cast<long long>(stats.manifests_up_full),
+              static_cast<long long>(stats.manifests_up_repeat),
+              static_cast<long long>(stats.decision_batches));
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+}  // namespace accord::daemon
+
+int main(int argc, char** argv) { return accord::daemon::Main(argc, argv); }

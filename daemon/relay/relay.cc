@@ -1,0 +1,854 @@
+#include "daemon/relay/relay.h"
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/manifest.h"
+#include "proto/wire.h"
+
+namespace accord::daemon {
+namespace {
+
+constexpr char kRelayVersion[] = "accord-relay/1";
+
+v1::DecisionError ErrorOf(v1::ErrorKind kind, absl::StatusCode code, const std::string& message,
+                          const std::string& job_id) {
+  v1::DecisionError e;
+  e.set_kind(kind);
+  e.set_code(static_cast<int>(code));
+  e.set_message(message);
+  e.set_job_id(job_id);
+  e.set_param_index(-1);
+  return e;
+}
+
+// The used bits of each rank in `m` (a sidecar's node manifest covering
+// `ranks`): rank_detail where given, else the manifest's own used bits.
+void RankUsageOf(const v1::Manifest& m, const std::vector<int>& ranks,
+                 std::map<int, std::string>* out) {
+  for (int r : ranks) (*out)[r] = m.used_bits();
+  for (const v1::RankUsage& u : m.rank_detail()) {
+    auto it = out->find(u.rank());
+    if (it != out->end()) it->second = u.used_bits();
+  }
+}
+
+// What besides the cache key tells two merged manifests apart: the ranks
+// they name and the per-rank detail (the key covers dtypes and ranks only).
+std::string ShapeOf(const v1::Manifest& m) {
+  std::string shape = m.rank_bits();
+  for (const v1::RankUsage& u : m.rank_detail()) {
+    absl::StrAppend(&shape, "|", u.rank(), ":", u.used_bits());
+  }
+  return shape;
+}
+
+// The registrations of a group as one per distinct spec, with the union of
+// the ranks that sent it: what a resend after a reconnect needs (the
+// coordinator compares specs per rank), in O(variants) messages instead of
+// one per sidecar.
+std::vector<v1::NodeRegistration> MergedRegistrations(const std::vector<v1::NodeRegistration>& in) {
+  std::map<std::string, v1::NodeRegistration> by_spec;
+  std::map<std::string, std::set<int>> ranks;
+  std::vector<std::string> order;
+  for (const v1::NodeRegistration& nr : in) {
+    const std::string key = nr.registration().SerializeAsString();
+    if (by_spec.count(key) == 0) {
+      order.push_back(key);
+      *by_spec[key].mutable_registration() = nr.registration();
+    }
+    ranks[key].insert(nr.ranks().begin(), nr.ranks().end());
+  }
+  std::vector<v1::NodeRegistration> out;
+  for (const std::string& key : order) {
+    v1::NodeRegistration& nr = by_spec[key];
+    for (int r : ranks[key]) nr.add_ranks(r);
+    out.push_back(std::move(nr));
+  }
+  return out;
+}
+
+}  // namespace
+
+Relay::Relay(RelayOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()) {
+  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Relay::~Relay() { Stop(); }
+
+void Relay::Stop() {
+  {
+    accord::MutexLock l(&mu_);
+    stopping_ = true;
+    timer_cv_.SignalAll();
+  }
+  if (timer_.joinable()) timer_.join();
+}
+
+void Relay::SetUpstream(UpstreamSink* upstream) {
+  accord::MutexLock l(&mu_);
+  upstream_ = upstream;
+}
+
+RelayStats Relay::stats() {
+  accord::MutexLock l(&mu_);
+  RelayStats s = stats_;
+  s.job_id = job_id_;
+  s.nodes = 0;
+  for (const auto& [id, n] : nodes_) s.nodes += n.session != 0 ? 1 : 0;
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Downstream sessions.
+
+Relay::SessionId Relay::OpenSession(NodeSink* sink) {
+  accord::MutexLock l(&mu_);
+  const SessionId id = next_session_++;
+  sessions_[id].sink = sink;
+  return id;
+}
+
+void Relay::CloseSession(SessionId id) {
+  accord::MutexLock l(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  const std::string node_id = it->second.node_id;
+  sessions_.erase(it);
+  auto nit = nodes_.find(node_id);
+  if (node_id.empty() || nit == nodes_.end() || nit->second.session != id) return;
+  Node& node = nit->second;
+  node.session = 0;
+  node.sink = nullptr;
+  node.welcomed = false;
+  if (node.ranks.empty()) {
+    // Every rank of the node left already: nothing waits for it.
+    DropNodeLocked(node_id);
+    return;
+  }
+  const bool any_connected = std::any_of(nodes_.begin(), nodes_.end(),
+                                         [](const auto& n) { return n.second.session != 0; });
+  if (!any_connected) {
+    // The last sidecar left (a sidecar closes its stream when its last rank
+    // leaves, without rank events): the job is over here, as it is at the
+    // coordinator when its last node leaves. Sidecars that only lost their
+    // connection resume it (RESUME with the run id) on a fresh stream.
+    ResetJobLocked();
+    return;
+  }
+  node.lost_at = clock_->Now();
+  ACCORD_LOG(WARNING) << "job " << job_id_ << ": the stream of node \"" << node_id
+                      << "\" ended; its steps wait "
+                      << absl::FormatDuration(options_.node_reconnect_grace)
+                      << " for it to reconnect";
+  ArmTimerLocked(node.lost_at + options_.node_reconnect_grace);
+}
+
+void Relay::HandleMessage(SessionId id, const v1::NodeMessage& message) {
+  accord::MutexLock l(&mu_);
+  auto sit = sessions_.find(id);
+  if (sit == sessions_.end()) return;
+  Session& s = sit->second;
+  if (message.has_hello()) {
+    HandleHelloLocked(id, s, message.hello());
+    return;
+  }
+  auto nit = nodes_.find(s.node_id);
+  if (s.node_id.empty() || nit == nodes_.end() || nit->second.session != id) {
+    RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
+                 "the relay got a message before this stream's NodeHello was accepted; send "
+                 "NodeHello first");
+    return;
+  }
+  Node& node = nit->second;
+  switch (message.body_case()) {
+    case v1::NodeMessage::kRegistration:
+      HandleRegistrationLocked(node, message.registration());
+      break;
+    case v1::NodeMessage::kRankEvent:
+      HandleRankEventLocked(node, message.rank_event());
+      break;
+    case v1::NodeMessage::kManifests:
+      HandleManifestsLocked(node, message.manifests());
+      break;
+    case v1::NodeMessage::kProgress:
+      HandleProgressLocked(node, message.progress());
+      break;
+    default:
+      break;
+  }
+}
+
+void Relay::RefuseLocked(NodeSink* sink, v1::ErrorKind kind, absl::StatusCode code,
+                         const std::string& message, std::vector<int> ranks) {
+  v1::CoordinatorMessage reply;
+  *reply.mutable_error() = ErrorOf(kind, code, message, job_id_);
+  for (int r : ranks) reply.mutable_error()->add_ranks(r);
+  ACCORD_LOG(WARNING) << message;
+  SendToLocked(sink, std::move(reply));
+}
+
+void Relay::SendToLocked(NodeSink* sink, v1::CoordinatorMessage message) {
+  if (sink != nullptr)
+    sink->Send(std::make_shared<const v1::CoordinatorMessage>(std::move(message)));
+}
+
+void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello) {
+  const std::string who = absl::StrCat("node \"", hello.node_id(), "\"");
+  if (hello.job_id().empty() || hello.node_id().empty() || hello.world_size() <= 0) {
+    RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("NodeHello from ", who,
+                              " needs a job id, a node id and a positive "
+                              "world size"));
+    return;
+  }
+  if (!job_id_.empty() && hello.job_id() != job_id_) {
+    RefuseLocked(s.sink, v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
+                 absl::StrCat("relay \"", options_.relay_id, "\" serves job ", job_id_, " now; ",
+                              who, " asked for job ", hello.job_id(),
+                              ". A relay serves one job at a time: give each job its own relays"));
+    return;
+  }
+  if (!job_id_.empty() && hello.world_size() != world_size_) {
+    RefuseLocked(s.sink, v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
+                 absl::StrCat("job ", job_id_, ": ", who, " says world size ", hello.world_size(),
+                              " but the job has world size ", world_size_,
+                              "; check WORLD_SIZE of every launcher"));
+    return;
+  }
+  std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  for (int r : ranks) {
+    if (r < 0 || r >= hello.world_size()) {
+      RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
+                   absl::StrCat("job ", hello.job_id(), ": ", who, " announced rank ", r,
+                                " outside 0..", hello.world_size() - 1),
+                   {r});
+      return;
+    }
+    for (const auto& [other_id, other] : nodes_) {
+      if (other_id == hello.node_id() || other.session == 0) continue;
+      if (std::binary_search(other.ranks.begin(), other.ranks.end(), r)) {
+        RefuseLocked(s.sink, v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
+                     absl::StrCat("job ", hello.job_id(), ": rank ", r,
+                                  " is already served by node \"", other_id, "\"; ", who,
+                                  " announced it too. Check RANK of the processes on both nodes"),
+                     {r});
+        return;
+      }
+    }
+  }
+  if (!job_id_.empty() && RanksRestartedLocked(hello)) {
+    // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
+    // current run is over for every sidecar here; the hello then starts a
+    // new one, and the relay's NEW hello with a fresh epoch ends the run at
+    // the coordinator for every other node too.
+    const std::string msg = absl::StrCat(
+        "job ", job_id_, " run ", run_id_, " ended: node \"", hello.node_id(),
+        "\" started a new run of the same job id (its ranks were restarted), so this run gets "
+        "no more decisions; stop the ranks of the old run");
+    ACCORD_LOG(WARNING) << msg;
+    for (auto& [sid, other] : sessions_) {
+      if (sid == id || other.node_id.empty()) continue;
+      RefuseLocked(other.sink, v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg);
+      other.node_id.clear();
+    }
+    ResetJobLocked();
+  }
+  if (job_id_.empty()) {
+    job_id_ = hello.job_id();
+    world_size_ = hello.world_size();
+    token_ = options_.token.empty() ? hello.token() : options_.token;
+    // A resuming sidecar names its run: a restarted relay rejoins it.
+    run_id_ = hello.run_start() == v1::NodeHello::RUN_START_RESUME ? hello.run_id() : "";
+    std::random_device rd;
+    epoch_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+    ACCORD_LOG(INFO) << "job " << job_id_ << ": first node \"" << hello.node_id()
+                     << "\" arrived; relaying as node \"" << options_.relay_id << "\"";
+  }
+  Node& node = nodes_[hello.node_id()];
+  if (node.session != 0 && node.session != id) {
+    // The same node reconnected before its old stream was noticed as gone.
+    auto old = sessions_.find(node.session);
+    if (old != sessions_.end()) old->second.node_id.clear();
+  }
+  node.node_id = hello.node_id();
+  node.session = id;
+  node.sink = s.sink;
+  node.answers_progress = hello.answers_progress();
+  node.epoch = hello.node_epoch();
+  node.lost_at = absl::InfiniteFuture();
+  node.welcomed = false;
+  node.last_full.clear();  // a new stream starts without a previous manifest
+  node.ranks = ranks;
+  node.rank_set = RankSet(world_size_);
+  for (int r : ranks) node.rank_set.Add(r);
+  s.node_id = node.node_id;
+  // Ranks not yet announced upstream join the relay's node there.
+  for (int r : ranks) {
+    if (!announced_.insert(r).second || !hello_sent_) continue;
+    v1::NodeMessage join;
+    join.mutable_rank_event()->set_rank(r);
+    join.mutable_rank_event()->set_joined(true);
+    upstream_->Send(std::move(join));
+  }
+  if (upstream_up_ && !hello_sent_) {
+    upstream_->Send(HelloMessageLocked());
+    hello_sent_ = true;
+  }
+  if (welcomed_) WelcomeLocked(node);
+}
+
+bool Relay::RanksRestartedLocked(const v1::NodeHello& hello) const {
+  if (hello.run_start() != v1::NodeHello::RUN_START_NEW || hello.node_epoch() == 0) return false;
+  auto nit = nodes_.find(hello.node_id());
+  return nit != nodes_.end() && nit->second.epoch != 0 && nit->second.epoch != hello.node_epoch();
+}
+
+v1::NodeMessage Relay::HelloMessageLocked() {
+  v1::NodeMessage m;
+  v1::NodeHello& h = *m.mutable_hello();
+  h.set_job_id(job_id_);
+  h.set_node_id(options_.relay_id);
+  h.set_world_size(world_size_);
+  for (int r : announced_) h.add_ranks(r);
+  h.set_token(token_);
+  h.set_answers_progress(true);
+  h.set_node_epoch(epoch_);
+  if (run_id_.empty()) {
+    h.set_run_start(v1::NodeHello::RUN_START_NEW);
+  } else {
+    h.set_run_start(v1::NodeHello::RUN_START_RESUME);
+    h.set_run_id(run_id_);
+  }
+  return m;
+}
+
+void Relay::WelcomeLocked(Node& node) {
+  if (node.welcomed || node.session == 0) return;
+  node.welcomed = true;
+  v1::CoordinatorMessage reply;
+  v1::Welcome& w = *reply.mutable_welcome();
+  w.set_node_id(node.node_id);
+  w.set_server_version(kRelayVersion);
+  w.set_batch_repeat(false);  // sidecars send each manifest; the relay expands nothing
+  w.set_deadline_ms(deadline_ms_);
+  w.set_run_id(run_id_);
+  SendToLocked(node.sink, std::move(reply));
+}
+
+void Relay::HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr) {
+  const std::string& gid = nr.registration().group_id();
+  Group& g = groups_[gid];
+  g.group_id = gid;
+  if (absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration()); spec.ok()) {
+    g.num_params = spec->params.size();
+  }
+  g.nodes.insert(node.node_id);
+  g.registrations.push_back(nr);
+  v1::NodeMessage up;
+  *up.mutable_registration() = nr;
+  upstream_->Send(std::move(up));
+}
+
+void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
+  if (!e.joined()) {
+    node.ranks.erase(std::remove(node.ranks.begin(), node.ranks.end(), e.rank()), node.ranks.end());
+    announced_.erase(e.rank());
+  } else if (!std::binary_search(node.ranks.begin(), node.ranks.end(), e.rank())) {
+    node.ranks.insert(std::lower_bound(node.ranks.begin(), node.ranks.end(), e.rank()), e.rank());
+    announced_.insert(e.rank());
+  }
+  node.rank_set = RankSet(world_size_);
+  for (int r : node.ranks) node.rank_set.Add(r);
+  v1::NodeMessage up;
+  *up.mutable_rank_event() = e;
+  upstream_->Send(std::move(up));
+}
+
+// ---------------------------------------------------------------------------
+// Manifests.
+
+void Relay::HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch) {
+  v1::ManifestBatch out;
+  for (const v1::Manifest& m : batch.manifests()) {
+    auto git = groups_.find(m.group_id());
+    if (git == groups_.end() || git->second.num_params == 0) {
+      // Unknown here: the coordinator gives the precise error.
+      *out.add_manifests() = m;
+      continue;
+    }
+    Group& g = git->second;
+    v1::Manifest full;
+    if (m.repeat()) {
+      auto lit = node.last_full.find(g.group_id);
+      if (lit == node.last_full.end() || lit->second.cache_key() != m.cache_key()) {
+        v1::CoordinatorMessage reply;
+        v1::Decision* d = reply.mutable_decisions()->add_decisions();
+        d->set_group_id(g.group_id);
+        d->set_step(m.step());
+        *d->mutable_error() =
+            ErrorOf(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
+                    absl::StrCat("job ", job_id_, " group \"", g.group_id, "\" step ", m.step(),
+                                 ": repeat-form manifest from node \"", node.node_id,
+                                 "\" whose previous manifest relay \"", options_.relay_id,
+                                 "\" does not hold; resend this step in full form"),
+                    job_id_);
+        d->mutable_error()->set_group_id(g.group_id);
+        d->mutable_error()->set_step(m.step());
+        d->mutable_error()->set_resend_full_form(true);
+        SendToLocked(node.sink, std::move(reply));
+        continue;
+      }
+      full = lit->second;
+      full.set_step(m.step());
+    } else {
+      full = m;
+      v1::Manifest remembered = m;
+      remembered.clear_step();
+      node.last_full[g.group_id] = std::move(remembered);
+    }
+    ++stats_.node_manifests_in;
+    AddManifestLocked(node, g, std::move(full), &out);
+  }
+  SendBatchLocked(std::move(out));
+}
+
+void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, v1::ManifestBatch* out) {
+  const int64_t step = m.step();
+  if (step <= g.last_decided) {
+    if (step == g.last_decided && g.last_decision.has_value()) {
+      // A resend after a reconnect whose decision was lost: answer again.
+      v1::CoordinatorMessage reply;
+      v1::Decision* d = reply.mutable_decisions()->add_decisions();
+      *d = *g.last_decision;
+      d->set_step(step);
+      SendToLocked(node.sink, std::move(reply));
+    }
+    return;
+  }
+  LocalStep& st = g.steps[step];
+  if (st.contributed.empty()) st.first_seen = clock_->Now();
+  if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
+  // Explicit ranks only when the sidecar named a subset; empty: all of its ranks.
+  std::vector<int> covered;
+  if (!m.rank_bits().empty()) {
+    absl::StatusOr<RankSet> set = wire::RankSetFromBits(m.rank_bits(), world_size_, "rank_bits");
+    if (set.ok()) covered = set->Members();
+  }
+  st.contributed[node.node_id] = std::move(covered);
+  st.unsent.push_back(Part{node.node_id, std::move(m)});
+  if (deadline_ms_ > 0) ArmTimerLocked(st.first_seen + absl::Milliseconds(deadline_ms_) / 2);
+  MaybeSendStepLocked(g, step, out);
+}
+
+void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) {
+  auto sit = g.steps.find(step);
+  if (sit == g.steps.end() || sit->second.unsent.empty()) return;
+  LocalStep& st = sit->second;
+  // Cheap test first: fewer contributions than registered sidecars cannot be
+  // complete (the full check below runs about once per step).
+  if (st.contributed.size() < g.nodes.size()) return;
+  for (const std::string& n : g.nodes) {
+    if (nodes_.count(n) != 0 && st.contributed.count(n) == 0) return;  // still waiting for n
+  }
+  absl::StatusOr<v1::Manifest> merged = MergeLocked(g, step, st.unsent);
+  std::vector<Part> parts = std::move(st.unsent);
+  st.unsent.clear();
+  if (!merged.ok()) {
+    // Malformed contributions: forward them as they are, so the coordinator
+    // names the problem exactly as it would without a relay.
+    for (Part& p : parts) *out->add_manifests() = std::move(p.manifest);
+    g.have_last_sent = false;
+    return;
+  }
+  g.inflight[step].push_back(*merged);
+  const std::string shape = ShapeOf(*merged);
+  if (g.have_last_sent && g.last_sent_key == merged->cache_key() && g.last_sent_shape == shape) {
+    v1::Manifest* r = out->add_manifests();
+    r->set_group_id(g.group_id);
+    r->set_step(step);
+    r->set_cache_key(merged->cache_key());
+    r->set_repeat(true);
+    ++stats_.manifests_up_repeat;
+    return;
+  }
+  g.have_last_sent = true;
+  g.last_sent_key = merged->cache_key();
+  g.last_sent_shape = shape;
+  *out->add_manifests() = *std::move(merged);
+  ++stats_.manifests_up_full;
+}
+
+absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
+                                                const std::vector<Part>& parts) {
+  Manifest merged;
+  merged.step = step;
+  merged.dtypes.assign(g.num_params, 0);
+  merged.ranks = RankSet(world_size_);
+  std::vector<DTypeMask> dtypes;
+  for (const Part& p : parts) {
+    if (absl::Status s = wire::ManifestDTypesFromProto(p.manifest, g.num_params, &dtypes);
+        !s.ok()) {
+      return s;
+    }
+    for (size_t i = 0; i < g.num_params; ++i) merged.dtypes[i] |= dtypes[i];
+    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
+    if (!ranks.ok()) return ranks.status();
+    merged.ranks.Union(*ranks);
+  }
+  // Every rank merged here was announced upstream, so equal counts mean the
+  // manifest covers all of them (rank_bits may then be left out).
+  const bool all_announced = merged.ranks.Count() == static_cast<int>(announced_.size());
+  v1::Manifest out;
+  wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!all_announced, &out);
+  // Per-rank detail for the ranks whose usage differs from the merge: only
+  // parts whose own usage differs, or that carry detail, need a look.
+  const std::string used = out.used_bits();
+  for (const Part& p : parts) {
+    if (p.manifest.used_bits() == used) {
+      for (const v1::RankUsage& u : p.manifest.rank_detail()) {
+        if (u.used_bits() != used) *out.add_rank_detail() = u;
+      }
+      continue;
+    }
+    std::map<int, std::string> usage;
+    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
+    if (!ranks.ok()) return ranks.status();
+    RankUsageOf(p.manifest, ranks->Members(), &usage);
+    for (const auto& [rank, bits] : usage) {
+      if (bits == used) continue;
+      v1::RankUsage* u = out.add_rank_detail();
+      u->set_rank(rank);
+      u->set_used_bits(bits);
+    }
+  }
+  std::sort(out.mutable_rank_detail()->begin(), out.mutable_rank_detail()->end(),
+            [](const v1::RankUsage& a, const v1::RankUsage& b) { return a.rank() < b.rank(); });
+  return out;
+}
+
+absl::StatusOr<RankSet> Relay::PartRanksLocked(const Part& p) {
+  if (!p.manifest.rank_bits().empty()) {
+    return wire::RankSetFromBits(p.manifest.rank_bits(), world_size_, "rank_bits");
+  }
+  auto nit = nodes_.find(p.node_id);
+  if (nit == nodes_.end()) return RankSet(world_size_);
+  return nit->second.rank_set;
+}
+
+void Relay::SendBatchLocked(v1::ManifestBatch batch) {
+  if (batch.manifests_size() == 0) return;
+  v1::NodeMessage up;
+  *up.mutable_manifests() = std::move(batch);
+  upstream_->Send(std::move(up));
+}
+
+// ---------------------------------------------------------------------------
+// Silent ranks.
+
+std::vector<int> Relay::ContributedRanksLocked(const Group& g, int64_t step) {
+  std::vector<int> ranks;
+  auto it = g.steps.find(step);
+  if (it == g.steps.end()) return ranks;
+  for (const auto& [node, covered] : it->second.contributed) {
+    auto nit = nodes_.find(node);
+    const std::vector<int>& of =
+        !covered.empty() || nit == nodes_.end() ? covered : nit->second.ranks;
+    ranks.insert(ranks.end(), of.begin(), of.end());
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+void Relay::HandleProgressLocked(Node& node, const v1::NodeProgress& p) {
+  auto git = groups_.find(p.group_id());
+  if (p.partial()) {
+    // Forward at once, with what the other sidecars already contributed.
+    v1::NodeMessage up;
+    *up.mutable_progress() = p;
+    if (git != groups_.end() && p.step() > git->second.last_decided) {
+      Group& g = git->second;
+      LocalStep& st = g.steps[p.step()];
+      if (st.contributed.empty() && st.unsent.empty()) {
+        st.first_seen = clock_->Now() - absl::Microseconds(p.waited_us());
+      }
+      st.partial_reported = true;
+      for (int r : ContributedRanksLocked(g, p.step())) up.mutable_progress()->add_reported(r);
+      up.mutable_progress()->set_waited_us(std::max<int64_t>(
+          p.waited_us(), absl::ToInt64Microseconds(clock_->Now() - st.first_seen)));
+    }
+    upstream_->Send(std::move(up));
+    return;
+  }
+  if (git == groups_.end()) return;
+  Group& g = git->second;
+  auto qit = g.queries.find(p.step());
+  if (qit == g.queries.end() || qit->second.waiting.erase(node.node_id) == 0) return;
+  v1::NodeProgress& answer = qit->second.answer;
+  for (int r : p.reported()) answer.add_reported(r);
+  const int n = std::min(p.ranks_size(), p.last_steps_size());
+  for (int i = 0; i < n; ++i) {
+    answer.add_ranks(p.ranks(i));
+    answer.add_last_steps(p.last_steps(i));
+    // A relay below this one already named the sidecar.
+    answer.add_rank_nodes(p.rank_nodes_size() == p.ranks_size() ? p.rank_nodes(i) : node.node_id);
+  }
+  if (qit->second.waiting.empty()) FinishQueryLocked(g, p.step());
+}
+
+void Relay::HandleProgressQueryLocked(const v1::ProgressQuery& q) {
+  auto git = groups_.find(q.group_id());
+  if (git == groups_.end()) {
+    // Nothing registered here: no rank of the relay submitted it.
+    v1::NodeMessage up;
+    up.mutable_progress()->set_group_id(q.group_id());
+    up.mutable_progress()->set_step(q.step());
+    upstream_->Send(std::move(up));
+    return;
+  }
+  Group& g = git->second;
+  Query& query = g.queries[q.step()];
+  query.waiting.clear();
+  query.answer.Clear();
+  query.answer.set_group_id(q.group_id());
+  query.answer.set_step(q.step());
+  for (int r : ContributedRanksLocked(g, q.step())) query.answer.add_reported(r);
+  auto st = g.steps.find(q.step());
+  for (auto& [id, node] : nodes_) {
+    const bool done = st != g.steps.end() && st->second.contributed.count(id) != 0;
+    if (done || node.session == 0 || !node.answers_progress) continue;
+    query.waiting.insert(id);
+    v1::CoordinatorMessage ask;
+    *ask.mutable_progress_query() = q;
+    SendToLocked(node.sink, std::move(ask));
+  }
+  if (query.waiting.empty()) FinishQueryLocked(g, q.step());
+}
+
+void Relay::FinishQueryLocked(Group& g, int64_t step) {
+  auto it = g.queries.find(step);
+  if (it == g.queries.end()) return;
+  v1::NodeMessage up;
+  *up.mutable_progress() = std::move(it->second.answer);
+  g.queries.erase(it);
+  upstream_->Send(std::move(up));
+}
+
+// ---------------------------------------------------------------------------
+// Upstream.
+
+void Relay::OnUpstreamConnected() {
+  accord::MutexLock l(&mu_);
+  upstream_up_ = true;
+  welcomed_ = false;
+  hello_sent_ = false;
+  std::vector<v1::NodeMessage> resend;
+  if (!job_id_.empty()) {
+    resend.push_back(HelloMessageLocked());
+    hello_sent_ = true;
+    for (auto& [gid, g] : groups_) {
+      g.have_last_sent = false;  // a new stream holds no previous manifest
+      for (v1::NodeRegistration& nr : MergedRegistrations(g.registrations)) {
+        v1::NodeMessage m;
+        *m.mutable_registration() = std::move(nr);
+        resend.push_back(std::move(m));
+      }
+    }
+    v1::NodeMessage batch;
+    for (auto& [gid, g] : groups_) {
+      for (auto& [step, sent] : g.inflight) {
+        for (const v1::Manifest& m : sent) *batch.mutable_manifests()->add_manifests() = m;
+      }
+    }
+    if (batch.manifests().manifests_size() > 0) resend.push_back(std::move(batch));
+  }
+  upstream_->Reset(std::move(resend));
+}
+
+void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  accord::MutexLock l(&mu_);
+  if (job_id_.empty()) return;
+  switch (message->body_case()) {
+    case v1::CoordinatorMessage::kWelcome:
+      welcomed_ = true;
+      deadline_ms_ = message->welcome().deadline_ms();
+      if (!message->welcome().run_id().empty()) run_id_ = message->welcome().run_id();
+      for (auto& [id, node] : nodes_) WelcomeLocked(node);
+      return;
+    case v1::CoordinatorMessage::kDecisions:
+      HandleDecisionsLocked(message->mutable_decisions());
+      if (message->decisions().decisions_size() == 0) return;
+      ++stats_.decision_batches;
+      break;
+    case v1::CoordinatorMessage::kProgressQuery:
+      HandleProgressQueryLocked(message->progress_query());
+      return;
+    default:
+      break;
+  }
+  // Decisions, registration results and errors: the same for every sidecar.
+  BroadcastLocked(std::make_shared<const v1::CoordinatorMessage>(std::move(*message)));
+}
+
+void Relay::HandleDecisionsLocked(v1::DecisionBatch* batch) {
+  // A repeat-form manifest of the relay's own that the coordinator cannot
+  // resolve (it restarted): resend that step in full form; the sidecars
+  // never see this answer, it was about the relay's message.
+  v1::ManifestBatch resend;
+  auto own = std::remove_if(batch->mutable_decisions()->begin(), batch->mutable_decisions()->end(),
+                            [&](const v1::Decision& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                              if (!d.has_error() || !d.error().resend_full_form()) return false;
+                              auto git = groups_.find(d.group_id());
+                              if (git == groups_.end()) return true;
+                              git->second.have_last_sent = false;
+                              auto sent = git->second.inflight.find(d.step());
+                              if (sent != git->second.inflight.end()) {
+                                for (const v1::Manifest& m : sent->second)
+                                  *resend.add_manifests() = m;
+                              }
+                              return true;
+                            });
+  batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());
+  SendBatchLocked(std::move(resend));
+  for (const v1::Decision& d : batch->decisions()) {
+    auto git = groups_.find(d.group_id());
+    if (git == groups_.end()) continue;
+    Group& g = git->second;
+    const int64_t step = d.step();
+    if (step > g.last_decided) g.last_decided = step;
+    if (d.has_ok() || d.has_error()) {
+      g.last_decision = d;
+    } else if (d.same_as_previous() && g.last_decision.has_value()) {
+      g.last_decision->set_step(step);
+    }
+    g.steps.erase(g.steps.begin(), g.steps.upper_bound(step));
+    g.inflight.erase(g.inflight.begin(), g.inflight.upper_bound(step));
+    g.queries.erase(g.queries.begin(), g.queries.upper_bound(step));
+  }
+}
+
+void Relay::BroadcastLocked(std::shared_ptr<const v1::CoordinatorMessage> message) {
+  for (auto& [id, node] : nodes_) {
+    if (node.welcomed && node.sink != nullptr) node.sink->Send(message);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Lifetimes and timers.
+
+void Relay::DropNodeLocked(const std::string& node_id) {
+  auto nit = nodes_.find(node_id);
+  if (nit == nodes_.end()) return;
+  for (int r : nit->second.ranks) {
+    // Gone past the grace: a pending step that needs these ranks fails now.
+    v1::NodeMessage left;
+    left.mutable_rank_event()->set_rank(r);
+    left.mutable_rank_event()->set_joined(false);
+    left.mutable_rank_event()->set_last_step(-1);
+    upstream_->Send(std::move(left));
+    announced_.erase(r);
+  }
+  nodes_.erase(nit);
+  v1::ManifestBatch out;
+  for (auto& [gid, g] : groups_) {
+    g.nodes.erase(node_id);
+    std::vector<int64_t> steps;
+    for (const auto& [step, st] : g.steps) steps.push_back(step);
+    for (int64_t step : steps) MaybeSendStepLocked(g, step, &out);
+  }
+  SendBatchLocked(std::move(out));
+  if (nodes_.empty()) ResetJobLocked();
+}
+
+void Relay::ResetJobLocked() {
+  ACCORD_LOG(INFO) << "job " << job_id_ << ": no node left on relay \"" << options_.relay_id
+                   << "\"; its state is dropped";
+  job_id_.clear();
+  world_size_ = 0;
+  token_.clear();
+  run_id_.clear();
+  epoch_ = 0;
+  welcomed_ = false;
+  hello_sent_ = false;
+  deadline_ms_ = 0;
+  announced_.clear();
+  nodes_.clear();
+  groups_.clear();
+  upstream_->Reset({});
+  upstream_->Reconnect();
+}
+
+void Relay::ArmTimerLocked(absl::Time at) {
+  if (at >= timer_at_) return;
+  timer_at_ = at;
+  timer_cv_.SignalAll();
+}
+
+void Relay::TimerLoop() {
+  accord::MutexLock l(&mu_);
+  while (!stopping_) {
+    if (clock_->Now() >= timer_at_) {
+      CheckTimersLocked();
+      continue;
+    }
+    clock_->WaitUntil(&timer_cv_, &mu_, timer_at_);
+  }
+}
+
+void Relay::CheckTimers() {
+  accord::MutexLock l(&mu_);
+  CheckTimersLocked();
+}
+
+void Relay::CheckTimersLocked() {
+  const absl::Time now = clock_->Now();
+  absl::Time next = absl::InfiniteFuture();
+  std::vector<std::string> lost;
+  for (const auto& [id, node] : nodes_) {
+    if (node.session != 0) continue;
+    const absl::Time due = node.lost_at + options_.node_reconnect_grace;
+    if (due <= now) {
+      lost.push_back(id);
+    } else {
+      next = std::min(next, due);
+    }
+  }
+  for (const std::string& id : lost) {
+    ACCORD_LOG(WARNING) << "job " << job_id_ << ": node \"" << id << "\" did not reconnect within "
+                        << absl::FormatDuration(options_.node_reconnect_grace)
+                        << "; its ranks are reported as left";
+    DropNodeLocked(id);
+  }
+  if (deadline_ms_ > 0 && welcomed_) {
+    const absl::Duration half = absl::Milliseconds(deadline_ms_) / 2;
+    for (auto& [gid, g] : groups_) {
+      for (auto& [step, st] : g.steps) {
+        if (st.partial_reported || st.unsent.empty()) continue;
+        const absl::Time due = st.first_seen + half;
+        if (due > now) {
+          next = std::min(next, due);
+          continue;
+        }
+        st.partial_reported = true;
+        v1::NodeMessage up;
+        v1::NodeProgress& p = *up.mutable_progress();
+        p.set_group_id(gid);
+        p.set_step(step);
+        p.set_partial(true);
+        p.set_waited_us(absl::ToInt64Microseconds(now - st.first_seen));
+        for (int r : ContributedRanksLocked(g, step)) p.add_reported(r);
+        upstream_->Send(std::move(up));
+      }
+    }
+  }
+  timer_at_ = next;
+}
+
+}  // namespace accord::daemon

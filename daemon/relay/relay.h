@@ -1,0 +1,258 @@
+// The relay's logic: one tier between the sidecars of a rack and the
+// coordinator (docs/ARCHITECTURE.md, "Relays").
+//
+// Downstream it serves the node protocol exactly as the coordinator does
+// (NodeSessionHandler: sidecars connect to it unchanged); upstream it is one
+// node of the job whose ranks are the union of its sidecars' ranks
+// (UpstreamHandler, driven by GrpcUpstream). Per message kind:
+//  - NodeHello: the first one of a job starts the job here and the upstream
+//    hello (ranks: every connected sidecar's; RESUME with the sidecar's run
+//    id when the sidecar resumes one, so a restarted relay rejoins the run).
+//    A sidecar is welcomed once the upstream Welcome is in (run id,
+//    deadline; batch repeats are not offered downstream). Later sidecars'
+//    ranks go up as RankEvent joins. A NEW hello from a sidecar of the run
+//    under another epoch (its ranks were restarted) ends the run: every
+//    other sidecar gets RUN_ENDED, and the relay rejoins upstream NEW with a
+//    fresh epoch, which ends the run at the coordinator for everyone. Another job while one is
+//    served, a world size that differs, or a rank another connected sidecar serves is refused with
+//    the coordinator's error kinds.
+//  - NodeRegistration and RankEvent are forwarded unchanged (the
+//    coordinator compares registrations per rank); after an upstream
+//    reconnect the registrations go again as one per distinct spec with the
+//    union of its ranks.
+//  - Node manifests (full or repeat form; a repeat is resolved against the
+//    sidecar's previous full form, or answered with resend_full_form) are
+//    collected per (group, step). Once every sidecar that registered the
+//    group contributed, ONE manifest goes upstream: the core Merge of the
+//    contributions, with rank_detail for every rank whose usage differs from
+//    the merged usage, so the coordinator's skip matrix stays per rank; in
+//    repeat form when identical to the previous one sent for the group. A
+//    contribution that arrives after its step went up (a sidecar that
+//    reconnected) goes up alone, for its own ranks (the coordinator accepts
+//    disjoint contributions of one node).
+//  - Decisions, registration results and errors from upstream fan out to
+//    every welcomed sidecar, one shared message for all.
+//  - Silent ranks: a sidecar's partial report goes up at once with the ranks
+//    of the sidecars that already contributed; a step that some sidecars
+//    contributed and others did not for half the deadline is reported up as
+//    partial by the relay itself. A ProgressQuery is answered from the
+//    contributions plus the answers of the sidecars that did not contribute
+//    (each asked in turn), so MISSING_RANKS still names ranks, not relays.
+//  - A sidecar whose stream ends keeps its place for `node_reconnect_grace`
+//    (its steps wait for it); past the grace its ranks go up as RankEvent
+//    leaves, which fails a step that needs them at once. When no sidecar is
+//    left the job's state is dropped and the upstream stream restarted.
+//
+// One job at a time, like a sidecar. Thread-safe: one mutex; sinks are called
+// with it held and must not block or call back into the Relay. One timer
+// thread (owned; stopped in Stop() or the destructor, which must run before
+// the UpstreamSink goes away).
+#ifndef ACCORD_DAEMON_RELAY_RELAY_H_
+#define ACCORD_DAEMON_RELAY_RELAY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "accord/v1/accord.pb.h"
+#include "core/rank_set.h"
+#include "core/sync.h"
+#include "daemon/common/clock.h"
+#include "daemon/common/node_session.h"
+#include "daemon/common/upstream.h"
+
+namespace accord::daemon {
+
+struct RelayOptions {
+  // The node id the relay has upstream (one per relay; the coordinator names
+  // it for anything it cannot pin on a rank).
+  std::string relay_id;
+  // The job token sent upstream; empty: the first sidecar's hello token.
+  std::string token;
+  // How long a sidecar whose stream ended keeps its place (its ranks are
+  // reported as left afterwards). Match the coordinator's.
+  absl::Duration node_reconnect_grace = absl::Seconds(10);
+  Clock* clock = nullptr;  // not owned; null: the real clock
+  // Tests that drive CheckTimers() by hand may turn the thread off.
+  bool start_timer_thread = true;
+};
+
+struct RelayStats {
+  int64_t node_manifests_in = 0;    // manifests from sidecars (after repeat expansion)
+  int64_t manifests_up_full = 0;    // merged manifests sent upstream in full form
+  int64_t manifests_up_repeat = 0;  // ... in repeat form
+  int64_t decision_batches = 0;     // decision batches fanned out
+  int nodes = 0;                    // sidecars connected now
+  std::string job_id;
+};
+
+class Relay final : public NodeSessionHandler, public UpstreamHandler {
+ public:
+  explicit Relay(RelayOptions options);
+  ~Relay() override;
+  Relay(const Relay&) = delete;
+  Relay& operator=(const Relay&) = delete;
+
+  // Stops the timer thread. Idempotent.
+  void Stop();
+  // Must be set before any other call; not owned.
+  void SetUpstream(UpstreamSink* upstream);
+
+  SessionId OpenSession(NodeSink* sink) override;
+  void HandleMessage(SessionId session, const v1::NodeMessage& message) override;
+  void CloseSession(SessionId session) override;
+
+  void OnUpstreamConnected() override;
+  void HandleCoordinatorMessage(v1::CoordinatorMessage* message) override;
+
+  // Partial-step reports and sidecars past their reconnect grace, at
+  // clock->Now(). The timer thread calls this; tests without it may.
+  void CheckTimers();
+
+  RelayStats stats();
+
+ private:
+  // One sidecar of the job.
+  struct Node {
+    std::string node_id;
+    SessionId session = 0;  // 0: its stream ended (within the grace)
+    NodeSink* sink = nullptr;
+    std::vector<int> ranks;  // ascending
+    RankSet rank_set;        // the same, as a set (merges OR it in)
+    bool answers_progress = false;
+    uint64_t epoch = 0;  // NodeHello.node_epoch: its ranks' incarnation
+    bool welcomed = false;
+    absl::Time lost_at = absl::InfiniteFuture();
+    // Its previous full-form manifest per group (step cleared), against which
+    // its repeat-form manifests are resolved.
+    absl::flat_hash_map<std::string, v1::Manifest> last_full;
+  };
+  // One sidecar's contribution to a (group, step), in full form.
+  struct Part {
+    std::string node_id;
+    v1::Manifest manifest;
+  };
+  struct LocalStep {
+    absl::Time first_seen;
+    std::vector<Part> unsent;
+    // Sidecars that contributed (sent up or not), with the ranks covered
+    // when the sidecar named a subset (empty: all of its ranks).
+    std::map<std::string, std::vector<int>> contributed;
+    bool partial_reported = false;
+  };
+  // A ProgressQuery being answered: the sidecars still asked, and the answer
+  // so far.
+  struct Query {
+    std::set<std::string> waiting;
+    v1::NodeProgress answer;
+  };
+  struct Group {
+    std::string group_id;
+    size_t num_params = 0;
+    std::set<std::string> nodes;                      // sidecars that registered it
+    std::vector<v1::NodeRegistration> registrations;  // as forwarded, for resends
+    std::map<int64_t, LocalStep> steps;
+    std::map<int64_t, std::vector<v1::Manifest>> inflight;  // sent, undecided (full form)
+    std::map<int64_t, Query> queries;
+    int64_t last_decided = -1;
+    std::optional<v1::Decision> last_decision;  // with an ok or error body
+    // The previous manifest sent upstream on this stream, for repeat form.
+    bool have_last_sent = false;
+    uint64_t last_sent_key = 0;
+    std::string last_sent_shape;  // rank_bits + rank_detail it carried
+  };
+  struct Session {
+    NodeSink* sink = nullptr;
+    std::string node_id;  // "" until its hello is accepted
+  };
+
+  void HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefuseLocked(NodeSink* sink, v1::ErrorKind kind, absl::StatusCode code,
+                    const std::string& message, std::vector<int> ranks = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WelcomeLocked(Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A NEW hello from a sidecar of the current job under another epoch: its
+  // ranks were restarted, so the current run is over.
+  bool RanksRestartedLocked(const v1::NodeHello& hello) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleRankEventLocked(Node& node, const v1::RankEvent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds one resolved manifest; appends what is ready to go up to `out`.
+  void AddManifestLocked(Node& node, Group& g, v1::Manifest m, v1::ManifestBatch* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the unsent contributions of (g, step) once every sidecar that
+  // registered g contributed.
+  void MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The merged manifest of `parts` (full form), or an error about them.
+  absl::StatusOr<v1::Manifest> MergeLocked(const Group& g, int64_t step,
+                                           const std::vector<Part>& parts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendBatchLocked(v1::ManifestBatch batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleProgressLocked(Node& node, const v1::NodeProgress& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleProgressQueryLocked(const v1::ProgressQuery& q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishQueryLocked(Group& g, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks of the sidecars that contributed (g, step).
+  std::vector<int> ContributedRanksLocked(const Group& g, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The ranks a contribution covers: its rank_bits, else its sidecar's ranks.
+  absl::StatusOr<RankSet> PartRanksLocked(const Part& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records decided steps; takes out answers about the relay's own repeat
+  // forms (resending those steps upstream in full form).
+  void HandleDecisionsLocked(v1::DecisionBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `message` to every welcomed, connected sidecar.
+  void BroadcastLocked(std::shared_ptr<const v1::CoordinatorMessage> message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToLocked(NodeSink* sink, v1::CoordinatorMessage message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TimerLoop();
+
+  const RelayOptions options_;
+  Clock* const clock_;
+  accord::Mutex mu_;
+  accord::CondVar timer_cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+
+  // The job served now ("" when none).
+  std::string job_id_ ABSL_GUARDED_BY(mu_);
+  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string token_ ABSL_GUARDED_BY(mu_);
+  std::string run_id_ ABSL_GUARDED_BY(mu_);  // from a resuming sidecar or the Welcome
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  bool upstream_up_ ABSL_GUARDED_BY(mu_) = false;  // a stream is connected
+  bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;   // on the current stream
+  bool welcomed_ ABSL_GUARDED_BY(mu_) = false;     // its Welcome arrived
+  int64_t deadline_ms_ ABSL_GUARDED_BY(mu_) = 0;   // from the Welcome
+  std::set<int> announced_ ABSL_GUARDED_BY(mu_);   // ranks announced upstream
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
+  RelayStats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread timer_;  // last: started once everything above is initialised
+};
+
+}  // namespace accord::daemon
+
+#endif  // ACCORD_DAEMON_RELAY_RELAY_H_

@@ -1,0 +1,342 @@
+// The relay's logic with fakes: sidecar sessions are FakeNodeSinks, the
+// upstream is a recording FakeUpstream, time is a FakeClock (no timer
+// thread; CheckTimers is called by hand).
+#include "daemon/relay/relay.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/group.h"
+#include "core/manifest.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/wire.h"
+#include "tests/daemon/test_util.h"
+
+namespace accord::daemon {
+namespace {
+
+using ::testing::ElementsAre;
+using testing::FakeNodeSink;
+
+class FakeUpstream : public UpstreamSink {
+ public:
+  void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
+  void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
+  void Reconnect() override { ++reconnects; }
+  std::vector<v1::Manifest> manifests() const {
+    std::vector<v1::Manifest> out;
+    for (const auto& m : sent) {
+      for (const auto& x : m.manifests().manifests()) out.push_back(x);
+    }
+    return out;
+  }
+  std::vector<v1::NodeProgress> progress() const {
+    std::vector<v1::NodeProgress> out;
+    for (const auto& m : sent) {
+      if (m.has_progress()) out.push_back(m.progress());
+    }
+    return out;
+  }
+  std::vector<v1::NodeMessage> sent;
+  std::vector<v1::NodeMessage> reset;
+  int reconnects = 0;
+};
+
+constexpr int kWorld = 4;
+
+GroupSpec Spec() {
+  return GroupSpec{"g", {ParamSpec{"a", 8, 64}, ParamSpec{"b", 8, 64}, ParamSpec{"c", 8, 64}}};
+}
+
+// A sidecar's node manifest for `ranks`, every rank using the params in
+// `used` unless `detail` gives a rank's own bits.
+v1::Manifest NodeManifest(int64_t step, const std::vector<int>& ranks, std::vector<bool> used,
+                          std::vector<std::pair<int, std::vector<bool>>> detail = {}) {
+  Manifest m;
+  m.step = step;
+  m.ranks = RankSet(kWorld);
+  for (int r : ranks) m.ranks.Add(r);
+  for (bool u : used) m.dtypes.push_back(u ? MaskOf(DType::kFloat32) : 0);
+  v1::Manifest out;
+  wire::ManifestToProto("g", m, /*with_ranks=*/false, &out);
+  for (auto& [r, bits] : detail) {
+    v1::RankUsage* u = out.add_rank_detail();
+    u->set_rank(r);
+    u->set_used_bits(wire::PackBits(bits));
+  }
+  return out;
+}
+
+class RelayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RelayOptions o;
+    o.relay_id = "relay0";
+    o.clock = &clock_;
+    o.start_timer_thread = false;
+    o.node_reconnect_grace = absl::Seconds(10);
+    relay_ = std::make_unique<Relay>(o);
+    relay_->SetUpstream(&up_);
+    relay_->OnUpstreamConnected();
+    a_ = Join("node0", {0, 1}, &sink_a_);
+    b_ = Join("node1", {2, 3}, &sink_b_);
+    Welcome(/*deadline_ms=*/2000);
+    for (auto [id, ranks] : {std::pair{a_, std::vector<int>{0, 1}}, {b_, {2, 3}}}) {
+      v1::NodeMessage reg;
+      *reg.mutable_registration()->mutable_registration() =
+          wire::GroupSpecToProto(Spec(), Policy());
+      for (int r : ranks) reg.mutable_registration()->add_ranks(r);
+      relay_->HandleMessage(id, reg);
+    }
+  }
+
+  Relay::SessionId Join(const std::string& node, const std::vector<int>& ranks,
+                        FakeNodeSink* sink) {
+    const Relay::SessionId id = relay_->OpenSession(sink);
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_job_id("j");
+    hello.mutable_hello()->set_node_id(node);
+    hello.mutable_hello()->set_world_size(kWorld);
+    hello.mutable_hello()->set_answers_progress(true);
+    hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+    hello.mutable_hello()->set_node_epoch(7);
+    for (int r : ranks) hello.mutable_hello()->add_ranks(r);
+    relay_->HandleMessage(id, hello);
+    return id;
+  }
+
+  void Welcome(int64_t deadline_ms) {
+    v1::CoordinatorMessage w;
+    w.mutable_welcome()->set_deadline_ms(deadline_ms);
+    w.mutable_welcome()->set_run_id("run1");
+    relay_->HandleCoordinatorMessage(&w);
+  }
+
+  void Submit(Relay::SessionId id, const v1::Manifest& m) {
+    v1::NodeMessage msg;
+    *msg.mutable_manifests()->add_manifests() = m;
+    relay_->HandleMessage(id, msg);
+  }
+
+  FakeClock clock_;
+  FakeUpstream up_;
+  FakeNodeSink sink_a_, sink_b_;
+  std::unique_ptr<Relay> relay_;
+  Relay::SessionId a_ = 0, b_ = 0;
+};
+
+TEST_F(RelayTest, HelloUpstreamAnnouncesEverySidecarsRanksAndEachSidecarIsWelcomed) {
+  std::vector<int> announced;
+  for (const v1::NodeMessage& m : up_.sent) {
+    if (m.has_hello()) {
+      EXPECT_EQ(m.hello().node_id(), "relay0");
+      EXPECT_TRUE(m.hello().answers_progress());
+      announced.insert(announced.end(), m.hello().ranks().begin(), m.hello().ranks().end());
+    }
+    if (m.has_rank_event() && m.rank_event().joined()) announced.push_back(m.rank_event().rank());
+  }
+  EXPECT_THAT(announced, ElementsAre(0, 1, 2, 3));
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->messages().size(), 1u);
+    EXPECT_EQ(s->messages()[0].welcome().run_id(), "run1");
+    EXPECT_EQ(s->messages()[0].welcome().deadline_ms(), 2000);
+    EXPECT_FALSE(s->messages()[0].welcome().batch_repeat());
+  }
+}
+
+TEST_F(RelayTest, TwoSidecarsMergeIntoOneManifestWithPerRankDetailThenRepeatForm) {
+  // node0: rank 1 lacks param b. node1: nobody has c.
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, false}, {{1, {true, false, false}}}));
+  EXPECT_TRUE(up_.manifests().empty()) << "waits for node1";
+  Submit(b_, NodeManifest(0, {2, 3}, {true, true, false}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  const v1::Manifest m = up_.manifests()[0];
+  EXPECT_EQ(m.step(), 0);
+  EXPECT_FALSE(m.repeat());
+  EXPECT_TRUE(m.rank_bits().empty()) << "covers every announced rank";
+  EXPECT_EQ(m.used_bits(), wire::PackBits({true, true, false}));
+  ASSERT_EQ(m.rank_detail_size(), 1);
+  EXPECT_EQ(m.rank_detail(0).rank(), 1);
+  EXPECT_EQ(m.rank_detail(0).used_bits(), wire::PackBits({true, false, false}));
+
+  // Step 1: the same content, in repeat form from both sidecars.
+  for (Relay::SessionId id : {a_, b_}) {
+    v1::Manifest r;
+    r.set_group_id("g");
+    r.set_step(1);
+    r.set_repeat(true);
+    r.set_cache_key(
+        id == a_
+            ? NodeManifest(0, {0, 1}, {true, true, false}, {{1, {true, false, false}}}).cache_key()
+            : NodeManifest(0, {2, 3}, {true, true, false}).cache_key());
+    Submit(id, r);
+  }
+  ASSERT_EQ(up_.manifests().size(), 2u);
+  EXPECT_TRUE(up_.manifests()[1].repeat());
+  EXPECT_EQ(up_.manifests()[1].cache_key(), m.cache_key());
+  EXPECT_EQ(up_.manifests()[1].step(), 1);
+}
+
+TEST_F(RelayTest, DecisionsFanOutAsOneSharedMessageToEverySidecar) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
+  Submit(b_, NodeManifest(0, {2, 3}, {true, true, true}));
+  v1::CoordinatorMessage d;
+  v1::Decision* dec = d.mutable_decisions()->add_decisions();
+  dec->set_group_id("g");
+  dec->set_step(0);
+  dec->mutable_ok()->set_num_included(3);
+  relay_->HandleCoordinatorMessage(&d);
+  std::vector<const v1::CoordinatorMessage*> got;
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->decisions().size(), 1u);
+    EXPECT_EQ(s->decisions()[0].ok().num_included(), 3);
+    got.push_back(s->last_sent().get());
+  }
+  // One object for every stream: nothing is copied per sidecar.
+  EXPECT_EQ(got[0], got[1]);
+}
+
+TEST_F(RelayTest, UnresolvableRepeatFromASidecarAsksItForTheFullForm) {
+  v1::Manifest r;
+  r.set_group_id("g");
+  r.set_step(0);
+  r.set_repeat(true);
+  r.set_cache_key(1234);
+  Submit(a_, r);
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_TRUE(sink_a_.decisions()[0].error().resend_full_form());
+  EXPECT_TRUE(up_.manifests().empty());
+}
+
+TEST_F(RelayTest, AStepOnlySomeSidecarsSubmittedIsReportedPartialAtHalfTheDeadline) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
+  relay_->CheckTimers();
+  EXPECT_TRUE(up_.progress().empty());
+  clock_.Advance(absl::Seconds(1));
+  relay_->CheckTimers();
+  ASSERT_EQ(up_.progress().size(), 1u);
+  const v1::NodeProgress p = up_.progress()[0];
+  EXPECT_TRUE(p.partial());
+  EXPECT_EQ(p.step(), 0);
+  EXPECT_THAT(p.reported(), ElementsAre(0, 1));
+  EXPECT_EQ(p.waited_us(), 1000000);
+  relay_->CheckTimers();
+  EXPECT_EQ(up_.progress().size(), 1u) << "once per step";
+}
+
+TEST_F(RelayTest, ProgressQueryIsAnsweredFromContributionsAndTheAskedSidecarNamingItsNode) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
+  v1::CoordinatorMessage q;
+  q.mutable_progress_query()->set_group_id("g");
+  q.mutable_progress_query()->set_step(0);
+  relay_->HandleCoordinatorMessage(&q);
+  // Only node1 (no contribution) is asked.
+  EXPECT_TRUE(sink_a_.messages().back().has_welcome());
+  ASSERT_TRUE(sink_b_.messages().back().has_progress_query());
+  EXPECT_TRUE(up_.progress().empty());
+  v1::NodeMessage answer;
+  answer.mutable_progress()->set_group_id("g");
+  answer.mutable_progress()->set_step(0);
+  answer.mutable_progress()->add_reported(2);
+  answer.mutable_progress()->add_ranks(2);
+  answer.mutable_progress()->add_ranks(3);
+  answer.mutable_progress()->add_last_steps(0);
+  answer.mutable_progress()->add_last_steps(-1);
+  relay_->HandleMessage(b_, answer);
+  ASSERT_EQ(up_.progress().size(), 1u);
+  const v1::NodeProgress p = up_.progress()[0];
+  EXPECT_FALSE(p.partial());
+  EXPECT_THAT(p.reported(), ElementsAre(0, 1, 2));
+  EXPECT_THAT(p.ranks(), ElementsAre(2, 3));
+  EXPECT_THAT(p.last_steps(), ElementsAre(0, -1));
+  EXPECT_THAT(p.rank_nodes(), ElementsAre("node1", "node1"));
+}
+
+TEST_F(RelayTest, ASidecarGonePastTheGraceHasItsRanksReportedAsLeft) {
+  relay_->CloseSession(b_);
+  clock_.Advance(absl::Seconds(9));
+  relay_->CheckTimers();
+  auto lefts = [&] {
+    std::vector<int> out;
+    for (const v1::NodeMessage& m : up_.sent) {
+      if (m.has_rank_event() && !m.rank_event().joined()) out.push_back(m.rank_event().rank());
+    }
+    return out;
+  };
+  EXPECT_TRUE(lefts().empty()) << "still within the grace";
+  clock_.Advance(absl::Seconds(1));
+  relay_->CheckTimers();
+  EXPECT_THAT(lefts(), ElementsAre(2, 3));
+  // node0 alone now completes steps by itself.
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+}
+
+TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedManifest) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, false}));
+  Submit(b_, NodeManifest(0, {2, 3}, {true, false, false}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  relay_->OnUpstreamConnected();
+  int hellos = 0;
+  std::vector<v1::NodeRegistration> regs;
+  std::vector<v1::Manifest> resent;
+  for (const v1::NodeMessage& m : up_.reset) {
+    hellos += m.has_hello() ? 1 : 0;
+    if (m.has_registration()) regs.push_back(m.registration());
+    for (const v1::Manifest& x : m.manifests().manifests()) resent.push_back(x);
+  }
+  EXPECT_EQ(hellos, 1);
+  ASSERT_EQ(regs.size(), 1u) << "both sidecars registered the same spec";
+  EXPECT_THAT(regs[0].ranks(), ElementsAre(0, 1, 2, 3));
+  ASSERT_EQ(resent.size(), 1u);
+  EXPECT_FALSE(resent[0].repeat()) << "a new stream gets the full form";
+  EXPECT_EQ(resent[0].SerializeAsString(), up_.manifests()[0].SerializeAsString());
+}
+
+TEST_F(RelayTest, ASidecarWhoseRanksRestartedEndsTheRunForEveryOtherSidecar) {
+  // node0 joined under epoch 7; it comes back NEW under epoch 8.
+  FakeNodeSink again;
+  const Relay::SessionId id = relay_->OpenSession(&again);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_job_id("j");
+  hello.mutable_hello()->set_node_id("node0");
+  hello.mutable_hello()->set_world_size(kWorld);
+  hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+  hello.mutable_hello()->set_node_epoch(8);
+  hello.mutable_hello()->add_ranks(0);
+  hello.mutable_hello()->add_ranks(1);
+  relay_->HandleMessage(id, hello);
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->errors().size(), 1u);
+    EXPECT_EQ(s->errors()[0].kind(), v1::RUN_ENDED);
+    EXPECT_EQ(s->errors()[0].message(),
+              "job j run run1 ended: node \"node0\" started a new run of the same job id (its "
+              "ranks were restarted), so this run gets no more decisions; stop the ranks of the "
+              "old run");
+  }
+  EXPECT_EQ(up_.reconnects, 1);
+  // The new run goes up NEW, for the restarted node's ranks only.
+  relay_->OnUpstreamConnected();
+  ASSERT_FALSE(up_.reset.empty());
+  const v1::NodeHello& up_hello = up_.reset[0].hello();
+  EXPECT_EQ(up_hello.run_start(), v1::NodeHello::RUN_START_NEW);
+  EXPECT_THAT(up_hello.ranks(), ElementsAre(0, 1));
+}
+
+TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
+  FakeNodeSink other;
+  const Relay::SessionId id = relay_->OpenSession(&other);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_job_id("other");
+  hello.mutable_hello()->set_node_id("node9");
+  hello.mutable_hello()->set_world_size(2);
+  relay_->HandleMessage(id, hello);
+  ASSERT_EQ(other.errors().size(), 1u);
+  EXPECT_EQ(other.errors()[0].kind(), v1::LIMIT_EXCEEDED);
+  EXPECT_THAT(other.errors()[0].message(), ::testing::HasSubstr("serves job j now"));
+}
+
+}  // namespace
+}  // namespace accord::daemon
