@@ -714,7 +714,7 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
                     job.job_id, reg.group_id()));
     return;
   }
-  absl::StatusOr<RankSet> ranks = CheckRegistration(job, node, nr, *spec);
+  absl::StatusOr<std::vector<int>> ranks = CheckRegistration(job, node, nr, *spec);
   absl::StatusOr<GroupState*> group =
       ranks.ok() ? FindOrCreateGroupLocked(job, reg.group_id()) : ranks.status();
   if (!group.ok()) {
@@ -724,9 +724,10 @@ void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistratio
   RegisterLocked(s, **group, *spec, *policy, *ranks, out);
 }
 
-absl::StatusOr<RankSet> Coordinator::CheckRegistration(const Job& job, const NodeState& node,
-                                                       const v1::NodeRegistration& nr,
-                                                       const GroupSpec& spec) const {
+absl::StatusOr<std::vector<int>> Coordinator::CheckRegistration(const Job& job,
+                                                                const NodeState& node,
+                                                                const v1::NodeRegistration& nr,
+                                                                const GroupSpec& spec) const {
   const std::string& group_id = nr.registration().group_id();
   if (static_cast<int64_t>(spec.params.size()) > options_.max_params_per_group) {
     return wire::KindError(
@@ -734,16 +735,20 @@ absl::StatusOr<RankSet> Coordinator::CheckRegistration(const Job& job, const Nod
         absl::StrCat("job ", job.job_id, " group \"", group_id, "\": ", spec.params.size(),
                      " parameters exceed --max_params_per_group=", options_.max_params_per_group));
   }
-  RankSet ranks(job.world_size);
+  // A list, not a world-sized set: a registration costs its own ranks.
+  std::vector<int> ranks;
+  ranks.reserve(nr.ranks_size());
   for (int r : nr.ranks()) {
     if (r < 0 || r >= job.world_size || !node.rank_set->Contains(r)) {
       return wire::KindError(v1::INVALID_REQUEST,
                              absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
                                           " is not served by node \"", node.node_id, "\""));
     }
-    ranks.Add(r);
+    ranks.push_back(r);
   }
-  if (ranks.Empty()) {
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  if (ranks.empty()) {
     return wire::KindError(
         v1::INVALID_REQUEST,
         absl::StrCat("job ", job.job_id, " group \"", group_id, "\": registration names no rank"));
@@ -768,7 +773,7 @@ absl::StatusOr<Coordinator::GroupState*> Coordinator::FindOrCreateGroupLocked(
 }
 
 void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec,
-                                 const Policy& policy, const RankSet& ranks, Outbox& out) {
+                                 const Policy& policy, const std::vector<int>& ranks, Outbox& out) {
   Job& job = *s.job;
   NodeState& node = *s.node;
   const GroupRegistration::State before = g.registration.state();
@@ -792,7 +797,7 @@ void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spe
         s.sink, g.group_id,
         Error(v1::REGISTRATION_MISMATCH,
               absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": ranks ",
-                           FormatRanks(ranks.Members()), " on node \"", node.node_id,
+                           FormatRanks(ranks), " on node \"", node.node_id,
                            "\" registered a spec or policy different from the one every rank "
                            "agreed on; check the model definition on those ranks"),
               job.job_id, g.group_id),

@@ -374,13 +374,14 @@ class Coordinator : public NodeSessionHandler {
   // HandleRegistrationLocked's steps: the registering ranks (served by the
   // node, at least one) and the size limit; the group (created on first
   // sight, up to --max_groups_per_job); the registration itself and its reply.
-  absl::StatusOr<RankSet> CheckRegistration(const Job& job, const NodeState& node,
-                                            const v1::NodeRegistration& nr,
-                                            const GroupSpec& spec) const;
+  absl::StatusOr<std::vector<int>> CheckRegistration(const Job& job, const NodeState& node,
+                                                     const v1::NodeRegistration& nr,
+                                                     const GroupSpec& spec) const;
   absl::StatusOr<GroupState*> FindOrCreateGroupLocked(Job& job, const std::string& group_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec, const Policy& policy,
-                      const RankSet& ranks, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                      const std::vector<int>& ranks, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A batch repeat: every entry of the session's previous batch at a new step.

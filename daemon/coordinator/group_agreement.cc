@@ -28,7 +28,7 @@ GroupRegistration::GroupRegistration(int world_size, std::string job_id, std::st
       registered_(world_size) {}
 
 GroupRegistration::Added GroupRegistration::Add(const GroupSpec& spec, const Policy& policy,
-                                                const RankSet& ranks) {
+                                                const std::vector<int>& ranks) {
   const std::string policy_bytes = wire::PolicyToProto(policy).SerializeAsString();
   int variant = -1;
   for (size_t i = 0; i < variants_.size(); ++i) {
@@ -40,10 +40,15 @@ GroupRegistration::Added GroupRegistration::Add(const GroupSpec& spec, const Pol
     variants_.push_back(RegVariant{spec, policy, policy_bytes, RankSet(world_size_)});
     variant = static_cast<int>(variants_.size()) - 1;
   }
-  variants_[variant].ranks.Union(ranks);
-  registered_.Union(ranks);
+  for (int r : ranks) {
+    variants_[variant].ranks.Add(r);
+    if (r >= 0 && r < world_size_ && !registered_.Contains(r)) {
+      registered_.Add(r);
+      ++registered_count_;
+    }
+  }
   Added added{variant, false};
-  if (state_ == State::kCollecting && registered_.Full()) {
+  if (state_ == State::kCollecting && registered_count_ == world_size_) {
     Complete();
     added.completed = true;
   }
