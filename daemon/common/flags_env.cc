@@ -1,9 +1,11 @@
 #include "daemon/common/flags_env.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -40,6 +42,20 @@ std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<st
   }
   for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
   return absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+}
+
+std::vector<std::string> FlagsDefinedIn(const char* defining_file) {
+  std::vector<std::string> names;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (flag->Filename() == defining_file) names.emplace_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const char* defining_file,
+                                     const std::string& usage) {
+  return ParseFlagsWithEnv(argc, argv, FlagsDefinedIn(defining_file), usage);
 }
 
 absl::Status ApplyLogLevel(const std::string& level) {

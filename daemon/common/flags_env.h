@@ -15,6 +15,15 @@ namespace accord::daemon {
 std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<std::string>& names,
                                      const std::string& usage);
 
+// The same for every flag defined in `defining_file`: pass __FILE__ from the
+// file whose ABSL_FLAGs are the daemon's, so a flag added there gets its
+// ACCORD_<NAME> variable without a list to keep in step.
+std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const char* defining_file,
+                                     const std::string& usage);
+
+// The names of the flags defined in `defining_file`, sorted.
+std::vector<std::string> FlagsDefinedIn(const char* defining_file);
+
 // Sets the log threshold from --log_level: debug, info, warning or error
 // (debug logs as much as info: there is no debug severity yet).
 // INVALID_ARGUMENT naming the flag for anything else.

@@ -154,30 +154,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
 
 void ParseCoordinatorFlags(int argc, char** argv) {
   ParseFlagsWithEnv(
-      argc, argv,
-      {"listen",
-       "health_port",
-       "deadline",
-       "keepalive_time",
-       "keepalive_timeout",
-       "metrics_port",
-       "max_message_bytes",
-       "max_jobs",
-       "max_groups_per_job",
-       "max_params_per_group",
-       "max_ranks",
-       "max_pending_steps",
-       "log_level",
-       "event_log",
-       "event_log_max_bytes",
-       "event_log_max_files",
-       "metrics_host",
-       "param_skip_metrics",
-       "tls_cert",
-       "tls_key",
-       "tls_ca",
-       "plaintext",
-       "tokens_file"},
+      argc, argv, __FILE__,
       "agrees, per group and step, on the reduce-scatter layout and dtype of every rank of a "
       "job.\n\nWith no flags it serves on 127.0.0.1:7070 in plaintext (loopback only). To serve "
       "the network give --listen=0.0.0.0:7070 with --tls_cert/--tls_key (and --tls_ca for mutual "

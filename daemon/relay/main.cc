@@ -173,30 +173,7 @@ std::shared_ptr<grpc::Channel> UpstreamChannel(std::shared_ptr<grpc::ChannelCred
 }
 
 int Main(int argc, char** argv) {
-  ParseFlagsWithEnv(argc, argv,
-                    {"listen",
-                     "coordinator",
-                     "relay_id",
-                     "token",
-                     "token_file",
-                     "tokens_file",
-                     "tls_cert",
-                     "tls_key",
-                     "tls_ca",
-                     "plaintext",
-                     "upstream_tls_ca",
-                     "upstream_tls_cert",
-                     "upstream_tls_key",
-                     "upstream_plaintext",
-                     "node_reconnect_grace",
-                     "keepalive_time",
-                     "keepalive_timeout",
-                     "reconnect_max_backoff",
-                     "kv_slack",
-                     "max_message_bytes",
-                     "stream_queue_low_watermark",
-                     "stream_queue_high_watermark",
-                     "log_level"},
+  ParseFlagsWithEnv(argc, argv, __FILE__,
                     "relays the node streams of many sidecars (a rack) to the coordinator as one "
                     "node: one merged manifest per group and step upstream, decisions fanned "
                     "back out. Sidecars point --coordinator at it.\nEvery flag --name may also "

@@ -11,8 +11,10 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -143,30 +145,118 @@ absl::StatusOr<std::string> JobToken() {
   return absl::GetFlag(FLAGS_token);
 }
 
+// The channel to the coordinator: message size, keepalive matched with the
+// coordinator's (docs/ARCHITECTURE.md, "Liveness"; pings continue on an idle
+// stream), and gRPC's own reconnect backoff kept within ours (its default
+// grows to 120 s) so a restarted coordinator is found again quickly.
+absl::StatusOr<grpc::ChannelArguments> UpstreamChannelArgs() {
+  const int max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  const int64_t keepalive_timeout_ms =
+      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
+      keepalive_timeout_ms > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
+  }
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_message_bytes);
+  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_message_bytes);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(
+      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_reconnect_max_backoff))));
+  return args;
+}
+
+absl::StatusOr<SidecarOptions> OptionsFromFlags(std::string token) {
+  SidecarOptions options;
+  options.node_id = absl::GetFlag(FLAGS_node_id);
+  if (options.node_id.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.node_id = host;
+  }
+  options.job = absl::GetFlag(FLAGS_job);
+  options.max_ranks = absl::GetFlag(FLAGS_max_ranks);
+  options.token = std::move(token);
+  options.require_rank_token = absl::GetFlag(FLAGS_require_rank_token);
+  options.local_decisions = absl::GetFlag(FLAGS_local_decisions);
+  options.local_decision_lag = absl::GetFlag(FLAGS_local_decision_lag);
+  if (options.local_decision_lag < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--local_decision_lag must be at least 1 (got ",
+                                                   options.local_decision_lag, ")"));
+  }
+  return options;
+}
+
+// --socket_group as a group id (-1: not set), resolved before anything is
+// created.
+absl::StatusOr<gid_t> SocketGroup() {
+  const std::string group = absl::GetFlag(FLAGS_socket_group);
+  if (group.empty()) return static_cast<gid_t>(-1);
+  if (struct group* g = ::getgrnam(group.c_str()); g != nullptr) return g->gr_gid;
+  int numeric = 0;
+  if (absl::SimpleAtoi(group, &numeric) && numeric >= 0) return static_cast<gid_t>(numeric);
+  return absl::NotFoundError(
+      absl::StrCat("--socket_group=", group, ": no such group on this machine"));
+}
+
+// Serves `services` on the Unix socket `path`, mode 0660 from its creation
+// and owned by `gid` when set.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeRanks(const std::string& path, gid_t gid,
+                                                         std::vector<grpc::Service*> services) {
+  std::error_code ec;
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create ", parent.string(), " for --socket: ", ec.message()));
+  }
+  if (::unlink(path.c_str()) == 0) {
+    ACCORD_LOG(INFO) << "removed stale socket " << path;
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  // The socket is created by bind() inside BuildAndStart: with umask 0117 it
+  // is born 0660, so there is no moment at which others may connect.
+  const mode_t old_umask = ::umask(0117);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (server == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot serve on unix:", path, " (--socket); check the directory's permissions"));
+  }
+  if (::chmod(path.c_str(), 0660) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("chmod 0660 ", path, ": ", std::strerror(errno)));
+  }
+  if (gid != static_cast<gid_t>(-1) && ::chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot give ", path, " to group ", absl::GetFlag(FLAGS_socket_group),
+                     " (--socket_group): ", std::strerror(errno),
+                     "; the sidecar must be a member of that group (or root)"));
+  }
+  return server;
+}
+
+// Configuration errors exit with 2, failures to serve with 1.
+int Fail(int code, const absl::Status& status) {
+  ACCORD_LOG(ERROR) << status.message();
+  return code;
+}
+
 int Main(int argc, char** argv) {
   ParseFlagsWithEnv(
-      argc, argv,
-      {"coordinator",
-       "socket",
-       "socket_group",
-       "node_id",
-       "job",
-       "token",
-       "token_file",
-       "require_rank_token",
-       "max_ranks",
-       "metrics_port",
-       "metrics_host",
-       "tls_ca",
-       "tls_cert",
-       "tls_key",
-       "plaintext",
-       "deadline",
-       "max_message_bytes",
-       "log_level",
-       "reconnect_max_backoff",
-       "keepalive_time",
-       "keepalive_timeout"},
+      argc, argv, __FILE__,
       "serves the local ranks of a node over a Unix socket and speaks for them to the "
       "coordinator.\n\nWith only --coordinator=localhost:PORT it connects in plaintext "
       "(loopback only). A remote coordinator needs --tls_ca (plus --tls_cert/--tls_key for "
@@ -174,131 +264,35 @@ int Main(int argc, char** argv) {
       "(--socket_group).\nEvery flag --name may also be set as the environment variable "
       "ACCORD_<NAME> (the command line wins).");
   BlockTerminationSignals();
-  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
-    ACCORD_LOG(ERROR) << s.message();
-    return 2;
-  }
-  std::string node_id = absl::GetFlag(FLAGS_node_id);
-  if (node_id.empty()) {
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    node_id = host;
-  }
+  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) return Fail(2, s);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentials();
-  if (!creds.ok()) {
-    ACCORD_LOG(ERROR) << creds.status().message();
-    return 2;
-  }
+  if (!creds.ok()) return Fail(2, creds.status());
   absl::StatusOr<std::string> token = JobToken();
-  if (!token.ok()) {
-    ACCORD_LOG(ERROR) << token.status().message();
-    return 2;
-  }
-  const int max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_message_bytes);
-  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_message_bytes);
-  // Liveness (docs/ARCHITECTURE.md, "Liveness"): matched with the
-  // coordinator's --keepalive_time/--keepalive_timeout; pings continue on an
-  // idle stream (no limit on pings without data).
-  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
-  const int64_t keepalive_timeout_ms =
-      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
-  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
-      keepalive_timeout_ms > INT32_MAX) {
-    ACCORD_LOG(ERROR) << "--keepalive_time and --keepalive_timeout must be between 1ms and "
-                         "about 24 days";
-    return 2;
-  }
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // gRPC's own reconnect backoff grows to 120 s by default; keep it within
-  // ours so a restarted coordinator is found again quickly.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(
-      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-      static_cast<int>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_reconnect_max_backoff))));
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), *creds, args);
+  if (!token.ok()) return Fail(2, token.status());
+  absl::StatusOr<grpc::ChannelArguments> args = UpstreamChannelArgs();
+  if (!args.ok()) return Fail(2, args.status());
+  absl::StatusOr<SidecarOptions> options = OptionsFromFlags(*std::move(token));
+  if (!options.ok()) return Fail(2, options.status());
+  absl::StatusOr<gid_t> gid = SocketGroup();
+  if (!gid.ok()) return Fail(1, gid.status());
 
-  SidecarOptions options;
-  options.node_id = node_id;
-  options.job = absl::GetFlag(FLAGS_job);
-  options.max_ranks = absl::GetFlag(FLAGS_max_ranks);
-  options.token = *token;
-  options.require_rank_token = absl::GetFlag(FLAGS_require_rank_token);
-  options.local_decisions = absl::GetFlag(FLAGS_local_decisions);
-  options.local_decision_lag = absl::GetFlag(FLAGS_local_decision_lag);
-  if (options.local_decision_lag < 1) {
-    ACCORD_LOG(ERROR) << "--local_decision_lag must be at least 1 (got "
-                      << options.local_decision_lag << ")";
-    return 2;
-  }
-  Sidecar sidecar(options);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), *creds, *args);
+  Sidecar sidecar(*options);
   GrpcUpstream upstream(channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
   sidecar.SetUpstream(&upstream);
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
   RankGrpcService rank_service(&sidecar, queue_limits);
-  KeyValueForwarder kv_service(channel, options.job, options.token, absl::GetFlag(FLAGS_deadline));
+  KeyValueForwarder kv_service(channel, options->job, options->token,
+                               absl::GetFlag(FLAGS_deadline));
   kv_service.SetSidecar(&sidecar);
-
   const std::string path = absl::GetFlag(FLAGS_socket);
-  std::error_code ec;
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  if (ec) {
-    ACCORD_LOG(ERROR) << "cannot create " << parent << " for --socket: " << ec.message();
-    return 1;
-  }
-  // Resolve --socket_group before creating anything.
-  gid_t socket_gid = static_cast<gid_t>(-1);
-  if (const std::string group = absl::GetFlag(FLAGS_socket_group); !group.empty()) {
-    int numeric = 0;
-    if (struct group* g = ::getgrnam(group.c_str()); g != nullptr) {
-      socket_gid = g->gr_gid;
-    } else if (absl::SimpleAtoi(group, &numeric) && numeric >= 0) {
-      socket_gid = static_cast<gid_t>(numeric);
-    } else {
-      ACCORD_LOG(ERROR) << "--socket_group=" << group << ": no such group on this machine";
-      return 1;
-    }
-  }
-  if (::unlink(path.c_str()) == 0) {
-    ACCORD_LOG(INFO) << "removed stale socket " << path;
-  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      ServeRanks(path, *gid, {&rank_service, &kv_service});
+  if (!server.ok()) return Fail(1, server.status());
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
-  builder.SetMaxReceiveMessageSize(max_message_bytes);
-  builder.SetMaxSendMessageSize(max_message_bytes);
-  builder.RegisterService(&rank_service);
-  builder.RegisterService(&kv_service);
-  // The socket is created by bind() inside BuildAndStart: with umask 0117 it
-  // is born 0660, so there is no moment at which others may connect.
-  const mode_t old_umask = ::umask(0117);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ::umask(old_umask);
-  if (server == nullptr) {
-    ACCORD_LOG(ERROR) << "cannot serve on unix:" << path << " (--socket); check the directory's "
-                      << "permissions";
-    return 1;
-  }
-  if (::chmod(path.c_str(), 0660) != 0) {
-    ACCORD_LOG(ERROR) << "chmod 0660 " << path << ": " << std::strerror(errno);
-    return 1;
-  }
-  if (socket_gid != static_cast<gid_t>(-1) &&
-      ::chown(path.c_str(), static_cast<uid_t>(-1), socket_gid) != 0) {
-    ACCORD_LOG(ERROR) << "cannot give " << path << " to group " << absl::GetFlag(FLAGS_socket_group)
-                      << " (--socket_group): " << std::strerror(errno)
-                      << "; the sidecar must be a member of that group (or root)";
-    return 1;
-  }
   MetricsRegistry registry;
   SidecarMetrics metrics(&registry);
   MetricsHttpServer metrics_server([&] {
@@ -308,10 +302,7 @@ int Main(int argc, char** argv) {
   if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
     absl::StatusOr<int> bound = metrics_server.StartForDaemon(
         "accord-sidecar", absl::GetFlag(FLAGS_metrics_host), metrics_port);
-    if (!bound.ok()) {
-      ACCORD_LOG(ERROR) << bound.status().message();
-      return 1;
-    }
+    if (!bound.ok()) return Fail(1, bound.status());
   }
   upstream.Start();
   std::printf("accord-sidecar serving unix:%s\n", path.c_str());
@@ -320,7 +311,7 @@ int Main(int argc, char** argv) {
   const int sig = WaitForTerminationSignal();
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
   rank_service.FinishAll();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  (*server)->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   sidecar.Stop();  // its timer sends upstream
   upstream.Stop();
   metrics_server.Stop();
