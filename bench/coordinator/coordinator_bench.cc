@@ -48,6 +48,9 @@ ABSL_FLAG(std::string, modes, "repeat,batch,full",
           "modes to run, in order: repeat (per-manifest repeat form), batch (batch repeat "
           "record), full (every manifest in full form), recover (a restarted coordinator: "
           "hellos, registrations and one pending step from every node)");
+ABSL_FLAG(std::string, repeat_waves, "on,off",
+          "coordinator settings to run the modes with, in order, each on a fresh coordinator: on "
+          "(repeat waves, docs/ARCHITECTURE.md) and/or off (entry by entry: the baseline)");
 ABSL_FLAG(int, relays, 0,
           "0: the coordinator sees every node; R > 0: it sees R relays, each merging nodes/R "
           "nodes (nodes must be a multiple of R)");
@@ -215,9 +218,10 @@ std::vector<Coordinator::SessionId> JoinAll(Coordinator& c, std::vector<Counting
   return ids;
 }
 
-std::unique_ptr<Coordinator> NewCoordinator() {
+std::unique_ptr<Coordinator> NewCoordinator(bool repeat_waves = true) {
   CoordinatorOptions o;
   o.start_timer_thread = false;
+  o.repeat_waves = repeat_waves;
   o.deadline = absl::Hours(1);
   return std::make_unique<Coordinator>(o, RealClock::Get());
 }
@@ -372,8 +376,14 @@ int Main(int argc, char** argv) {
     if (m == "full") modes.push_back(Mode::kFull);
     if (m == "recover") recover = true;
   }
-  if (!modes.empty()) {
-    std::unique_ptr<Coordinator> c = NewCoordinator();
+  std::vector<bool> waves;
+  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_repeat_waves), ',')) {
+    if (w == "on" || w == "off") waves.push_back(w == "on");
+  }
+  if (modes.empty()) waves.clear();
+  for (bool waves_on : waves) {
+    std::printf("repeat waves %s\n", waves_on ? "on" : "off (baseline)");
+    std::unique_ptr<Coordinator> c = NewCoordinator(waves_on);
     std::vector<CountingSink> sinks(s.nodes);
     SharedSerialization shared;
     Configure(sinks, serialize, &shared);
@@ -406,7 +416,7 @@ int Main(int argc, char** argv) {
           "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms; wall/step incl. "
           "building the input %8.1f ms)  decisions/s %10.0f  node manifests/s %10.0f  in %6.1f "
           "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
-          "%lld errors %lld\n",
+          "%lld errors %lld waves %lld\n",
           mode == Mode::kRepeat        ? "all-repeat"
           : mode == Mode::kBatchRepeat ? "batch-repeat"
                                        : "none-repeat",
@@ -414,7 +424,8 @@ int Main(int argc, char** argv) {
           double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
           static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
           static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
-          static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors));
+          static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
+          static_cast<long long>(st.repeat_waves));
     }
     int64_t sent = 0, out_bytes = 0;
     for (auto& k : sinks) {

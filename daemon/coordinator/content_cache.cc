@@ -133,6 +133,15 @@ void ContentCache::CountSkips() {
   skip_steps_ = 1;
 }
 
+void ContentCache::AddSkipSteps(int64_t n) {
+  if (n <= 0) return;
+  if (skip_content_ != current_) {
+    FlushSkips();
+    skip_content_ = current_;
+  }
+  skip_steps_ += n;
+}
+
 void ContentCache::FlushSkips() {
   if (skip_content_ == nullptr || skip_steps_ == 0) return;
   const Content& c = *skip_content_;

@@ -75,6 +75,9 @@ class ContentCache {
   // effect for one more contribution. Counts are folded in lazily (a run of
   // identical contributions costs one increment each).
   void CountSkips();
+  // `n` more contributions of the current content at once: the repeat waves
+  // a node went through (Coordinator, docs/ARCHITECTURE.md, "Repeat waves").
+  void AddSkipSteps(int64_t n);
   // Folds the pending run into node_skips() and rank_extra_skips().
   void FlushSkips();
   // Per param: contributions at which the whole node lacked it.
@@ -106,6 +109,9 @@ class ContentCache {
 struct NodeGroupState {
   int variant = -1;  // index of this node's registration variant, -1: none
   ContentCache contents;
+  // The group's repeat-wave count (GroupState::waves) already folded into
+  // `contents`' skip accounting.
+  int64_t waves_counted = 0;
 };
 
 }  // namespace accord::daemon

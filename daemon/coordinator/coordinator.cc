@@ -4,6 +4,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
@@ -124,6 +125,12 @@ void Coordinator::CloseSessionWithoutDelivery(SessionId id) {
   accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
+  if (it->second.job != nullptr) {
+    // Its held-back repeat (if any) counts as sent before the stream ended.
+    Outbox out;
+    BreakWaveLocked(*it->second.job, out);
+    FlushLocked(out);
+  }
   Session s = it->second;
   sessions_.erase(it);
   --stats_.sessions;
@@ -426,6 +433,19 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
   if (it == sessions_.end()) return;
   Session& s = it->second;
   Outbox out;
+  if (options_.repeat_waves) {
+    if (message.has_manifests() && TryJoinWaveLocked(id, s, message.manifests(), out)) {
+      FlushLocked(out);
+      return;
+    }
+    // Anything else first settles the job's held-back repeats.
+    Job* job = s.job;
+    if (job == nullptr && message.has_hello()) {
+      auto jit = jobs_.find(message.hello().job_id());
+      if (jit != jobs_.end()) job = &jit->second;
+    }
+    if (job != nullptr) BreakWaveLocked(*job, out);
+  }
   switch (message.body_case()) {
     case v1::NodeMessage::kHello:
       HandleHelloLocked(id, s, message.hello(), out);
@@ -673,21 +693,31 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
   // The rank left: any pending step that still needs it can never complete.
   if (!job.members.LeaveRank(node, r, e.last_step())) return;
   if (job.failed()) return;
+  // The lowest (group, step) that needs it names the failure.
+  GroupState* culprit = nullptr;
+  int64_t culprit_step = 0;
+  PendingStep* culprit_pending = nullptr;
+  std::vector<int> missing;
   for (auto& [gid, g] : job.groups) {
+    if (culprit != nullptr && g.group_id > culprit->group_id) continue;
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
       for (int x : p.clock.reported()) covered.Add(x);
       if (covered.Contains(r)) continue;
-      std::vector<int> missing = covered.Missing();
-      v1::DecisionError err = MissingRanksErrorLocked(
-          job, g, step, p, missing,
-          absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"", node.node_id,
-                       "\" ended)"));
-      FailJobLocked(job, &g, step, std::move(err), out);
-      return;
+      culprit = &g;
+      culprit_step = step;
+      culprit_pending = &p;
+      missing = covered.Missing();
+      break;  // pending is ordered by step
     }
   }
+  if (culprit == nullptr) return;
+  v1::DecisionError err = MissingRanksErrorLocked(
+      job, *culprit, culprit_step, *culprit_pending, missing,
+      absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"", node.node_id,
+                   "\" ended)"));
+  FailJobLocked(job, culprit, culprit_step, std::move(err), out);
 }
 
 void Coordinator::HandleRegistrationLocked(Session& s, const v1::NodeRegistration& nr,
@@ -778,7 +808,9 @@ void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spe
   NodeState& node = *s.node;
   const GroupRegistration::State before = g.registration.state();
   const GroupRegistration::Added added = g.registration.Add(spec, policy, ranks);
-  node.groups[g.group_id].variant = added.variant;
+  auto [ngit, created] = node.groups.try_emplace(g.group_id);
+  if (created) ngit->second.waves_counted = g.waves;  // waves before it are not its
+  ngit->second.variant = added.variant;
   if (added.completed) {
     BroadcastRegistrationLocked(job, g, out);
     return;
@@ -849,6 +881,9 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
   if (record.entries.size() > n) record.entries.resize(n);
   record.entries.reserve(n);
   record.key = 0;
+  record.groups_key = 0;
+  const int64_t step = batch.manifests(0).step();
+  bool all_added = true;
   for (size_t i = 0; i < n; ++i) {
     const v1::Manifest& m = batch.manifests(static_cast<int>(i));
     if (i == record.entries.size()) record.entries.emplace_back();
@@ -861,8 +896,10 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
-    HandleManifestLocked(s, ref, e.group, e.node_group, out);
+    const bool added = HandleManifestLocked(s, ref, e.group, e.node_group, out);
+    all_added = all_added && added && m.step() == step;
   }
+  NoteSyncedLocked(s, step, all_added);
 }
 
 void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
@@ -888,15 +925,22 @@ void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& b
         out);
     return;
   }
+  RepeatBatchLocked(s, batch.repeat_step(), out);
+}
+
+void Coordinator::RepeatBatchLocked(Session& s, int64_t step, Outbox& out) {
   ManifestRef ref;
-  ref.step = batch.repeat_step();
+  ref.step = step;
   ref.repeat = true;
-  for (BatchEntry& e : record.entries) {
+  bool all_added = true;
+  for (BatchEntry& e : s.last_batch.entries) {
     ResolveEntryLocked(s, e);  // unknown when recorded: it may have been registered since
     ref.group_id = e.group_id;
     ref.cache_key = e.cache_key;
-    HandleManifestLocked(s, ref, e.group, e.node_group, out);
+    const bool added = HandleManifestLocked(s, ref, e.group, e.node_group, out);
+    all_added = all_added && added;
   }
+  NoteSyncedLocked(s, step, all_added);
 }
 
 void Coordinator::ResolveEntryLocked(Session& s, BatchEntry& e) {
@@ -906,11 +950,167 @@ void Coordinator::ResolveEntryLocked(Session& s, BatchEntry& e) {
   if (git != s.job->groups.end() && ngit != s.node->groups.end()) {
     e.group = &git->second;
     e.node_group = &ngit->second;
+    s.last_batch.groups_key = 0;
   }
+}
+
+// Repeat waves: docs/ARCHITECTURE.md, "Repeat waves".
+void Coordinator::NoteSyncedLocked(Session& s, int64_t step, bool all_added) {
+  if (!options_.repeat_waves || s.job == nullptr) return;
+  Job& job = *s.job;
+  if (job.sync_step != step) {
+    job.sync_step = step;
+    job.sync_sessions = 0;
+    job.sync_ok = true;
+  }
+  if (!all_added || s.last_batch.entries.empty()) return;
+  if (s.synced_step == step) {
+    job.sync_ok = false;  // a second batch at the step: its record is not the step's
+    return;
+  }
+  s.synced_step = step;
+  const uint64_t groups = s.last_batch.GroupsKey();
+  if (job.sync_sessions == 0) {
+    job.sync_groups = groups;
+  } else if (groups != job.sync_groups) {
+    job.sync_ok = false;
+  }
+  ++job.sync_sessions;
+  if (!job.sync_ok || job.failed() || !job.members.all_connected() ||
+      job.sync_sessions != job.members.connected()) {
+    return;
+  }
+  // Every node added its whole record at `step`: each group decided it from
+  // exactly these contents. Once per step, O(groups).
+  for (const BatchEntry& e : s.last_batch.entries) {
+    const GroupState& g = *e.group;
+    if (g.last_decided_step != step || !g.pending.empty() || !g.last_ok ||
+        g.last_decision == nullptr) {
+      return;
+    }
+  }
+  job.wave_base = step;
+  job.wave_members = job.sync_sessions;
+}
+
+bool Coordinator::TryJoinWaveLocked(SessionId id, Session& s, const v1::ManifestBatch& batch,
+                                    Outbox& out) {
+  if (s.job == nullptr || s.node == nullptr || batch.repeat_batch_key() == 0 ||
+      batch.manifests_size() > 0) {
+    return false;
+  }
+  Job& job = *s.job;
+  RepeatWave& wave = job.wave;
+  const int64_t step = batch.repeat_step();
+  if (job.wave_base < 0 || job.failed() || s.synced_step != job.wave_base ||
+      step <= job.wave_base || s.wave_step == step ||
+      (!wave.sessions.empty() && wave.step != step) ||
+      s.last_batch.Key() != batch.repeat_batch_key()) {
+    return false;
+  }
+  if (wave.sessions.empty()) {
+    wave.step = step;
+    wave.first_seen = clock_->Now();
+    // The check the entry-by-entry path's pending steps would wake for.
+    const StepDeadline clock(wave.first_seen, options_.deadline);
+    wave.wake = options_.observer != nullptr ? clock.stall_at() : clock.deadline();
+    WakeTimerAtLocked(wave.wake);
+  }
+  wave.sessions.push_back(id);
+  s.wave_step = step;
+  s.node->last_step = std::max(s.node->last_step, step);
+  if (static_cast<int>(wave.sessions.size()) == job.wave_members) CompleteWaveLocked(job, out);
+  return true;
+}
+
+void Coordinator::CompleteWaveLocked(Job& job, Outbox& out) {
+  RepeatWave wave = std::move(job.wave);
+  job.wave = RepeatWave();
+  std::vector<Session*> members;
+  members.reserve(wave.sessions.size());
+  int64_t manifests = 0;
+  for (SessionId id : wave.sessions) {
+    Session& m = sessions_.at(id);  // a session that closed broke the wave first
+    members.push_back(&m);
+    manifests += static_cast<int64_t>(m.last_batch.entries.size());
+    m.synced_step = wave.step;
+    m.wave_step = -1;
+  }
+  if (job.retained > 0) {
+    // Contents retained across the base step are no longer named (the
+    // entry-by-entry path would prune them now).
+    for (Session* m : members) {
+      for (BatchEntry& e : m->last_batch.entries)
+        PruneContributionsLocked(job, *e.group, *e.node_group);
+    }
+  }
+  stats_.manifests += manifests;
+  stats_.cache_hits += manifests;
+  ++stats_.repeat_waves;
+  if (job.observer != nullptr) job.observer->OnManifests(/*cache_hit=*/true, manifests);
+  const int64_t nodes = static_cast<int64_t>(members.size());
+  const int64_t wait_us = absl::ToInt64Microseconds(clock_->Now() - wave.first_seen);
+  const std::vector<BatchEntry>& entries = members.front()->last_batch.entries;
+  v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    GroupState& g = *entries[i].group;
+    g.cache_hits += nodes;
+    ++g.waves;
+    v1::Decision* d = batch.add_decisions();
+    d->set_group_id(g.group_id);
+    d->set_step(wave.step);
+    d->set_wait_us(wait_us);
+    d->set_same_as_previous(true);
+    ++stats_.decisions;
+    ++stats_.same_as_previous;
+    g.last_decided_step = wave.step;
+    g.last_decision_wait_us = wait_us;
+    ObserveDecisionLocked(job, g, wave.step, nullptr, *d, nullptr, [&] {
+      std::vector<std::shared_ptr<const Content>> contents;
+      contents.reserve(members.size());
+      for (Session* m : members) {
+        contents.push_back(m->last_batch.entries[i].node_group->contents.current());
+      }
+      return contents;
+    });
+  }
+  job.wave_base = wave.step;
+  job.sync_step = wave.step;
+  job.sync_sessions = static_cast<int>(nodes);
+}
+
+void Coordinator::BreakWaveLocked(Job& job, Outbox& out) {
+  job.wave_base = -1;
+  if (job.wave.sessions.empty()) return;
+  RepeatWave wave = std::move(job.wave);
+  job.wave = RepeatWave();
+  wave_first_seen_ = wave.first_seen;
+  for (SessionId id : wave.sessions) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second.job != &job) continue;
+    it->second.wave_step = -1;
+    RepeatBatchLocked(it->second, wave.step, out);
+  }
+  wave_first_seen_.reset();
+  job.wave_base = -1;  // RepeatBatchLocked may have synced it again
+}
+
+void Coordinator::CountWaveSkips(const GroupState& g, NodeGroupState& ng) {
+  ng.contents.AddSkipSteps(g.waves - ng.waves_counted);
+  ng.waves_counted = g.waves;
 }
 
 std::shared_ptr<const Coordinator::Content> Coordinator::Contribution::Owner() const {
   return group->contents.Owner(content);  // never null: a pending contribution's content is held
+}
+
+uint64_t Coordinator::BatchRecord::GroupsKey() {
+  if (groups_key == 0) {
+    uint64_t h = entries.size();
+    for (const BatchEntry& e : entries) h = absl::HashOf(h, e.group);
+    groups_key = h | 1;
+  }
+  return groups_key;
 }
 
 uint64_t Coordinator::BatchRecord::Key() {
@@ -941,15 +1141,16 @@ std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLock
   return pit;
 }
 
-void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
+bool Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
                                        NodeGroupState* ngp, Outbox& out) {
   ++stats_.manifests;
-  if (AnswerWithoutContentLocked(s, m, gp, ngp, out)) return;
+  if (AnswerWithoutContentLocked(s, m, gp, ngp, out)) return false;
   Job& job = *s.job;
   NodeState& node = *s.node;
   GroupState& g = *gp;
   NodeGroupState& ng = *ngp;
-  PruneContributionsLocked(g, ng);
+  CountWaveSkips(g, ng);
+  PruneContributionsLocked(job, g, ng);
   v1::DecisionError error;
   const Content* content = ResolveContentLocked(job, node, g, ng, m, error);
   PendingStep* p = content == nullptr ? nullptr : PendingStepLocked(job, g, m, error);
@@ -958,11 +1159,12 @@ void Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupSt
   if (added == Added::kRefused) {
     SendDecisionErrorLocked(s.sink, m.group_id, m.step, std::move(error), out);
   }
-  if (added != Added::kAdded) return;
+  if (added != Added::kAdded) return false;
   if (p->ranks_covered >= job.world_size) {
     DecideStepLocked(job, g, m.step, *p, out);
     g.pending.erase(m.step);
   }
+  return true;
 }
 
 bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
@@ -1018,8 +1220,10 @@ bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, G
                              "only moves forward (was the process restarted alone?)"));
 }
 
-void Coordinator::PruneContributionsLocked(const GroupState& g, NodeGroupState& ng) {
-  stats_.retained_contents -= ng.contents.Prune(g.last_decided_step);
+void Coordinator::PruneContributionsLocked(Job& job, const GroupState& g, NodeGroupState& ng) {
+  const int64_t pruned = ng.contents.Prune(g.last_decided_step);
+  stats_.retained_contents -= pruned;
+  job.retained -= pruned;
 }
 
 const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeState& node,
@@ -1045,7 +1249,7 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
     }
     ++stats_.cache_hits;
     ++g.cache_hits;
-    if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/true);
+    if (job.observer != nullptr) job.observer->OnManifests(/*cache_hit=*/true, 1);
     return cached;
   }
   absl::StatusOr<std::shared_ptr<const Content>> parsed =
@@ -1059,10 +1263,12 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
                   m.group_id, m.step);
     return nullptr;
   }
-  stats_.retained_contents += ng.contents.Replace(*std::move(parsed));
+  const int64_t retained = ng.contents.Replace(*std::move(parsed));
+  stats_.retained_contents += retained;
+  job.retained += retained;
   ++stats_.cache_misses;
   ++g.cache_misses;
-  if (job.observer != nullptr) job.observer->OnManifest(/*cache_hit=*/false);
+  if (job.observer != nullptr) job.observer->OnManifests(/*cache_hit=*/false, 1);
   return ng.contents.current().get();
 }
 
@@ -1080,7 +1286,7 @@ Coordinator::PendingStep* Coordinator::PendingStepLocked(Job& job, GroupState& g
                   job.job_id, m.group_id, m.step);
     return nullptr;
   }
-  return &StartStepLocked(job, g, m.step, clock_->Now())->second;
+  return &StartStepLocked(job, g, m.step, wave_first_seen_.value_or(clock_->Now()))->second;
 }
 
 Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng,
@@ -1226,15 +1432,22 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
   // scope can never take them.
   runs_.Fail(job.job_id, job.run_id, error);
   v1::DecisionBatch& batch = *out.broadcast_decisions[&job].mutable_decisions();
+  // In group id order, so every coordinator sends the same message.
+  std::vector<GroupState*> waiting;
   for (auto& [gid, g] : job.groups) {
-    for (auto& [step, p] : g.pending) {
+    if (!g.pending.empty()) waiting.push_back(&g);
+  }
+  std::sort(waiting.begin(), waiting.end(),
+            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+  for (GroupState* g : waiting) {
+    for (auto& [step, p] : g->pending) {
       v1::Decision* d = batch.add_decisions();
-      d->set_group_id(g.group_id);
+      d->set_group_id(g->group_id);
       d->set_step(step);
       *d->mutable_error() = error;
-      if (&g != culprit || step != culprit_step) d->mutable_error()->set_kind(v1::JOB_FAILED);
+      if (g != culprit || step != culprit_step) d->mutable_error()->set_kind(v1::JOB_FAILED);
     }
-    g.pending.clear();
+    g->pending.clear();
   }
 }
 
@@ -1349,6 +1562,11 @@ bool Coordinator::CheckStepLocked(Job& job, GroupState& g, int64_t step, Pending
     case StepDeadline::Due::kFail:
       break;
   }
+  return true;
+}
+
+void Coordinator::FailStepAtDeadlineLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                           absl::Time now, Outbox& out) {
   RankSet covered(job.world_size);
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   // Ranks their sidecar saw submit are not missing (their node waits for a
@@ -1362,7 +1580,6 @@ bool Coordinator::CheckStepLocked(Job& job, GroupState& g, int64_t step, Pending
                    " of the step's first submission (--deadline)"));
   ObserveDeadlineFailureLocked(job, g, step, p, err, now);
   FailJobLocked(job, &g, step, std::move(err), out);
-  return true;
 }
 
 void Coordinator::CheckDeadlinesWithoutDelivery() {
@@ -1371,15 +1588,34 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
   Outbox out;
   absl::Time next = absl::InfiniteFuture();
   for (auto& [job_id, job] : jobs_) {
-    bool failed_now = FailIfNodeLostLocked(job, now, next, out);
-    for (auto& [gid, g] : job.groups) {
-      if (failed_now) break;
-      for (auto& [step, p] : g.pending) {
-        if (CheckStepLocked(job, g, step, p, now, next, out)) {
-          failed_now = true;
-          break;
-        }
+    if (!job.wave.sessions.empty()) {
+      // A wave still waiting at its stall or deadline check becomes pending
+      // steps, which the loop below checks.
+      if (job.wave.wake <= now) {
+        BreakWaveLocked(job, out);
+      } else {
+        next = std::min(next, job.wave.wake);
       }
+    }
+    if (FailIfNodeLostLocked(job, now, next, out)) continue;
+    // Of the steps due to fail, the lowest (group, step) names the failure,
+    // whatever the order of the group table.
+    GroupState* culprit = nullptr;
+    int64_t culprit_step = 0;
+    PendingStep* culprit_pending = nullptr;
+    for (auto& [gid, g] : job.groups) {
+      for (auto& [step, p] : g.pending) {
+        if (!CheckStepLocked(job, g, step, p, now, next, out)) continue;
+        if (culprit == nullptr || g.group_id < culprit->group_id) {
+          culprit = &g;
+          culprit_step = step;
+          culprit_pending = &p;
+        }
+        break;  // pending is ordered by step
+      }
+    }
+    if (culprit != nullptr) {
+      FailStepAtDeadlineLocked(job, *culprit, culprit_step, *culprit_pending, now, out);
     }
   }
   next = std::min(next, ExpireStartingRunsLocked(now));
@@ -1428,6 +1664,7 @@ absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
       auto ngit = node.groups.find(group_id);
       if (ngit == node.groups.end()) continue;
       NodeGroupState& ng = ngit->second;
+      CountWaveSkips(g, ng);
       ng.contents.FlushSkips();
       nodes.push_back(
           NodeCounts{node.ranks, ng.contents.node_skips(), ng.contents.rank_extra_skips()});

@@ -20,6 +20,11 @@
 //     session's previous batch in repeat form at a new step; it is expanded
 //     from the session's record of that batch (group pointers resolved once)
 //     and each entry is handled exactly like the repeat-form manifest.
+//     In steady state (every node repeats its whole batch) the repeats of a
+//     step are held back as one wave and the last node in decides every group
+//     at once: O(1) per node plus O(groups) per step (docs/ARCHITECTURE.md,
+//     "Repeat waves"). Any other event first hands the held-back repeats to
+//     the entry-by-entry path, so the outcome is the same either way.
 //  4. A pending (group, step) that has not heard from every rank within
 //     `deadline` of its first submission fails the whole JOB. A step starts
 //     pending at its first node manifest, or at a sidecar's partial report
@@ -61,6 +66,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +76,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -135,6 +142,12 @@ struct CoordinatorOptions {
   // Jobs whose last node left stay visible to the observe API (status, skip
   // matrix) until this many newer jobs ended or the same job id returns.
   int retired_jobs = 8;
+  // Repeat waves (docs/ARCHITECTURE.md, "Repeat waves"): once every node of
+  // a job contributed its whole batch to a step that decided every group,
+  // a step where every node sends a batch repeat is decided in O(groups)
+  // after O(1) per node, with the same decisions, errors and counters as
+  // without. Off: every batch repeat is handled entry by entry.
+  bool repeat_waves = true;
 };
 
 // Node sessions send through NodeSink (daemon/common/node_session.h), called
@@ -148,9 +161,10 @@ struct CoordinatorStats {
   int64_t repeat_key_mismatches = 0;
   int64_t decisions = 0;
   int64_t same_as_previous = 0;
-  int64_t errors = 0;  // error decisions and results sent (counted once per event)
-  int64_t jobs = 0;    // live jobs
-  int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
+  int64_t repeat_waves = 0;  // steps decided as one repeat wave
+  int64_t errors = 0;        // error decisions and results sent (counted once per event)
+  int64_t jobs = 0;          // live jobs
+  int64_t runs = 0;          // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
   int64_t retained_contents = 0;  // ContentCache::retained() entries, all jobs
   int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
@@ -281,6 +295,16 @@ class Coordinator : public NodeSessionHandler {
     int64_t last_zero_fills = 0;
     UsageWindow usage;
     std::unique_ptr<GroupObserver> observer;
+    // Repeat waves that decided this group (NodeGroupState::waves_counted).
+    int64_t waves = 0;
+  };
+  // Batch repeats of one step held back as a wave (docs/ARCHITECTURE.md,
+  // "Repeat waves"): nothing per group happens until every node is in.
+  struct RepeatWave {
+    int64_t step = -1;
+    absl::Time first_seen;
+    absl::Time wake;                  // the stall or deadline check a pending step would have
+    std::vector<SessionId> sessions;  // arrival order
   };
   struct Job {
     explicit Job(int world_size) : world_size(world_size), members(world_size) {}
@@ -294,6 +318,22 @@ class Coordinator : public NodeSessionHandler {
     JobState state = JobState::kRunning;
     v1::DecisionError failure;  // set in kFailed
     std::unique_ptr<JobObserver> observer;
+    // Repeat waves. wave_base >= 0: at that step every connected node (all of
+    // the job's nodes, wave_members sessions) contributed its whole batch
+    // record, the records name the same groups, each of them was decided ok
+    // with nothing pending, and nothing but wave joins happened since.
+    int64_t wave_base = -1;
+    int wave_members = 0;
+    RepeatWave wave;
+    // Sessions whose whole batch was added at sync_step (NoteSyncedLocked);
+    // sync_groups: their records' GroupsKey, sync_ok: all the same so far.
+    int64_t sync_step = -1;
+    int sync_sessions = 0;
+    uint64_t sync_groups = 0;
+    bool sync_ok = false;
+    // Contents its nodes' caches retain (ContentCache::retained()), so a
+    // wave prunes them only when there are any.
+    int64_t retained = 0;
     bool failed() const { return state == JobState::kFailed; }
     void Fail(const v1::DecisionError& error) {
       state = JobState::kFailed;
@@ -325,12 +365,19 @@ class Coordinator : public NodeSessionHandler {
     // needs it; 0: not yet computed.
     uint64_t key = 0;
     uint64_t Key();
+    // A hash of the entries' resolved groups, in order (0: not computed).
+    uint64_t groups_key = 0;
+    uint64_t GroupsKey();
   };
   struct Session {
     NodeSink* sink = nullptr;
     Job* job = nullptr;
     NodeState* node = nullptr;
     BatchRecord last_batch;
+    // The last step this session's whole batch was added to (-1: none).
+    int64_t synced_step = -1;
+    // The step of the wave it joined (-1: none).
+    int64_t wave_step = -1;
   };
   // A manifest's fields as the hot path needs them: a proto manifest or one
   // entry of a batch repeat. `full` is set for full-form manifests only.
@@ -390,9 +437,29 @@ class Coordinator : public NodeSessionHandler {
   // Resolves a batch entry's group pointers when it has none (the group was
   // unknown when recorded, or the entry is new).
   void ResolveEntryLocked(Session& s, BatchEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `g`/`ng` are the resolved group states (nullptr: unknown group).
-  void HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
+  // The entries of the session's batch record at `step`, one by one.
+  void RepeatBatchLocked(Session& s, int64_t step, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `g`/`ng` are the resolved group states (nullptr: unknown group). Returns
+  // whether the manifest was added to its step.
+  bool HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
                             Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Repeat waves (docs/ARCHITECTURE.md, "Repeat waves"). TryJoinWaveLocked
+  // holds back a batch repeat that may join the job's wave (returns false,
+  // changing nothing, when it may not); the last node in decides every
+  // group of the records as same_as_previous (CompleteWaveLocked).
+  bool TryJoinWaveLocked(SessionId id, Session& s, const v1::ManifestBatch& batch, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteWaveLocked(Job& job, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Any other event of the job: the held-back repeats are handled entry by
+  // entry, as if they had been on arrival (their steps' clocks start at the
+  // wave's first arrival), and the job leaves wave mode until it syncs again.
+  void BreakWaveLocked(Job& job, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a batch handled entry by entry: `all_added` when every entry was
+  // added to `step`. Puts the job in wave mode when every node did so.
+  void NoteSyncedLocked(Session& s, int64_t step, bool all_added)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds the repeat waves the node went through into its skip accounting.
+  static void CountWaveSkips(const GroupState& g, NodeGroupState& ng);
   // HandleManifestLocked's steps, in order. Answers a manifest that needs no
   // content (failed job, unknown or failed group, negative or decided step);
   // returns whether it did.
@@ -401,7 +468,7 @@ class Coordinator : public NodeSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets the node's contributions to steps decided since, and the
   // retained contents only those named.
-  void PruneContributionsLocked(const GroupState& g, NodeGroupState& ng)
+  void PruneContributionsLocked(Job& job, const GroupState& g, NodeGroupState& ng)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The manifest's content: the node's cached one for a repeat, else the
   // parsed full form, which becomes the cache. nullptr with `error` set when
@@ -450,10 +517,14 @@ class Coordinator : public NodeSessionHandler {
   // any was asked (then the step fails when they answer or after a grace).
   bool AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
                          Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One pending step at a deadline check: reports a stall, asks progress,
-  // or fails the job (returns true) as its StepDeadline says; lowers `next`.
+  // One pending step at a deadline check: reports a stall or asks progress
+  // as its StepDeadline says, or returns true when the step fails now
+  // (FailStepAtDeadlineLocked); lowers `next`.
   bool CheckStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, absl::Time now,
                        absl::Time& next, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the job with MISSING_RANKS for a step past its deadline.
+  void FailStepAtDeadlineLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                                absl::Time now, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleProgressLocked(Session& s, const v1::NodeProgress& progress)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A sidecar's own report (NodeProgress.partial) of a step some of its ranks
@@ -508,14 +579,20 @@ class Coordinator : public NodeSessionHandler {
   void NoteErrorLocked(const v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueEventLocked(ObserveEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   UsageWindow::Limits UsageLimits() const;
+  using StepContents = absl::FunctionRef<std::vector<std::shared_ptr<const Content>>()>;
   void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                              const v1::Decision& d, const Decision* decided)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for a decision without a pending step (a repeat wave);
+  // `contents` gives the step's contents when the usage window needs them.
+  void ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, const PendingStep* p,
+                             const v1::Decision& d, const Decision* decided, StepContents contents)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ObserveDecisionLocked's parts: a computed decision's counters and
   // decision-changed event; the usage window (and the global byte cap).
   void NoteDecidedLocked(const Job& job, GroupState& g, int64_t step, const PendingStep& p,
                          const Decision& decided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p)
+  void RecordUsageLocked(GroupState& g, int64_t step, bool same, StepContents contents)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static int64_t ZeroFills(const PendingStep& p, const Decision& decided);
   void ObserveNodeLocked(const Job& job, const NodeState& node, bool connected)
@@ -574,6 +651,9 @@ class Coordinator : public NodeSessionHandler {
   accord::CondVar timer_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time next_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  // While BreakWaveLocked hands held-back repeats to the entry-by-entry path:
+  // the wave's first arrival, the start of the steps it creates.
+  std::optional<absl::Time> wave_first_seen_ ABSL_GUARDED_BY(mu_);
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);

@@ -2,6 +2,7 @@
 // packs for its reduce-scatter; also serves the job's key-value rendezvous.
 #include <signal.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -87,6 +88,10 @@ ABSL_FLAG(int64_t, max_params_per_group, 1 << 20,
 ABSL_FLAG(int, max_ranks, 65536, "world size of a job; a larger NodeHello is refused");
 ABSL_FLAG(int, max_pending_steps, 64,
           "steps of one group waiting for ranks at once; one more fails with LIMIT_EXCEEDED");
+ABSL_FLAG(bool, repeat_waves, true,
+          "decide a step where every node repeats its whole batch in O(groups) after O(1) per "
+          "node, with the same decisions (see docs/ARCHITECTURE.md, Repeat waves); false: "
+          "entry by entry");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
 ABSL_FLAG(std::string, event_log, "",
           "append JSON-lines events (changed decisions, errors, stalls, deadline failures, nodes "
@@ -199,6 +204,7 @@ CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, Kv
   options.max_params_per_group = absl::GetFlag(FLAGS_max_params_per_group);
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
+  options.repeat_waves = absl::GetFlag(FLAGS_repeat_waves);
   // Runs own the key-value entries: a run's keys go when it ends or fails.
   options.on_run_ended = [kv](const std::string& job_id, const std::string& run_id,
                               const absl::Status& why, const std::string& successor) {
@@ -304,6 +310,11 @@ class BoundsGauges {
         usage_(registry
                    .AddGauge("accord_usage_window_bytes",
                              "Approximate bytes the usage windows keep alive.")
+                   .Get()),
+        waves_(registry
+                   .AddCounter("accord_repeat_waves_total",
+                               "Steps decided as one repeat wave (docs/ARCHITECTURE.md, Repeat "
+                               "waves).")
                    .Get()) {}
 
   void Set(const CoordinatorStats& st, KvStore& kv) {
@@ -311,6 +322,11 @@ class BoundsGauges {
     streams_.Set(static_cast<double>(st.sessions));
     retained_.Set(static_cast<double>(st.retained_contents));
     usage_.Set(static_cast<double>(st.usage_bytes));
+    // Scrapes may overlap: each adds what no other added yet.
+    int64_t seen = waves_seen_.load();
+    while (seen < st.repeat_waves && !waves_seen_.compare_exchange_weak(seen, st.repeat_waves)) {
+    }
+    if (seen < st.repeat_waves) waves_.Increment(static_cast<double>(st.repeat_waves - seen));
     kv_runs_.Set(kv.NumRuns());
     kv_keys_.Set(static_cast<double>(kv.NumKeys()));
   }
@@ -322,6 +338,8 @@ class BoundsGauges {
   Gauge& streams_;
   Gauge& retained_;
   Gauge& usage_;
+  Counter& waves_;
+  std::atomic<int64_t> waves_seen_{0};
 };
 
 // Waits for SIGTERM/SIGINT, reloading the tokens on each SIGHUP; returns the

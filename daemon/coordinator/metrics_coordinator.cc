@@ -42,7 +42,9 @@ class JobMetrics final : public JobObserver {
         wait_(&parent->f_.wait->WithLabels({job_id_})) {}
   ~JobMetrics() override { parent_->JobObserverGone(job_id_); }
 
-  void OnManifest(bool cache_hit) override { (cache_hit ? hits_ : misses_)->Increment(); }
+  void OnManifests(bool cache_hit, int64_t count) override {
+    (cache_hit ? hits_ : misses_)->Increment(static_cast<double>(count));
+  }
 
   std::unique_ptr<GroupObserver> ForGroup(const std::string& group_id) override {
     parent_->NoteGroup(job_id_, group_id);

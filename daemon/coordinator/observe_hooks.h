@@ -3,7 +3,7 @@
 // gRPC.
 //
 // Two kinds of calls:
-//  - Hot path (GroupObserver::OnDecision, JobObserver::OnManifest): called with
+//  - Hot path (GroupObserver::OnDecision, JobObserver::OnManifests): called with
 //    the coordinator's lock held, once per decision / manifest. They must be
 //    cheap and must not block: atomic updates of objects looked up once, when
 //    the job or group appeared (ForJob / ForGroup).
@@ -48,8 +48,10 @@ class GroupObserver {
 class JobObserver {
  public:
   virtual ~JobObserver() = default;
-  // Under the coordinator's lock; must not block. `cache_hit`: repeat form.
-  virtual void OnManifest(bool cache_hit) = 0;
+  // Under the coordinator's lock; must not block. `count` manifests arrived,
+  // `cache_hit`: in repeat form. A repeat wave reports all of its manifests
+  // at once.
+  virtual void OnManifests(bool cache_hit, int64_t count) = 0;
   // Under the coordinator's lock, once per group of the job.
   virtual std::unique_ptr<GroupObserver> ForGroup(const std::string& group_id) = 0;
 };

@@ -88,11 +88,23 @@ void Coordinator::DeliverEvents() {
 
 void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                                         const v1::Decision& d, const Decision* decided) {
+  ObserveDecisionLocked(job, g, step, &p, d, decided, [&] {
+    std::vector<std::shared_ptr<const Content>> contents;
+    contents.reserve(p.contributions.size());
+    for (const Contribution& c : p.contributions) contents.push_back(c.Owner());
+    p.contributions.clear();
+    return contents;
+  });
+}
+
+void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, const PendingStep* p,
+                                        const v1::Decision& d, const Decision* decided,
+                                        StepContents contents) {
   ++g.decisions;
   const bool same = d.same_as_previous();
   const bool ok = same || d.has_ok();
-  if (decided != nullptr) {
-    NoteDecidedLocked(job, g, step, p, *decided);
+  if (decided != nullptr && p != nullptr) {
+    NoteDecidedLocked(job, g, step, *p, *decided);
   } else if (!ok) {
     g.have_last_ok = false;
   }
@@ -110,7 +122,7 @@ void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, P
     s.wait = absl::Microseconds(d.wait_us());
     g.observer->OnDecision(s);
   }
-  RecordUsageLocked(g, step, same, p);
+  RecordUsageLocked(g, step, same, contents);
 }
 
 // Zero-fills: (included parameter, rank) pairs without a local gradient.
@@ -163,17 +175,11 @@ void Coordinator::NoteDecidedLocked(const Job& job, GroupState& g, int64_t step,
   QueueEventLocked(std::move(e));
 }
 
-void Coordinator::RecordUsageLocked(GroupState& g, int64_t step, bool same, PendingStep& p) {
+void Coordinator::RecordUsageLocked(GroupState& g, int64_t step, bool same, StepContents contents) {
   // Usage window: extend the last run when the contents repeat the previous
   // step; otherwise start a run with this step's contents.
   if (options_.usage_window_steps <= 0) return;
-  stats_.usage_bytes += g.usage.Record(step, same, [&] {
-    std::vector<std::shared_ptr<const Content>> contents;
-    contents.reserve(p.contributions.size());
-    for (const Contribution& c : p.contributions) contents.push_back(c.Owner());
-    p.contributions.clear();
-    return contents;
-  });
+  stats_.usage_bytes += g.usage.Record(step, same, contents);
   // The global cap (usage_total_bytes): retired jobs' windows go first.
   while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
     PopRetiredLocked();

@@ -1,0 +1,320 @@
+// Repeat waves (docs/ARCHITECTURE.md, "Repeat waves"): a step where every
+// node repeats its whole batch is decided at once, and the outcome must be
+// exactly what the entry-by-entry path gives. The differential test feeds two
+// coordinators, one with waves and one without, the same random events
+// (batch repeats, changed contents, per-manifest repeats, resends, silent
+// nodes, reconnects, clock movement) and compares every message each node
+// receives, the counters and the observe views.
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/common/clock.h"
+#include "daemon/coordinator/coordinator.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/wire.h"
+#include "tests/daemon/test_util.h"
+
+namespace accord::daemon {
+namespace {
+
+using testing::Batch;
+using testing::FakeNodeSink;
+using testing::Hello;
+using testing::MakeSpec;
+using testing::NodeManifest;
+using testing::Registration;
+using testing::Repeat;
+
+constexpr int kNodes = 3;
+constexpr int kRanksPerNode = 2;
+constexpr int kWorld = kNodes * kRanksPerNode;
+constexpr int kGroups = 3;
+constexpr int kParams = 3;
+constexpr auto kDeadline = absl::Seconds(30);
+
+std::vector<int> RanksOf(int node) {
+  std::vector<int> r;
+  for (int i = 0; i < kRanksPerNode; ++i) r.push_back(node * kRanksPerNode + i);
+  return r;
+}
+std::string GroupId(int g) { return absl::StrCat("g", g); }
+std::string NodeId(int n) { return absl::StrCat("n", n); }
+
+v1::NodeMessage BatchRepeat(int64_t step, const std::vector<v1::Manifest>& record) {
+  wire::BatchKeyHasher hasher;
+  for (const v1::Manifest& m : record) hasher.Add(m.group_id(), m.cache_key());
+  v1::NodeMessage msg;
+  msg.mutable_manifests()->set_repeat_step(step);
+  msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+  return msg;
+}
+
+// One coordinator and its nodes' sinks.
+struct Side {
+  explicit Side(bool waves) : coord(Options(waves), &clock) {}
+  static CoordinatorOptions Options(bool waves) {
+    CoordinatorOptions o;
+    o.deadline = kDeadline;
+    o.start_timer_thread = false;
+    o.repeat_waves = waves;
+    return o;
+  }
+  FakeClock clock;
+  Coordinator coord;
+  FakeNodeSink sinks[kNodes];
+  Coordinator::SessionId ids[kNodes] = {};
+};
+
+std::vector<std::string> Drain(FakeNodeSink& sink) {
+  std::vector<std::string> out;
+  for (v1::CoordinatorMessage m : sink.messages()) {
+    // Run ids are random per coordinator.
+    if (m.has_welcome()) m.mutable_welcome()->clear_run_id();
+    out.push_back(m.DebugString());
+  }
+  sink.Clear();
+  return out;
+}
+
+class Twins {
+ public:
+  Twins() : fast_(true), slow_(false) {}
+
+  void Open(int n) {
+    for (Side* s : {&fast_, &slow_}) s->ids[n] = s->coord.OpenSession(&s->sinks[n]);
+  }
+  void Send(int n, const v1::NodeMessage& m) {
+    for (Side* s : {&fast_, &slow_}) s->coord.HandleMessage(s->ids[n], m);
+    Compare(absl::StrCat("after a message of node ", n, ": ", m.ShortDebugString()));
+  }
+  void Close(int n) {
+    for (Side* s : {&fast_, &slow_}) s->coord.CloseSession(s->ids[n]);
+    Compare(absl::StrCat("after node ", n, " closed"));
+  }
+  void Advance(absl::Duration d) {
+    for (Side* s : {&fast_, &slow_}) s->clock.Advance(d);
+  }
+  void CheckDeadlines() {
+    for (Side* s : {&fast_, &slow_}) s->coord.CheckDeadlines();
+    Compare("after a deadline check");
+  }
+  // Every node's messages so far are identical on both sides.
+  void Compare(const std::string& when) {
+    for (int n = 0; n < kNodes; ++n) {
+      ASSERT_EQ(Drain(fast_.sinks[n]), Drain(slow_.sinks[n])) << "node " << n << " " << when;
+    }
+  }
+  // Counters and observe views, once no wave can be held back.
+  void CompareState(const std::string& when) {
+    const CoordinatorStats a = fast_.coord.stats();
+    const CoordinatorStats b = slow_.coord.stats();
+    EXPECT_EQ(b.repeat_waves, 0) << when;
+    const std::vector<std::pair<const char*, std::pair<int64_t, int64_t>>> fields = {
+        {"manifests", {a.manifests, b.manifests}},
+        {"cache_hits", {a.cache_hits, b.cache_hits}},
+        {"cache_misses", {a.cache_misses, b.cache_misses}},
+        {"repeat_key_mismatches", {a.repeat_key_mismatches, b.repeat_key_mismatches}},
+        {"decisions", {a.decisions, b.decisions}},
+        {"same_as_previous", {a.same_as_previous, b.same_as_previous}},
+        {"errors", {a.errors, b.errors}},
+        {"jobs", {a.jobs, b.jobs}},
+        {"sessions", {a.sessions, b.sessions}},
+        {"retained_contents", {a.retained_contents, b.retained_contents}},
+        {"usage_bytes", {a.usage_bytes, b.usage_bytes}},
+    };
+    for (const auto& [name, v] : fields) EXPECT_EQ(v.first, v.second) << name << " " << when;
+    EXPECT_EQ(fast_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}),
+              slow_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}))
+        << when;
+    for (int g = 0; g < kGroups; ++g) {
+      absl::StatusOr<SkipMatrix> x = fast_.coord.SkipCounts("job", GroupId(g));
+      absl::StatusOr<SkipMatrix> y = slow_.coord.SkipCounts("job", GroupId(g));
+      ASSERT_EQ(x.ok(), y.ok()) << when;
+      if (x.ok()) {
+        EXPECT_EQ(x->skips, y->skips) << "group " << g << " " << when;
+      }
+      absl::StatusOr<v1::SkipMatrixResponse> u =
+          fast_.coord.ObserveSkipMatrix("job", GroupId(g), 0);
+      absl::StatusOr<v1::SkipMatrixResponse> v =
+          slow_.coord.ObserveSkipMatrix("job", GroupId(g), 0);
+      ASSERT_EQ(u.ok(), v.ok()) << when;
+      if (u.ok()) {
+        EXPECT_EQ(u->DebugString(), v->DebugString()) << "group " << g << " " << when;
+      }
+    }
+  }
+  int64_t waves() { return fast_.coord.stats().repeat_waves; }
+
+ private:
+  Side fast_;
+  Side slow_;
+};
+
+std::vector<std::optional<DType>> RandomUsage(std::mt19937& rng) {
+  std::vector<std::optional<DType>> d(kParams);
+  for (auto& x : d) {
+    const int v = static_cast<int>(rng() % 4);
+    if (v == 1) x = DType::kBFloat16;
+    if (v == 2) x = DType::kFloat32;
+    if (v == 3) x = DType::kFloat16;
+  }
+  return d;
+}
+
+// One random run: returns the number of waves the fast side decided.
+int64_t RunScenario(uint32_t seed) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937 rng(seed);
+  Twins t;
+  for (int n = 0; n < kNodes; ++n) {
+    t.Open(n);
+    t.Send(n, Hello("job", NodeId(n), kWorld, RanksOf(n)));
+  }
+  for (int g = 0; g < kGroups; ++g) {
+    for (int n = 0; n < kNodes; ++n)
+      t.Send(n, Registration(MakeSpec(GroupId(g), kParams), RanksOf(n)));
+  }
+  // Each node's usage per group, and the batch its stream last sent in
+  // full or per-manifest form (what a batch repeat stands for).
+  std::vector<std::vector<std::vector<std::optional<DType>>>> usage(kNodes);
+  std::vector<std::vector<v1::Manifest>> record(kNodes);
+  for (int n = 0; n < kNodes; ++n) {
+    for (int g = 0; g < kGroups; ++g) usage[n].push_back(RandomUsage(rng));
+  }
+  auto full_batch = [&](int n, int64_t step) {
+    std::vector<v1::Manifest> ms;
+    for (int g = 0; g < kGroups; ++g) {
+      ms.push_back(NodeManifest(GroupId(g), step, usage[n][g], kWorld, RanksOf(n)));
+    }
+    record[n] = ms;
+    return Batch(ms);
+  };
+  bool failed = false;
+  const int steps = 10 + static_cast<int>(rng() % 10);
+  for (int64_t step = 0; step < steps && !::testing::Test::HasFatalFailure(); ++step) {
+    std::vector<int> order = {0, 1, 2};
+    std::shuffle(order.begin(), order.end(), rng);
+    bool silent = false;
+    for (int n : order) {
+      t.Advance(absl::Milliseconds(rng() % 50));
+      const int roll = static_cast<int>(rng() % 100);
+      if (step == 0 || record[n].empty()) {
+        t.Send(n, full_batch(n, step));
+      } else if (roll < 65) {
+        t.Send(n, BatchRepeat(step, record[n]));
+      } else if (roll < 75) {
+        usage[n][rng() % kGroups] = RandomUsage(rng);  // may equal the old usage
+        t.Send(n, full_batch(n, step));
+      } else if (roll < 82) {
+        std::vector<v1::Manifest> ms;
+        for (const v1::Manifest& m : record[n])
+          ms.push_back(Repeat(m.group_id(), step, m.cache_key()));
+        t.Send(n, Batch(ms));
+        // The stream's record is now the repeat-form batch: same groups and keys.
+      } else if (roll < 88) {
+        t.Send(n, BatchRepeat(step, record[n]));
+        t.Send(n, BatchRepeat(step, record[n]));  // a resend
+      } else if (roll < 92) {
+        t.Close(n);
+        t.Open(n);
+        t.Send(n, Hello("job", NodeId(n), kWorld, RanksOf(n)));
+        t.Send(n, full_batch(n, step));
+      } else if (roll < 95 && !silent) {
+        silent = true;  // this node says nothing this step
+      } else {
+        t.Send(n, BatchRepeat(step, record[n]));
+      }
+      if (::testing::Test::HasFatalFailure()) return 0;
+    }
+    if (silent) {
+      // Half the deadline, then past it and past the progress grace.
+      t.Advance(kDeadline / 2);
+      t.CheckDeadlines();
+      t.Advance(kDeadline / 2 + absl::Seconds(2));
+      t.CheckDeadlines();
+      t.Advance(absl::Seconds(2));
+      t.CheckDeadlines();
+      failed = true;
+    }
+    t.CompareState(absl::StrCat("at the end of step ", step));
+    if (failed) break;
+  }
+  return t.waves();
+}
+
+TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathOnRandomRuns) {
+  int64_t waves = 0;
+  for (uint32_t seed = 1; seed <= 300; ++seed) {
+    waves += RunScenario(seed);
+    if (HasFatalFailure()) return;
+  }
+  // The fast path was taken (not only the fallbacks).
+  EXPECT_GT(waves, 300);
+}
+
+// The steady state, spelled out: one wave per step once every node sent its
+// whole batch, and a silent node is named at the deadline from the wave's
+// first arrival.
+TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadline) {
+  Side s(true);
+  for (int n = 0; n < kNodes; ++n) {
+    s.ids[n] = s.coord.OpenSession(&s.sinks[n]);
+    s.coord.HandleMessage(s.ids[n], Hello("job", NodeId(n), kWorld, RanksOf(n)));
+    s.coord.HandleMessage(s.ids[n], Registration(MakeSpec("g0", 2), RanksOf(n)));
+    s.coord.HandleMessage(s.ids[n], Registration(MakeSpec("g1", 2), RanksOf(n)));
+  }
+  std::vector<std::vector<v1::Manifest>> record(kNodes);
+  for (int n = 0; n < kNodes; ++n) {
+    record[n] = {NodeManifest("g0", 0, {DType::kBFloat16, std::nullopt}, kWorld, RanksOf(n)),
+                 NodeManifest("g1", 0, {DType::kFloat32, DType::kFloat32}, kWorld, RanksOf(n))};
+    s.coord.HandleMessage(s.ids[n], Batch(record[n]));
+  }
+  for (int64_t step = 1; step <= 5; ++step) {
+    for (int n = 0; n < kNodes; ++n) s.coord.HandleMessage(s.ids[n], BatchRepeat(step, record[n]));
+  }
+  EXPECT_EQ(s.coord.stats().repeat_waves, 5);
+  std::vector<v1::Decision> d = s.sinks[2].decisions();
+  ASSERT_EQ(d.size(), 12u);
+  for (size_t i = 2; i < d.size(); ++i) {
+    EXPECT_TRUE(d[i].same_as_previous()) << i;
+    EXPECT_EQ(d[i].step(), static_cast<int64_t>(i / 2)) << i;
+  }
+  // Skip counts cover the waves: param 1 of g0 unused on every rank, 6 steps.
+  absl::StatusOr<SkipMatrix> m = s.coord.SkipCounts("job", "g0");
+  ASSERT_TRUE(m.ok());
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(m->skips[r], (std::vector<int64_t>{0, 6})) << r;
+
+  // Step 6: node 1 is silent.
+  for (int n = 0; n < kNodes; ++n) s.sinks[n].Clear();
+  s.coord.HandleMessage(s.ids[0], BatchRepeat(6, record[0]));
+  s.clock.Advance(absl::Seconds(1));
+  s.coord.HandleMessage(s.ids[2], BatchRepeat(6, record[2]));
+  s.clock.Advance(kDeadline - absl::Seconds(1) - absl::Milliseconds(1));
+  s.coord.CheckDeadlines();
+  EXPECT_TRUE(s.sinks[0].decisions().empty()) << "failed before the deadline";
+  s.clock.Advance(absl::Milliseconds(1));
+  s.coord.CheckDeadlines();
+  for (int n = 0; n < kNodes; ++n) {
+    std::vector<v1::Decision> got = s.sinks[n].decisions();
+    ASSERT_EQ(got.size(), 2u) << n;
+    // One group's step is the culprit, the other's fails with the job.
+    if (got[0].error().kind() == v1::JOB_FAILED) std::swap(got[0], got[1]);
+    const v1::DecisionError& e = got[0].error();
+    EXPECT_EQ(e.kind(), v1::MISSING_RANKS) << e.message();
+    EXPECT_EQ(got[0].step(), 6);
+    EXPECT_EQ(std::vector<int>(e.ranks().begin(), e.ranks().end()), (std::vector<int>{2, 3}));
+    EXPECT_TRUE(absl::StrContains(e.message(), "rank 2 (last step 5, node \"n1\")")) << e.message();
+    EXPECT_EQ(got[1].error().kind(), v1::JOB_FAILED);
+    EXPECT_EQ(got[1].step(), 6);
+  }
+}
+
+}  // namespace
+}  // namespace accord::daemon
