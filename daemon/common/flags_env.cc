@@ -45,9 +45,19 @@ std::vector<char*> ParseFlagsWithEnv(int argc, char** argv, const std::vector<st
 }
 
 std::vector<std::string> FlagsDefinedIn(const char* defining_file) {
+  // CommandLineFlag::Filename() is the defining __FILE__ as the flags usage
+  // config normalizes it (by default without its leading '/', '\\' and '.'
+  // characters), so compare both forms.
+  const absl::string_view raw = defining_file;
+  absl::string_view stripped = raw;
+  while (!stripped.empty() &&
+         (stripped.front() == '/' || stripped.front() == '\\' || stripped.front() == '.')) {
+    stripped.remove_prefix(1);
+  }
   std::vector<std::string> names;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (flag->Filename() == defining_file) names.emplace_back(name);
+    const std::string file = flag->Filename();
+    if (file == raw || file == stripped) names.emplace_back(name);
   }
   std::sort(names.begin(), names.end());
   return names;
