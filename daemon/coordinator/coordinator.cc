@@ -1598,24 +1598,24 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
       }
     }
     if (FailIfNodeLostLocked(job, now, next, out)) continue;
-    // Of the steps due to fail, the lowest (group, step) names the failure,
-    // whatever the order of the group table.
-    GroupState* culprit = nullptr;
-    int64_t culprit_step = 0;
-    PendingStep* culprit_pending = nullptr;
+    // In (group id, step) order, so the first step due to fail, which names
+    // the failure, does not depend on the order of the group table.
+    std::vector<GroupState*> waiting;
     for (auto& [gid, g] : job.groups) {
-      for (auto& [step, p] : g.pending) {
-        if (!CheckStepLocked(job, g, step, p, now, next, out)) continue;
-        if (culprit == nullptr || g.group_id < culprit->group_id) {
-          culprit = &g;
-          culprit_step = step;
-          culprit_pending = &p;
-        }
-        break;  // pending is ordered by step
-      }
+      if (!g.pending.empty()) waiting.push_back(&g);
     }
-    if (culprit != nullptr) {
-      FailStepAtDeadlineLocked(job, *culprit, culprit_step, *culprit_pending, now, out);
+    std::sort(waiting.begin(), waiting.end(),
+              [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+    bool failed_now = false;
+    for (GroupState* g : waiting) {
+      for (auto& [step, p] : g->pending) {
+        if (CheckStepLocked(job, *g, step, p, now, next, out)) {
+          FailStepAtDeadlineLocked(job, *g, step, p, now, out);
+          failed_now = true;
+          break;
+        }
+      }
+      if (failed_now) break;
     }
   }
   next = std::min(next, ExpireStartingRunsLocked(now));
