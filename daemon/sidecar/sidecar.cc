@@ -445,16 +445,6 @@ void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight) {
 void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   RankState& rs = ranks_[rank];
   v1::RankReply errors;
-  auto reply_error = [&](const v1::Manifest& m, v1::DecisionError error) {
-    v1::Decision* d = errors.mutable_decisions()->add_decisions();
-    d->set_group_id(m.group_id());
-    d->set_step(m.step());
-    *d->mutable_error() = std::move(error);
-    d->mutable_error()->set_job_id(job_id_);
-    d->mutable_error()->set_group_id(m.group_id());
-    d->mutable_error()->set_step(m.step());
-    d->mutable_error()->add_ranks(rank);
-  };
   if (batch.repeat_batch_key() != 0) {
     // Batch repeats are a sidecar -> coordinator form only.
     v1::RankReply reply;
@@ -469,102 +459,8 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   }
   const uint64_t epoch = ++touch_epoch_;
   touched_.clear();
-  std::vector<DTypeMask>& parsed = rs.key_scratch.dtypes;
   for (const v1::Manifest& m : batch.manifests()) {
-    ++stats_.rank_manifests;
-    auto git = groups_.find(m.group_id());
-    if (git == groups_.end() ||
-        !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
-      reply_error(
-          m, KindedError(v1::UNKNOWN_GROUP,
-                         absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
-                                      m.group_id(), "\" which this rank has not registered")));
-      continue;
-    }
-    LocalGroup& g = git->second;
-    if (m.step() == g.last_decided_step && g.last_error.has_value()) {
-      // The step already failed for the job (e.g. missing ranks) before this
-      // rank submitted it: the same error every other rank got.
-      *errors.mutable_decisions()->add_decisions() = *g.last_error;
-      continue;
-    }
-    if (m.step() <= g.last_decided_step) {
-      reply_error(
-          m, KindedError(v1::STEP_REGRESSION,
-                         absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
-                                      "\" step ", m.step(), ": older than the last decided step ",
-                                      g.last_decided_step)));
-      continue;
-    }
-    const size_t num_params = g.spec.params.size();
-    auto last = std::lower_bound(g.last_full.begin(), g.last_full.end(), rank,
-                                 [](const LastFull& l, int r) { return l.rank < r; });
-    const bool have_last = last != g.last_full.end() && last->rank == rank;
-    // The content: a repeat names this rank's previous full manifest for the
-    // group by its key (validated when it arrived); a full one is decoded.
-    const std::vector<DTypeMask>* content;
-    uint64_t full_key = 0;
-    if (m.repeat()) {
-      if (!have_last || last->key != m.cache_key()) {
-        reply_error(m,
-                    OutOfOrderError(
-                        v1::INVALID_MANIFEST,
-                        absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
-                                     "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
-                                     " which is not this rank's previous manifest; send the "
-                                     "full form")));
-        continue;
-      }
-      content = &last->dtypes;
-    } else {
-      absl::Status valid = wire::ManifestDTypesFromProto(m, num_params, &parsed);
-      if (valid.ok() && !m.rank_bits().empty()) {
-        valid = absl::InvalidArgumentError(
-            absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
-                         ": a rank's manifest must not carry rank_bits"));
-      }
-      if (!valid.ok()) {
-        const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
-        reply_error(
-            m, KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                           absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message())));
-        continue;
-      }
-      // The key covers content, not the step; recompute it so a client that
-      // did not set one still gets repeats resolved correctly.
-      full_key = ManifestKey(rs.key_scratch);
-      content = &parsed;
-    }
-    LocalStep& st = StepFor(g, m.step());
-    if (st.ranks.empty()) NoteStepStartedLocked(st);
-    auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
-    const size_t row = static_cast<size_t>(pos - st.ranks.begin());
-    if (pos != st.ranks.end() && *pos == rank) {
-      // A second manifest for the step: a resend of the same content is a
-      // no-op, different content is an error.
-      if (!std::equal(content->begin(), content->end(), st.rows.begin() + row * num_params)) {
-        reply_error(m, OutOfOrderError(v1::INVALID_MANIFEST,
-                                       absl::StrCat("job ", job_id_, " rank ", rank, " group \"",
-                                                    m.group_id(), "\" step ", m.step(),
-                                                    ": a second, different manifest for the same "
-                                                    "step")));
-      }
-      continue;
-    }
-    st.ranks.insert(pos, rank);
-    st.rows.insert(st.rows.begin() + row * num_params, content->begin(), content->end());
-    if (st.merged.size() != num_params) st.merged.assign(num_params, 0);
-    for (size_t i = 0; i < num_params; ++i) st.merged[i] |= (*content)[i];
-    if (!m.repeat()) {
-      if (!have_last) last = g.last_full.insert(last, LastFull{rank, 0, {}});
-      last->key = full_key;
-      last->dtypes.assign(parsed.begin(), parsed.end());
-    }
-    rs.last_step = std::max(rs.last_step, m.step());
-    if (g.touched_epoch != epoch) {
-      g.touched_epoch = epoch;
-      touched_.push_back(&g);
-    }
+    HandleRankManifestLocked(rank, rs, m, epoch, errors);
   }
   if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
   if (touched_.empty()) return;
@@ -577,6 +473,117 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   for (LocalGroup* g : touched_) CollectCompleteLocked(*g, &outgoing_);
   DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
+}
+
+// One manifest of a rank's batch: added to its group's local step (the group
+// noted in touched_ once per batch, `epoch`), or an error for the rank in
+// `errors`.
+void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m,
+                                       uint64_t epoch, v1::RankReply& errors) {
+  auto reply_error = [&](const v1::Manifest& about, v1::DecisionError error) {
+    v1::Decision* d = errors.mutable_decisions()->add_decisions();
+    d->set_group_id(about.group_id());
+    d->set_step(about.step());
+    *d->mutable_error() = std::move(error);
+    d->mutable_error()->set_job_id(job_id_);
+    d->mutable_error()->set_group_id(about.group_id());
+    d->mutable_error()->set_step(about.step());
+    d->mutable_error()->add_ranks(rank);
+  };
+  std::vector<DTypeMask>& parsed = rs.key_scratch.dtypes;
+  ++stats_.rank_manifests;
+  auto git = groups_.find(m.group_id());
+  if (git == groups_.end() ||
+      !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
+    reply_error(m,
+                KindedError(v1::UNKNOWN_GROUP,
+                            absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
+                                         m.group_id(), "\" which this rank has not registered")));
+    return;
+  }
+  LocalGroup& g = git->second;
+  if (m.step() == g.last_decided_step && g.last_error.has_value()) {
+    // The step already failed for the job (e.g. missing ranks) before this
+    // rank submitted it: the same error every other rank got.
+    *errors.mutable_decisions()->add_decisions() = *g.last_error;
+    return;
+  }
+  if (m.step() <= g.last_decided_step) {
+    reply_error(
+        m, KindedError(
+               v1::STEP_REGRESSION,
+               absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
+                            m.step(), ": older than the last decided step ", g.last_decided_step)));
+    return;
+  }
+  const size_t num_params = g.spec.params.size();
+  auto last = std::lower_bound(g.last_full.begin(), g.last_full.end(), rank,
+                               [](const LastFull& l, int r) { return l.rank < r; });
+  const bool have_last = last != g.last_full.end() && last->rank == rank;
+  // The content: a repeat names this rank's previous full manifest for the
+  // group by its key (validated when it arrived); a full one is decoded.
+  const std::vector<DTypeMask>* content;
+  uint64_t full_key = 0;
+  if (m.repeat()) {
+    if (!have_last || last->key != m.cache_key()) {
+      reply_error(m, OutOfOrderError(
+                         v1::INVALID_MANIFEST,
+                         absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
+                                      "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
+                                      " which is not this rank's previous manifest; send the "
+                                      "full form")));
+      return;
+    }
+    content = &last->dtypes;
+  } else {
+    absl::Status valid = wire::ManifestDTypesFromProto(m, num_params, &parsed);
+    if (valid.ok() && !m.rank_bits().empty()) {
+      valid = absl::InvalidArgumentError(
+          absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
+                       ": a rank's manifest must not carry rank_bits"));
+    }
+    if (!valid.ok()) {
+      const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
+      reply_error(
+          m, KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                         absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message())));
+      return;
+    }
+    // The key covers content, not the step; recompute it so a client that
+    // did not set one still gets repeats resolved correctly.
+    full_key = ManifestKey(rs.key_scratch);
+    content = &parsed;
+  }
+  LocalStep& st = StepFor(g, m.step());
+  if (st.ranks.empty()) NoteStepStartedLocked(st);
+  auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
+  const size_t row = static_cast<size_t>(pos - st.ranks.begin());
+  if (pos != st.ranks.end() && *pos == rank) {
+    // A second manifest for the step: a resend of the same content is a
+    // no-op, different content is an error.
+    if (!std::equal(content->begin(), content->end(), st.rows.begin() + row * num_params)) {
+      reply_error(m, OutOfOrderError(v1::INVALID_MANIFEST,
+                                     absl::StrCat("job ", job_id_, " rank ", rank, " group \"",
+                                                  m.group_id(), "\" step ", m.step(),
+                                                  ": a second, different manifest for the same "
+                                                  "step")));
+    }
+    return;
+  }
+  st.ranks.insert(pos, rank);
+  st.rows.insert(st.rows.begin() + row * num_params, content->begin(), content->end());
+  if (st.merged.size() != num_params) st.merged.assign(num_params, 0);
+  for (size_t i = 0; i < num_params; ++i) st.merged[i] |= (*content)[i];
+  if (!m.repeat()) {
+    if (!have_last) last = g.last_full.insert(last, LastFull{rank, 0, {}});
+    last->key = full_key;
+    last->dtypes.assign(parsed.begin(), parsed.end());
+  }
+  rs.last_step = std::max(rs.last_step, m.step());
+  if (g.touched_epoch != epoch) {
+    g.touched_epoch = epoch;
+    touched_.push_back(&g);
+  }
 }
 
 void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {

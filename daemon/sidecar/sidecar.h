@@ -262,6 +262,8 @@ class Sidecar final : public UpstreamHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(int rank, const v1::ManifestBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
+                                v1::RankReply& errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the coordinator's question about a (group, step) past its
   // deadline: which local ranks submitted it, and each one's last step.
   void AnswerProgressLocked(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
