@@ -1610,7 +1610,11 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
     for (GroupState* g : waiting) {
       for (auto& [step, p] : g->pending) {
         if (CheckStepLocked(job, *g, step, p, now, next, out)) {
-          FailStepAtDeadlineLocked(job, *g, step, p, now, out);
+          // The group's oldest waiting step names the failure: a later step
+          // is due first only when it arrived first, e.g. after a restart
+          // where a rank skipped the older one (named "past this step").
+          auto oldest = g->pending.begin();
+          FailStepAtDeadlineLocked(job, *g, oldest->first, oldest->second, now, out);
           failed_now = true;
           break;
         }
