@@ -32,9 +32,11 @@
 //     others not), whichever comes first; the Welcome tells sidecars the
 //     deadline so they report at half of it. At the deadline the nodes with
 //     missing ranks are asked (ProgressQuery) which of their ranks submitted;
-//     after their answers or a grace of min(1 s, deadline / 4) that step gets
-//     MISSING_RANKS (naming the missing ranks, the last step each reached and
-//     the ranks that submitted; see docs/ARCHITECTURE.md) and every
+//     after their answers or a grace of min(1 s, deadline / 4) the failure
+//     is named by the oldest waiting step of the lowest group id due to
+//     fail: that step gets MISSING_RANKS (naming the missing ranks, the last
+//     step each reached and the ranks that submitted; see
+//     docs/ARCHITECTURE.md) and every
 //     other pending or later step gets JOB_FAILED, on every node. A rank that
 //     leaves (RankEvent) while a pending step still needs it fails the job at
 //     once. The job is failed rather than the group because a collective
