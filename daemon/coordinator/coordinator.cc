@@ -880,10 +880,12 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
   const size_t n = static_cast<size_t>(batch.manifests_size());
   if (record.entries.size() > n) record.entries.resize(n);
   record.entries.reserve(n);
-  record.key = 0;
   record.groups_key = 0;
   const int64_t step = batch.manifests(0).step();
   bool all_added = true;
+  // The record's key, hashed here while the entries are at hand: the first
+  // batch repeat then costs O(1) (a wave at scale), not a pass over them.
+  wire::BatchKeyHasher hasher;
   for (size_t i = 0; i < n; ++i) {
     const v1::Manifest& m = batch.manifests(static_cast<int>(i));
     if (i == record.entries.size()) record.entries.emplace_back();
@@ -895,10 +897,12 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     }
     ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
+    hasher.Add(e.group_id, e.cache_key);
     ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
     const bool added = HandleManifestLocked(s, ref, e.group, e.node_group, out);
     all_added = all_added && added && m.step() == step;
   }
+  record.key = hasher.Finish();
   NoteSyncedLocked(s, step, all_added);
 }
 
