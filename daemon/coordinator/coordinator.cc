@@ -908,7 +908,7 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
 
 void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
   BatchRecord& record = s.last_batch;
-  if (batch.manifests_size() > 0 || record.Key() != batch.repeat_batch_key()) {
+  if (batch.manifests_size() > 0 || record.key != batch.repeat_batch_key()) {
     const Job& job = *s.job;
     SendErrorLocked(
         s.sink,
@@ -920,7 +920,7 @@ void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& b
                          batch.manifests_size() > 0
                              ? std::string(" together with manifests")
                              : absl::StrCat(" but the previous batch on this stream has key ",
-                                            absl::Hex(record.Key()), " (", record.entries.size(),
+                                            absl::Hex(record.key), " (", record.entries.size(),
                                             " manifests)"),
                          "; the sidecar and the coordinator disagree on the stream's "
                          "history. Check the sidecar's version; restarting it resends in "
@@ -1009,7 +1009,7 @@ bool Coordinator::TryJoinWaveLocked(SessionId id, Session& s, const v1::Manifest
   if (job.wave_base < 0 || job.failed() || s.synced_step != job.wave_base ||
       step <= job.wave_base || s.wave_step == step ||
       (!wave.sessions.empty() && wave.step != step) ||
-      s.last_batch.Key() != batch.repeat_batch_key()) {
+      s.last_batch.key != batch.repeat_batch_key()) {
     return false;
   }
   if (wave.sessions.empty()) {
@@ -1044,8 +1044,9 @@ void Coordinator::CompleteWaveLocked(Job& job, Outbox& out) {
     // Contents retained across the base step are no longer named (the
     // entry-by-entry path would prune them now).
     for (Session* m : members) {
-      for (BatchEntry& e : m->last_batch.entries)
+      for (BatchEntry& e : m->last_batch.entries) {
         PruneContributionsLocked(job, *e.group, *e.node_group);
+      }
     }
   }
   stats_.manifests += manifests;
@@ -1115,15 +1116,6 @@ uint64_t Coordinator::BatchRecord::GroupsKey() {
     groups_key = h | 1;
   }
   return groups_key;
-}
-
-uint64_t Coordinator::BatchRecord::Key() {
-  if (key == 0 && !entries.empty()) {
-    wire::BatchKeyHasher hasher;
-    for (const BatchEntry& e : entries) hasher.Add(e.group_id, e.cache_key);
-    key = hasher.Finish();
-  }
-  return key;
 }
 
 std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(

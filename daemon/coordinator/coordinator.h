@@ -363,10 +363,9 @@ class Coordinator : public NodeSessionHandler {
   // What a batch repeat on this stream stands for.
   struct BatchRecord {
     std::vector<BatchEntry> entries;
-    // wire::BatchKeyHasher over entries, computed when a batch repeat first
-    // needs it; 0: not yet computed.
+    // wire::BatchKeyHasher over entries, taken when the batch is recorded
+    // (0: no batch yet).
     uint64_t key = 0;
-    uint64_t Key();
     // A hash of the entries' resolved groups, in order (0: not computed).
     uint64_t groups_key = 0;
     uint64_t GroupsKey();
