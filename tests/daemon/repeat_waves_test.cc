@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
 #include "gmock/gmock.h"
@@ -32,18 +33,32 @@ using testing::NodeManifest;
 using testing::Registration;
 using testing::Repeat;
 
-constexpr int kNodes = 3;
-constexpr int kRanksPerNode = 2;
-constexpr int kWorld = kNodes * kRanksPerNode;
-constexpr int kGroups = 3;
-constexpr int kParams = 3;
+// A job's shape: ranks per node (uneven allowed), groups, parameters.
+struct Shape {
+  std::vector<int> ranks_per_node;
+  int groups = 3;
+  int params = 3;
+  int nodes() const { return static_cast<int>(ranks_per_node.size()); }
+  int world() const {
+    int w = 0;
+    for (int r : ranks_per_node) w += r;
+    return w;
+  }
+  std::vector<int> RanksOf(int node) const {
+    int first = 0;
+    for (int n = 0; n < node; ++n) first += ranks_per_node[n];
+    std::vector<int> r;
+    for (int i = 0; i < ranks_per_node[node]; ++i) r.push_back(first + i);
+    return r;
+  }
+  std::string Name() const {
+    return absl::StrCat(nodes(), " nodes of [", absl::StrJoin(ranks_per_node, ","), "] ranks, ",
+                        groups, " groups x ", params, " params");
+  }
+};
+
 constexpr auto kDeadline = absl::Seconds(30);
 
-std::vector<int> RanksOf(int node) {
-  std::vector<int> r;
-  for (int i = 0; i < kRanksPerNode; ++i) r.push_back(node * kRanksPerNode + i);
-  return r;
-}
 std::string GroupId(int g) { return absl::StrCat("g", g); }
 std::string NodeId(int n) { return absl::StrCat("n", n); }
 
@@ -58,7 +73,9 @@ v1::NodeMessage BatchRepeat(int64_t step, const std::vector<v1::Manifest>& recor
 
 // One coordinator and its nodes' sinks.
 struct Side {
-  explicit Side(bool waves) : coord(Options(waves), &clock) {}
+  Side(bool waves, int nodes) : coord(Options(waves), &clock), ids(nodes) {
+    for (int n = 0; n < nodes; ++n) sinks.push_back(std::make_unique<FakeNodeSink>());
+  }
   static CoordinatorOptions Options(bool waves) {
     CoordinatorOptions o;
     o.deadline = kDeadline;
@@ -68,8 +85,8 @@ struct Side {
   }
   FakeClock clock;
   Coordinator coord;
-  FakeNodeSink sinks[kNodes];
-  Coordinator::SessionId ids[kNodes] = {};
+  std::vector<std::unique_ptr<FakeNodeSink>> sinks;
+  std::vector<Coordinator::SessionId> ids;
 };
 
 std::vector<std::string> Drain(FakeNodeSink& sink) {
@@ -85,10 +102,11 @@ std::vector<std::string> Drain(FakeNodeSink& sink) {
 
 class Twins {
  public:
-  Twins() : fast_(true), slow_(false) {}
+  explicit Twins(const Shape& shape)
+      : shape_(shape), fast_(true, shape.nodes()), slow_(false, shape.nodes()) {}
 
   void Open(int n) {
-    for (Side* s : {&fast_, &slow_}) s->ids[n] = s->coord.OpenSession(&s->sinks[n]);
+    for (Side* s : {&fast_, &slow_}) s->ids[n] = s->coord.OpenSession(s->sinks[n].get());
   }
   void Send(int n, const v1::NodeMessage& m) {
     for (Side* s : {&fast_, &slow_}) s->coord.HandleMessage(s->ids[n], m);
@@ -107,8 +125,8 @@ class Twins {
   }
   // Every node's messages so far are identical on both sides.
   void Compare(const std::string& when) {
-    for (int n = 0; n < kNodes; ++n) {
-      ASSERT_EQ(Drain(fast_.sinks[n]), Drain(slow_.sinks[n])) << "node " << n << " " << when;
+    for (int n = 0; n < shape_.nodes(); ++n) {
+      ASSERT_EQ(Drain(*fast_.sinks[n]), Drain(*slow_.sinks[n])) << "node " << n << " " << when;
     }
   }
   // Counters and observe views, once no wave can be held back.
@@ -133,7 +151,7 @@ class Twins {
     EXPECT_EQ(fast_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}),
               slow_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}))
         << when;
-    for (int g = 0; g < kGroups; ++g) {
+    for (int g = 0; g < shape_.groups; ++g) {
       absl::StatusOr<SkipMatrix> x = fast_.coord.SkipCounts("job", GroupId(g));
       absl::StatusOr<SkipMatrix> y = slow_.coord.SkipCounts("job", GroupId(g));
       ASSERT_EQ(x.ok(), y.ok()) << when;
@@ -153,12 +171,13 @@ class Twins {
   int64_t waves() { return fast_.coord.stats().repeat_waves; }
 
  private:
+  const Shape shape_;
   Side fast_;
   Side slow_;
 };
 
-std::vector<std::optional<DType>> RandomUsage(std::mt19937& rng) {
-  std::vector<std::optional<DType>> d(kParams);
+std::vector<std::optional<DType>> RandomUsage(std::mt19937& rng, int params) {
+  std::vector<std::optional<DType>> d(params);
   for (auto& x : d) {
     const int v = static_cast<int>(rng() % 4);
     if (v == 1) x = DType::kBFloat16;
@@ -169,64 +188,84 @@ std::vector<std::optional<DType>> RandomUsage(std::mt19937& rng) {
 }
 
 // One random run: returns the number of waves the fast side decided.
-int64_t RunScenario(uint32_t seed) {
-  SCOPED_TRACE(absl::StrCat("seed ", seed));
+int64_t RunScenario(const Shape& shape, uint32_t seed) {
+  SCOPED_TRACE(absl::StrCat(shape.Name(), ", seed ", seed));
   std::mt19937 rng(seed);
-  Twins t;
-  for (int n = 0; n < kNodes; ++n) {
+  const int nodes = shape.nodes();
+  const int world = shape.world();
+  Twins t(shape);
+  for (int n = 0; n < nodes; ++n) {
     t.Open(n);
-    t.Send(n, Hello("job", NodeId(n), kWorld, RanksOf(n)));
+    t.Send(n, Hello("job", NodeId(n), world, shape.RanksOf(n)));
   }
-  for (int g = 0; g < kGroups; ++g) {
-    for (int n = 0; n < kNodes; ++n)
-      t.Send(n, Registration(MakeSpec(GroupId(g), kParams), RanksOf(n)));
+  for (int g = 0; g < shape.groups; ++g) {
+    for (int n = 0; n < nodes; ++n)
+      t.Send(n, Registration(MakeSpec(GroupId(g), shape.params), shape.RanksOf(n)));
   }
   // Each node's usage per group, and the batch its stream last sent in
   // full or per-manifest form (what a batch repeat stands for).
-  std::vector<std::vector<std::vector<std::optional<DType>>>> usage(kNodes);
-  std::vector<std::vector<v1::Manifest>> record(kNodes);
-  for (int n = 0; n < kNodes; ++n) {
-    for (int g = 0; g < kGroups; ++g) usage[n].push_back(RandomUsage(rng));
+  std::vector<std::vector<std::vector<std::optional<DType>>>> usage(nodes);
+  std::vector<std::vector<v1::Manifest>> record(nodes);
+  for (int n = 0; n < nodes; ++n) {
+    for (int g = 0; g < shape.groups; ++g) usage[n].push_back(RandomUsage(rng, shape.params));
   }
-  auto full_batch = [&](int n, int64_t step) {
+  auto full_manifests = [&](int n, int64_t step) {
     std::vector<v1::Manifest> ms;
-    for (int g = 0; g < kGroups; ++g) {
-      ms.push_back(NodeManifest(GroupId(g), step, usage[n][g], kWorld, RanksOf(n)));
+    for (int g = 0; g < shape.groups; ++g) {
+      ms.push_back(NodeManifest(GroupId(g), step, usage[n][g], world, shape.RanksOf(n)));
     }
-    record[n] = ms;
-    return Batch(ms);
+    return ms;
   };
+  auto full_batch = [&](int n, int64_t step) {
+    record[n] = full_manifests(n, step);
+    return Batch(record[n]);
+  };
+  // Nodes whose stream's record is only part of their groups (after a split
+  // step): their next step goes in full form, so no group is left behind.
+  std::vector<bool> partial(nodes, false);
   bool failed = false;
   const int steps = 10 + static_cast<int>(rng() % 10);
   for (int64_t step = 0; step < steps && !::testing::Test::HasFatalFailure(); ++step) {
-    std::vector<int> order = {0, 1, 2};
+    std::vector<int> order(nodes);
+    for (int n = 0; n < nodes; ++n) order[n] = n;
     std::shuffle(order.begin(), order.end(), rng);
     bool silent = false;
     for (int n : order) {
       t.Advance(absl::Milliseconds(rng() % 50));
       const int roll = static_cast<int>(rng() % 100);
-      if (step == 0 || record[n].empty()) {
+      if (step == 0 || record[n].empty() || partial[n]) {
+        partial[n] = false;
         t.Send(n, full_batch(n, step));
-      } else if (roll < 65) {
+      } else if (roll < 62) {
         t.Send(n, BatchRepeat(step, record[n]));
-      } else if (roll < 75) {
-        usage[n][rng() % kGroups] = RandomUsage(rng);  // may equal the old usage
+      } else if (roll < 70) {
+        usage[n][rng() % shape.groups] = RandomUsage(rng, shape.params);  // may be unchanged
         t.Send(n, full_batch(n, step));
-      } else if (roll < 82) {
+      } else if (roll < 76) {
         std::vector<v1::Manifest> ms;
         for (const v1::Manifest& m : record[n])
           ms.push_back(Repeat(m.group_id(), step, m.cache_key()));
         t.Send(n, Batch(ms));
         // The stream's record is now the repeat-form batch: same groups and keys.
-      } else if (roll < 88) {
+      } else if (roll < 82 && shape.groups > 1) {
+        // The step's groups in two batches, as a client that submits some
+        // groups early does; the stream's record is the second batch.
+        std::vector<v1::Manifest> ms = full_manifests(n, step);
+        const size_t cut = 1 + rng() % (ms.size() - 1);
+        std::vector<v1::Manifest> first(ms.begin(), ms.begin() + cut);
+        record[n].assign(ms.begin() + cut, ms.end());
+        t.Send(n, Batch(first));
+        t.Send(n, Batch(record[n]));
+        partial[n] = true;
+      } else if (roll < 87) {
         t.Send(n, BatchRepeat(step, record[n]));
         t.Send(n, BatchRepeat(step, record[n]));  // a resend
-      } else if (roll < 92) {
+      } else if (roll < 91) {
         t.Close(n);
         t.Open(n);
-        t.Send(n, Hello("job", NodeId(n), kWorld, RanksOf(n)));
+        t.Send(n, Hello("job", NodeId(n), world, shape.RanksOf(n)));
         t.Send(n, full_batch(n, step));
-      } else if (roll < 95 && !silent) {
+      } else if (roll < 94 && !silent) {
         silent = true;  // this node says nothing this step
       } else {
         t.Send(n, BatchRepeat(step, record[n]));
@@ -249,23 +288,49 @@ int64_t RunScenario(uint32_t seed) {
   return t.waves();
 }
 
-TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathOnRandomRuns) {
+// Shapes: the even job, one node alone, uneven nodes, more groups and nodes.
+// Returns the waves the fast side decided over `seeds` runs.
+int64_t RunShape(const Shape& shape, uint32_t seeds) {
   int64_t waves = 0;
-  for (uint32_t seed = 1; seed <= 300; ++seed) {
-    waves += RunScenario(seed);
+  for (uint32_t seed = 1; seed <= seeds; ++seed) {
+    waves += RunScenario(shape, seed);
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  return waves;
+}
+
+TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathOnRandomRuns) {
+  // The fast path was taken (not only the fallbacks).
+  EXPECT_GT(RunShape({{2, 2, 2}, 3, 3}, 300), 300);
+}
+
+TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathForOtherShapes) {
+  const std::vector<Shape> shapes = {
+      {{4}, 2, 3},                 // one node: every batch completes its steps
+      {{1, 3}, 3, 2},              // uneven nodes
+      {{1, 2, 1, 3, 1}, 4, 5},     // five uneven nodes, more groups and params
+      {{2, 2, 2, 2, 2, 2}, 1, 1},  // one group of one parameter
+  };
+  for (const Shape& shape : shapes) {
+    SCOPED_TRACE(shape.Name());
+    // With more nodes, a step more often has an event that breaks its wave;
+    // the fast path must still be taken in a good share of the runs.
+    EXPECT_GT(RunShape(shape, 150), 40);
     if (HasFatalFailure()) return;
   }
-  // The fast path was taken (not only the fallbacks).
-  EXPECT_GT(waves, 300);
 }
 
 // The steady state, spelled out: one wave per step once every node sent its
 // whole batch, and a silent node is named at the deadline from the wave's
 // first arrival.
 TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadline) {
-  Side s(true);
+  const Shape shape{{2, 2, 2}, 2, 2};
+  const int kNodes = shape.nodes();
+  const int kWorld = shape.world();
+  auto RanksOf = [&](int n) { return shape.RanksOf(n); };
+  Side s(true, kNodes);
   for (int n = 0; n < kNodes; ++n) {
-    s.ids[n] = s.coord.OpenSession(&s.sinks[n]);
+    s.ids[n] = s.coord.OpenSession(s.sinks[n].get());
     s.coord.HandleMessage(s.ids[n], Hello("job", NodeId(n), kWorld, RanksOf(n)));
     s.coord.HandleMessage(s.ids[n], Registration(MakeSpec("g0", 2), RanksOf(n)));
     s.coord.HandleMessage(s.ids[n], Registration(MakeSpec("g1", 2), RanksOf(n)));
@@ -280,7 +345,7 @@ TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadl
     for (int n = 0; n < kNodes; ++n) s.coord.HandleMessage(s.ids[n], BatchRepeat(step, record[n]));
   }
   EXPECT_EQ(s.coord.stats().repeat_waves, 5);
-  std::vector<v1::Decision> d = s.sinks[2].decisions();
+  std::vector<v1::Decision> d = s.sinks[2]->decisions();
   ASSERT_EQ(d.size(), 12u);
   for (size_t i = 2; i < d.size(); ++i) {
     EXPECT_TRUE(d[i].same_as_previous()) << i;
@@ -292,17 +357,17 @@ TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadl
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(m->skips[r], (std::vector<int64_t>{0, 6})) << r;
 
   // Step 6: node 1 is silent.
-  for (int n = 0; n < kNodes; ++n) s.sinks[n].Clear();
+  for (int n = 0; n < kNodes; ++n) s.sinks[n]->Clear();
   s.coord.HandleMessage(s.ids[0], BatchRepeat(6, record[0]));
   s.clock.Advance(absl::Seconds(1));
   s.coord.HandleMessage(s.ids[2], BatchRepeat(6, record[2]));
   s.clock.Advance(kDeadline - absl::Seconds(1) - absl::Milliseconds(1));
   s.coord.CheckDeadlines();
-  EXPECT_TRUE(s.sinks[0].decisions().empty()) << "failed before the deadline";
+  EXPECT_TRUE(s.sinks[0]->decisions().empty()) << "failed before the deadline";
   s.clock.Advance(absl::Milliseconds(1));
   s.coord.CheckDeadlines();
   for (int n = 0; n < kNodes; ++n) {
-    std::vector<v1::Decision> got = s.sinks[n].decisions();
+    std::vector<v1::Decision> got = s.sinks[n]->decisions();
     ASSERT_EQ(got.size(), 2u) << n;
     // One group's step is the culprit, the other's fails with the job.
     if (got[0].error().kind() == v1::JOB_FAILED) std::swap(got[0], got[1]);

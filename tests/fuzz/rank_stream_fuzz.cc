@@ -83,6 +83,9 @@ class FakeUpstream : public accord::daemon::UpstreamSink {
   void Observe(const accord::v1::NodeMessage& m) {
     Check(m.body_case() != accord::v1::NodeMessage::BODY_NOT_SET);
     ++messages;
+    // The job's world is the one the node hello announces: a rank's hello may
+    // name world + 1, and partial manifests' rank bits are sized by it.
+    if (m.has_hello()) world = m.hello().world_size();
     if (m.has_registration()) {
       registered[m.registration().registration().group_id()].insert(
           m.registration().registration().params_size());
