@@ -374,4 +374,37 @@ uint64_t BatchKeyHasher::Finish() const {
   return key != 0 ? key : 1;
 }
 
+void SentBatchRecord::Record(const v1::ManifestBatch& batch) {
+  entries_.clear();
+  BatchKeyHasher hasher;
+  for (const v1::Manifest& m : batch.manifests()) {
+    entries_.emplace_back(m.group_id(), m.cache_key());
+    hasher.Add(m.group_id(), m.cache_key());
+  }
+  key_ = entries_.empty() ? 0 : hasher.Finish();
+}
+
+bool SentBatchRecord::RepeatedBy(const v1::ManifestBatch& batch) const {
+  const int n = batch.manifests_size();
+  if (n == 0 || static_cast<size_t>(n) != entries_.size() || batch.repeat_batch_key() != 0) {
+    return false;
+  }
+  const int64_t step = batch.manifests(0).step();
+  for (int i = 0; i < n; ++i) {
+    const v1::Manifest& m = batch.manifests(i);
+    if (!m.repeat() || m.step() != step ||
+        !Matches(static_cast<size_t>(i), m.group_id(), m.cache_key())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+v1::NodeMessage SentBatchRecord::RepeatAt(int64_t step) const {
+  v1::NodeMessage m;
+  m.mutable_manifests()->set_repeat_step(step);
+  m.mutable_manifests()->set_repeat_batch_key(key_);
+  return m;
+}
+
 }  // namespace accord::wire

@@ -5,6 +5,7 @@
 #define ACCORD_PROTO_WIRE_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -66,6 +67,34 @@ class BatchKeyHasher {
 
  private:
   StableHasher hasher_;
+};
+
+// The previous manifest batch a node stream sent upstream (a sidecar's or a
+// relay's), kept so that the same batch again in repeat form goes up as one
+// batch repeat record: ManifestBatch.repeat_step + repeat_batch_key. The
+// coordinator keeps the same record per stream (docs/ARCHITECTURE.md,
+// "Repeat waves"), so the sender must Record every manifest batch the
+// stream carries, in order, and start a new stream from the batch it
+// resends on it (or none).
+class SentBatchRecord {
+ public:
+  void Record(const v1::ManifestBatch& batch);
+  void Clear() { Record(v1::ManifestBatch()); }
+  size_t size() const { return entries_.size(); }
+  // Whether entry i names (group_id, cache_key).
+  bool Matches(size_t i, absl::string_view group_id, uint64_t cache_key) const {
+    return entries_[i].second == cache_key && entries_[i].first == group_id;
+  }
+  // Whether `batch` is the recorded batch again: every manifest in repeat
+  // form at one step, the same groups and keys in the same order.
+  bool RepeatedBy(const v1::ManifestBatch& batch) const;
+  // The batch repeat record standing for the recorded batch at `step`
+  // (only when size() > 0).
+  v1::NodeMessage RepeatAt(int64_t step) const;
+
+ private:
+  std::vector<std::pair<std::string, uint64_t>> entries_;
+  uint64_t key_ = 0;
 };
 
 void DecisionToProto(const Decision& d, v1::DecisionOk* out);

@@ -359,10 +359,11 @@ int ServeUntilSignal(JobTokens* tokens) {
 void PrintStats(const CoordinatorStats& stats) {
   std::printf(
       "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
-      "cache_hits=%lld cache_misses=%lld errors=%lld\n",
+      "cache_hits=%lld cache_misses=%lld errors=%lld repeat_waves=%lld\n",
       static_cast<long long>(stats.decisions), static_cast<long long>(stats.same_as_previous),
       static_cast<long long>(stats.manifests), static_cast<long long>(stats.cache_hits),
-      static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors));
+      static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors),
+      static_cast<long long>(stats.repeat_waves));
   std::fflush(stdout);
 }
 

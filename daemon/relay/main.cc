@@ -263,11 +263,14 @@ int Main(int argc, char** argv) {
   relay.Stop();  // its timer sends upstream
   upstream.Stop();
   const RelayStats stats = relay.stats();
-  std::printf("accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld batches=%lld\n",
-              static_cast<long long>(stats.node_manifests_in),
-              static_cast<long long>(stats.manifests_up_full),
-              static_cast<long long>(stats.manifests_up_repeat),
-              static_cast<long long>(stats.decision_batches));
+  std::printf(
+      "accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld up_batch_repeats=%lld "
+      "batches=%lld\n",
+      static_cast<long long>(stats.node_manifests_in),
+      static_cast<long long>(stats.manifests_up_full),
+      static_cast<long long>(stats.manifests_up_repeat),
+      static_cast<long long>(stats.batch_repeats_up),
+      static_cast<long long>(stats.decision_batches));
   std::fflush(stdout);
   return 0;
 }

@@ -545,6 +545,15 @@ absl::StatusOr<RankSet> Relay::PartRanksLocked(const Part& p) {
 
 void Relay::SendBatchLocked(v1::ManifestBatch batch) {
   if (batch.manifests_size() == 0) return;
+  // Every group of a step completed by one sidecar's batch, each identical
+  // to the previous one sent: the coordinator can take it as one batch
+  // repeat (and a repeat wave when every relay does the same).
+  if (upstream_batch_repeat_ && last_batch_.RepeatedBy(batch)) {
+    ++stats_.batch_repeats_up;
+    upstream_->Send(last_batch_.RepeatAt(batch.manifests(0).step()));
+    return;
+  }
+  last_batch_.Record(batch);
   v1::NodeMessage up;
   *up.mutable_manifests() = std::move(batch);
   upstream_->Send(std::move(up));
@@ -667,8 +676,14 @@ void Relay::OnUpstreamConnected() {
         for (const v1::Manifest& m : sent) *batch.mutable_manifests()->add_manifests() = m;
       }
     }
+    // A new stream: no batch repeat until its Welcome offers them; its
+    // previous batch is the resend (or none).
+    last_batch_.Record(batch.manifests());
     if (batch.manifests().manifests_size() > 0) resend.push_back(std::move(batch));
+  } else {
+    last_batch_.Clear();
   }
+  upstream_batch_repeat_ = false;
   upstream_->Reset(std::move(resend));
 }
 
@@ -678,6 +693,7 @@ void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   switch (message->body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       welcomed_ = true;
+      upstream_batch_repeat_ = message->welcome().batch_repeat();
       deadline_ms_ = message->welcome().deadline_ms();
       if (!message->welcome().run_id().empty()) run_id_ = message->welcome().run_id();
       for (auto& [id, node] : nodes_) WelcomeLocked(node);
@@ -778,6 +794,8 @@ void Relay::ResetJobLocked() {
   welcomed_ = false;
   hello_sent_ = false;
   deadline_ms_ = 0;
+  upstream_batch_repeat_ = false;
+  last_batch_.Clear();
   announced_.clear();
   nodes_.clear();
   groups_.clear();

@@ -26,7 +26,11 @@
 //    group contributed, ONE manifest goes upstream: the core Merge of the
 //    contributions, with rank_detail for every rank whose usage differs from
 //    the merged usage, so the coordinator's skip matrix stays per rank; in
-//    repeat form when identical to the previous one sent for the group. A
+//    repeat form when identical to the previous one sent for the group. An
+//    upstream batch that is the previous one again (the same groups and
+//    keys, all in repeat form) goes as one batch repeat record when the
+//    coordinator's Welcome offers them, so a coordinator behind relays
+//    decides steady steps as repeat waves. A
 //    contribution that arrives after its step went up (a sidecar that
 //    reconnected) goes up alone, for its own ranks (the coordinator accepts
 //    disjoint contributions of one node).
@@ -70,6 +74,7 @@
 #include "daemon/common/clock.h"
 #include "daemon/common/node_session.h"
 #include "daemon/common/upstream.h"
+#include "proto/wire.h"
 
 namespace accord::daemon {
 
@@ -91,6 +96,7 @@ struct RelayStats {
   int64_t node_manifests_in = 0;    // manifests from sidecars (after repeat expansion)
   int64_t manifests_up_full = 0;    // merged manifests sent upstream in full form
   int64_t manifests_up_repeat = 0;  // ... in repeat form
+  int64_t batch_repeats_up = 0;     // upstream batches sent as one batch repeat record
   int64_t decision_batches = 0;     // decision batches fanned out
   int nodes = 0;                    // sidecars connected now
   std::string job_id;
@@ -246,7 +252,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;   // on the current stream
   bool welcomed_ ABSL_GUARDED_BY(mu_) = false;     // its Welcome arrived
   int64_t deadline_ms_ ABSL_GUARDED_BY(mu_) = 0;   // from the Welcome
-  std::set<int> announced_ ABSL_GUARDED_BY(mu_);   // ranks announced upstream
+  // The upstream Welcome offered batch repeats; last_batch_ is the stream's
+  // previous manifest batch (docs/ARCHITECTURE.md, "Repeat waves").
+  bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
+  wire::SentBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
+  std::set<int> announced_ ABSL_GUARDED_BY(mu_);  // ranks announced upstream
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);

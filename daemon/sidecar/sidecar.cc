@@ -140,52 +140,29 @@ void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
   it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
 }
 
-void Sidecar::RecordBatchLocked(const v1::ManifestBatch& batch) {
-  last_batch_.clear();
-  wire::BatchKeyHasher hasher;
-  for (const v1::Manifest& m : batch.manifests()) {
-    last_batch_.emplace_back(m.group_id(), m.cache_key());
-    hasher.Add(m.group_id(), m.cache_key());
-  }
-  last_batch_key_ = last_batch_.empty() ? 0 : hasher.Finish();
-}
-
 void Sidecar::SendBatchRepeatLocked(int64_t step) {
-  v1::NodeMessage rep;
-  rep.mutable_manifests()->set_repeat_step(step);
-  rep.mutable_manifests()->set_repeat_batch_key(last_batch_key_);
   ++stats_.node_batch_repeats;
-  upstream_->Send(std::move(rep));
+  upstream_->Send(last_batch_.RepeatAt(step));
 }
 
 void Sidecar::SendManifestsLocked(v1::NodeMessage up) {
   const v1::ManifestBatch& batch = up.manifests();
-  const int n = batch.manifests_size();
-  if (n == 0) return;
-  bool same = upstream_batch_repeat_ && last_batch_key_ != 0 &&
-              static_cast<size_t>(n) == last_batch_.size();
-  const int64_t step = batch.manifests(0).step();
-  for (int i = 0; same && i < n; ++i) {
-    const v1::Manifest& m = batch.manifests(i);
-    same = m.repeat() && m.step() == step && m.cache_key() == last_batch_[i].second &&
-           m.group_id() == last_batch_[i].first;
-  }
-  if (same) {
-    SendBatchRepeatLocked(step);
+  if (batch.manifests_size() == 0) return;
+  if (upstream_batch_repeat_ && last_batch_.RepeatedBy(batch)) {
+    SendBatchRepeatLocked(batch.manifests(0).step());
     return;
   }
-  RecordBatchLocked(batch);
+  last_batch_.Record(batch);
   upstream_->Send(std::move(up));
 }
 
 void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
   if (items.empty()) return;
   const int64_t step = items[0].step;
-  bool same = upstream_batch_repeat_ && last_batch_key_ != 0 && items.size() == last_batch_.size();
+  bool same = upstream_batch_repeat_ && items.size() == last_batch_.size();
   for (size_t i = 0; same && i < items.size(); ++i) {
     const Outgoing& o = items[i];
-    same = o.repeat && o.step == step && o.key == last_batch_[i].second &&
-           o.group->group_id == last_batch_[i].first;
+    same = o.repeat && o.step == step && last_batch_.Matches(i, o.group->group_id, o.key);
   }
   if (same) {
     SendBatchRepeatLocked(step);
@@ -207,7 +184,7 @@ void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
     m->set_step(o.step);
   }
   items.clear();
-  RecordBatchLocked(*batch);
+  last_batch_.Record(*batch);
   upstream_->Send(std::move(up));
 }
 
@@ -709,8 +686,7 @@ void Sidecar::ResetJobLocked() {
   group_order_.clear();
   groups_.clear();
   upstream_batch_repeat_ = false;
-  last_batch_.clear();
-  last_batch_key_ = 0;
+  last_batch_.Clear();
   upstream_->Reconnect();
 }
 
@@ -746,11 +722,11 @@ void Sidecar::OnUpstreamConnected() {
     }
     // A new stream: no batch repeat until its Welcome says so; its previous
     // batch is the resend (or none).
-    RecordBatchLocked(batch.manifests());
+    last_batch_.Record(batch.manifests());
     if (batch.manifests().manifests_size() > 0) msgs.push_back(std::move(batch));
   } else {
     hello_sent_ = false;
-    RecordBatchLocked(v1::ManifestBatch());
+    last_batch_.Clear();
   }
   upstream_batch_repeat_ = false;
   report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says

@@ -61,6 +61,7 @@
 #include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/upstream.h"
+#include "proto/wire.h"
 
 namespace accord::daemon {
 
@@ -303,7 +304,6 @@ class Sidecar final : public UpstreamHandler {
   void SendManifestsLocked(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the 16-byte record "step `step` repeats the previous batch".
   void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordBatchLocked(const v1::ManifestBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
@@ -349,8 +349,7 @@ class Sidecar final : public UpstreamHandler {
   // The current upstream stream: whether the coordinator accepts batch
   // repeats, and the previous ManifestBatch sent on it (group, cache key).
   bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::pair<std::string, uint64_t>> last_batch_ ABSL_GUARDED_BY(mu_);
-  uint64_t last_batch_key_ ABSL_GUARDED_BY(mu_) = 0;
+  wire::SentBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
   std::thread timer_;  // last: started once everything above is initialised
 };
 

@@ -107,9 +107,10 @@ class RelayTest : public ::testing::Test {
     return id;
   }
 
-  void Welcome(int64_t deadline_ms) {
+  void Welcome(int64_t deadline_ms, bool batch_repeat = false) {
     v1::CoordinatorMessage w;
     w.mutable_welcome()->set_deadline_ms(deadline_ms);
+    w.mutable_welcome()->set_batch_repeat(batch_repeat);
     w.mutable_welcome()->set_run_id("run1");
     relay_->HandleCoordinatorMessage(&w);
   }
@@ -177,6 +178,72 @@ TEST_F(RelayTest, TwoSidecarsMergeIntoOneManifestWithPerRankDetailThenRepeatForm
   EXPECT_TRUE(up_.manifests()[1].repeat());
   EXPECT_EQ(up_.manifests()[1].cache_key(), m.cache_key());
   EXPECT_EQ(up_.manifests()[1].step(), 1);
+}
+
+v1::Manifest RepeatOf(const v1::Manifest& m, int64_t step) {
+  v1::Manifest r;
+  r.set_group_id(m.group_id());
+  r.set_step(step);
+  r.set_repeat(true);
+  r.set_cache_key(m.cache_key());
+  return r;
+}
+
+TEST_F(RelayTest, ABatchThatRepeatsThePreviousGoesUpAsOneBatchRepeatWhenOffered) {
+  Welcome(2000, /*batch_repeat=*/true);
+  const v1::Manifest a = NodeManifest(0, {0, 1}, {true, false, true});
+  const v1::Manifest b = NodeManifest(0, {2, 3}, {true, true, false});
+  Submit(a_, a);
+  Submit(b_, b);
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  const v1::Manifest merged = up_.manifests()[0];
+  ASSERT_FALSE(merged.repeat());
+  // Steps 1 and 2 repeat it: one batch repeat record each, keyed as the
+  // coordinator keys the stream's previous batch.
+  wire::BatchKeyHasher hasher;
+  hasher.Add("g", merged.cache_key());
+  for (int64_t step = 1; step <= 2; ++step) {
+    up_.sent.clear();
+    Submit(a_, RepeatOf(a, step));
+    Submit(b_, RepeatOf(b, step));
+    ASSERT_EQ(up_.sent.size(), 1u) << step;
+    const v1::ManifestBatch& got = up_.sent[0].manifests();
+    EXPECT_EQ(got.manifests_size(), 0) << step;
+    EXPECT_EQ(got.repeat_step(), step);
+    EXPECT_EQ(got.repeat_batch_key(), hasher.Finish());
+  }
+  EXPECT_EQ(relay_->stats().batch_repeats_up, 2);
+  // Changed usage on node1: the full merged form goes, and becomes the record.
+  up_.sent.clear();
+  Submit(a_, RepeatOf(a, 3));
+  Submit(b_, NodeManifest(3, {2, 3}, {true, true, true}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_FALSE(up_.manifests()[0].repeat());
+  EXPECT_EQ(up_.sent[0].manifests().repeat_batch_key(), 0u);
+
+  // A new upstream stream: nothing in batch-repeat form until its Welcome
+  // offers it again.
+  relay_->OnUpstreamConnected();
+  up_.sent.clear();
+  Submit(a_, RepeatOf(a, 4));
+  Submit(b_, RepeatOf(NodeManifest(0, {2, 3}, {true, true, true}), 4));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_EQ(up_.sent[0].manifests().repeat_batch_key(), 0u);
+  EXPECT_EQ(relay_->stats().batch_repeats_up, 2);
+}
+
+TEST_F(RelayTest, NoBatchRepeatUpstreamUnlessTheWelcomeOffersIt) {
+  const v1::Manifest a = NodeManifest(0, {0, 1}, {true, false, true});
+  const v1::Manifest b = NodeManifest(0, {2, 3}, {true, true, false});
+  Submit(a_, a);
+  Submit(b_, b);
+  for (int64_t step = 1; step <= 2; ++step) {
+    Submit(a_, RepeatOf(a, step));
+    Submit(b_, RepeatOf(b, step));
+  }
+  ASSERT_EQ(up_.manifests().size(), 3u);
+  EXPECT_TRUE(up_.manifests()[2].repeat());
+  EXPECT_EQ(relay_->stats().batch_repeats_up, 0);
 }
 
 TEST_F(RelayTest, DecisionsFanOutAsOneSharedMessageToEverySidecar) {

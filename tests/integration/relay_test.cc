@@ -93,10 +93,14 @@ TEST(RelayTest, ARelayedJobRunsAgainUnderTheSameIdAndRepeatsGoUpInRepeatForm) {
   // The relay dropped the job when its sidecars left; the same id starts a
   // new run through it and decides the same.
   EXPECT_EQ(CommonDigest(RunJob(*relayed, {"--steps=6", "--groups=2"}, "again")), first);
-  // Steady-state steps repeat: the coordinator answered same_as_previous.
+  // Steady-state steps repeat: the coordinator answered same_as_previous,
+  // and the relay's batches that repeated its previous one went up as batch
+  // repeats, decided as repeat waves.
   std::string stats = relayed->StopCoordinator();
   std::smatch m;
   ASSERT_TRUE(std::regex_search(stats, m, std::regex("same_as_previous=(\\d+)"))) << stats;
+  EXPECT_GT(std::stoi(m[1]), 0) << stats;
+  ASSERT_TRUE(std::regex_search(stats, m, std::regex("repeat_waves=(\\d+)"))) << stats;
   EXPECT_GT(std::stoi(m[1]), 0) << stats;
 }
 
