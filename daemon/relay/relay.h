@@ -97,6 +97,7 @@ struct RelayStats {
   int64_t manifests_up_full = 0;    // merged manifests sent upstream in full form
   int64_t manifests_up_repeat = 0;  // ... in repeat form
   int64_t batch_repeats_up = 0;     // upstream batches sent as one batch repeat record
+  int64_t merges_reused = 0;        // steps sent as the previous merge (every part repeated)
   int64_t decision_batches = 0;     // decision batches fanned out
   int nodes = 0;                    // sidecars connected now
   std::string job_id;
@@ -147,6 +148,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   struct Part {
     std::string node_id;
     v1::Manifest manifest;
+    bool repeat = false;  // resolved from the sidecar's repeat form
   };
   struct LocalStep {
     absl::Time first_seen;
@@ -176,6 +178,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     bool have_last_sent = false;
     uint64_t last_sent_key = 0;
     std::string last_sent_shape;  // rank_bits + rank_detail it carried
+    // The last merge: a signature of its parts (PartsSignatureLocked; 0:
+    // none) and its result (full form, step cleared). A step whose parts are
+    // all repeats with the same signature merges to the same manifest.
+    uint64_t last_parts_signature = 0;
+    v1::Manifest last_merged;
   };
   struct Session {
     NodeSink* sink = nullptr;
@@ -196,8 +203,13 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   void HandleRankEventLocked(Node& node, const v1::RankEvent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds one resolved manifest; appends what is ready to go up to `out`.
-  void AddManifestLocked(Node& node, Group& g, v1::Manifest m, v1::ManifestBatch* out)
+  // Adds one resolved manifest (`repeat`: from the sidecar's repeat form);
+  // appends what is ready to go up to `out`.
+  void AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, v1::ManifestBatch* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a merge of `parts` depends on: each sidecar's content key and the
+  // ranks the relay knows (membership_epoch_). 0 when a part has no key.
+  uint64_t PartsSignatureLocked(const std::vector<Part>& parts) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the unsent contributions of (g, step) once every sidecar that
   // registered g contributed.
@@ -257,6 +269,9 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
   wire::SentBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
   std::set<int> announced_ ABSL_GUARDED_BY(mu_);  // ranks announced upstream
+  // Moves whenever a sidecar's ranks or the announced ranks change (merges
+  // depend on both).
+  uint64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);

@@ -232,6 +232,46 @@ TEST_F(RelayTest, ABatchThatRepeatsThePreviousGoesUpAsOneBatchRepeatWhenOffered)
   EXPECT_EQ(relay_->stats().batch_repeats_up, 2);
 }
 
+TEST_F(RelayTest, RepeatedPartsReuseTheLastMergeUntilTheRanksChange) {
+  const v1::Manifest a = NodeManifest(0, {0, 1}, {true, false, true});
+  const v1::Manifest b = NodeManifest(0, {2, 3}, {true, true, false});
+  Submit(a_, a);
+  Submit(b_, b);
+  const v1::Manifest merged = up_.manifests()[0];
+  for (int64_t step = 1; step <= 3; ++step) {
+    // Either order: the parts are the same set.
+    Submit(step % 2 ? a_ : b_, RepeatOf(step % 2 ? a : b, step));
+    Submit(step % 2 ? b_ : a_, RepeatOf(step % 2 ? b : a, step));
+  }
+  ASSERT_EQ(up_.manifests().size(), 4u);
+  for (int i = 1; i < 4; ++i) {
+    EXPECT_TRUE(up_.manifests()[i].repeat()) << i;
+    EXPECT_EQ(up_.manifests()[i].cache_key(), merged.cache_key()) << i;
+  }
+  // Step 0's parts were full forms with the same keys: steps 1-3 reuse it.
+  EXPECT_EQ(relay_->stats().merges_reused, 3);
+  // Rank 3 leaves: the same parts now merge to other ranks, so the relay
+  // merges again and sends the new content in full form.
+  v1::NodeMessage leave;
+  leave.mutable_rank_event()->set_rank(3);
+  leave.mutable_rank_event()->set_joined(false);
+  relay_->HandleMessage(b_, leave);
+  Submit(a_, RepeatOf(a, 4));
+  Submit(b_, RepeatOf(b, 4));
+  ASSERT_EQ(up_.manifests().size(), 5u);
+  const v1::Manifest after = up_.manifests()[4];
+  EXPECT_FALSE(after.repeat());
+  EXPECT_NE(after.cache_key(), merged.cache_key());
+  EXPECT_EQ(relay_->stats().merges_reused, 3);
+  // ... and the new merge is reused from then on.
+  Submit(a_, RepeatOf(a, 5));
+  Submit(b_, RepeatOf(b, 5));
+  ASSERT_EQ(up_.manifests().size(), 6u);
+  EXPECT_TRUE(up_.manifests()[5].repeat());
+  EXPECT_EQ(up_.manifests()[5].cache_key(), after.cache_key());
+  EXPECT_EQ(relay_->stats().merges_reused, 4);
+}
+
 TEST_F(RelayTest, NoBatchRepeatUpstreamUnlessTheWelcomeOffersIt) {
   const v1::Manifest a = NodeManifest(0, {0, 1}, {true, false, true});
   const v1::Manifest b = NodeManifest(0, {2, 3}, {true, true, false});
