@@ -354,7 +354,7 @@ absl::Status LocalCluster::StartRelay(int j, const std::string& listen,
   absl::StatusOr<std::string> bin = FindBinary(options_.bin_dir, "accord-relay");
   if (!bin.ok()) return bin.status();
   std::vector<std::string> argv = {*bin, "--listen=" + listen, "--coordinator=" + coordinator,
-                                   absl::StrCat("--relay_id=relay", j)};
+                                   absl::StrCat("--relay_id=relay", j), "--metrics_port=0"};
   argv.insert(argv.end(), options_.relay_flags.begin(), options_.relay_flags.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> p =
       ChildProcess::Spawn(argv, absl::StrCat("relay", j), options_.echo);

@@ -20,10 +20,13 @@
 #include "daemon/common/signals.h"
 #include "daemon/common/tls.h"
 #include "daemon/coordinator/grpc_coordinator_service.h"
+#include "daemon/relay/metrics_relay.h"
 #include "daemon/relay/relay.h"
 #include "daemon/sidecar/grpc_sidecar.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "observe/http_server.h"
+#include "observe/metrics.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
           "host:port the sidecars connect to (port 0: any free port, printed). A non-loopback "
@@ -67,6 +70,10 @@ ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
 ABSL_FLAG(int64_t, stream_queue_high_watermark, 16384,
           "messages queued for one sidecar stream past which it is cut off");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+ABSL_FLAG(int, metrics_port, 9092,
+          "serve Prometheus metrics (/metrics) and /healthz over HTTP on this port (0: any free "
+          "port; -1: off)");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics endpoint binds");
 
 namespace accord::daemon {
 namespace {
@@ -245,6 +252,20 @@ int Main(int argc, char** argv) {
                       << " (--listen); is the port in use or the address not local?";
     return 1;
   }
+  MetricsRegistry registry;
+  RelayMetrics metrics(&registry);
+  MetricsHttpServer metrics_server([&] {
+    metrics.Refresh(relay.stats());
+    return registry.Render();
+  });
+  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
+    absl::StatusOr<int> bound = metrics_server.StartForDaemon(
+        "accord-relay", absl::GetFlag(FLAGS_metrics_host), metrics_port);
+    if (!bound.ok()) {
+      ACCORD_LOG(ERROR) << bound.status().message();
+      return 1;
+    }
+  }
   upstream.Start();
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::printf("accord-relay listening on %s:%d\n", host.c_str(), port);
@@ -262,6 +283,7 @@ int Main(int argc, char** argv) {
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   relay.Stop();  // its timer sends upstream
   upstream.Stop();
+  metrics_server.Stop();
   const RelayStats stats = relay.stats();
   std::printf(
       "accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld up_batch_repeats=%lld "

@@ -292,6 +292,7 @@ class ChartTest(unittest.TestCase):
         "relays": {
             "relay": {"enabled": True, "replicas": 2, "nodesPerRelay": 2,
                       "extraArgs": ["--foo=1"]},
+            "monitoring": {"podMonitor": {"enabled": True}},
             "trainerExample": {"enabled": True, "nodes": 4, "procsPerNode": 8},
         },
     }
@@ -448,6 +449,8 @@ class ChartTest(unittest.TestCase):
                 auth = self.COMBOS[name].get("auth", {}).get("enabled", True)
                 self.assertEqual("token_file" in flags, auth)
                 for pm in by_kind(objs, "PodMonitor"):
+                    if pm["metadata"]["labels"]["app.kubernetes.io/component"] == "relay":
+                        continue  # test_relay_wiring
                     labels = job["spec"]["template"]["metadata"]["labels"]
                     self.assertLessEqual(pm["spec"]["selector"]["matchLabels"].items(), labels.items())
                     port_names = {p["name"] for p in sidecar["ports"]}
@@ -483,6 +486,15 @@ class ChartTest(unittest.TestCase):
                 for f in ("tls_cert", "upstream_tls_ca", "tokens_file"):
                     self.assertIn(str(Path(flags[f]).parent), mounts, f)
                 self.assertEqual(c["securityContext"]["runAsUser"], 65532)
+                # The relays' PodMonitor scrapes their metrics port.
+                self.assertEqual(flags["metrics_port"], "9092")
+                (pm,) = [p for p in by_kind(objs, "PodMonitor")
+                         if p["metadata"]["labels"]["app.kubernetes.io/component"] == "relay"]
+                pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+                self.assertLessEqual(pm["spec"]["selector"]["matchLabels"].items(),
+                                     pod_labels.items())
+                ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+                self.assertEqual(ports.get(pm["spec"]["podMetricsEndpoints"][0]["port"]), 9092)
 
     def test_service_monitor_selects_the_service(self):
         objs = self.renders["plain-manifest values"]

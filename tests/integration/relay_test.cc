@@ -14,6 +14,7 @@
 #include "client/testing/local_cluster.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "observe/http_client.h"
 
 namespace accord::testing {
 namespace {
@@ -42,6 +43,13 @@ std::vector<RankResult> RunJob(LocalCluster& cluster, const std::vector<std::str
   absl::StatusOr<std::vector<RankResult>> r = cluster.RunRanks(cmd, world, job, absl::Seconds(120));
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *r : std::vector<RankResult>();
+}
+
+// The value of an unlabelled series in a Prometheus text page (-1: absent).
+double Series(const std::string& page, const std::string& name) {
+  std::smatch m;
+  if (!std::regex_search(page, m, std::regex("\n" + name + " ([0-9.e+]+)"))) return -1;
+  return std::stod(m[1]);
 }
 
 std::string Digest(const RankResult& r) {
@@ -102,6 +110,21 @@ TEST(RelayTest, ARelayedJobRunsAgainUnderTheSameIdAndRepeatsGoUpInRepeatForm) {
   EXPECT_GT(std::stoi(m[1]), 0) << stats;
   ASSERT_TRUE(std::regex_search(stats, m, std::regex("repeat_waves=(\\d+)"))) << stats;
   EXPECT_GT(std::stoi(m[1]), 0) << stats;
+
+  // The relay's own Prometheus counters, scraped over HTTP.
+  const std::string out = relayed->RelayOutput(0);
+  ASSERT_TRUE(
+      std::regex_search(out, m, std::regex("metrics on http://127\\.0\\.0\\.1:(\\d+)/metrics")))
+      << out;
+  absl::StatusOr<HttpResponse> page = HttpGet("127.0.0.1", std::stoi(m[1]), "/metrics");
+  ASSERT_TRUE(page.ok()) << page.status();
+  const std::string& body = page->body;
+  // 2 runs x 6 steps x 2 groups from each of the 2 sidecars.
+  EXPECT_EQ(Series(body, "accord_relay_manifests_in_total"), 48) << body;
+  EXPECT_GT(Series(body, "accord_relay_batch_repeats_up_total"), 0) << body;
+  EXPECT_GT(Series(body, "accord_relay_merges_reused_total"), 0) << body;
+  EXPECT_GT(Series(body, "accord_relay_decision_batches_total"), 0) << body;
+  EXPECT_EQ(Series(body, "accord_relay_sidecars"), 0) << "both runs ended\n" << body;
 }
 
 TEST(RelayTest, SkipMatrixStaysPerRankThroughARelay) {
