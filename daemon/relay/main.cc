@@ -11,7 +11,6 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/log.h"
@@ -23,6 +22,7 @@
 #include "daemon/relay/metrics_relay.h"
 #include "daemon/relay/relay.h"
 #include "daemon/sidecar/grpc_sidecar.h"
+#include "daemon/sidecar/upstream_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "observe/http_server.h"
@@ -107,76 +107,20 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
   return grpc::SslServerCredentials(ssl);
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials() {
-  const std::string ca_path = absl::GetFlag(FLAGS_upstream_tls_ca);
-  const std::string cert_path = absl::GetFlag(FLAGS_upstream_tls_cert);
-  const std::string key_path = absl::GetFlag(FLAGS_upstream_tls_key);
-  const bool tls = !ca_path.empty() || !cert_path.empty() || !key_path.empty();
-  if (absl::Status s = CheckClientPlaintext(absl::GetFlag(FLAGS_coordinator),
-                                            absl::GetFlag(FLAGS_upstream_plaintext), tls);
-      !s.ok()) {
-    return s;
-  }
-  if (!tls) return grpc::InsecureChannelCredentials();
-  grpc::SslCredentialsOptions ssl;
-  if (!ca_path.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "upstream_tls_ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-  }
-  if (cert_path.empty() != key_path.empty()) {
-    return absl::InvalidArgumentError(
-        "mutual TLS upstream needs both --upstream_tls_cert and --upstream_tls_key");
-  }
-  if (!cert_path.empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "upstream_tls_cert");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPemFile(key_path, "upstream_tls_key");
-    if (!key.ok()) return key.status();
-    ssl.pem_cert_chain = *cert;
-    ssl.pem_private_key = *key;
-  }
-  return grpc::SslCredentials(ssl);
-}
-
-absl::StatusOr<std::string> JobToken() {
-  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
-    absl::StatusOr<std::string> text = ReadPemFile(path, "token_file");
-    if (!text.ok()) return text.status();
-    std::string token(absl::StripAsciiWhitespace(*text));
-    if (token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token_file=", path, " is empty"));
-    }
-    return token;
-  }
-  return absl::GetFlag(FLAGS_token);
-}
-
-// Keepalive (docs/ARCHITECTURE.md, "Liveness") in milliseconds, checked.
-absl::StatusOr<std::pair<int, int>> Keepalive() {
-  const int64_t time_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
-  const int64_t timeout_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
-  if (time_ms < 1 || timeout_ms < 1 || time_ms > INT32_MAX || timeout_ms > INT32_MAX) {
-    return absl::InvalidArgumentError(
-        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
-  }
-  return std::make_pair(static_cast<int>(time_ms), static_cast<int>(timeout_ms));
-}
-
-std::shared_ptr<grpc::Channel> UpstreamChannel(std::shared_ptr<grpc::ChannelCredentials> creds,
-                                               std::pair<int, int> keepalive) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, absl::GetFlag(FLAGS_max_message_bytes));
-  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, absl::GetFlag(FLAGS_max_message_bytes));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive.first);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive.second);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(
-      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-      static_cast<int>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_reconnect_max_backoff))));
-  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), std::move(creds), args);
+// The upstream channel's flags (daemon/sidecar/upstream_channel.h).
+UpstreamFlags UpstreamFlagsFromFlags() {
+  UpstreamFlags f;
+  f.target = absl::GetFlag(FLAGS_coordinator);
+  f.plaintext = absl::GetFlag(FLAGS_upstream_plaintext);
+  f.tls_flag_prefix = "upstream_tls_";
+  f.ca_path = absl::GetFlag(FLAGS_upstream_tls_ca);
+  f.cert_path = absl::GetFlag(FLAGS_upstream_tls_cert);
+  f.key_path = absl::GetFlag(FLAGS_upstream_tls_key);
+  f.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  f.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  f.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  f.reconnect_max_backoff = absl::GetFlag(FLAGS_reconnect_max_backoff);
+  return f;
 }
 
 int Main(int argc, char** argv) {
@@ -191,11 +135,16 @@ int Main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_creds = ServerCredentials();
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_creds = ChannelCredentials();
-  absl::StatusOr<std::string> token = JobToken();
-  absl::StatusOr<std::pair<int, int>> keepalive = Keepalive();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      UpstreamChannel(UpstreamFlagsFromFlags());
+  absl::StatusOr<std::string> token =
+      JobTokenFrom(absl::GetFlag(FLAGS_token_file), absl::GetFlag(FLAGS_token));
+  // The server side keeps alive as the upstream does (the flags are checked
+  // with the channel).
+  absl::StatusOr<std::pair<int, int>> keepalive =
+      KeepaliveMillis(absl::GetFlag(FLAGS_keepalive_time), absl::GetFlag(FLAGS_keepalive_timeout));
   for (const absl::Status& s :
-       {server_creds.status(), channel_creds.status(), token.status(), keepalive.status()}) {
+       {server_creds.status(), channel.status(), token.status(), keepalive.status()}) {
     if (!s.ok()) {
       ACCORD_LOG(ERROR) << s.message();
       return 2;
@@ -219,16 +168,15 @@ int Main(int argc, char** argv) {
   }
   options.token = *token;
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
-  std::shared_ptr<grpc::Channel> channel = UpstreamChannel(*channel_creds, *keepalive);
   Relay relay(options);
-  GrpcUpstream upstream(channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
+  GrpcUpstream upstream(*channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
   relay.SetUpstream(&upstream);
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
   CoordinatorGrpcService node_service(&relay, tokens.get(), queue_limits);
   // Key-value requests pass through unchanged (the sidecar stamped them).
-  KeyValueForwarder kv_service(channel, /*only_job=*/"", /*token=*/"",
+  KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
 
   grpc::EnableDefaultHealthCheckService(true);

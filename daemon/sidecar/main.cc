@@ -15,7 +15,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -26,6 +25,7 @@
 #include "daemon/sidecar/grpc_sidecar.h"
 #include "daemon/sidecar/metrics_sidecar.h"
 #include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/upstream_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "observe/http_server.h"
@@ -93,84 +93,20 @@ ABSL_FLAG(int, local_decision_lag, 4,
 namespace accord::daemon {
 namespace {
 
-// Channel credentials from the --tls_* / --plaintext flags and the plaintext
-// rule (daemon/common/tls.h).
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials() {
-  const std::string ca_path = absl::GetFlag(FLAGS_tls_ca);
-  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
-  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
-  const bool tls = !ca_path.empty() || !cert_path.empty() || !key_path.empty();
-  if (absl::Status s = CheckClientPlaintext(absl::GetFlag(FLAGS_coordinator),
-                                            absl::GetFlag(FLAGS_plaintext), tls);
-      !s.ok()) {
-    return s;
-  }
-  if (!tls) return grpc::InsecureChannelCredentials();
-  grpc::SslCredentialsOptions ssl;
-  if (ca_path.empty()) {
-    ACCORD_LOG(WARNING) << "TLS without --tls_ca: the coordinator is verified against the "
-                           "system's CA store";
-  } else {
-    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "tls_ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-  }
-  if (cert_path.empty() != key_path.empty()) {
-    return absl::InvalidArgumentError(
-        "mutual TLS needs both --tls_cert and --tls_key (or neither)");
-  }
-  if (!cert_path.empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "tls_cert");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPemFile(key_path, "tls_key");
-    if (!key.ok()) return key.status();
-    ssl.pem_cert_chain = *cert;
-    ssl.pem_private_key = *key;
-  }
-  return grpc::SslCredentials(ssl);
-}
-
-// The job token from --token_file (whitespace trimmed), else --token /
-// ACCORD_TOKEN.
-absl::StatusOr<std::string> JobToken() {
-  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
-    absl::StatusOr<std::string> text = ReadPemFile(path, "token_file");
-    if (!text.ok()) return text.status();
-    std::string token(absl::StripAsciiWhitespace(*text));
-    if (token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token_file=", path, " is empty"));
-    }
-    return token;
-  }
-  return absl::GetFlag(FLAGS_token);
-}
-
-// The channel to the coordinator: message size, keepalive matched with the
-// coordinator's (docs/ARCHITECTURE.md, "Liveness"; pings continue on an idle
-// stream), and gRPC's own reconnect backoff kept within ours (its default
-// grows to 120 s) so a restarted coordinator is found again quickly.
-absl::StatusOr<grpc::ChannelArguments> UpstreamChannelArgs() {
-  const int max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
-  const int64_t keepalive_timeout_ms =
-      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
-  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
-      keepalive_timeout_ms > INT32_MAX) {
-    return absl::InvalidArgumentError(
-        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
-  }
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_message_bytes);
-  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_message_bytes);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(
-      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-      static_cast<int>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_reconnect_max_backoff))));
-  return args;
+// The upstream channel's flags (upstream_channel.h).
+UpstreamFlags UpstreamFlagsFromFlags() {
+  UpstreamFlags f;
+  f.target = absl::GetFlag(FLAGS_coordinator);
+  f.plaintext = absl::GetFlag(FLAGS_plaintext);
+  f.tls_flag_prefix = "tls_";
+  f.ca_path = absl::GetFlag(FLAGS_tls_ca);
+  f.cert_path = absl::GetFlag(FLAGS_tls_cert);
+  f.key_path = absl::GetFlag(FLAGS_tls_key);
+  f.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  f.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  f.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  f.reconnect_max_backoff = absl::GetFlag(FLAGS_reconnect_max_backoff);
+  return f;
 }
 
 absl::StatusOr<SidecarOptions> OptionsFromFlags(std::string token) {
@@ -265,27 +201,25 @@ int Main(int argc, char** argv) {
       "ACCORD_<NAME> (the command line wins).");
   BlockTerminationSignals();
   if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) return Fail(2, s);
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentials();
-  if (!creds.ok()) return Fail(2, creds.status());
-  absl::StatusOr<std::string> token = JobToken();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      UpstreamChannel(UpstreamFlagsFromFlags());
+  if (!channel.ok()) return Fail(2, channel.status());
+  absl::StatusOr<std::string> token =
+      JobTokenFrom(absl::GetFlag(FLAGS_token_file), absl::GetFlag(FLAGS_token));
   if (!token.ok()) return Fail(2, token.status());
-  absl::StatusOr<grpc::ChannelArguments> args = UpstreamChannelArgs();
-  if (!args.ok()) return Fail(2, args.status());
   absl::StatusOr<SidecarOptions> options = OptionsFromFlags(*std::move(token));
   if (!options.ok()) return Fail(2, options.status());
   absl::StatusOr<gid_t> gid = SocketGroup();
   if (!gid.ok()) return Fail(1, gid.status());
 
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), *creds, *args);
   Sidecar sidecar(*options);
-  GrpcUpstream upstream(channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
+  GrpcUpstream upstream(*channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
   sidecar.SetUpstream(&upstream);
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
   RankGrpcService rank_service(&sidecar, queue_limits);
-  KeyValueForwarder kv_service(channel, options->job, options->token,
+  KeyValueForwarder kv_service(*channel, options->job, options->token,
                                absl::GetFlag(FLAGS_deadline));
   kv_service.SetSidecar(&sidecar);
   const std::string path = absl::GetFlag(FLAGS_socket);

@@ -136,9 +136,9 @@ class DaemonsSecurityTest : public ::testing::Test {
   // Starts an accord-relay on 127.0.0.1:0 with `coordinator` upstream;
   // returns "localhost:PORT" (docs/ARCHITECTURE.md, "Relays").
   std::string StartRelay(const std::string& coordinator, std::vector<std::string> flags) {
-    std::vector<std::string> argv = {ACCORD_RELAY_BIN, "--listen=127.0.0.1:0",
-                                     "--coordinator=" + coordinator, "--relay_id=relay0",
-                                     "--reconnect_max_backoff=200ms"};
+    std::vector<std::string> argv = {
+        ACCORD_RELAY_BIN,    "--listen=127.0.0.1:0",          "--coordinator=" + coordinator,
+        "--relay_id=relay0", "--reconnect_max_backoff=200ms", "--metrics_port=-1"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto p = ChildProcess::Spawn(argv, "relay", /*echo=*/false);
     EXPECT_TRUE(p.ok()) << p.status();
