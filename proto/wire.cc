@@ -400,6 +400,19 @@ bool SentBatchRecord::RepeatedBy(const v1::ManifestBatch& batch) const {
   return true;
 }
 
+v1::ManifestBatch SentBatchRecord::ExpandAt(int64_t step) const {
+  v1::ManifestBatch batch;
+  batch.mutable_manifests()->Reserve(static_cast<int>(entries_.size()));
+  for (const auto& [group_id, cache_key] : entries_) {
+    v1::Manifest* m = batch.add_manifests();
+    m->set_group_id(group_id);
+    m->set_step(step);
+    m->set_repeat(true);
+    m->set_cache_key(cache_key);
+  }
+  return batch;
+}
+
 v1::NodeMessage SentBatchRecord::RepeatAt(int64_t step) const {
   v1::NodeMessage m;
   m.mutable_manifests()->set_repeat_step(step);

@@ -91,6 +91,11 @@ class SentBatchRecord {
   // The batch repeat record standing for the recorded batch at `step`
   // (only when size() > 0).
   v1::NodeMessage RepeatAt(int64_t step) const;
+  // What a batch repeat at `step` stands for, on the receiving side: the
+  // recorded entries in repeat form at `step`.
+  v1::ManifestBatch ExpandAt(int64_t step) const;
+  // BatchKeyHasher over the entries (0: nothing recorded).
+  uint64_t key() const { return key_; }
 
  private:
   std::vector<std::pair<std::string, uint64_t>> entries_;

@@ -7,6 +7,10 @@ RelayMetrics::RelayMetrics(MetricsRegistry* registry) {
   sidecars_ = &registry->AddGauge("accord_relay_sidecars", "Sidecars connected to this relay.");
   manifests_in_ = &registry->AddCounter("accord_relay_manifests_in_total",
                                         "Node manifests received from sidecars.");
+  batch_repeats_in_ = &registry->AddCounter(
+      "accord_relay_batch_repeats_in_total",
+      "Sidecar batches received as one batch repeat record (each stands for the sidecar's "
+      "previous batch).");
   manifests_up_ = &registry->AddCounter(
       "accord_relay_manifests_up_total",
       "Merged manifests sent to the coordinator, by form (full or repeat).", {"form"});
@@ -30,6 +34,7 @@ void RelayMetrics::Refresh(const RelayStats& stats) {
   }
   sidecars_->Get().Set(stats.nodes);
   manifests_in_->Get().SetTotal(static_cast<double>(stats.node_manifests_in));
+  batch_repeats_in_->Get().SetTotal(static_cast<double>(stats.batch_repeats_in));
   manifests_up_->WithLabels({"full"}).SetTotal(static_cast<double>(stats.manifests_up_full));
   manifests_up_->WithLabels({"repeat"}).SetTotal(static_cast<double>(stats.manifests_up_repeat));
   batch_repeats_up_->Get().SetTotal(static_cast<double>(stats.batch_repeats_up));

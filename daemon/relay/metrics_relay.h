@@ -26,6 +26,7 @@ class RelayMetrics {
   Family<Gauge>* job_;
   Family<Gauge>* sidecars_;
   Family<Counter>* manifests_in_;
+  Family<Counter>* batch_repeats_in_;
   Family<Counter>* manifests_up_;
   Family<Counter>* batch_repeats_up_;
   Family<Counter>* merges_reused_;

@@ -287,6 +287,7 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   node.lost_at = absl::InfiniteFuture();
   node.welcomed = false;
   node.last_full.clear();  // a new stream starts without a previous manifest
+  node.received.Clear();   // ... and without a previous batch
   node.ranks = ranks;
   node.rank_set = RankSet(world_size_);
   for (int r : ranks) node.rank_set.Add(r);
@@ -339,7 +340,7 @@ void Relay::WelcomeLocked(Node& node) {
   v1::Welcome& w = *reply.mutable_welcome();
   w.set_node_id(node.node_id);
   w.set_server_version(kRelayVersion);
-  w.set_batch_repeat(false);  // sidecars send each manifest; the relay expands nothing
+  w.set_batch_repeat(true);  // HandleManifestsLocked expands them
   w.set_deadline_ms(deadline_ms_);
   w.set_run_id(run_id_);
   SendToLocked(node.sink, std::move(reply));
@@ -379,6 +380,32 @@ void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
 // Manifests.
 
 void Relay::HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch) {
+  if (batch.repeat_batch_key() == 0) {
+    if (batch.manifests_size() == 0) return;
+    node.received.Record(batch);
+    AddBatchLocked(node, batch);
+    return;
+  }
+  if (batch.manifests_size() > 0 || node.received.key() != batch.repeat_batch_key()) {
+    RefuseLocked(
+        node.sink, v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
+        absl::StrCat("job ", job_id_, " step ", batch.repeat_step(), ": node \"", node.node_id,
+                     "\" sent relay \"", options_.relay_id, "\" a batch repeat with key ",
+                     absl::Hex(batch.repeat_batch_key()),
+                     batch.manifests_size() > 0
+                         ? std::string(" together with manifests")
+                         : absl::StrCat(" but the previous batch on this stream has key ",
+                                        absl::Hex(node.received.key()), " (", node.received.size(),
+                                        " manifests)"),
+                     "; the sidecar and the relay disagree on the stream's history. Check the "
+                     "sidecar's version; restarting it resends in full form"));
+    return;
+  }
+  ++stats_.batch_repeats_in;
+  AddBatchLocked(node, node.received.ExpandAt(batch.repeat_step()));
+}
+
+void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
   v1::ManifestBatch out;
   for (const v1::Manifest& m : batch.manifests()) {
     auto git = groups_.find(m.group_id());

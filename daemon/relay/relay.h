@@ -9,7 +9,8 @@
 //    hello (ranks: every connected sidecar's; RESUME with the sidecar's run
 //    id when the sidecar resumes one, so a restarted relay rejoins the run).
 //    A sidecar is welcomed once the upstream Welcome is in (run id,
-//    deadline; batch repeats are not offered downstream). Later sidecars'
+//    deadline; batch repeats offered: a sidecar's batch repeat is expanded
+//    into its stream's previous batch at the new step). Later sidecars'
 //    ranks go up as RankEvent joins. A NEW hello from a sidecar of the run
 //    under another epoch (its ranks were restarted) ends the run: every
 //    other sidecar gets RUN_ENDED, and the relay rejoins upstream NEW with a
@@ -94,6 +95,7 @@ struct RelayOptions {
 
 struct RelayStats {
   int64_t node_manifests_in = 0;    // manifests from sidecars (after repeat expansion)
+  int64_t batch_repeats_in = 0;     // sidecar batches that came as one batch repeat record
   int64_t manifests_up_full = 0;    // merged manifests sent upstream in full form
   int64_t manifests_up_repeat = 0;  // ... in repeat form
   int64_t batch_repeats_up = 0;     // upstream batches sent as one batch repeat record
@@ -143,6 +145,9 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     // Its previous full-form manifest per group (step cleared), against which
     // its repeat-form manifests are resolved.
     absl::flat_hash_map<std::string, v1::Manifest> last_full;
+    // Its stream's previous manifest batch, which a batch repeat stands for
+    // (as the coordinator keeps it; docs/ARCHITECTURE.md, "Repeat waves").
+    wire::SentBatchRecord received;
   };
   // One sidecar's contribution to a (group, step), in full form.
   struct Part {
@@ -201,7 +206,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   void HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankEventLocked(Node& node, const v1::RankEvent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A sidecar's batch: recorded, or expanded when it is a batch repeat.
   void HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The manifests of a batch, each resolved and added.
+  void AddBatchLocked(Node& node, const v1::ManifestBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds one resolved manifest (`repeat`: from the sidecar's repeat form);
   // appends what is ready to go up to `out`.

@@ -143,7 +143,7 @@ TEST_F(RelayTest, HelloUpstreamAnnouncesEverySidecarsRanksAndEachSidecarIsWelcom
     ASSERT_EQ(s->messages().size(), 1u);
     EXPECT_EQ(s->messages()[0].welcome().run_id(), "run1");
     EXPECT_EQ(s->messages()[0].welcome().deadline_ms(), 2000);
-    EXPECT_FALSE(s->messages()[0].welcome().batch_repeat());
+    EXPECT_TRUE(s->messages()[0].welcome().batch_repeat());
   }
 }
 
@@ -270,6 +270,52 @@ TEST_F(RelayTest, RepeatedPartsReuseTheLastMergeUntilTheRanksChange) {
   EXPECT_TRUE(up_.manifests()[5].repeat());
   EXPECT_EQ(up_.manifests()[5].cache_key(), after.cache_key());
   EXPECT_EQ(relay_->stats().merges_reused, 4);
+}
+
+v1::NodeMessage BatchRepeatOf(const std::vector<v1::Manifest>& previous, int64_t step) {
+  wire::BatchKeyHasher hasher;
+  for (const v1::Manifest& m : previous) hasher.Add(m.group_id(), m.cache_key());
+  v1::NodeMessage msg;
+  msg.mutable_manifests()->set_repeat_step(step);
+  msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+  return msg;
+}
+
+TEST_F(RelayTest, ASidecarsBatchRepeatStandsForItsPreviousBatch) {
+  const v1::Manifest a = NodeManifest(0, {0, 1}, {true, false, true});
+  const v1::Manifest b = NodeManifest(0, {2, 3}, {true, true, false});
+  Submit(a_, a);
+  Submit(b_, b);
+  const v1::Manifest merged = up_.manifests()[0];
+  // Steps 1-2: both sidecars send 16-byte batch repeats; the relay expands
+  // each into its previous batch at the new step.
+  for (int64_t step = 1; step <= 2; ++step) {
+    relay_->HandleMessage(a_, BatchRepeatOf({a}, step));
+    relay_->HandleMessage(b_, BatchRepeatOf({b}, step));
+  }
+  ASSERT_EQ(up_.manifests().size(), 3u);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_TRUE(up_.manifests()[i].repeat()) << i;
+    EXPECT_EQ(up_.manifests()[i].step(), i);
+    EXPECT_EQ(up_.manifests()[i].cache_key(), merged.cache_key());
+  }
+  EXPECT_EQ(relay_->stats().node_manifests_in, 6);
+  // A batch repeat whose key is not the stream's previous batch is refused
+  // with an error naming both keys; nothing goes up.
+  relay_->HandleMessage(a_, BatchRepeatOf({b}, 3));
+  ASSERT_FALSE(sink_a_.messages().empty());
+  const v1::CoordinatorMessage e = sink_a_.messages().back();
+  ASSERT_TRUE(e.has_error());
+  EXPECT_EQ(e.error().kind(), v1::INVALID_REQUEST);
+  EXPECT_THAT(e.error().message(), ::testing::HasSubstr("disagree on the stream's history"));
+  EXPECT_EQ(up_.manifests().size(), 3u);
+  // A new stream of node0 starts without a previous batch.
+  sink_a_.Clear();
+  relay_->CloseSession(a_);
+  a_ = Join("node0", {0, 1}, &sink_a_);
+  relay_->HandleMessage(a_, BatchRepeatOf({a}, 3));
+  ASSERT_FALSE(sink_a_.messages().empty());
+  EXPECT_TRUE(sink_a_.messages().back().has_error());
 }
 
 TEST_F(RelayTest, NoBatchRepeatUpstreamUnlessTheWelcomeOffersIt) {

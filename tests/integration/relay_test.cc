@@ -121,6 +121,7 @@ TEST(RelayTest, ARelayedJobRunsAgainUnderTheSameIdAndRepeatsGoUpInRepeatForm) {
   const std::string& body = page->body;
   // 2 runs x 6 steps x 2 groups from each of the 2 sidecars.
   EXPECT_EQ(Series(body, "accord_relay_manifests_in_total"), 48) << body;
+  EXPECT_GT(Series(body, "accord_relay_batch_repeats_in_total"), 0) << body;
   EXPECT_GT(Series(body, "accord_relay_batch_repeats_up_total"), 0) << body;
   EXPECT_GT(Series(body, "accord_relay_merges_reused_total"), 0) << body;
   EXPECT_GT(Series(body, "accord_relay_decision_batches_total"), 0) << body;
