@@ -301,14 +301,22 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
   }
   std::vector<std::vector<uint64_t>> keys(fanin, std::vector<uint64_t>(groups));
   int64_t step = 0;
-  for (Mode mode : {Mode::kFull, Mode::kRepeat}) {
+  for (Mode mode : {Mode::kFull, Mode::kRepeat, Mode::kBatchRepeat}) {
     double cpu = 0;
     const int64_t before = up.manifests;
     for (int i = 0; i < steps; ++i, ++step) {
       std::vector<std::string> wire(fanin);
       for (int n = 0; n < fanin; ++n) {
         v1::NodeMessage msg;
-        for (int g = 0; g < groups; ++g) {
+        if (mode == Mode::kBatchRepeat) {
+          // The sidecar's previous batch (full or per-manifest repeats) had
+          // these keys; the relay offers batch repeats downstream.
+          wire::BatchKeyHasher hasher;
+          for (int g = 0; g < groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
+          msg.mutable_manifests()->set_repeat_step(step);
+          msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+        }
+        for (int g = 0; mode != Mode::kBatchRepeat && g < groups; ++g) {
           v1::Manifest* m = msg.mutable_manifests()->add_manifests();
           if (mode == Mode::kRepeat) {
             m->set_group_id(absl::StrCat("group", g));
@@ -340,8 +348,11 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
     }
     std::printf(
         "relay fan-in %d x %d ranks, %-11s CPU/step %8.2f ms  upstream manifests/step %lld\n",
-        fanin, rpn, mode == Mode::kFull ? "full form" : "repeat form", 1e3 * cpu / steps,
-        static_cast<long long>((up.manifests - before) / steps));
+        fanin, rpn,
+        mode == Mode::kFull     ? "full form"
+        : mode == Mode::kRepeat ? "repeat form"
+                                : "batch repeat",
+        1e3 * cpu / steps, static_cast<long long>((up.manifests - before) / steps));
   }
   relay.Stop();
 }
