@@ -374,7 +374,7 @@ uint64_t BatchKeyHasher::Finish() const {
   return key != 0 ? key : 1;
 }
 
-void SentBatchRecord::Record(const v1::ManifestBatch& batch) {
+void StreamBatchRecord::Record(const v1::ManifestBatch& batch) {
   entries_.clear();
   BatchKeyHasher hasher;
   for (const v1::Manifest& m : batch.manifests()) {
@@ -384,7 +384,7 @@ void SentBatchRecord::Record(const v1::ManifestBatch& batch) {
   key_ = entries_.empty() ? 0 : hasher.Finish();
 }
 
-bool SentBatchRecord::RepeatedBy(const v1::ManifestBatch& batch) const {
+bool StreamBatchRecord::RepeatedBy(const v1::ManifestBatch& batch) const {
   const int n = batch.manifests_size();
   if (n == 0 || static_cast<size_t>(n) != entries_.size() || batch.repeat_batch_key() != 0) {
     return false;
@@ -400,7 +400,7 @@ bool SentBatchRecord::RepeatedBy(const v1::ManifestBatch& batch) const {
   return true;
 }
 
-v1::ManifestBatch SentBatchRecord::ExpandAt(int64_t step) const {
+v1::ManifestBatch StreamBatchRecord::ExpandAt(int64_t step) const {
   v1::ManifestBatch batch;
   batch.mutable_manifests()->Reserve(static_cast<int>(entries_.size()));
   for (const auto& [group_id, cache_key] : entries_) {
@@ -413,7 +413,7 @@ v1::ManifestBatch SentBatchRecord::ExpandAt(int64_t step) const {
   return batch;
 }
 
-v1::NodeMessage SentBatchRecord::RepeatAt(int64_t step) const {
+v1::NodeMessage StreamBatchRecord::RepeatAt(int64_t step) const {
   v1::NodeMessage m;
   m.mutable_manifests()->set_repeat_step(step);
   m.mutable_manifests()->set_repeat_batch_key(key_);

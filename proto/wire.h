@@ -69,14 +69,15 @@ class BatchKeyHasher {
   StableHasher hasher_;
 };
 
-// The previous manifest batch a node stream sent upstream (a sidecar's or a
-// relay's), kept so that the same batch again in repeat form goes up as one
-// batch repeat record: ManifestBatch.repeat_step + repeat_batch_key. The
-// coordinator keeps the same record per stream (docs/ARCHITECTURE.md,
-// "Repeat waves"), so the sender must Record every manifest batch the
-// stream carries, in order, and start a new stream from the batch it
-// resends on it (or none).
-class SentBatchRecord {
+// The previous manifest batch of a node stream, kept on both ends of it. The
+// sender (a sidecar or a relay upstream) sends the same batch again in
+// repeat form as one batch repeat record (ManifestBatch.repeat_step +
+// repeat_batch_key); the receiver (a relay, for its sidecars) expands that
+// record back (ExpandAt). The coordinator keeps the same record per stream
+// (docs/ARCHITECTURE.md, "Repeat waves"), so each end must Record every
+// manifest batch the stream carries, in order, and start a new stream from
+// the batch resent on it (or none).
+class StreamBatchRecord {
  public:
   void Record(const v1::ManifestBatch& batch);
   void Clear() { Record(v1::ManifestBatch()); }

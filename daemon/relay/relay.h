@@ -147,7 +147,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     absl::flat_hash_map<std::string, v1::Manifest> last_full;
     // Its stream's previous manifest batch, which a batch repeat stands for
     // (as the coordinator keeps it; docs/ARCHITECTURE.md, "Repeat waves").
-    wire::SentBatchRecord received;
+    wire::StreamBatchRecord received;
   };
   // One sidecar's contribution to a (group, step), in full form.
   struct Part {
@@ -276,7 +276,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // The upstream Welcome offered batch repeats; last_batch_ is the stream's
   // previous manifest batch (docs/ARCHITECTURE.md, "Repeat waves").
   bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  wire::SentBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
+  wire::StreamBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
   std::set<int> announced_ ABSL_GUARDED_BY(mu_);  // ranks announced upstream
   // Moves whenever a sidecar's ranks or the announced ranks change (merges
   // depend on both).

@@ -349,7 +349,7 @@ class Sidecar final : public UpstreamHandler {
   // The current upstream stream: whether the coordinator accepts batch
   // repeats, and the previous ManifestBatch sent on it (group, cache key).
   bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  wire::SentBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
+  wire::StreamBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
   std::thread timer_;  // last: started once everything above is initialised
 };
 
