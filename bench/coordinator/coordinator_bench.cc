@@ -28,10 +28,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/common/clock.h"
@@ -54,6 +56,12 @@ ABSL_FLAG(std::string, repeat_waves, "on,off",
 ABSL_FLAG(int, relays, 0,
           "0: the coordinator sees every node; R > 0: it sees R relays, each merging nodes/R "
           "nodes (nodes must be a multiple of R)");
+ABSL_FLAG(std::string, decide_threads, "1",
+          "coordinator --decide_threads settings to run the modes with, in order, each on a "
+          "fresh coordinator (docs/ARCHITECTURE.md, More than one core); 1 is the baseline");
+ABSL_FLAG(int, feeders, 1,
+          "threads handing the peers' messages to the coordinator at once, as gRPC's threads "
+          "do (peer n on thread n % feeders, in order)");
 ABSL_FLAG(std::string, serialize, "none",
           "broadcast serialization counted in the CPU figure: none, once (one serialization "
           "per message, shared by every stream) or per_stream (one per stream)");
@@ -110,6 +118,13 @@ double ThreadCpuSeconds() {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+// Every thread of the process: the feeders and the coordinator's decide pool.
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 // `nodes` are the coordinator's peers: sidecars, or relays (then `rpn` is the
 // ranks behind one relay).
 struct Setup {
@@ -130,7 +145,8 @@ v1::Manifest FullManifest(const Setup& s, int n, int g, int64_t step, int varian
 }
 
 struct Result {
-  double cpu_s = 0;
+  double cpu_s = 0;   // every thread's CPU while the messages were handled
+  double wall_s = 0;  // wall time of the same
   double parse_s = 0;
   int64_t decisions = 0;
   int64_t bytes = 0;
@@ -139,9 +155,9 @@ struct Result {
 enum class Mode { kRepeat, kBatchRepeat, kFull };
 
 // One step: serializes every node's batch (untimed), then times parse +
-// HandleMessage for all nodes on this thread.
+// HandleMessage for all nodes, on this thread or on `feeders` threads.
 Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, const Setup& s,
-               int64_t step, Mode mode, std::vector<std::vector<uint64_t>>& keys) {
+               int64_t step, Mode mode, std::vector<std::vector<uint64_t>>& keys, int feeders = 1) {
   std::vector<std::string> wire(s.nodes);
   Result r;
   const bool repeat = mode == Mode::kRepeat;
@@ -177,13 +193,24 @@ Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, c
   }
   r.parse_s = ThreadCpuSeconds() - t0;
   const int64_t before = c.stats().decisions;
-  t0 = ThreadCpuSeconds();
-  v1::NodeMessage msg;
-  for (int n = 0; n < s.nodes; ++n) {
-    msg.ParseFromString(wire[n]);
-    c.HandleMessage(ids[n], msg);
+  auto feed = [&](int first, int stride) {
+    v1::NodeMessage msg;
+    for (int n = first; n < s.nodes; n += stride) {
+      msg.ParseFromString(wire[n]);
+      c.HandleMessage(ids[n], msg);
+    }
+  };
+  t0 = ProcessCpuSeconds();
+  const absl::Time w0 = absl::Now();
+  if (feeders <= 1) {
+    feed(0, 1);
+  } else {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < feeders; ++t) threads.emplace_back(feed, t, feeders);
+    for (std::thread& t : threads) t.join();
   }
-  r.cpu_s = ThreadCpuSeconds() - t0;
+  r.wall_s = absl::ToDoubleSeconds(absl::Now() - w0);
+  r.cpu_s = ProcessCpuSeconds() - t0;
   r.decisions = c.stats().decisions - before;
   return r;
 }
@@ -218,10 +245,11 @@ std::vector<Coordinator::SessionId> JoinAll(Coordinator& c, std::vector<Counting
   return ids;
 }
 
-std::unique_ptr<Coordinator> NewCoordinator(bool repeat_waves = true) {
+std::unique_ptr<Coordinator> NewCoordinator(bool repeat_waves = true, int decide_threads = 1) {
   CoordinatorOptions o;
   o.start_timer_thread = false;
   o.repeat_waves = repeat_waves;
+  o.decide_threads = decide_threads;
   o.deadline = absl::Hours(1);
   return std::make_unique<Coordinator>(o, RealClock::Get());
 }
@@ -232,9 +260,9 @@ void Configure(std::vector<CountingSink>& sinks, Serialize mode, SharedSerializa
 
 // A restarted coordinator: every peer's hello, registrations and one pending
 // step in full form, until every peer has its decisions (synchronous here).
-void RunRecovery(const Setup& s, Serialize serialize) {
+void RunRecovery(const Setup& s, Serialize serialize, int decide_threads) {
   std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
-  std::unique_ptr<Coordinator> c = NewCoordinator();
+  std::unique_ptr<Coordinator> c = NewCoordinator(/*repeat_waves=*/true, decide_threads);
   std::vector<CountingSink> sinks(s.nodes);
   SharedSerialization shared;
   Configure(sinks, serialize, &shared);
@@ -243,6 +271,7 @@ void RunRecovery(const Setup& s, Serialize serialize) {
   std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
   const double joined = ThreadCpuSeconds() - t0;
   Result r = RunStep(*c, ids, s, /*step=*/0, Mode::kFull, keys);
+  std::printf("decide threads %d: ", decide_threads);
   const double wall = absl::ToDoubleSeconds(absl::Now() - wall0);
   std::printf(
       "%-12s CPU %8.1f ms (hellos + %d registrations %8.1f ms, pending step %8.1f ms)  "
@@ -392,65 +421,84 @@ int Main(int argc, char** argv) {
     if (w == "on" || w == "off") waves.push_back(w == "on");
   }
   if (modes.empty()) waves.clear();
-  for (bool waves_on : waves) {
-    std::printf("repeat waves %s\n", waves_on ? "on" : "off (baseline)");
-    std::unique_ptr<Coordinator> c = NewCoordinator(waves_on);
-    std::vector<CountingSink> sinks(s.nodes);
-    SharedSerialization shared;
-    Configure(sinks, serialize, &shared);
-    std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
-    std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
-    int64_t step = 0;
-    RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
-    for (Mode mode : modes) {
-      double cpu = 0, parse = 0, worst = 0, wall = 0;
-      int64_t decisions = 0, bytes = 0, out_before = 0, out_after = 0;
-      for (auto& k : sinks) out_before += k.bytes_;
-      for (int i = 0; i < steps; ++i) {
-        const absl::Time w0 = absl::Now();
-        Result r = RunStep(*c, ids, s, step++, mode, keys);
-        wall += absl::ToDoubleSeconds(absl::Now() - w0);
-        cpu += r.cpu_s;
-        parse += r.parse_s;
-        worst = std::max(worst, r.cpu_s);
-        decisions += r.decisions;
-        bytes += r.bytes;
+  std::vector<int> decide_threads;
+  for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_decide_threads), ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(t, &n) || n < 1) {
+      std::fprintf(stderr, "--decide_threads: \"%s\" is not a thread count of at least 1\n",
+                   std::string(t).c_str());
+      return 2;
+    }
+    decide_threads.push_back(n);
+  }
+  const int feeders = std::max(1, absl::GetFlag(FLAGS_feeders));
+  for (bool waves_on : waves)
+    for (int threads : decide_threads) {
+      std::printf("repeat waves %s, decide threads %d, feeders %d\n",
+                  waves_on ? "on" : "off (baseline)", threads, feeders);
+      std::unique_ptr<Coordinator> c = NewCoordinator(waves_on, threads);
+      std::vector<CountingSink> sinks(s.nodes);
+      SharedSerialization shared;
+      Configure(sinks, serialize, &shared);
+      std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
+      std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+      int64_t step = 0;
+      RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+      for (Mode mode : modes) {
+        double cpu = 0, parse = 0, worst = 0, wall = 0, handling_wall = 0;
+        int64_t decisions = 0, bytes = 0, out_before = 0, out_after = 0;
+        for (auto& k : sinks) out_before += k.bytes_;
+        for (int i = 0; i < steps; ++i) {
+          const absl::Time w0 = absl::Now();
+          Result r = RunStep(*c, ids, s, step++, mode, keys, feeders);
+          wall += absl::ToDoubleSeconds(absl::Now() - w0);
+          handling_wall += r.wall_s;
+          cpu += r.cpu_s;
+          parse += r.parse_s;
+          worst = std::max(worst, r.cpu_s);
+          decisions += r.decisions;
+          bytes += r.bytes;
+        }
+        for (auto& k : sinks) out_after += k.bytes_;
+        CoordinatorStats st = c->stats();
+        if (serialize != Serialize::kNone) {
+          std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
+                      (out_after - out_before) / 1e3 / steps / s.nodes,
+                      (out_after - out_before) / 1e6 / steps);
+        }
+        std::printf(
+            "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  wall/step "
+            "%8.1f ms (incl. building the input %8.1f ms)  parallel decides %lld  decisions/s "
+            "%10.0f  node manifests/s %10.0f  in %6.1f "
+            "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
+            "%lld errors %lld waves %lld\n",
+            mode == Mode::kRepeat        ? "all-repeat"
+            : mode == Mode::kBatchRepeat ? "batch-repeat"
+                                         : "none-repeat",
+            1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, 1e3 * handling_wall / steps,
+            1e3 * wall / steps, static_cast<long long>(st.parallel_decides), decisions / cpu,
+            double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
+            static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
+            static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
+            static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
+            static_cast<long long>(st.repeat_waves));
       }
-      for (auto& k : sinks) out_after += k.bytes_;
-      CoordinatorStats st = c->stats();
-      if (serialize != Serialize::kNone) {
-        std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
-                    (out_after - out_before) / 1e3 / steps / s.nodes,
-                    (out_after - out_before) / 1e6 / steps);
+      int64_t sent = 0, out_bytes = 0;
+      for (auto& k : sinks) {
+        sent += k.count_.load();
+        out_bytes += k.bytes_;
       }
       std::printf(
-          "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms; wall/step incl. "
-          "building the input %8.1f ms)  decisions/s %10.0f  node manifests/s %10.0f  in %6.1f "
-          "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
-          "%lld errors %lld waves %lld\n",
-          mode == Mode::kRepeat        ? "all-repeat"
-          : mode == Mode::kBatchRepeat ? "batch-repeat"
-                                       : "none-repeat",
-          1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, 1e3 * wall / steps, decisions / cpu,
-          double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
-          static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
-          static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
-          static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
-          static_cast<long long>(st.repeat_waves));
+          "messages to sinks: %lld (one shared DecisionBatch per peer per completing batch); "
+          "broadcast bytes %lld, serializations %lld\n",
+          static_cast<long long>(sent), static_cast<long long>(out_bytes),
+          static_cast<long long>(serialize == Serialize::kPerStream ? sent
+                                                                    : shared.serializations));
+      c->Stop();
     }
-    int64_t sent = 0, out_bytes = 0;
-    for (auto& k : sinks) {
-      sent += k.count_.load();
-      out_bytes += k.bytes_;
-    }
-    std::printf(
-        "messages to sinks: %lld (one shared DecisionBatch per peer per completing batch); "
-        "broadcast bytes %lld, serializations %lld\n",
-        static_cast<long long>(sent), static_cast<long long>(out_bytes),
-        static_cast<long long>(serialize == Serialize::kPerStream ? sent : shared.serializations));
-    c->Stop();
+  for (int threads : decide_threads) {
+    if (recover) RunRecovery(s, serialize, threads);
   }
-  if (recover) RunRecovery(s, serialize);
   if (relays > 0) RunRelayFanIn(nodes / relays, rpn, s.groups, s.params, steps);
   std::printf("peak RSS %lld MiB\n", static_cast<long long>(PeakRssMiB()));
   return 0;

@@ -1,7 +1,9 @@
 #include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
+#include <optional>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -80,6 +82,9 @@ uint64_t RunSeed() {
 
 Coordinator::Coordinator(CoordinatorOptions options, Clock* clock)
     : options_(options), clock_(clock), runs_(RunSeed()) {
+  int threads = options_.decide_threads;
+  if (threads <= 0) threads = std::clamp<int>(std::thread::hardware_concurrency(), 1, 8);
+  pool_ = std::make_unique<WorkerPool>(threads);
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -882,10 +887,11 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
   record.entries.reserve(n);
   record.groups_key = 0;
   const int64_t step = batch.manifests(0).step();
-  bool all_added = true;
   // The record's key, hashed here while the entries are at hand: the first
   // batch repeat then costs O(1) (a wave at scale), not a pass over them.
   wire::BatchKeyHasher hasher;
+  std::vector<EntryRef>& refs = entry_refs_;
+  refs.clear();
   for (size_t i = 0; i < n; ++i) {
     const v1::Manifest& m = batch.manifests(static_cast<int>(i));
     if (i == record.entries.size()) record.entries.emplace_back();
@@ -898,11 +904,13 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
     hasher.Add(e.group_id, e.cache_key);
-    ManifestRef ref{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m};
-    const bool added = HandleManifestLocked(s, ref, e.group, e.node_group, out);
-    all_added = all_added && added && m.step() == step;
+    refs.push_back(EntryRef{
+        ManifestRef{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m},
+        e.group, e.node_group});
   }
   record.key = hasher.Finish();
+  bool all_added = HandleEntriesLocked(s, refs, out);
+  for (const EntryRef& r : refs) all_added = all_added && r.m.step == step;
   NoteSyncedLocked(s, step, all_added);
 }
 
@@ -933,18 +941,65 @@ void Coordinator::HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& b
 }
 
 void Coordinator::RepeatBatchLocked(Session& s, int64_t step, Outbox& out) {
-  ManifestRef ref;
-  ref.step = step;
-  ref.repeat = true;
-  bool all_added = true;
+  std::vector<EntryRef>& refs = entry_refs_;
+  refs.clear();
   for (BatchEntry& e : s.last_batch.entries) {
     ResolveEntryLocked(s, e);  // unknown when recorded: it may have been registered since
+    ManifestRef ref;
     ref.group_id = e.group_id;
+    ref.step = step;
+    ref.repeat = true;
     ref.cache_key = e.cache_key;
-    const bool added = HandleManifestLocked(s, ref, e.group, e.node_group, out);
-    all_added = all_added && added;
+    refs.push_back(EntryRef{ref, e.group, e.node_group});
   }
+  const bool all_added = HandleEntriesLocked(s, refs, out);
   NoteSyncedLocked(s, step, all_added);
+}
+
+bool Coordinator::HandleEntriesLocked(Session& s, std::vector<EntryRef>& refs, Outbox& out) {
+  const size_t n = refs.size();
+  bool all_added = true;
+  // Steps this batch completes are decided together at its end.
+  collect_ready_ = pool_->threads() > 1;
+  // Side by side when the batch is large enough and names each group once
+  // (HandleEntry changes only its own group's state).
+  bool parallel =
+      pool_->threads() > 1 && n >= 2 && static_cast<int64_t>(n) >= options_.parallel_min_entries;
+  if (parallel) {
+    ++batch_stamp_;
+    for (const EntryRef& r : refs) {
+      if (r.g == nullptr || r.ng == nullptr || r.g->ready || r.g->batch_stamp == batch_stamp_) {
+        parallel = false;
+        break;
+      }
+      r.g->batch_stamp = batch_stamp_;
+    }
+  }
+  if (!parallel) {
+    for (const EntryRef& r : refs)
+      all_added = HandleManifestLocked(s, r.m, r.g, r.ng, out) && all_added;
+  } else {
+    std::vector<EntryResult>& results = entry_results_;
+    results.assign(n, EntryResult());
+    const Job& job = *s.job;
+    NodeState& node = *s.node;
+    for (size_t i = 0; i < n; ++i) {
+      results[i].answer = AnswersWithoutContent(job, refs[i].g, refs[i].ng, refs[i].m.step);
+    }
+    const absl::Time now = wave_first_seen_.value_or(clock_->Now());
+    pool_->ParallelFor(static_cast<int64_t>(n), [&](int64_t i) {
+      const EntryRef& r = refs[i];
+      if (!results[i].answer) HandleEntry(job, node, *r.g, *r.ng, r.m, now, results[i]);
+    });
+    stats_.parallel_entries += static_cast<int64_t>(n);
+    for (size_t i = 0; i < n; ++i) {
+      all_added =
+          ApplyEntryLocked(s, refs[i].m, refs[i].g, refs[i].ng, results[i], out) && all_added;
+    }
+  }
+  DecideReadyLocked(*s.job, out);
+  collect_ready_ = false;
+  return all_added;
 }
 
 void Coordinator::ResolveEntryLocked(Session& s, BatchEntry& e) {
@@ -1120,50 +1175,97 @@ uint64_t Coordinator::BatchRecord::GroupsKey() {
 
 std::map<int64_t, Coordinator::PendingStep>::iterator Coordinator::StartStepLocked(
     Job& job, GroupState& g, int64_t step, absl::Time first_seen) {
+  auto [pit, wake] = StartStep(job, g, step, first_seen);
+  WakeTimerAtLocked(wake);
+  return pit;
+}
+
+std::pair<std::map<int64_t, Coordinator::PendingStep>::iterator, absl::Time> Coordinator::StartStep(
+    const Job& job, GroupState& g, int64_t step, absl::Time first_seen) const {
   auto pit = g.pending.try_emplace(step, first_seen, options_.deadline).first;
   PendingStep& p = pit->second;
   p.contributions.reserve(job.members.connected());
   // With an observer the timer also wakes at half the deadline (stall event).
-  const absl::Time wake = options_.observer != nullptr ? p.clock.stall_at() : p.clock.deadline();
-  WakeTimerAtLocked(wake);
+  absl::Time wake = options_.observer != nullptr ? p.clock.stall_at() : p.clock.deadline();
   // A node gone (sidecar restarted?) may already be past its grace.
   if (!job.members.all_connected()) {
     for (const auto& [node_id, node] : job.members.nodes()) {
       if (node.session == 0 && node.disconnected_at != absl::InfiniteFuture()) {
-        WakeTimerAtLocked(node.disconnected_at + options_.node_reconnect_grace);
+        wake = std::min(wake, node.disconnected_at + options_.node_reconnect_grace);
       }
     }
   }
-  return pit;
+  return {pit, wake};
 }
 
 bool Coordinator::HandleManifestLocked(Session& s, const ManifestRef& m, GroupState* gp,
                                        NodeGroupState* ngp, Outbox& out) {
-  ++stats_.manifests;
-  if (AnswerWithoutContentLocked(s, m, gp, ngp, out)) return false;
-  Job& job = *s.job;
-  NodeState& node = *s.node;
-  GroupState& g = *gp;
-  NodeGroupState& ng = *ngp;
-  CountWaveSkips(g, ng);
-  PruneContributionsLocked(job, g, ng);
-  v1::DecisionError error;
-  const Content* content = ResolveContentLocked(job, node, g, ng, m, error);
-  PendingStep* p = content == nullptr ? nullptr : PendingStepLocked(job, g, m, error);
-  const Added added =
-      p == nullptr ? Added::kRefused : AddContributionLocked(job, node, ng, m, content, *p, error);
-  if (added == Added::kRefused) {
-    SendDecisionErrorLocked(s.sink, m.group_id, m.step, std::move(error), out);
+  // A group's steps are decided in order, before anything else about it.
+  if (gp != nullptr && gp->ready) DecideReadyLocked(*s.job, out);
+  EntryResult r;
+  if (AnswersWithoutContent(*s.job, gp, ngp, m.step)) {
+    r.answer = true;
+  } else {
+    HandleEntry(*s.job, *s.node, *gp, *ngp, m, wave_first_seen_.value_or(clock_->Now()), r);
   }
-  if (added != Added::kAdded) return false;
-  if (p->ranks_covered >= job.world_size) {
-    DecideStepLocked(job, g, m.step, *p, out);
-    g.pending.erase(m.step);
+  return ApplyEntryLocked(s, m, gp, ngp, r, out);
+}
+
+bool Coordinator::AnswersWithoutContent(const Job& job, const GroupState* g,
+                                        const NodeGroupState* ng, int64_t step) {
+  return job.failed() || g == nullptr || ng == nullptr || ng->variant < 0 ||
+         g->registration.state() == GroupRegistration::State::kFailed || step < 0 ||
+         step <= g->last_decided_step;
+}
+
+void Coordinator::HandleEntry(const Job& job, NodeState& node, GroupState& g, NodeGroupState& ng,
+                              const ManifestRef& m, absl::Time now, EntryResult& r) const {
+  CountWaveSkips(g, ng);
+  r.retained -= ng.contents.Prune(g.last_decided_step);
+  const Content* content = ResolveContent(job, node, g, ng, m, r);
+  PendingStep* p = content == nullptr ? nullptr : PendingStepFor(job, g, m, now, r);
+  r.added =
+      p == nullptr ? Added::kRefused : AddContribution(job, node, ng, m, content, *p, r.error);
+  r.complete = r.added == Added::kAdded && p->ranks_covered >= job.world_size;
+}
+
+bool Coordinator::ApplyEntryLocked(Session& s, const ManifestRef& m, GroupState* gp,
+                                   NodeGroupState* ngp, EntryResult& r, Outbox& out) {
+  ++stats_.manifests;
+  if (r.answer) {
+    AnswerWithoutContentLocked(s, m, gp, ngp, out);
+    return false;
+  }
+  Job& job = *s.job;
+  GroupState& g = *gp;
+  stats_.cache_hits += r.cache_hits;
+  stats_.cache_misses += r.cache_misses;
+  stats_.repeat_key_mismatches += r.key_mismatches;
+  stats_.retained_contents += r.retained;
+  job.retained += r.retained;
+  if (job.observer != nullptr) {
+    if (r.cache_hits > 0) job.observer->OnManifests(/*cache_hit=*/true, r.cache_hits);
+    if (r.cache_misses > 0) job.observer->OnManifests(/*cache_hit=*/false, r.cache_misses);
+  }
+  if (r.wake != absl::InfiniteFuture()) WakeTimerAtLocked(r.wake);
+  if (r.added == Added::kRefused) {
+    SendDecisionErrorLocked(s.sink, m.group_id, m.step, std::move(r.error), out);
+  }
+  if (r.added != Added::kAdded) return false;
+  s.node->last_step = std::max(s.node->last_step, m.step);
+  if (r.complete) {
+    if (collect_ready_) {
+      g.ready = true;
+      ready_.push_back(ReadyStep{&g, m.step});
+    } else {
+      DecideStepLocked(job, g, m.step, g.pending.at(m.step), nullptr, out);
+      g.pending.erase(m.step);
+    }
   }
   return true;
 }
 
-bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+void Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
                                              NodeGroupState* ng, Outbox& out) {
   const Job& job = *s.job;
   // Built only on the error paths: the common path allocates nothing here.
@@ -1173,7 +1275,6 @@ bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, G
   auto refuse = [&](v1::ErrorKind kind, std::string message) {
     SendDecisionErrorLocked(s.sink, m.group_id, m.step,
                             Error(kind, message, job.job_id, m.group_id, m.step), out);
-    return true;
   };
   if (job.failed()) {
     // The job's failure again (counted when it happened).
@@ -1182,13 +1283,14 @@ bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, G
     d->set_step(m.step);
     *d->mutable_error() = job.failure;
     d->mutable_error()->set_kind(v1::JOB_FAILED);
-    return true;
+    return;
   }
   if (g == nullptr || ng == nullptr || ng->variant < 0) {
-    return refuse(v1::UNKNOWN_GROUP,
-                  absl::StrCat(where(), ": node \"", s.node->node_id,
-                               "\" has not registered this group; register it before sending "
-                               "manifests"));
+    refuse(v1::UNKNOWN_GROUP,
+           absl::StrCat(where(), ": node \"", s.node->node_id,
+                        "\" has not registered this group; register it before sending "
+                        "manifests"));
+    return;
   }
   if (g->registration.state() == GroupRegistration::State::kFailed) {
     // The group's failure again (counted when it happened).
@@ -1197,23 +1299,25 @@ bool Coordinator::AnswerWithoutContentLocked(Session& s, const ManifestRef& m, G
     d->set_step(m.step);
     *d->mutable_error() = g->registration.error();
     d->mutable_error()->set_step(m.step);
-    return true;
+    return;
   }
-  if (m.step < 0) return refuse(v1::INVALID_MANIFEST, absl::StrCat(where(), ": negative step"));
-  if (m.step > g->last_decided_step) return false;
+  if (m.step < 0) {
+    refuse(v1::INVALID_MANIFEST, absl::StrCat(where(), ": negative step"));
+    return;
+  }
   if (m.step == g->last_decided_step && g->last_decision != nullptr) {
     // A resend after a reconnect whose decision was lost: answer again.
     v1::Decision* again = out.ReplyBatch(s.sink)->add_decisions();
     *again = *g->last_decision;
     again->set_step(m.step);
     again->set_wait_us(g->last_decision_wait_us);
-    return true;
+    return;
   }
-  return refuse(v1::STEP_REGRESSION,
-                absl::StrCat(where(), ": step ", m.step, " is older than the last decided step ",
-                             g->last_decided_step,
-                             " of this group; check that the training loop's step counter "
-                             "only moves forward (was the process restarted alone?)"));
+  refuse(v1::STEP_REGRESSION,
+         absl::StrCat(where(), ": step ", m.step, " is older than the last decided step ",
+                      g->last_decided_step,
+                      " of this group; check that the training loop's step counter "
+                      "only moves forward (was the process restarted alone?)"));
 }
 
 void Coordinator::PruneContributionsLocked(Job& job, const GroupState& g, NodeGroupState& ng) {
@@ -1222,15 +1326,14 @@ void Coordinator::PruneContributionsLocked(Job& job, const GroupState& g, NodeGr
   job.retained -= pruned;
 }
 
-const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeState& node,
-                                                              GroupState& g, NodeGroupState& ng,
-                                                              const ManifestRef& m,
-                                                              v1::DecisionError& error) {
+const Coordinator::Content* Coordinator::ResolveContent(const Job& job, const NodeState& node,
+                                                        GroupState& g, NodeGroupState& ng,
+                                                        const ManifestRef& m, EntryResult& r) {
   if (m.repeat) {
     const Content* cached = ng.contents.Repeat(m.cache_key);
     if (cached == nullptr) {
-      ++stats_.repeat_key_mismatches;
-      error = OutOfOrder(
+      ++r.key_mismatches;
+      r.error = OutOfOrder(
           v1::INVALID_MANIFEST,
           absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
                        ": repeat-form manifest with cache key ", absl::Hex(m.cache_key),
@@ -1240,12 +1343,11 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
                            : absl::StrCat("has key ", absl::Hex(ng.contents.current()->key)),
                        "; resend this step in full form"),
           job.job_id, m.group_id, m.step);
-      error.set_resend_full_form(true);
+      r.error.set_resend_full_form(true);
       return nullptr;
     }
-    ++stats_.cache_hits;
+    ++r.cache_hits;
     ++g.cache_hits;
-    if (job.observer != nullptr) job.observer->OnManifests(/*cache_hit=*/true, 1);
     return cached;
   }
   absl::StatusOr<std::shared_ptr<const Content>> parsed =
@@ -1254,40 +1356,39 @@ const Coordinator::Content* Coordinator::ResolveContentLocked(Job& job, NodeStat
                    g.registration.variant(ng.variant).spec.params.size(), job.world_size, *m.full);
   if (!parsed.ok()) {
     const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
-    error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                  absl::StrCat("job ", job.job_id, ": ", parsed.status().message()), job.job_id,
-                  m.group_id, m.step);
+    r.error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                    absl::StrCat("job ", job.job_id, ": ", parsed.status().message()), job.job_id,
+                    m.group_id, m.step);
     return nullptr;
   }
-  const int64_t retained = ng.contents.Replace(*std::move(parsed));
-  stats_.retained_contents += retained;
-  job.retained += retained;
-  ++stats_.cache_misses;
+  r.retained += ng.contents.Replace(*std::move(parsed));
+  ++r.cache_misses;
   ++g.cache_misses;
-  if (job.observer != nullptr) job.observer->OnManifests(/*cache_hit=*/false, 1);
   return ng.contents.current().get();
 }
 
-Coordinator::PendingStep* Coordinator::PendingStepLocked(Job& job, GroupState& g,
-                                                         const ManifestRef& m,
-                                                         v1::DecisionError& error) {
+Coordinator::PendingStep* Coordinator::PendingStepFor(const Job& job, GroupState& g,
+                                                      const ManifestRef& m, absl::Time now,
+                                                      EntryResult& r) const {
   auto pit = g.pending.find(m.step);
   if (pit != g.pending.end()) return &pit->second;
   if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
-    error = Error(v1::LIMIT_EXCEEDED,
-                  absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
-                               ": ", g.pending.size(),
-                               " steps of this group are already waiting for ranks "
-                               "(--max_pending_steps); some ranks are far behind"),
-                  job.job_id, m.group_id, m.step);
+    r.error = Error(v1::LIMIT_EXCEEDED,
+                    absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
+                                 ": ", g.pending.size(),
+                                 " steps of this group are already waiting for ranks "
+                                 "(--max_pending_steps); some ranks are far behind"),
+                    job.job_id, m.group_id, m.step);
     return nullptr;
   }
-  return &StartStepLocked(job, g, m.step, wave_first_seen_.value_or(clock_->Now()))->second;
+  auto [it, wake] = StartStep(job, g, m.step, now);
+  r.wake = std::min(r.wake, wake);
+  return &it->second;
 }
 
-Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng,
-                                                      const ManifestRef& m, const Content* content,
-                                                      PendingStep& p, v1::DecisionError& error) {
+Coordinator::Added Coordinator::AddContribution(const Job& job, NodeState& node, NodeGroupState& ng,
+                                                const ManifestRef& m, const Content* content,
+                                                PendingStep& p, v1::DecisionError& error) {
   if (ng.contents.Contributed(m.step)) {
     // The node already spoke for this step: an identical resend is a no-op;
     // ranks that joined the node late may add a disjoint contribution.
@@ -1323,20 +1424,77 @@ Coordinator::Added Coordinator::AddContributionLocked(Job& job, NodeState& node,
   p.combined_key += MixKey(ng.contents.key());
   p.contributions.push_back(Contribution{&node, content, &ng});
   p.all_repeat = p.all_repeat && m.repeat;
-  node.last_step = std::max(node.last_step, m.step);
   ng.contents.CountSkips();
   return Added::kAdded;
 }
 
+bool Coordinator::SameAsPrevious(const GroupState& g, const PendingStep& p) {
+  return p.all_repeat && g.last_ok && g.last_decision != nullptr &&
+         p.combined_key == g.last_combined_key;
+}
+
+absl::StatusOr<Decision> Coordinator::ComputeDecision(const RegVariant& agreed, int world_size,
+                                                      int64_t step, const PendingStep& p) {
+  StepMerger merger(agreed.spec.params.size(), world_size, step);
+  for (const Contribution& c : p.contributions) merger.Add(*c.content);
+  return merger.Decide(agreed);
+}
+
+void Coordinator::DecideReadyLocked(Job& job, Outbox& out) {
+  if (ready_.empty()) return;
+  std::vector<ReadyStep> ready = std::move(ready_);
+  ready_.clear();
+  // The steps that need a core Decide, and what each one's merge costs.
+  struct Work {
+    const RegVariant* agreed;
+    const PendingStep* step;
+    int64_t step_id;
+    std::optional<absl::StatusOr<Decision>> decision;
+  };
+  std::vector<Work> work;
+  std::vector<int> work_of(ready.size(), -1);
+  int64_t contents = 0;
+  for (size_t i = 0; i < ready.size(); ++i) {
+    GroupState& g = *ready[i].group;
+    const PendingStep& p = g.pending.at(ready[i].step);
+    if (SameAsPrevious(g, p)) continue;
+    work_of[i] = static_cast<int>(work.size());
+    work.push_back(Work{&g.registration.reference(), &p, ready[i].step, std::nullopt});
+    contents += static_cast<int64_t>(p.contributions.size());
+  }
+  if (work.size() >= 2 && pool_->threads() > 1 &&
+      contents >= options_.parallel_decide_min_contents) {
+    // Each part reads its step's contents and registration (unchanged until
+    // the loop returns) and writes its own slot.
+    const int world = job.world_size;
+    pool_->ParallelFor(static_cast<int64_t>(work.size()), [&work, world](int64_t i) {
+      Work& w = work[i];
+      w.decision = ComputeDecision(*w.agreed, world, w.step_id, *w.step);
+    });
+    stats_.parallel_decides += static_cast<int64_t>(work.size());
+  }
+  for (size_t i = 0; i < ready.size(); ++i) {
+    GroupState& g = *ready[i].group;
+    g.ready = false;
+    PendingStep& p = g.pending.at(ready[i].step);
+    absl::StatusOr<Decision>* computed = nullptr;
+    if (work_of[i] >= 0 && work[work_of[i]].decision.has_value()) {
+      computed = &*work[work_of[i]].decision;
+    }
+    DecideStepLocked(job, g, ready[i].step, p, computed, out);
+    g.pending.erase(ready[i].step);
+  }
+}
+
 void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                                   Outbox& out) {
+                                   absl::StatusOr<Decision>* computed, Outbox& out) {
   const uint64_t combined = p.combined_key;
   v1::Decision* d = out.broadcast_decisions[&job].mutable_decisions()->add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(step);
   d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - p.clock.first_seen()));
   ++stats_.decisions;
-  if (p.all_repeat && g.last_ok && g.last_decision != nullptr && combined == g.last_combined_key) {
+  if (SameAsPrevious(g, p)) {
     d->set_same_as_previous(true);
     ++stats_.same_as_previous;
     g.last_decided_step = step;
@@ -1346,10 +1504,9 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
     ObserveDecisionLocked(job, g, step, p, *d, nullptr);
     return;
   }
-  const RegVariant& v = g.registration.reference();
-  StepMerger merger(v.spec.params.size(), job.world_size, step);
-  for (const Contribution& c : p.contributions) merger.Add(*c.content);
-  absl::StatusOr<Decision> decision = merger.Decide(v);
+  absl::StatusOr<Decision> decision =
+      computed != nullptr ? std::move(*computed)
+                          : ComputeDecision(g.registration.reference(), job.world_size, step, p);
   if (decision.ok()) {
     wire::DecisionToProto(*decision, d->mutable_ok());
     g.last_ok = true;

@@ -90,6 +90,7 @@
 #include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/node_session.h"
+#include "daemon/common/worker_pool.h"
 #include "daemon/coordinator/content.h"
 #include "daemon/coordinator/content_cache.h"
 #include "daemon/coordinator/deadline_tracker.h"
@@ -150,6 +151,19 @@ struct CoordinatorOptions {
   // after O(1) per node, with the same decisions, errors and counters as
   // without. Off: every batch repeat is handled entry by entry.
   bool repeat_waves = true;
+  // More than one core (docs/ARCHITECTURE.md, "More than one core"): the
+  // groups a message completes are decided side by side on this many
+  // threads (the handling thread included; 0: one per hardware thread, at
+  // most 8). Decisions do not depend on it: each group's is computed alone
+  // and they are applied in the message's order.
+  int decide_threads = 0;
+  // A batch's manifests are handled side by side only when it has at least
+  // this many (each costs about a microsecond).
+  int64_t parallel_min_entries = 64;
+  // A message's completed steps are decided in parallel only when their
+  // merges add up to at least this many node contents (below it the
+  // hand-off costs more than it saves).
+  int64_t parallel_decide_min_contents = 4096;
 };
 
 // Node sessions send through NodeSink (daemon/common/node_session.h), called
@@ -164,9 +178,13 @@ struct CoordinatorStats {
   int64_t decisions = 0;
   int64_t same_as_previous = 0;
   int64_t repeat_waves = 0;  // steps decided as one repeat wave
-  int64_t errors = 0;        // error decisions and results sent (counted once per event)
-  int64_t jobs = 0;          // live jobs
-  int64_t runs = 0;          // live runs (a run may precede its job: see RunForKeyValue)
+  // Core Decides computed side by side on the worker pool (decide_threads).
+  int64_t parallel_decides = 0;
+  // Manifests whose HandleEntry part ran on the worker pool.
+  int64_t parallel_entries = 0;
+  int64_t errors = 0;  // error decisions and results sent (counted once per event)
+  int64_t jobs = 0;    // live jobs
+  int64_t runs = 0;    // live runs (a run may precede its job: see RunForKeyValue)
   int64_t sessions = 0;
   int64_t retained_contents = 0;  // ContentCache::retained() entries, all jobs
   int64_t usage_bytes = 0;        // usage windows, live and retired jobs (approximate)
@@ -299,6 +317,10 @@ class Coordinator : public NodeSessionHandler {
     std::unique_ptr<GroupObserver> observer;
     // Repeat waves that decided this group (NodeGroupState::waves_counted).
     int64_t waves = 0;
+    // A step of this group completed and waits in ready_ for its decision.
+    bool ready = false;
+    // The batch (HandleEntriesLocked) that last named this group.
+    uint64_t batch_stamp = 0;
   };
   // Batch repeats of one step held back as a wave (docs/ARCHITECTURE.md,
   // "Repeat waves"): nothing per group happens until every node is in.
@@ -435,6 +457,20 @@ class Coordinator : public NodeSessionHandler {
   // A batch repeat: every entry of the session's previous batch at a new step.
   void HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A manifest of a batch with its resolved group states (nullptr: unknown).
+  struct EntryRef {
+    ManifestRef m;
+    GroupState* g;
+    NodeGroupState* ng;
+  };
+  // Handles a batch's manifests in order, as HandleManifestLocked would one
+  // by one, and decides the steps they complete; returns whether every one
+  // was added to its step. With more than one decide thread, a batch of at
+  // least parallel_min_entries manifests naming distinct groups runs their
+  // HandleEntry parts side by side (docs/ARCHITECTURE.md, "More than one
+  // core").
+  bool HandleEntriesLocked(Session& s, std::vector<EntryRef>& refs, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Resolves a batch entry's group pointers when it has none (the group was
   // unknown when recorded, or the entry is new).
   void ResolveEntryLocked(Session& s, BatchEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -461,32 +497,60 @@ class Coordinator : public NodeSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds the repeat waves the node went through into its skip accounting.
   static void CountWaveSkips(const GroupState& g, NodeGroupState& ng);
-  // HandleManifestLocked's steps, in order. Answers a manifest that needs no
-  // content (failed job, unknown or failed group, negative or decided step);
-  // returns whether it did.
-  bool AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
+  // HandleManifestLocked's steps (docs/ARCHITECTURE.md, "More than one
+  // core"). A manifest that needs no content (failed job, unknown or failed
+  // group, negative or decided step; AnswersWithoutContent) is answered by
+  // AnswerWithoutContentLocked. Any other is handled in two parts:
+  // HandleEntry changes only its group's state (GroupState, the node's
+  // NodeGroupState, their pending step) and writes everything else it would
+  // change into an EntryResult, which ApplyEntryLocked applies (counters,
+  // timer, error reply, the node's last step, the decision). Manifests of
+  // one batch for distinct groups may therefore run HandleEntry side by
+  // side on the worker pool, while the handling thread holds mu_ and waits;
+  // the results are applied in the batch's order.
+  enum class Added { kAdded, kResent, kRefused };
+  struct EntryResult {
+    bool answer = false;  // answered without content; nothing else was done
+    int64_t cache_hits = 0;
+    int64_t cache_misses = 0;
+    int64_t key_mismatches = 0;
+    int64_t retained = 0;  // change of the retained contents' count
+    absl::Time wake = absl::InfiniteFuture();
+    Added added = Added::kRefused;
+    v1::DecisionError error;  // kRefused
+    bool complete = false;    // its step now has every rank
+  };
+  static bool AnswersWithoutContent(const Job& job, const GroupState* g, const NodeGroupState* ng,
+                                    int64_t step);
+  void AnswerWithoutContentLocked(Session& s, const ManifestRef& m, GroupState* g,
                                   NodeGroupState* ng, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs with mu_ held by the handling thread (on it or on the pool); reads
+  // `job` and `node` and writes neither. A new pending step starts at `now`.
+  void HandleEntry(const Job& job, NodeState& node, GroupState& g, NodeGroupState& ng,
+                   const ManifestRef& m, absl::Time now, EntryResult& r) const;
+  // Returns whether the manifest was added to its step.
+  bool ApplyEntryLocked(Session& s, const ManifestRef& m, GroupState* g, NodeGroupState* ng,
+                        EntryResult& r, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets the node's contributions to steps decided since, and the
   // retained contents only those named.
   void PruneContributionsLocked(Job& job, const GroupState& g, NodeGroupState& ng)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The manifest's content: the node's cached one for a repeat, else the
-  // parsed full form, which becomes the cache. nullptr with `error` set when
-  // it cannot be resolved (resend_full_form for an unknown repeat).
-  const Content* ResolveContentLocked(Job& job, NodeState& node, GroupState& g, NodeGroupState& ng,
-                                      const ManifestRef& m, v1::DecisionError& error)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The pending step, started when new; nullptr (LIMIT_EXCEEDED in `error`)
-  // past --max_pending_steps.
-  PendingStep* PendingStepLocked(Job& job, GroupState& g, const ManifestRef& m,
-                                 v1::DecisionError& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  enum class Added { kAdded, kResent, kRefused };
+  // HandleEntry's steps. The manifest's content: the node's cached one for a
+  // repeat, else the parsed full form, which becomes the cache. nullptr with
+  // r.error set when it cannot be resolved (resend_full_form for an unknown
+  // repeat).
+  static const Content* ResolveContent(const Job& job, const NodeState& node, GroupState& g,
+                                       NodeGroupState& ng, const ManifestRef& m, EntryResult& r);
+  // The pending step, started at `now` when new (r.wake: when the timer must
+  // look at it); nullptr (LIMIT_EXCEEDED in r.error) past --max_pending_steps.
+  PendingStep* PendingStepFor(const Job& job, GroupState& g, const ManifestRef& m, absl::Time now,
+                              EntryResult& r) const;
   // Adds the node's content to the step: kResent for an identical resend
   // (no-op), kRefused (`error` set) for a different one about the same ranks.
-  Added AddContributionLocked(Job& job, NodeState& node, NodeGroupState& ng, const ManifestRef& m,
-                              const Content* content, PendingStep& p, v1::DecisionError& error)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static Added AddContribution(const Job& job, NodeState& node, NodeGroupState& ng,
+                               const ManifestRef& m, const Content* content, PendingStep& p,
+                               v1::DecisionError& error);
   // The one reply path for errors sent to one node: each counts the error
   // (stats, observer event; NoteErrorLocked) and queues it in the shape the
   // node expects (a session error, a registration result, a decision). A
@@ -505,8 +569,24 @@ class Coordinator : public NodeSessionHandler {
   // fingerprint, or the mismatch (which also fails the group's pending steps).
   void BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p, Outbox& out)
+  // Decides a complete step. `computed`: its core decision when it was
+  // computed already (DecideReadyLocked), else nullptr.
+  void DecideStepLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
+                        absl::StatusOr<Decision>* computed, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a complete step is decided same_as_previous (no core Decide).
+  static bool SameAsPrevious(const GroupState& g, const PendingStep& p);
+  // The core Decide on the OR-merge of the step's contributions. Reads only
+  // the step's contents and the group's agreed registration, which nothing
+  // changes while it runs, so steps of different groups may run at once.
+  static absl::StatusOr<Decision> ComputeDecision(const RegVariant& agreed, int world_size,
+                                                  int64_t step, const PendingStep& p);
+  // Steps a batch completed are collected (collect_ready_) and decided at
+  // its end, or before another manifest of the same group is handled: their
+  // core Decides side by side on pool_, then every decision in the order the
+  // steps completed, as the one-by-one path would (docs/ARCHITECTURE.md,
+  // "More than one core").
+  void DecideReadyLocked(Job& job, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
                      Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::DecisionError MissingRanksErrorLocked(const Job& job, const GroupState& g, int64_t step,
@@ -541,6 +621,9 @@ class Coordinator : public NodeSessionHandler {
   std::map<int64_t, PendingStep>::iterator StartStepLocked(Job& job, GroupState& g, int64_t step,
                                                            absl::Time first_seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same without the timer: returns when the timer must wake for it.
+  std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> StartStep(
+      const Job& job, GroupState& g, int64_t step, absl::Time first_seen) const;
   void FlushLocked(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveJobLocked(Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes the timer at `at` if that is earlier than its next wake.
@@ -666,6 +749,19 @@ class Coordinator : public NodeSessionHandler {
   // Held while delivering events so they reach the observer in order; taken
   // before mu_.
   accord::Mutex deliver_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Complete steps waiting for DecideReadyLocked (one group at most once).
+  struct ReadyStep {
+    GroupState* group;
+    int64_t step;
+  };
+  bool collect_ready_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<ReadyStep> ready_ ABSL_GUARDED_BY(mu_);
+  uint64_t batch_stamp_ ABSL_GUARDED_BY(mu_) = 0;
+  // HandleEntriesLocked's scratch, kept to save allocations.
+  std::vector<EntryRef> entry_refs_ ABSL_GUARDED_BY(mu_);
+  std::vector<EntryResult> entry_results_ ABSL_GUARDED_BY(mu_);
+  // Parallel decides; used only with mu_ held.
+  std::unique_ptr<WorkerPool> pool_;
   std::thread timer_;
 };
 

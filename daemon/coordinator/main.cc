@@ -92,6 +92,11 @@ ABSL_FLAG(bool, repeat_waves, true,
           "decide a step where every node repeats its whole batch in O(groups) after O(1) per "
           "node, with the same decisions (see docs/ARCHITECTURE.md, Repeat waves); false: "
           "entry by entry");
+ABSL_FLAG(int, decide_threads, 0,
+          "threads that compute the decisions of the groups one message completes side by "
+          "side, the handling thread included (docs/ARCHITECTURE.md, More than one core); 0: "
+          "one per hardware thread, at most 8; 1: all on the handling thread. Decisions do not "
+          "depend on it");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
 ABSL_FLAG(std::string, event_log, "",
           "append JSON-lines events (changed decisions, errors, stalls, deadline failures, nodes "
@@ -205,6 +210,7 @@ CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, Kv
   options.max_pending_steps = absl::GetFlag(FLAGS_max_pending_steps);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
   options.repeat_waves = absl::GetFlag(FLAGS_repeat_waves);
+  options.decide_threads = absl::GetFlag(FLAGS_decide_threads);
   // Runs own the key-value entries: a run's keys go when it ends or fails.
   options.on_run_ended = [kv](const std::string& job_id, const std::string& run_id,
                               const absl::Status& why, const std::string& successor) {
@@ -454,6 +460,11 @@ int Main(int argc, char** argv) {
   BlockTerminationSignals();
   if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
     ACCORD_LOG(ERROR) << s.message();
+    return 2;
+  }
+  if (const int threads = absl::GetFlag(FLAGS_decide_threads); threads < 0 || threads > 256) {
+    ACCORD_LOG(ERROR) << "--decide_threads=" << threads
+                      << " must be between 0 (one per hardware thread, at most 8) and 256";
     return 2;
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentials();

@@ -73,14 +73,19 @@ v1::NodeMessage BatchRepeat(int64_t step, const std::vector<v1::Manifest>& recor
 
 // One coordinator and its nodes' sinks.
 struct Side {
-  Side(bool waves, int nodes) : coord(Options(waves), &clock), ids(nodes) {
+  // `threads`: decide_threads; above 1 every batch's completed steps are
+  // decided on the worker pool, however few contents they merge.
+  Side(bool waves, int threads, int nodes) : coord(Options(waves, threads), &clock), ids(nodes) {
     for (int n = 0; n < nodes; ++n) sinks.push_back(std::make_unique<FakeNodeSink>());
   }
-  static CoordinatorOptions Options(bool waves) {
+  static CoordinatorOptions Options(bool waves, int threads) {
     CoordinatorOptions o;
     o.deadline = kDeadline;
     o.start_timer_thread = false;
     o.repeat_waves = waves;
+    o.decide_threads = threads;
+    o.parallel_decide_min_contents = 0;
+    o.parallel_min_entries = 0;
     return o;
   }
   FakeClock clock;
@@ -102,8 +107,12 @@ std::vector<std::string> Drain(FakeNodeSink& sink) {
 
 class Twins {
  public:
-  explicit Twins(const Shape& shape)
-      : shape_(shape), fast_(true, shape.nodes()), slow_(false, shape.nodes()) {}
+  // The fast side has repeat waves and `fast_threads` decide threads; the
+  // slow side neither (entry by entry, every decision on the handling thread).
+  explicit Twins(const Shape& shape, int fast_threads = 1)
+      : shape_(shape),
+        fast_(true, fast_threads, shape.nodes()),
+        slow_(false, /*threads=*/1, shape.nodes()) {}
 
   void Open(int n) {
     for (Side* s : {&fast_, &slow_}) s->ids[n] = s->coord.OpenSession(s->sinks[n].get());
@@ -134,6 +143,8 @@ class Twins {
     const CoordinatorStats a = fast_.coord.stats();
     const CoordinatorStats b = slow_.coord.stats();
     EXPECT_EQ(b.repeat_waves, 0) << when;
+    EXPECT_EQ(b.parallel_decides, 0) << when;
+    EXPECT_EQ(b.parallel_entries, 0) << when;
     const std::vector<std::pair<const char*, std::pair<int64_t, int64_t>>> fields = {
         {"manifests", {a.manifests, b.manifests}},
         {"cache_hits", {a.cache_hits, b.cache_hits}},
@@ -169,6 +180,8 @@ class Twins {
     }
   }
   int64_t waves() { return fast_.coord.stats().repeat_waves; }
+  int64_t parallel_decides() { return fast_.coord.stats().parallel_decides; }
+  int64_t parallel_entries() { return fast_.coord.stats().parallel_entries; }
 
  private:
   const Shape shape_;
@@ -187,13 +200,26 @@ std::vector<std::optional<DType>> RandomUsage(std::mt19937& rng, int params) {
   return d;
 }
 
-// One random run: returns the number of waves the fast side decided.
-int64_t RunScenario(const Shape& shape, uint32_t seed) {
-  SCOPED_TRACE(absl::StrCat(shape.Name(), ", seed ", seed));
+// What the fast side of a run did.
+struct FastPaths {
+  int64_t waves = 0;
+  int64_t parallel_decides = 0;
+  int64_t parallel_entries = 0;
+  FastPaths& operator+=(const FastPaths& o) {
+    waves += o.waves;
+    parallel_decides += o.parallel_decides;
+    parallel_entries += o.parallel_entries;
+    return *this;
+  }
+};
+
+// One random run with `fast_threads` decide threads on the fast side.
+FastPaths RunScenario(const Shape& shape, uint32_t seed, int fast_threads) {
+  SCOPED_TRACE(absl::StrCat(shape.Name(), ", seed ", seed, ", ", fast_threads, " decide threads"));
   std::mt19937 rng(seed);
   const int nodes = shape.nodes();
   const int world = shape.world();
-  Twins t(shape);
+  Twins t(shape, fast_threads);
   for (int n = 0; n < nodes; ++n) {
     t.Open(n);
     t.Send(n, Hello("job", NodeId(n), world, shape.RanksOf(n)));
@@ -270,7 +296,7 @@ int64_t RunScenario(const Shape& shape, uint32_t seed) {
       } else {
         t.Send(n, BatchRepeat(step, record[n]));
       }
-      if (::testing::Test::HasFatalFailure()) return 0;
+      if (::testing::Test::HasFatalFailure()) return {};
     }
     if (silent) {
       // Half the deadline, then past it and past the progress grace.
@@ -285,18 +311,21 @@ int64_t RunScenario(const Shape& shape, uint32_t seed) {
     t.CompareState(absl::StrCat("at the end of step ", step));
     if (failed) break;
   }
-  return t.waves();
+  return FastPaths{t.waves(), t.parallel_decides(), t.parallel_entries()};
 }
 
 // Shapes: the even job, one node alone, uneven nodes, more groups and nodes.
-// Returns the waves the fast side decided over `seeds` runs.
-int64_t RunShape(const Shape& shape, uint32_t seeds) {
-  int64_t waves = 0;
+// Returns what the fast side did over `seeds` runs.
+FastPaths RunShapeWith(const Shape& shape, uint32_t seeds, int fast_threads) {
+  FastPaths paths;
   for (uint32_t seed = 1; seed <= seeds; ++seed) {
-    waves += RunScenario(shape, seed);
+    paths += RunScenario(shape, seed, fast_threads);
     if (::testing::Test::HasFatalFailure()) break;
   }
-  return waves;
+  return paths;
+}
+int64_t RunShape(const Shape& shape, uint32_t seeds) {
+  return RunShapeWith(shape, seeds, /*fast_threads=*/1).waves;
 }
 
 TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathOnRandomRuns) {
@@ -320,6 +349,29 @@ TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathForOtherShapes) {
   }
 }
 
+// More than one core (docs/ARCHITECTURE.md): a batch's manifests handled
+// and its completed steps decided side by side on the worker pool, then
+// applied in order, give the messages, counters and observe views of
+// handling and deciding each one on arrival on one thread.
+TEST(RepeatWavesTest, ParallelDecidesDecideExactlyAsOneThread) {
+  const std::vector<Shape> shapes = {
+      {{2, 2, 2}, 3, 3},
+      {{4}, 5, 3},              // one node: each batch completes all its steps
+      {{1, 2, 1, 3, 1}, 6, 5},  // uneven nodes, more groups than threads
+  };
+  for (const Shape& shape : shapes) {
+    for (int threads : {2, 4}) {
+      SCOPED_TRACE(absl::StrCat(shape.Name(), ", ", threads, " threads"));
+      const FastPaths paths = RunShapeWith(shape, 60, threads);
+      if (HasFatalFailure()) return;
+      // The pool handled manifests and computed decisions (not only the
+      // one-thread fallbacks).
+      EXPECT_GT(paths.parallel_decides, 60);
+      EXPECT_GT(paths.parallel_entries, 600);
+    }
+  }
+}
+
 // The steady state, spelled out: one wave per step once every node sent its
 // whole batch, and a silent node is named at the deadline from the wave's
 // first arrival.
@@ -328,7 +380,7 @@ TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadl
   const int kNodes = shape.nodes();
   const int kWorld = shape.world();
   auto RanksOf = [&](int n) { return shape.RanksOf(n); };
-  Side s(true, kNodes);
+  Side s(true, /*threads=*/1, kNodes);
   for (int n = 0; n < kNodes; ++n) {
     s.ids[n] = s.coord.OpenSession(s.sinks[n].get());
     s.coord.HandleMessage(s.ids[n], Hello("job", NodeId(n), kWorld, RanksOf(n)));
