@@ -84,6 +84,44 @@ absl::StatusOr<std::shared_ptr<const Content>> ParseContent(const ServedRanks& n
   return std::shared_ptr<const Content>(std::move(content));
 }
 
+PredecodedContent PredecodeContent(const v1::Manifest& m) {
+  if (m.repeat() || !m.rank_bits().empty() || m.rank_detail_size() > 0 || m.cache_key() == 0) {
+    return {};
+  }
+  const bool masks = !m.dtype_masks().empty();
+  const size_t n = masks ? m.dtype_masks().size() : 8 * m.used_bits().size();
+  if (n == 0 || (n + 7) / 8 != m.used_bits().size()) return {};
+  auto content = std::make_shared<Content>();
+  content->dtypes.resize(n);
+  if (!wire::ManifestDTypesFromProto(m, n, content->dtypes.data()).ok()) return {};
+  content->key = m.cache_key();
+  return PredecodedContent{std::move(content), masks};
+}
+
+std::shared_ptr<const Content> ContentFromPredecoded(const ServedRanks& node, size_t num_params,
+                                                     const v1::Manifest& m,
+                                                     PredecodedContent& pre) {
+  // ParseContent's checks for this form: the node serves ranks; used_bits
+  // has (num_params + 7) / 8 bytes and no bit past num_params (a decoded
+  // entry past it would be a used one); dtype_masks has num_params entries.
+  if (pre.content == nullptr || node.count == 0 || num_params == 0 ||
+      m.used_bits().size() != (num_params + 7) / 8 ||
+      (pre.masks ? pre.content->dtypes.size() != num_params
+                 : pre.content->dtypes.size() < num_params)) {
+    return nullptr;
+  }
+  for (size_t i = num_params; i < pre.content->dtypes.size(); ++i) {
+    if (pre.content->dtypes[i] != 0) return nullptr;
+  }
+  std::shared_ptr<Content> content = std::move(pre.content);
+  content->dtypes.resize(num_params);
+  content->ranks = node.set;
+  content->rank_count = node.count;
+  content->word_lo = node.word_lo;
+  content->word_hi = node.word_hi;
+  return content;
+}
+
 int64_t ContentCache::Prune(int64_t last_decided_step) {
   steps_.erase(std::remove_if(steps_.begin(), steps_.end(),
                               [&](int64_t x) { return x <= last_decided_step; }),

@@ -38,6 +38,25 @@ absl::StatusOr<std::shared_ptr<const Content>> ParseContent(const ServedRanks& n
                                                             size_t num_params, int world,
                                                             const v1::Manifest& m);
 
+// A full-form manifest's dtypes, decoded before the coordinator's lock is
+// taken, without the group's registration (docs/ARCHITECTURE.md, "More than
+// one core"). Only the common node form is decoded: no rank_bits (all the
+// node's ranks), no rank_detail, a cache key; `content` is null otherwise,
+// or when it does not decode. With dtype_masks the parameter count is
+// theirs; with uniform_dtype it is 8 * used_bits' size.
+struct PredecodedContent {
+  std::shared_ptr<Content> content;
+  bool masks = false;
+};
+PredecodedContent PredecodeContent(const v1::Manifest& m);
+
+// What ParseContent(node, num_params, world, m) returns for a manifest that
+// PredecodeContent decoded into `pre` (taking pre.content), or nullptr when
+// the decoded form does not fit the registration's `num_params` (then
+// ParseContent decides, and words any error). The same Content either way.
+std::shared_ptr<const Content> ContentFromPredecoded(const ServedRanks& node, size_t num_params,
+                                                     const v1::Manifest& m, PredecodedContent& pre);
+
 // One node's contents for one group. Pending steps point at contents
 // without owning them: the cache owns the current one and `retained_` the
 // older ones still named by the node's pending steps, each kept until the

@@ -427,12 +427,28 @@ std::string Coordinator::CurrentRun(const std::string& job_id) {
 }
 
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
-  HandleMessageWithoutDelivery(id, message);
+  // Full forms' dtypes are decoded here, before the lock: streams read on
+  // several threads decode side by side (docs/ARCHITECTURE.md, "More than
+  // one core").
+  std::vector<Predecoded> predecoded = DecodeBeforeLock(message);
+  HandleMessageWithoutDelivery(id, message, &predecoded);
   DeliverRunEnds();
   DeliverEvents();
 }
 
-void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message) {
+std::vector<Coordinator::Predecoded> Coordinator::DecodeBeforeLock(const v1::NodeMessage& message) {
+  std::vector<Predecoded> out;
+  if (!message.has_manifests() || message.manifests().manifests_size() == 0 ||
+      message.manifests().manifests(0).repeat()) {
+    return out;
+  }
+  out.reserve(message.manifests().manifests_size());
+  for (const v1::Manifest& m : message.manifests().manifests()) out.push_back(PredecodeContent(m));
+  return out;
+}
+
+void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message,
+                                               std::vector<Predecoded>* predecoded) {
   accord::MutexLock l(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -476,7 +492,7 @@ void Coordinator::HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessa
       } else if (message.has_progress()) {
         HandleProgressLocked(s, message.progress());
       } else {
-        HandleManifestsLocked(s, message.manifests(), out);
+        HandleManifestsLocked(s, message.manifests(), predecoded, out);
       }
       break;
     default:
@@ -872,7 +888,8 @@ void Coordinator::BroadcastRegistrationLocked(Job& job, GroupState& g, Outbox& o
   out.broadcast_other.emplace_back(&job, std::move(msg));
 }
 
-void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out) {
+void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch,
+                                        std::vector<Predecoded>* predecoded, Outbox& out) {
   if (batch.repeat_batch_key() != 0) {
     HandleBatchRepeatLocked(s, batch, out);
     return;
@@ -904,9 +921,11 @@ void Coordinator::HandleManifestsLocked(Session& s, const v1::ManifestBatch& bat
     ResolveEntryLocked(s, e);
     e.cache_key = m.cache_key();
     hasher.Add(e.group_id, e.cache_key);
-    refs.push_back(EntryRef{
-        ManifestRef{m.group_id(), m.step(), m.repeat(), m.cache_key(), m.repeat() ? nullptr : &m},
-        e.group, e.node_group});
+    Predecoded* pre =
+        predecoded != nullptr && predecoded->size() == n ? &(*predecoded)[i] : nullptr;
+    refs.push_back(EntryRef{ManifestRef{m.group_id(), m.step(), m.repeat(), m.cache_key(),
+                                        m.repeat() ? nullptr : &m, pre},
+                            e.group, e.node_group});
   }
   record.key = hasher.Finish();
   bool all_added = HandleEntriesLocked(s, refs, out);
@@ -983,13 +1002,12 @@ bool Coordinator::HandleEntriesLocked(Session& s, std::vector<EntryRef>& refs, O
     results.assign(n, EntryResult());
     const Job& job = *s.job;
     NodeState& node = *s.node;
-    for (size_t i = 0; i < n; ++i) {
-      results[i].answer = AnswersWithoutContent(job, refs[i].g, refs[i].ng, refs[i].m.step);
-    }
     const absl::Time now = wave_first_seen_.value_or(clock_->Now());
     pool_->ParallelFor(static_cast<int64_t>(n), [&](int64_t i) {
       const EntryRef& r = refs[i];
-      if (!results[i].answer) HandleEntry(job, node, *r.g, *r.ng, r.m, now, results[i]);
+      EntryResult& result = results[i];
+      result.answer = AnswersWithoutContent(job, r.g, r.ng, r.m.step);
+      if (!result.answer) HandleEntry(job, node, *r.g, *r.ng, r.m, now, result);
     });
     stats_.parallel_entries += static_cast<int64_t>(n);
     for (size_t i = 0; i < n; ++i) {
@@ -1350,10 +1368,15 @@ const Coordinator::Content* Coordinator::ResolveContent(const Job& job, const No
     ++g.cache_hits;
     return cached;
   }
+  const size_t num_params = g.registration.variant(ng.variant).spec.params.size();
+  const ServedRanks served{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
+                           node.word_lo, node.word_hi};
+  std::shared_ptr<const Content> predecoded =
+      m.predecoded != nullptr ? ContentFromPredecoded(served, num_params, *m.full, *m.predecoded)
+                              : nullptr;
   absl::StatusOr<std::shared_ptr<const Content>> parsed =
-      ParseContent(ServedRanks{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
-                               node.word_lo, node.word_hi},
-                   g.registration.variant(ng.variant).spec.params.size(), job.world_size, *m.full);
+      predecoded != nullptr ? std::move(predecoded)
+                            : ParseContent(served, num_params, job.world_size, *m.full);
   if (!parsed.ok()) {
     const bool non_float = wire::KindOf(parsed.status()) == v1::NON_FLOAT_DTYPE;
     r.error = Error(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,

@@ -152,11 +152,12 @@ struct CoordinatorOptions {
   // without. Off: every batch repeat is handled entry by entry.
   bool repeat_waves = true;
   // More than one core (docs/ARCHITECTURE.md, "More than one core"): the
-  // groups a message completes are decided side by side on this many
-  // threads (the handling thread included; 0: one per hardware thread, at
-  // most 8). Decisions do not depend on it: each group's is computed alone
-  // and they are applied in the message's order.
-  int decide_threads = 0;
+  // manifests of one batch (distinct groups) are handled, and the groups it
+  // completes decided, side by side on this many threads, the handling
+  // thread included (0: one per hardware thread, at most 8). Decisions,
+  // messages and counters do not depend on it. 1 by default: on the 2-vCPU
+  // machines measured (bench/RESULTS.md) more threads did not shorten a step.
+  int decide_threads = 1;
   // A batch's manifests are handled side by side only when it has at least
   // this many (each costs about a microsecond).
   int64_t parallel_min_entries = 64;
@@ -404,13 +405,20 @@ class Coordinator : public NodeSessionHandler {
   };
   // A manifest's fields as the hot path needs them: a proto manifest or one
   // entry of a batch repeat. `full` is set for full-form manifests only.
+  // A full-form manifest's dtypes decoded before mu_ was taken, on the
+  // thread that read the message (DecodeBeforeLock, content_cache.h).
+  using Predecoded = PredecodedContent;
   struct ManifestRef {
     absl::string_view group_id;
     int64_t step = 0;
     bool repeat = false;
     uint64_t cache_key = 0;
     const v1::Manifest* full = nullptr;
+    Predecoded* predecoded = nullptr;  // full form: what was decoded before the lock
   };
+  // Decodes the full-form manifests of a batch without the lock (one entry
+  // per manifest, in order; empty for any other message).
+  static std::vector<Predecoded> DecodeBeforeLock(const v1::NodeMessage& message);
   // Messages produced while handling one event, sent at its end.
   struct Outbox {
     absl::flat_hash_map<Job*, v1::CoordinatorMessage> broadcast_decisions;
@@ -420,7 +428,8 @@ class Coordinator : public NodeSessionHandler {
   };
 
   // HandleMessage and CloseSession without the event delivery that follows.
-  void HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message)
+  void HandleMessageWithoutDelivery(SessionId id, const v1::NodeMessage& message,
+                                    std::vector<Predecoded>* predecoded = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
   void CloseSessionWithoutDelivery(SessionId id) ABSL_LOCKS_EXCLUDED(mu_);
   void CheckDeadlinesWithoutDelivery() ABSL_LOCKS_EXCLUDED(mu_);
@@ -452,7 +461,8 @@ class Coordinator : public NodeSessionHandler {
   void RegisterLocked(Session& s, GroupState& g, const GroupSpec& spec, const Policy& policy,
                       const std::vector<int>& ranks, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)
+  void HandleManifestsLocked(Session& s, const v1::ManifestBatch& batch,
+                             std::vector<Predecoded>* predecoded, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A batch repeat: every entry of the session's previous batch at a new step.
   void HandleBatchRepeatLocked(Session& s, const v1::ManifestBatch& batch, Outbox& out)

@@ -92,11 +92,15 @@ ABSL_FLAG(bool, repeat_waves, true,
           "decide a step where every node repeats its whole batch in O(groups) after O(1) per "
           "node, with the same decisions (see docs/ARCHITECTURE.md, Repeat waves); false: "
           "entry by entry");
-ABSL_FLAG(int, decide_threads, 0,
-          "threads that compute the decisions of the groups one message completes side by "
-          "side, the handling thread included (docs/ARCHITECTURE.md, More than one core); 0: "
-          "one per hardware thread, at most 8; 1: all on the handling thread. Decisions do not "
-          "depend on it");
+ABSL_FLAG(int, decide_threads, 1,
+          "threads that handle the manifests of one batch and decide the groups it completes "
+          "side by side, the handling thread included (docs/ARCHITECTURE.md, More than one "
+          "core); 0: one per hardware thread, at most 8. Decisions do not depend on it");
+ABSL_FLAG(int64_t, parallel_min_entries, 64,
+          "with --decide_threads > 1: the fewest manifests in a batch handled side by side");
+ABSL_FLAG(int64_t, parallel_decide_min_contents, 4096,
+          "with --decide_threads > 1: the fewest node contents the steps a batch completes must "
+          "merge together for their decisions to be computed side by side");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error (debug = info for now)");
 ABSL_FLAG(std::string, event_log, "",
           "append JSON-lines events (changed decisions, errors, stalls, deadline failures, nodes "
@@ -211,6 +215,8 @@ CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, Kv
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
   options.repeat_waves = absl::GetFlag(FLAGS_repeat_waves);
   options.decide_threads = absl::GetFlag(FLAGS_decide_threads);
+  options.parallel_min_entries = absl::GetFlag(FLAGS_parallel_min_entries);
+  options.parallel_decide_min_contents = absl::GetFlag(FLAGS_parallel_decide_min_contents);
   // Runs own the key-value entries: a run's keys go when it ends or fails.
   options.on_run_ended = [kv](const std::string& job_id, const std::string& run_id,
                               const absl::Status& why, const std::string& successor) {

@@ -40,14 +40,18 @@ if getattr(_accord, "HAVE_CLUSTER", False):
         Unix sockets, loopback). Use as a context manager, or call close().
 
         bin_dir defaults to the daemons shipped in this package (or
-        ACCORD_BIN_DIR)."""
+        ACCORD_BIN_DIR). sidecars_per_relay=K > 0 places one accord-relay in
+        front of every K sidecars (sidecar i reaches the coordinator through
+        relay i // K; docs/ARCHITECTURE.md, "Relays")."""
 
         def __init__(self, num_sidecars=1, bin_dir=None, coordinator_flags=(),
-                     sidecar_flags=(), ready_timeout_s=30.0, echo=False):
+                     sidecar_flags=(), ready_timeout_s=30.0, echo=False,
+                     sidecars_per_relay=0, relay_flags=()):
             if bin_dir is None:
                 bin_dir = os.path.dirname(daemon_path("accord-coordinator"))
             super().__init__(bin_dir, num_sidecars, list(coordinator_flags),
-                             list(sidecar_flags), ready_timeout_s, echo)
+                             list(sidecar_flags), ready_timeout_s, echo,
+                             sidecars_per_relay, list(relay_flags))
 
 else:
 

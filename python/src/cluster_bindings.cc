@@ -26,8 +26,11 @@ class PyLocalCluster {
  public:
   PyLocalCluster(const std::string& bin_dir, int num_sidecars,
                  const std::vector<std::string>& coordinator_flags,
-                 const std::vector<std::string>& sidecar_flags, double ready_timeout_s, bool echo) {
+                 const std::vector<std::string>& sidecar_flags, double ready_timeout_s, bool echo,
+                 int sidecars_per_relay, const std::vector<std::string>& relay_flags) {
     testing::LocalClusterOptions options;
+    options.sidecars_per_relay = sidecars_per_relay;
+    options.relay_flags = relay_flags;
     options.bin_dir = bin_dir;
     options.num_sidecars = num_sidecars;
     options.coordinator_flags = coordinator_flags;
@@ -65,11 +68,17 @@ void BindCluster(nb::module_& m) {
                              "A coordinator and sidecars on this machine; stopped by close() or "
                              "on leaving a `with` block.")
       .def(nb::init<const std::string&, int, const std::vector<std::string>&,
-                    const std::vector<std::string>&, double, bool>(),
+                    const std::vector<std::string>&, double, bool, int,
+                    const std::vector<std::string>&>(),
            nb::arg("bin_dir") = "", nb::arg("num_sidecars") = 1,
            nb::arg("coordinator_flags") = std::vector<std::string>{},
            nb::arg("sidecar_flags") = std::vector<std::string>{}, nb::arg("ready_timeout_s") = 30.0,
-           nb::arg("echo") = false)
+           nb::arg("echo") = false, nb::arg("sidecars_per_relay") = 0,
+           nb::arg("relay_flags") = std::vector<std::string>{})
+      .def_prop_ro("num_relays", [](PyLocalCluster& c) { return c.get().num_relays(); })
+      .def(
+          "relay_output", [](PyLocalCluster& c, int j) { return c.get().RelayOutput(j); },
+          nb::arg("index"))
       .def_prop_ro("coordinator_address",
                    [](PyLocalCluster& c) { return c.get().coordinator_address(); })
       .def_prop_ro("sidecar_sockets", [](PyLocalCluster& c) { return c.get().sidecar_sockets(); })

@@ -1,6 +1,7 @@
 #include "daemon/coordinator/content_cache.h"
 
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,76 @@ TEST_F(ParseContentTest, SameContentGivesTheSameKey) {
   ASSERT_TRUE(a.ok() && b.ok() && c.ok());
   EXPECT_EQ((*a)->key, (*b)->key);
   EXPECT_NE((*a)->key, (*c)->key);
+}
+
+// Contents decoded before the coordinator's lock (PredecodeContent, then
+// ContentFromPredecoded with the registration's count) are ParseContent's,
+// and whatever ParseContent refuses is left to it, on random manifests of
+// every form: uniform or per-parameter dtypes, counts that do or do not
+// match, bits past the count, bad dtypes, rank bits, rank detail, no key.
+TEST_F(ParseContentTest, PredecodedContentsAreParseContentsOnRandomManifests) {
+  std::mt19937 rng(7);
+  const v1::DType dtypes[] = {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16, v1::DTYPE_UNSPECIFIED,
+                              v1::INT32};
+  int decoded = 0, left = 0;
+  for (int iter = 0; iter < 20000; ++iter) {
+    const size_t registered = 1 + rng() % 20;
+    const size_t sent = rng() % 4 == 0 ? 1 + rng() % 20 : registered;  // sometimes wrong
+    v1::Manifest m;
+    m.set_group_id("g");
+    m.set_step(rng() % 16 == 0 ? -1 : 3);
+    std::string bits((sent + 7) / 8, '\0');
+    std::string masks;
+    for (size_t i = 0; i < sent; ++i) {
+      const bool used = rng() % 3 != 0;
+      if (used) bits[i / 8] = static_cast<char>(bits[i / 8] | (1 << (i % 8)));
+      const int roll = static_cast<int>(rng() % 40);
+      // Mostly consistent masks; sometimes one that disagrees with the bit
+      // or is not a float.
+      masks.push_back(static_cast<char>(roll == 0   ? 0x80
+                                        : roll == 1 ? !used
+                                        : used      ? 1 << (roll % 3)
+                                                    : 0));
+    }
+    if (rng() % 10 == 0 && !bits.empty()) bits.back() = static_cast<char>(bits.back() | 0x80);
+    m.set_used_bits(bits);
+    if (rng() % 2 == 0) {
+      m.set_dtype_masks(masks);
+      if (rng() % 20 == 0) m.set_uniform_dtype(v1::FLOAT32);  // both: refused
+    } else {
+      m.set_uniform_dtype(dtypes[rng() % 5]);
+    }
+    if (rng() % 5 != 0) m.set_cache_key(1 + rng());
+    if (rng() % 10 == 0) m.set_rank_bits(wire::RankSetToBits(*set_));
+    if (rng() % 10 == 0) {
+      v1::RankUsage* u = m.add_rank_detail();
+      u->set_rank(2);
+      u->set_used_bits(std::string((registered + 7) / 8, '\0'));
+    }
+    SCOPED_TRACE(m.ShortDebugString() + " registered " + std::to_string(registered));
+    absl::StatusOr<std::shared_ptr<const Content>> parsed = ParseContent(Node(), registered, 8, m);
+    PredecodedContent pre = PredecodeContent(m);
+    std::shared_ptr<const Content> fast = ContentFromPredecoded(Node(), registered, m, pre);
+    if (fast == nullptr) {
+      ++left;
+      continue;
+    }
+    ++decoded;
+    ASSERT_TRUE(parsed.ok()) << "predecoded a manifest ParseContent refuses: " << parsed.status();
+    const Content& a = *fast;
+    const Content& b = **parsed;
+    ASSERT_EQ(a.key, b.key);
+    ASSERT_EQ(std::vector<DTypeMask>(a.dtypes.begin(), a.dtypes.end()),
+              std::vector<DTypeMask>(b.dtypes.begin(), b.dtypes.end()));
+    ASSERT_EQ(a.ranks.get(), b.ranks.get());
+    ASSERT_EQ(a.rank_count, b.rank_count);
+    ASSERT_EQ(a.word_lo, b.word_lo);
+    ASSERT_EQ(a.word_hi, b.word_hi);
+    ASSERT_EQ(a.detail.size(), b.detail.size());
+  }
+  // Both paths were taken often.
+  EXPECT_GT(decoded, 2500);
+  EXPECT_GT(left, 2000);
 }
 
 TEST_F(ParseContentTest, RankBitsNamingAnotherNodesRankAreRefused) {

@@ -21,5 +21,5 @@ def cluster_info(cluster, world_size, name):
     }
 
 
-def start_cluster(num_sidecars=2):
-    return accord.LocalCluster(num_sidecars=num_sidecars)
+def start_cluster(num_sidecars=2, sidecars_per_relay=0):
+    return accord.LocalCluster(num_sidecars=num_sidecars, sidecars_per_relay=sidecars_per_relay)

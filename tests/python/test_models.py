@@ -112,6 +112,10 @@ VISION = ("model.vision_tower.", "model.multi_modal_projector.")
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_llava_tower_in_root_text_only_ranks_match_reference(llava, variant):
+    check_llava(llava, variant)
+
+
+def check_llava(llava, variant):
     ref = check_grads(llava, variant)
     check_wire(llava, variant)
     unused = [n for n, g in ref.items() if g is None]
@@ -132,6 +136,36 @@ def test_llava_tower_in_root_text_only_ranks_match_reference(llava, variant):
         assert widened == want_widened, (rank, widened)
         for i in range(2):  # decoder layers: used everywhere, nothing to do
             assert stats(llava, rank, variant, "llava", f"model.language_model.layers.{i}")[1:] == (0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def relayed_cluster():
+    # Each sidecar reaches the coordinator through its own accord-relay
+    # (docs/ARCHITECTURE.md, "Relays"): every manifest and decision of the job
+    # crosses a relay, and the coordinator merges the relays' manifests.
+    with start_cluster(num_sidecars=2, sidecars_per_relay=1) as c:
+        assert c.num_relays == 2
+        yield c
+
+
+def test_llava_through_relays_matches_reference(relayed_cluster):
+    """The LLaVA job (text-only odd ranks: zero-fill and skip decisions; bf16
+    gradients joining fp32 accumulations: widening) with relays between the
+    sidecars and the coordinator: the same gradients, stats and reduce-scatters
+    as directly."""
+    variant = "bf16-fp32"
+    info = cluster_info(relayed_cluster, W, "llava-relayed")
+    results = check_results(
+        run_ranks(
+            ms.run_family, W, TIMEOUT_S, family="llava", variants=[variant], mode="accord",
+            cluster=info, steps=STEPS,
+        )
+    )
+    check_llava(results, variant)
+    # The coordinator heard of the job from a relay, not from a sidecar.
+    out = relayed_cluster.coordinator_output()
+    created = [l for l in out.splitlines() if f"job {info['job_id']} " in l and "created" in l]
+    assert created and 'by node "relay' in created[0], created or out[-2000:]
 
 
 def test_llava_plain_fsdp2_fails(cluster):
