@@ -46,8 +46,8 @@ class WorkerPool {
 
  private:
   void WorkerLoop();
-  // Claims and runs parts of loop `generation` until none is left.
-  void RunParts(uint64_t generation);
+  // Claims and runs parts of loop `loop_id` until none is left.
+  void RunParts(uint64_t loop_id);
 
   const absl::Duration spin_;
   accord::Mutex loop_mu_;  // one loop at a time

@@ -403,11 +403,11 @@ class Coordinator : public NodeSessionHandler {
     // The step of the wave it joined (-1: none).
     int64_t wave_step = -1;
   };
-  // A manifest's fields as the hot path needs them: a proto manifest or one
-  // entry of a batch repeat. `full` is set for full-form manifests only.
   // A full-form manifest's dtypes decoded before mu_ was taken, on the
   // thread that read the message (DecodeBeforeLock, content_cache.h).
   using Predecoded = PredecodedContent;
+  // A manifest's fields as the hot path needs them: a proto manifest or one
+  // entry of a batch repeat. `full` is set for full-form manifests only.
   struct ManifestRef {
     absl::string_view group_id;
     int64_t step = 0;
