@@ -14,9 +14,11 @@ from accord import _accord
 _PKG_BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin")
 
 
-def daemon_path(name: str) -> str:
+def daemon_path(name: str, use_path: bool = True) -> str:
     """Path of an accord program ('accord-coordinator', 'accord-sidecar',
-    'accord-local-cluster'): ACCORD_BIN_DIR, then the package, then PATH."""
+    'accord-relay', 'accordctl', 'accord-local-cluster'): ACCORD_BIN_DIR, then
+    the package, then PATH (unless use_path is False: the console scripts
+    that exec these programs are on PATH under the same names)."""
     candidates = []
     if os.environ.get("ACCORD_BIN_DIR"):
         candidates.append(os.path.join(os.environ["ACCORD_BIN_DIR"], name))
@@ -24,12 +26,12 @@ def daemon_path(name: str) -> str:
     for c in candidates:
         if os.access(c, os.X_OK):
             return c
-    found = shutil.which(name)
+    found = shutil.which(name) if use_path else None
     if found:
         return found
     raise FileNotFoundError(
-        f"accord: cannot find {name} (looked in {', '.join(candidates)} and PATH); "
-        f"reinstall the package or set ACCORD_BIN_DIR"
+        f"accord: cannot find {name} (looked in {', '.join(candidates)}"
+        f"{' and PATH' if use_path else ''}); reinstall the package or set ACCORD_BIN_DIR"
     )
 
 

@@ -288,3 +288,13 @@ def test_connect_without_a_process_group_says_what_to_set(tmp_path):
     assert "embedded mode needs torch.distributed initialized" in p.stdout, p.stdout
     assert "set ACCORD_SOCKET" in p.stdout
 
+
+def test_console_script_shims_exec_the_bundled_programs(tmp_path):
+    for fn, name in (("coordinator", "accord-coordinator"), ("sidecar", "accord-sidecar"),
+                     ("relay", "accord-relay"), ("accordctl", "accordctl")):
+        code = f"import sys; sys.argv[0] = {name!r}; from accord import _entry; _entry.{fn}()"
+        p = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True,
+                           text=True, timeout=60, env=Job(tmp_path, f"shim-{fn}").env)
+        text = p.stdout + p.stderr
+        assert name in text, f"{name} --help through the shim:\n{text}"
+
