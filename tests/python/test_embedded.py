@@ -298,3 +298,21 @@ def test_console_script_shims_exec_the_bundled_programs(tmp_path):
         text = p.stdout + p.stderr
         assert name in text, f"{name} --help through the shim:\n{text}"
 
+
+def test_doctor_reports_programs_and_the_mode(tmp_path):
+    env = Job(tmp_path, "doctor").env
+    p = subprocess.run([sys.executable, "-m", "accord", "doctor", "--json"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    report = json.loads(p.stdout)
+    for name in ("accord-coordinator", "accord-sidecar", "accord-relay", "accordctl"):
+        assert report["programs"][name]["bundled"], report["programs"]
+    assert report["accord"]["HAVE_CLIENT"] is True
+    assert report["connect()"]["mode"] in (embedded.EMBEDDED, embedded.DEPLOYED)
+    assert report["deployed sidecar"]["socket"] == embedded.DEFAULT_SOCKET
+    stale = stale_socket(tmp_path / "stale.sock")
+    p = subprocess.run([sys.executable, "-m", "accord", "doctor"],
+                       env=dict(env, ACCORD_SOCKET=stale), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1, p.stdout
+    assert f"would use: {embedded.ENV}" in p.stdout
+    assert f"{stale} exists but nothing listens on it" in p.stdout
