@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -82,6 +83,11 @@ class Client {
   // spec; DEADLINE_EXCEEDED naming the ranks that did not register in time.
   virtual absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                                      absl::Time deadline) = 0;
+  // Registers many groups: every registration is sent before any result is
+  // awaited, so all of them cost one round trip. The first error, in the
+  // order given; the same errors as RegisterGroup.
+  virtual absl::Status RegisterGroups(const std::vector<std::pair<GroupSpec, Policy>>& groups,
+                                      absl::Time deadline) = 0;
 
   // Submits one manifest; never blocks on the network. Errors in the
   // submission itself (unknown group, wrong entry count, step going

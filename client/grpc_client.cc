@@ -152,39 +152,23 @@ class GrpcClient : public Client {
 
   absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                              absl::Time deadline) override {
-    if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
+    return RegisterGroups({{spec, policy}}, deadline);
+  }
+
+  absl::Status RegisterGroups(const std::vector<std::pair<GroupSpec, Policy>>& groups,
+                              absl::Time deadline) override {
+    for (const auto& [spec, policy] : groups) {
+      if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
+    }
     accord::MutexLock lock(&mu_);
     if (absl::Status s = ClosedStatus(); !s.ok()) return s;
-    auto it = groups_.find(spec.group_id);
-    if (it != groups_.end()) {
-      if (!(it->second.spec == spec) || !SamePolicy(it->second.policy, policy)) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "group \"", spec.group_id, "\" was already registered by rank ", options_.rank,
-            " with a different spec or policy; register each group once per job"));
-      }
-    } else {
-      GroupState& g = groups_[spec.group_id];
-      g.spec = spec;
-      g.policy = policy;
-      g.spec_fingerprint = SpecFingerprint(spec);
-      v1::RankMessage msg;
-      *msg.mutable_registration() = wire::GroupSpecToProto(spec, policy);
-      EnqueueLocked(std::move(msg));
-      it = groups_.find(spec.group_id);
+    for (const auto& [spec, policy] : groups) {
+      if (absl::Status s = SendRegistrationLocked(spec, policy); !s.ok()) return s;
     }
-    GroupState* g = &it->second;
-    auto done = [this, g]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return g->reg != RegState::kPending || closed_ || !fatal_.ok();
-    };
-    mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
-    if (g->reg == RegState::kOk) return absl::OkStatus();
-    if (g->reg == RegState::kFailed) return g->reg_status;
-    if (absl::Status s = ClosedStatus(); !s.ok()) return s;
-    return absl::DeadlineExceededError(
-        absl::StrCat("no registration result for group \"", spec.group_id, "\" (job \"",
-                     options_.job_id, "\", rank ", options_.rank,
-                     ") before the deadline; the coordinator answers once every "
-                     "rank registered the group: check that all ranks register it"));
+    for (const auto& [spec, policy] : groups) {
+      if (absl::Status s = AwaitRegistrationLocked(spec, deadline); !s.ok()) return s;
+    }
+    return absl::OkStatus();
   }
 
   DecisionFuture Submit(const GroupSubmission& submission) override {
@@ -348,6 +332,51 @@ class GrpcClient : public Client {
     }
     *group = &it->second;
     return absl::OkStatus();
+  }
+
+  // Sends a group's registration unless it was sent before (with the same
+  // spec and policy).
+  absl::Status SendRegistrationLocked(const GroupSpec& spec, const Policy& policy)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = groups_.find(spec.group_id);
+    if (it != groups_.end()) {
+      if (!(it->second.spec == spec) || !SamePolicy(it->second.policy, policy)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "group \"", spec.group_id, "\" was already registered by rank ", options_.rank,
+            " with a different spec or policy; register each group once per job"));
+      }
+      return absl::OkStatus();
+    }
+    GroupState& g = groups_[spec.group_id];
+    g.spec = spec;
+    g.policy = policy;
+    g.spec_fingerprint = SpecFingerprint(spec);
+    v1::RankMessage msg;
+    *msg.mutable_registration() = wire::GroupSpecToProto(spec, policy);
+    EnqueueLocked(std::move(msg));
+    return absl::OkStatus();
+  }
+
+  // Waits for a sent registration's result. The group is looked up by id at
+  // each check: groups_ may rehash while the lock is released.
+  absl::Status AwaitRegistrationLocked(const GroupSpec& spec, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto state = [this, &spec]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return groups_.find(spec.group_id)->second.reg;
+    };
+    auto done = [this, &state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return state() != RegState::kPending || closed_ || !fatal_.ok();
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+    const GroupState& g = groups_.find(spec.group_id)->second;
+    if (g.reg == RegState::kOk) return absl::OkStatus();
+    if (g.reg == RegState::kFailed) return g.reg_status;
+    if (absl::Status s = ClosedStatus(); !s.ok()) return s;
+    return absl::DeadlineExceededError(
+        absl::StrCat("no registration result for group \"", spec.group_id, "\" (job \"",
+                     options_.job_id, "\", rank ", options_.rank,
+                     ") before the deadline; the coordinator answers once every "
+                     "rank registered the group: check that all ranks register it"));
   }
 
   void EnqueueLocked(v1::RankMessage msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -73,6 +73,20 @@ class ClientAgreement:
     def ready(self, handle) -> bool:
         return handle.ready()
 
+    def submit_batch(self, items):
+        """Submits many (group_id, step, dtypes) as one message; handles in order."""
+        return self.client.submit_batch([(g, s, list(d)) for g, s, d in items])
+
+    def register_all(self, registrations):
+        """Registers many groups with one round trip where the client can."""
+        batch = getattr(self.client, "register_groups", None)
+        if callable(batch):
+            batch([(g, list(p), rd, exact) for g, p, rd, exact in registrations],
+                  timeout_s=self.timeout_s)
+            return
+        for r in registrations:
+            self.register(*r)
+
 
 def as_agreement(obj, timeout_s: float = 300.0) -> Agreement:
     """Accepts an Agreement or an accord client and returns an Agreement."""

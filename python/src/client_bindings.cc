@@ -92,6 +92,30 @@ void BindClient(nb::module_& m) {
           nb::arg("reduce_dtype_exact") = true, nb::arg("timeout_s") = 60.0,
           "Registers a group: params are (name, dim0, numel) in group order.")
       .def(
+          "register_groups",
+          [](Client& c,
+             const std::vector<std::tuple<std::string, std::vector<PyParam>,
+                                          std::optional<std::string>, bool>>& groups,
+             double timeout_s) {
+            std::vector<std::pair<GroupSpec, Policy>> specs;
+            specs.reserve(groups.size());
+            for (const auto& [group_id, params, reduce_dtype, exact] : groups) {
+              Policy policy;
+              policy.reduce_dtype = OptionalDType(reduce_dtype);
+              policy.reduce_dtype_exact = exact && policy.reduce_dtype.has_value();
+              specs.emplace_back(SpecFromPy(group_id, params), policy);
+            }
+            absl::Status status;
+            {
+              nb::gil_scoped_release release;
+              status = c.RegisterGroups(specs, DeadlineIn(timeout_s));
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("groups"), nb::arg("timeout_s") = 60.0,
+          "Registers many (group_id, params, reduce_dtype, reduce_dtype_exact) with one round "
+          "trip.")
+      .def(
           "submit",
           [](Client& c, const std::string& group_id, int64_t step,
              const std::vector<std::optional<std::string>>& dtypes) {

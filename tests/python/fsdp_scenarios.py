@@ -363,7 +363,7 @@ class DeepNet(nn.Module):
     """Six blocks, each its own FSDP unit: block 2 runs twice on every rank,
     block 4's `side` layer only on even ranks, `side` of the others nowhere.
     The blocks' inputs require grad, so their post-backwards run during
-    autograd (overlap defers them)."""
+    autograd (accord holds their reduce-scatters for the release)."""
 
     def __init__(self):
         super().__init__()
@@ -380,7 +380,8 @@ class DeepNet(nn.Module):
 
 
 def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=True, steps=2):
-    """Case 5: gradients with and without overlap (bit-identical expected)."""
+    """Case 5: gradients with and without speculation (`overlap`, its earlier
+    name; bit-identical expected)."""
     torch.manual_seed(0)
     ref_model = DeepNet()
     model = copy.deepcopy(ref_model)
@@ -412,7 +413,7 @@ def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=Tru
         "ref": ref,
         "wire": spy.calls,
         "stats": _stats(inst),
-        "timing": (t.exposed_s, t.waits, t.deferred),
+        "timing": (t.exposed_s, t.waits, t.held, t.speculated),
         "overlap": inst.overlap,
     }
 

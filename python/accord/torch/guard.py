@@ -1,0 +1,381 @@
+"""The collective-sequence guard of accord.torch (see docs/PARTICIPATION.md;
+its pure parts are in accord.torch.windows).
+
+Every rank records each FSDP2 collective it issues (unit, kind, element
+count, dtype) and the end of each step. Records are grouped into *windows*
+that close at points every rank agrees on while their sequences agree: after
+a collective this rank has never issued after the same prefix of its step (a
+"new" one), after WINDOW collectives, and at the end of a step. Each window is
+one manifest of a dedicated group (step = window index) that encodes a 64-bit
+hash of the window in two slots per bit: slot 2i is "used" when bit i is 1,
+slot 2i+1 when it is 0. The coordinator's decision marks a slot included when
+any rank used it, so the ranks' windows are equal exactly when no bit has both
+slots included; every rank receives the same decision, hence the same verdict.
+
+Off the critical path: the training thread appends records; a background
+thread submits closed windows and checks the decisions. The training thread
+waits for a verdict only when a window closed at a new collective, before
+issuing it (the first step, a new pattern, a divergence): a rank about to
+diverge stops before its collective instead of pairing it with another rank's
+different one, which Gloo answers by killing the process and NCCL by hanging.
+In the steady state it never waits, and one report covers WINDOW collectives.
+
+When a rank waits longer than STALL_S (for a verdict, or inside a collective,
+seen as no new record), its background thread writes the open window to the
+key-value store and compares it with the other ranks'; ranks stuck at
+different collectives differ at a common position, which is a divergence.
+Equal prefixes never are, so a slow rank is never reported.
+
+On divergence every rank builds the same message from every rank's window
+(through the key-value store) and raises accord.torch.AccordDivergenceError;
+a rank whose training thread is blocked inside a collective gets it from the
+background thread, which aborts the process group and ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
+                                  slot_params, slots)
+
+WINDOW = 64  # collectives per report in the steady state
+STALL_S = 2.0  # waiting this long starts the stall comparison
+END = "end of step"
+
+
+class AccordDivergenceError(RuntimeError):
+    """The ranks issued different FSDP collectives; same text on every rank."""
+
+
+class _Window:
+    """Records of one window; closed by the training thread."""
+
+    __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
+                 "checked", "repair", "closed_at")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.records: List[str] = []  # "step s position p: entry"
+        self.waiting = False  # closed at a new collective: the training thread waits
+        self.unit: Optional[str] = None  # of the last record
+        self.forward_all_gather = False  # the last record is a forward all-gather
+        self.handle = None
+        self.checked = threading.Event()
+        self.repair: Optional[List[str]] = None
+        self.closed_at = 0.0
+
+
+class SequenceGuard:
+    """One rank's guard. The training thread calls begin_step() and record();
+    a background thread (owned here, stopped by close()) submits windows,
+    checks verdicts and looks into stalls."""
+
+    def __init__(
+        self,
+        client,
+        rank: int,
+        world_size: int,
+        group_id: str,
+        timeout_s: float,
+        on_divergence: Optional[Callable[[str], None]] = None,
+        learner=None,
+        window: int = WINDOW,
+        stall_s: float = STALL_S,
+    ):
+        self.client = client
+        self.rank = rank
+        self.world_size = world_size
+        self.group_id = group_id
+        self.timeout_s = timeout_s
+        self.on_divergence = on_divergence or self._abort
+        # learner.can_learn(units) -> units to pin or None (background thread,
+        # pure); learner.learn(units, current) -> whether the current
+        # collective is done (training thread). See record().
+        self.learner = learner
+        self.window = window
+        self.stall_s = stall_s
+        self.step = 0
+        self.position = 0
+        self.prefix = 0  # running hash of this step's records
+        self.known: set = set()  # (prefix, entry) transitions every rank agreed on
+        self.blocking_waits = 0
+        self.blocked_s = 0.0
+        self.reports = 0  # collectives recorded
+        self.abort_grace_s = 2.0
+        self.error: Optional[str] = None
+        self.process_group = None
+        self._open = _Window(0)  # guarded by _mu (the stall check reads it)
+        self._last_record = time.monotonic()
+        self._waiting = False  # the training thread waits for a verdict
+        self._raised = threading.Event()  # the training thread has seen the error
+        self._registered = False
+        self._mu = threading.Lock()
+        self._wake = threading.Condition(self._mu)
+        self._queue: List[_Window] = []  # closed, not yet submitted
+        self._inflight: List[_Window] = []  # submitted, not yet checked
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._stall_checked: Tuple[int, int] = (-1, -1)
+
+    # ------------------------------------------------------------ training thread
+
+    def begin_step(self) -> None:
+        """At the start of every root forward: the previous step's end is a
+        position of its own (a rank with fewer collectives diverges there)."""
+        if self.position > 0:
+            self.record(END)
+        self.step += 1
+        self.position = 0
+        self.prefix = 0
+
+    def record(self, entry: str, unit: Optional[str] = None,
+               forward_all_gather: bool = False) -> bool:
+        """Called just before this rank issues a collective described by
+        `entry` (an all-gather of `unit` in a forward when forward_all_gather).
+        Returns True when the caller must not issue it: the ranks diverged at
+        every rank's first occurrence, at forward all-gathers, and every rank
+        has instead all-gathered and pinned a unit that covers it (learned
+        optional units, see docs/PARTICIPATION.md)."""
+        self._check_error()
+        if self._thread is None:
+            self._register()
+        self.reports += 1
+        transition = (self.prefix, entry)
+        new = transition not in self.known
+        with self._mu:
+            w = self._open
+            w.records.append(f"step {self.step} position {self.position}: {entry}")
+            w.unit, w.forward_all_gather = unit, forward_all_gather
+            self.position += 1
+            self.prefix = hash64(f"{self.prefix}|{entry}")
+            self._last_record = time.monotonic()
+            if new or entry == END or len(w.records) >= self.window:
+                w.waiting = new
+                self._close_locked()
+                self._wake.notify()
+        if not new:
+            return False
+        t0 = time.perf_counter()
+        self._waiting = True
+        try:
+            got = w.checked.wait(self.timeout_s)
+        finally:
+            self._waiting = False
+        if not got:
+            raise AccordDivergenceError(
+                f"accord: collective-sequence guard: no verdict for step {self.step} "
+                f"({entry}) within {self.timeout_s:.0f}s; check the accord sidecar and "
+                f"coordinator"
+            )
+        self.blocked_s += time.perf_counter() - t0
+        self.blocking_waits += 1
+        self._check_error()
+        if w.repair is not None:
+            if self.learner.learn(w.repair, unit):
+                return True
+            # Still to issue: record it again, in a window of its own.
+            return self.record(entry, unit, forward_all_gather)
+        self.known.add(transition)
+        return False
+
+    def _close_locked(self) -> None:
+        w = self._open
+        w.closed_at = time.monotonic()
+        self._queue.append(w)
+        self._open = _Window(w.index + 1)
+        # Submitted here rather than at the background thread's next turn, so
+        # that a closed window never waits for it.
+        self._submit_locked()
+
+    def _check_error(self) -> None:
+        if self.error is not None:
+            self._raised.set()
+            raise AccordDivergenceError(self.error)
+
+    def explain(self, failure: BaseException, wait_s: float = 30.0) -> None:
+        """A collective failed (a peer stopped or died): if the guard finds a
+        divergence in time, raise it instead; otherwise return (the caller
+        re-raises the original failure)."""
+        deadline = time.monotonic() + wait_s
+        while self.error is None and time.monotonic() < deadline:
+            message = self._compare_stalled(timeout_s=min(2.0, self.timeout_s))
+            if message is not None:
+                self._fail(message, None, raise_here=True)
+                break
+            with self._mu:
+                outstanding = list(self._inflight)
+            if not outstanding:
+                break
+            outstanding[0].checked.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        if self.error is not None:
+            self._raised.set()
+            raise AccordDivergenceError(self.error) from failure
+
+    def registration(self) -> tuple:
+        """The guard's group, for the installation's one batched registration
+        (then call registered())."""
+        return (self.group_id, slot_params(), None, False)
+
+    def registered(self) -> None:
+        self._registered = True
+
+    def _register(self) -> None:
+        if not self._registered:
+            self.client.register_group(*self.registration()[:2], reduce_dtype=None,
+                                       reduce_dtype_exact=False, timeout_s=self.timeout_s)
+            self._registered = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="accord-guard", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------ background
+
+    def _submit_locked(self) -> None:
+        for w in self._queue:
+            h = hash64("\n".join(w.records))
+            w.handle = self.client.submit(self.group_id, w.index, slots(h))
+            self._inflight.append(w)
+        self._queue.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._mu:
+                window = self._inflight[0] if self._inflight else None
+                if window is None:
+                    if self._stop:
+                        return
+                    self._wake.wait(self.stall_s / 2)
+                    stalled = bool(self._open.records) and (
+                        time.monotonic() - self._last_record > self.stall_s)
+            if window is None:
+                if stalled and self.error is None:
+                    self._check_stall()  # outside the lock: it talks to the KV store
+                continue
+            try:
+                decision = self.client.wait(window.handle, timeout_s=self.stall_s)
+            except Exception as e:  # noqa: BLE001 - a timeout, or the service's named error
+                if not window.handle.ready():
+                    # Not there yet: someone may be stuck; look, then wait again.
+                    if time.monotonic() - window.closed_at > self.timeout_s:
+                        self._fail(f"accord: collective-sequence guard: no verdict for window "
+                                   f"{window.index} within {self.timeout_s:.0f}s", window)
+                        return
+                    self._check_stall()
+                    if self.error is not None:
+                        return
+                    continue
+                self._fail(f"accord: collective-sequence guard at {window.records[-1]}: {e}",
+                           window)
+                return
+            message = None
+            if diverged(decision.included):
+                entries = self._gather(window)
+                window.repair = self._repairable(entries)
+                if window.repair is None:
+                    message = describe(entries)
+            with self._mu:
+                self._inflight.pop(0)
+            if message is not None:
+                self._fail(message, window)
+                return
+            window.checked.set()
+
+    def _fail(self, message: str, window: Optional[_Window], raise_here: bool = False) -> None:
+        self.error = message
+        with self._mu:
+            pending = ([window] if window else []) + self._inflight + self._queue
+        for w in pending:
+            w.checked.set()
+        if raise_here:
+            return
+        # The training thread raises the error itself when it is waiting for a
+        # verdict or reaches its next collective within the grace; a thread
+        # blocked inside a collective never will.
+        if self._waiting or self._raised.wait(self.abort_grace_s):
+            return
+        self.on_divergence(message)
+
+    def _gather(self, window: _Window) -> Dict[int, dict]:
+        """Every rank's window at this index, through the key-value store (each
+        rank writes its own, then reads all): the same on every rank."""
+        key = f"{self.group_id}/diverged/{window.index}"
+        mine = {"records": window.records, "waiting": window.waiting, "unit": window.unit,
+                "forward_all_gather": window.forward_all_gather}
+        try:
+            self.client.kv_set(f"{key}/{self.rank}", json.dumps(mine).encode())
+            values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
+                                        timeout_s=min(self.timeout_s, 10.0))
+            return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+        except Exception as e:  # noqa: BLE001 - some rank did not answer in time
+            mine["records"] = mine["records"] + [f"(the other ranks did not report: {e})"]
+            return {self.rank: mine}
+
+    def _repairable(self, entries: Dict[int, dict]) -> Optional[List[str]]:
+        """The units to pin on every rank, or None when this divergence is an
+        error (accord.torch.windows.repairable_units)."""
+        if self.learner is None:
+            return None
+        units = repairable_units(entries, self.world_size)
+        return None if units is None else self.learner.can_learn(units)
+
+    # ------------------------------------------------------------ stalls
+
+    def _check_stall(self) -> None:
+        message = self._compare_stalled(timeout_s=min(1.0, self.timeout_s))
+        if message is not None:
+            self._fail(message, None)
+
+    def _compare_stalled(self, timeout_s: float) -> Optional[str]:
+        """Writes this rank's current window (the one it waits on, or the open
+        one it is stuck in) and compares it with the other ranks' for the same
+        window index; a message when they differ at a common position."""
+        with self._mu:
+            w = self._inflight[0] if self._inflight else self._open
+            records = list(w.records)
+            index = w.index
+        if not records:
+            return None
+        key = f"{self.group_id}/stalled/{index}"
+        try:
+            # Keys are write-once per run: a window's first stall is written,
+            # a later one in the same window compares that (a true prefix).
+            if self._stall_checked[0] != index:
+                self.client.kv_set(f"{key}/{self.rank}",
+                                   json.dumps({"records": records}).encode())
+                self._stall_checked = (index, len(records))
+            values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
+                                        timeout_s=timeout_s)
+        except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
+            return None
+        entries = {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+        p = first_difference(entries, prefix_only=True)
+        if p is None:
+            return None  # the common prefix agrees: slow, not diverged
+        return describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})
+
+    def _abort(self, message: str) -> None:
+        """Default on divergence while the training thread may be blocked in a
+        collective: abort the process group, then end the process with the
+        message (a blocked Gloo/NCCL call may never return otherwise)."""
+        sys.stderr.write(f"AccordDivergenceError: {message}\n")
+        sys.stderr.flush()
+        try:
+            import torch.distributed as dist
+
+            dist.distributed_c10d._abort_process_group(self.process_group)
+        except Exception:  # noqa: BLE001 - best effort; the exit below is what counts
+            pass
+        os._exit(3)
+
+    def close(self) -> None:
+        with self._mu:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout_s)

@@ -1,0 +1,247 @@
+"""Units whose forward runs on some ranks only (docs/PARTICIPATION.md).
+
+An optional unit is all-gathered by every rank at one fixed point (right
+after the root's pre-forward) and kept unsharded until the end of the
+backward, so running it 0, 1 or 2 times issues the same collectives; it is
+left out of FSDP2's record of the forward order, so the other units' backward
+prefetch is the same on every rank. Its reduce-scatter is released with every
+other group's (accord.torch.installation). The guard's learner also lives
+here: units that diverged at every rank's first forward all-gather become
+optional units on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+from accord.torch import fsdp2
+
+
+@dataclasses.dataclass
+class UnitParticipation:
+    """How often this rank ran one optional unit's forward, per step."""
+
+    steps: int = 0
+    skipped: int = 0  # steps with no forward call
+    ran: int = 0  # steps with exactly one
+    repeated: int = 0  # steps with two or more
+    calls_this_step: int = 0
+
+
+class ParticipationReporter:
+    """Reports, per step, whether this rank ran one optional unit, through a
+    group of its own (`<prefix>/~participation/<unit>`, "parameters" `ran`
+    and `repeated`): the coordinator's skip matrix of that group is the
+    unit x rank participation matrix. Submitted without waiting; the previous
+    step's decision is collected at the next report."""
+
+    PARAMS = [("ran", 1, 1), ("repeated", 1, 1)]
+
+    def __init__(self, agreement, group_id: str):
+        self.agreement = agreement
+        self.group_id = group_id
+        self.previous = None
+
+    def registration(self) -> tuple:
+        return (self.group_id, self.PARAMS, None, False)
+
+    def report(self, step: int, calls: int) -> None:
+        if self.previous is not None:
+            self.agreement.wait(self.previous)
+        self.previous = self.agreement.submit_async(
+            self.group_id, step, ["float32" if calls >= 1 else None,
+                                  "float32" if calls >= 2 else None])
+
+
+class OptionalUnit:
+    """One optional FSDP unit. Pinned (unsharded by accord) from the root's
+    pre-forward to the end of the backward; while pinned, FSDP2's own reshards
+    after forward and after backward do nothing. Training thread only."""
+
+    def __init__(self, name: str, module, groups: list, reporter=None):
+        self.name = name
+        self.module = module
+        self.groups = groups
+        self.reporter = reporter
+        self.pinned = False
+        self.participation = UnitParticipation()
+        for g in groups:
+            original = g.reshard  # bound method
+
+            def reshard(g=g, original=original):
+                if self.pinned and fsdp2.in_step(g):
+                    return None  # kept unsharded until end_step
+                if not fsdp2.in_step(g):
+                    self.pinned = False  # an explicit reshard (state_dict, .to())
+                return original()
+
+            fsdp2.set_method(g, "reshard", reshard)
+            # Not in FSDP2's forward order: the other units' implicit backward
+            # prefetch must not depend on this unit.
+            fsdp2.set_method(g, "_record_post_forward", lambda: None)
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.participation.calls_this_step += 1
+
+    def begin_step(self) -> None:
+        if self.pinned:  # a forward without backward left it pinned
+            self.end_step(count=False)
+        self.module.unshard()  # one all-gather, on every rank, at the same place
+        self.pinned = True
+
+    def end_step(self, count: bool = True) -> None:
+        self.pinned = False
+        for g in self.groups:
+            g.reshard()
+        p = self.participation
+        if count:
+            if self.reporter is not None:
+                self.reporter.report(p.steps, p.calls_this_step)
+            p.steps += 1
+            if p.calls_this_step == 0:
+                p.skipped += 1
+            elif p.calls_this_step == 1:
+                p.ran += 1
+            else:
+                p.repeated += 1
+        p.calls_this_step = 0
+
+    def remove(self) -> None:
+        if self.pinned:
+            self.end_step(count=False)
+        self._handle.remove()
+        for g in self.groups:
+            fsdp2.clear_method(g, "reshard")
+            fsdp2.clear_method(g, "_record_post_forward")
+
+
+class OptionalUnits:
+    """The installation's optional units, their step hooks on the root, and
+    the guard's learner. Training thread, except can_learn (pure)."""
+
+    def __init__(self, installation):
+        self.inst = installation
+        self._order: Dict[str, int] = {}
+        self._hooked = False
+        # Units that may become optional: every FSDP unit below the root with
+        # one group, by module path, in module order.
+        for i, (name, module) in enumerate(installation.model.named_modules()):
+            if name and fsdp2.is_fsdp_module(module) and len(fsdp2.param_groups(module)) == 1:
+                self._order.setdefault(name, i)
+
+    def add(self, name: str, module, register_now: bool = False) -> OptionalUnit:
+        inst = self.inst
+        reporter = None
+        if callable(getattr(inst.agreement, "submit_async", None)):
+            reporter = ParticipationReporter(inst.agreement,
+                                             f"{inst.prefix}/~participation/{name}")
+            if register_now:
+                inst.agreement.register(*reporter.registration())
+        groups = fsdp2.param_groups(module)
+        unit = OptionalUnit(name, module, groups, reporter)
+        for h in inst.groups.values():
+            if any(h.group is g for g in groups):
+                h.optional = unit
+        inst.optional.append(unit)
+        if not self._hooked:
+            # After FSDP2's root pre-forward (its hook is prepended; this one
+            # is appended), before any other unit's all-gather.
+            inst._handles.append(inst.model.register_forward_pre_hook(self._begin_step))
+            inst._handles.append(inst.model.register_forward_hook(self._after_forward))
+            self._hooked = True
+        return unit
+
+    def registrations(self) -> List[tuple]:
+        return [u.reporter.registration() for u in self.inst.optional if u.reporter]
+
+    def _begin_step(self, module, args):
+        if fsdp2.in_backward():
+            return None  # recomputation inside backward (activation checkpointing)
+        for unit in self.inst.optional:
+            unit.begin_step()
+        return None
+
+    def _after_forward(self, module, args, output):
+        import torch
+
+        if not torch.is_grad_enabled():  # no backward will follow
+            self.end_step()
+        return None
+
+    def end_step(self) -> None:
+        for unit in self.inst.optional:
+            unit.end_step()
+
+    def remove(self) -> None:
+        for unit in self.inst.optional:
+            unit.remove()
+        self.inst.optional.clear()
+
+    # The guard's learner (accord.torch.guard.SequenceGuard.record).
+    def can_learn(self, units: List[str]) -> Optional[List[str]]:
+        """Background thread; pure. The unit to pin: the first of `units` in
+        module order, or None when one of them cannot be made optional (the
+        root, a grouped unit, one already optional)."""
+        optional = {o.name for o in self.inst.optional}
+        if any(u not in self._order or u in optional for u in units):
+            return None
+        return [min(units, key=self._order.__getitem__)]
+
+    def learn(self, units: List[str], current: Optional[str]) -> bool:
+        """Training thread: pins each unit (one all-gather each, in order, on
+        every rank); returns whether the collective about to be issued (an
+        all-gather of `current`) is now done."""
+        for name in units:
+            unit = self.add(name, self.inst.model.get_submodule(name), register_now=True)
+            unit.begin_step()
+            self.inst.learned.append(name)
+            warnings.warn(
+                f"accord: FSDP unit '{name}' ran its forward on some ranks only; accord made it "
+                f"an optional unit (all-gathered on every rank at each step). Pass "
+                f"optional=[...] to accord.torch.install to say so up front",
+                stacklevel=2)
+        return current in units
+
+
+def resolve(model, optional) -> List[Tuple[str, object]]:
+    """(path, module) of each optional unit, checked; raises ValueError."""
+    import torch
+
+    if isinstance(optional, (str, torch.nn.Module)):
+        optional = [optional]
+    names = {id(m): n for n, m in model.named_modules()}
+    out: List[Tuple[str, object]] = []
+    for item in optional:
+        if isinstance(item, str):
+            try:
+                module = model.get_submodule(item)
+            except AttributeError as e:
+                raise ValueError(f"accord.torch.install: optional unit {item!r} is not a "
+                                 f"submodule of the model ({e})") from None
+            name = item
+        elif isinstance(item, torch.nn.Module):
+            if id(item) not in names:
+                raise ValueError(f"accord.torch.install: optional unit {type(item).__name__} "
+                                 f"is not a submodule of the model")
+            module, name = item, names[id(item)]
+        else:
+            raise TypeError(f"accord.torch.install: optional takes modules or module paths, "
+                            f"got {type(item).__name__}")
+        if module is model:
+            raise ValueError("accord.torch.install: the root module cannot be optional (every "
+                             "rank runs the root's forward)")
+        if not fsdp2.is_fsdp_module(module):
+            raise ValueError(
+                f"accord.torch.install: optional unit '{name}' ({type(module).__name__}) is "
+                f"not an FSDP unit; call fully_shard on it (before fully_shard on the model) "
+                f"so that it has its own all-gather and reduce-scatter")
+        if any(m is module for _, m in out):
+            continue
+        out.append((name, module))
+    if out and not fsdp2.is_fsdp_module(model):
+        raise ValueError("accord.torch.install: optional units need the model itself to be an "
+                         "FSDP unit (call fully_shard(model) after sharding its submodules)")
+    return out

@@ -1,0 +1,87 @@
+"""The pure parts of the collective-sequence guard (docs/PARTICIPATION.md,
+"The collective-sequence guard"): how a window is encoded into a manifest,
+how a decision says the ranks' windows differed, and how every rank words the
+same divergence from every rank's records. No I/O; unit-tested directly."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional
+
+GUARD_BITS = 64
+
+
+def hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+_BYTE_SLOTS = [
+    tuple(s for i in range(8) for s in (("float32", None) if (b >> i) & 1 else (None, "float32")))
+    for b in range(256)
+]
+
+
+def slots(h: int) -> List[Optional[str]]:
+    """A 64-bit hash as a manifest: slot 2i used when bit i is 1, 2i+1 when 0."""
+    out: List[Optional[str]] = []
+    for k in range(8):
+        out.extend(_BYTE_SLOTS[(h >> (8 * k)) & 0xFF])
+    return out
+
+
+def slot_params() -> list:
+    return [(f"bit{i // 2}.{'one' if i % 2 == 0 else 'zero'}", 1, 1)
+            for i in range(2 * GUARD_BITS)]
+
+
+def diverged(included) -> bool:
+    """Some rank used both slots of a bit: the windows' hashes differ."""
+    return any(a and b for a, b in zip(included[0::2], included[1::2]))
+
+
+def first_difference(entries: Dict[int, dict], prefix_only: bool = False) -> Optional[int]:
+    """The first position (in the window) where the ranks' records differ.
+    A rank with fewer records differs where it has none, unless prefix_only
+    (then only positions every rank has count); None when they agree."""
+    lists = [e["records"] for e in entries.values()]
+    shortest = min(len(x) for x in lists)
+    for p in range(shortest):
+        if len({x[p] for x in lists}) > 1:
+            return p
+    if not prefix_only and len({len(x) for x in lists}) > 1:
+        return shortest
+    return None
+
+
+def describe(entries: Dict[int, dict]) -> str:
+    """The same text on every rank: what each rank issued where they first
+    differ."""
+    p = first_difference(entries)
+    seen: Dict[str, List[int]] = {}
+    for r in sorted(entries):
+        records = entries[r]["records"]
+        what = records[p] if p is not None and p < len(records) else (
+            f"nothing more after {records[-1]}" if records else "nothing")
+        seen.setdefault(what, []).append(r)
+    parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} issued {what}"
+             for what, rs in sorted(seen.items(), key=lambda kv: kv[1][0])]
+    return ("accord: the ranks' FSDP collectives diverged: " + "; ".join(parts)
+            + ". A unit ran on some ranks only, or in another order, or with other "
+              "sizes; mark units whose forward runs on some ranks only with "
+              "accord.torch.install(..., optional=[...])")
+
+
+def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List[str]]:
+    """The units whose forward all-gathers diverged at every rank's first
+    occurrence, or None when this divergence is an error: every rank must
+    report, differ at the last record of its window, be waiting before it
+    (a new collective) and be at a forward all-gather of a unit."""
+    if len(entries) != world_size:
+        return None
+    p = first_difference(entries)
+    if p is None or any(p != len(e["records"]) - 1 for e in entries.values()):
+        return None
+    if not all(e["waiting"] and e["forward_all_gather"] and e["unit"]
+               for e in entries.values()):
+        return None
+    return sorted({e["unit"] for e in entries.values()})
