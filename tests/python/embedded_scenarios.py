@@ -36,6 +36,20 @@ def decision_dict(d):
             "skip": list(d.skip_indices()), "fingerprint": d.layout_fingerprint}
 
 
+def accordctl_status(boot):
+    """`accordctl status` against the embedded coordinator, with the token
+    file rank 0's mode line names."""
+    import subprocess
+
+    from accord.cluster import daemon_path
+
+    with open(boot.token_file) as f:
+        token = f.read().strip()
+    p = subprocess.run([daemon_path("accordctl"), "status", f"--coordinator={boot.coordinator}",
+                        f"--token={token}"], capture_output=True, text=True, timeout=60)
+    return {"rc": p.returncode, "out": p.stdout + p.stderr}
+
+
 def main():
     scenario, out_dir = sys.argv[1], sys.argv[2]
     import torch.distributed as dist
@@ -79,6 +93,8 @@ def main():
     if scenario == "decide":
         d1 = client.wait(client.submit("g", 1, dtypes), timeout_s=60)
         result["decisions"].append(decision_dict(d1))
+        if rank == 0:
+            result["accordctl_status"] = accordctl_status(boot)
         write(out_dir, rank, result)
         dist.barrier()
     elif scenario == "kill_rank0":

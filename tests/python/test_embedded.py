@@ -141,6 +141,11 @@ def check_decide(job, world, out):
     assert first[0]["skip"] == [2]
     assert [d["step"] for d in first] == [0, 1]
     assert res[0]["metrics"]["coordinator"].startswith("http://127.0.0.1:")
+    # accordctl reaches the embedded coordinator as it would a deployed one.
+    status = res[0]["accordctl_status"]
+    assert status["rc"] == 0, status["out"]
+    assert f"job {res[0]['job_id']}: world size {world}, {world} ranks connected" in \
+        status["out"], status["out"]
     announced = [ln for ln in out.splitlines() if "accord: embedded mode" in ln]
     assert len(announced) == 1, f"expected one mode line from rank 0:\n{out}"
     assert "metrics: coordinator http://" in announced[0]
