@@ -718,24 +718,26 @@ void Coordinator::HandleRankEventLocked(Session& s, const v1::RankEvent& e, Outb
   GroupState* culprit = nullptr;
   int64_t culprit_step = 0;
   PendingStep* culprit_pending = nullptr;
-  std::vector<int> missing;
   for (auto& [gid, g] : job.groups) {
     if (culprit != nullptr && g.group_id > culprit->group_id) continue;
     for (auto& [step, p] : g.pending) {
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-      for (int x : p.clock.reported()) covered.Add(x);
+      for (int x : p.clock.reported()) {
+        if (x >= 0 && x < job.world_size) covered.Add(x);
+      }
       if (covered.Contains(r)) continue;
       culprit = &g;
       culprit_step = step;
       culprit_pending = &p;
-      missing = covered.Missing();
       break;  // pending is ordered by step
     }
   }
   if (culprit == nullptr) return;
+  // Named: the ranks that left (this one at least); live ranks that had not
+  // submitted the step yet are not at fault (StepFacts::AtFault).
   v1::DecisionError err = MissingRanksErrorLocked(
-      job, *culprit, culprit_step, *culprit_pending, missing,
+      job, *culprit, culprit_step, *culprit_pending,
       absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"", node.node_id,
                    "\" ended)"));
   FailJobLocked(job, culprit, culprit_step, std::move(err), out);
@@ -1547,17 +1549,57 @@ void Coordinator::DecideStepLocked(Job& job, GroupState& g, int64_t step, Pendin
   ObserveDecisionLocked(job, g, step, p, *d, decision.ok() ? &*decision : nullptr);
 }
 
+Coordinator::StepFacts::StepFacts(const Job& job, const GroupState& g, const PendingStep& at)
+    : job_(job), at_(at), last_decided_(g.last_decided_step), submitted_(job.world_size) {
+  auto submitted = [&](const PendingStep& p) {
+    RankSet set(job.world_size);
+    for (const Contribution& c : p.contributions) set.Union(*c.content->ranks);
+    for (int r : p.clock.reported()) {
+      if (r >= 0 && r < job.world_size) set.Add(r);
+    }
+    return set;
+  };
+  submitted_ = submitted(at);
+  for (auto it = g.pending.rbegin(); it != g.pending.rend() && it->first > last_decided_; ++it) {
+    if (&it->second == &at) continue;
+    later_.emplace_back(it->first, submitted(it->second));
+  }
+}
+
+int64_t Coordinator::StepFacts::LastStep(int rank) const {
+  // Every rank submitted every decided step of the group.
+  int64_t last = last_decided_;
+  for (const auto& [step, ranks] : later_) {
+    if (step > last && ranks.Contains(rank)) {
+      last = step;
+      break;  // newest first
+    }
+  }
+  // Its sidecar's answer about this group (it holds steps not sent yet).
+  for (const auto& [r, step] : at_.clock.last_steps()) {
+    if (r == rank) last = std::max(last, step);
+  }
+  return last;
+}
+
+Coordinator::StepFacts::Missing Coordinator::StepFacts::AtFault() const {
+  Missing out;
+  for (int r : submitted_.Missing()) {
+    (job_.members.Gone(r) ? out.named : out.waiting).push_back(r);
+  }
+  if (out.named.empty()) std::swap(out.named, out.waiting);
+  return out;
+}
+
 v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const GroupState& g,
                                                        int64_t step, const PendingStep& p,
-                                                       const std::vector<int>& missing,
                                                        absl::string_view why) {
+  const StepFacts facts(job, g, p);
+  const StepFacts::Missing missing = facts.AtFault();
   std::vector<std::string> parts;
   v1::DecisionError err;
-  for (int r : missing) {
-    int64_t last = job.members.LastStep(r);
-    for (const auto& [pr, pl] : p.clock.last_steps()) {
-      if (pr == r) last = pl;  // the rank's own last step, from its sidecar
-    }
+  for (int r : missing.named) {
+    const int64_t last = facts.LastStep(r);
     err.add_ranks(r);
     err.add_last_steps(last);
     if (parts.size() < 32) {
@@ -1569,27 +1611,28 @@ v1::DecisionError Coordinator::MissingRanksErrorLocked(const Job& job, const Gro
       parts.push_back(
           absl::StrCat("rank ", r, " (last step ", last, ", node ",
                        node.empty() ? std::string("unknown") : absl::StrCat("\"", node, "\""),
-                       // A rank already past this step skipped it (e.g. its step counter
+                       // Only a rank known to have submitted a later step of
+                       // this group skipped this one (e.g. its step counter
                        // moved on across a restart): it will never submit it.
                        last > step ? ", past this step: it skipped it" : "", ")"));
     }
   }
-  if (missing.size() > parts.size()) {
-    parts.push_back(absl::StrCat("and ", missing.size() - parts.size(), " more"));
+  if (missing.named.size() > parts.size()) {
+    parts.push_back(absl::StrCat("and ", missing.named.size() - parts.size(), " more"));
   }
-  // Every rank not missing submitted the step (a node manifest covers it, or
-  // its sidecar said so).
   std::vector<int> submitted;
-  for (int r = 0, k = 0; r < job.world_size; ++r) {
-    while (k < static_cast<int>(missing.size()) && missing[k] < r) ++k;
-    if (k < static_cast<int>(missing.size()) && missing[k] == r) continue;
-    submitted.push_back(r);
+  for (int r = 0; r < job.world_size; ++r) {
+    if (facts.Submitted(r)) submitted.push_back(r);
   }
   std::string msg = absl::StrCat(
       "job ", job.job_id, " group \"", g.group_id, "\" step ", step, ": ", why, "; missing ranks ",
-      FormatRanks(missing), ": ", absl::StrJoin(parts, ", "), "; ",
+      FormatRanks(missing.named), ": ", absl::StrJoin(parts, ", "), "; ",
       submitted.empty() ? std::string("no rank submitted it")
                         : absl::StrCat("ranks ", FormatRanks(submitted), " submitted it"),
+      missing.waiting.empty()
+          ? std::string()
+          : absl::StrCat("; not yet heard from ranks ", FormatRanks(missing.waiting),
+                         ", which are still connected"),
       ". Check the missing ranks' processes and their sidecars' logs; the job is failed");
   v1::DecisionError e = Error(v1::MISSING_RANKS, std::move(msg), job.job_id, g.group_id, step);
   *e.mutable_ranks() = err.ranks();
@@ -1743,15 +1786,10 @@ bool Coordinator::CheckStepLocked(Job& job, GroupState& g, int64_t step, Pending
 
 void Coordinator::FailStepAtDeadlineLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
                                            absl::Time now, Outbox& out) {
-  RankSet covered(job.world_size);
-  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   // Ranks their sidecar saw submit are not missing (their node waits for a
-  // node-mate); name only the others.
-  for (int r : p.clock.reported()) {
-    if (r >= 0 && r < job.world_size) covered.Add(r);
-  }
+  // node-mate); StepFacts names only the others.
   v1::DecisionError err = MissingRanksErrorLocked(
-      job, g, step, p, covered.Missing(),
+      job, g, step, p,
       absl::StrCat("not every rank reported within ", absl::FormatDuration(options_.deadline),
                    " of the step's first submission (--deadline)"));
   ObserveDeadlineFailureLocked(job, g, step, p, err, now);

@@ -599,9 +599,46 @@ class Coordinator : public NodeSessionHandler {
   void DecideReadyLocked(Job& job, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
                      Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the coordinator knows of one group's ranks at one of its pending
+  // steps, each fact about that group only (docs/ARCHITECTURE.md, "Silent
+  // ranks"): who submitted the step, the last step of the group each rank is
+  // known to have submitted, and which ranks that did not submit are at
+  // fault. Built on the error and stall paths only (O(pending steps x nodes)).
+  class StepFacts {
+   public:
+    StepFacts(const Job& job, const GroupState& g, const PendingStep& at);
+    // A node manifest for the step covers `rank`, or its sidecar said it
+    // submitted the step.
+    bool Submitted(int rank) const { return submitted_.Contains(rank); }
+    // The last step of the group `rank` submitted, as far as known: every
+    // decided step, a later pending step that covers it, its sidecar's
+    // answer for this group (-1: none).
+    int64_t LastStep(int rank) const;
+    // The ranks that did not submit the step (ascending), split into those
+    // at fault (`named`) and the rest (`waiting`): when any of them is gone
+    // (left, its node's stream down, or never served), only the gone ones
+    // are named, since the others are alive and may only be slower, e.g.
+    // blocked in a collective with a gone rank; otherwise all are named.
+    struct Missing {
+      std::vector<int> named;
+      std::vector<int> waiting;
+    };
+    Missing AtFault() const;
+
+   private:
+    const Job& job_;
+    const PendingStep& at_;
+    int64_t last_decided_;
+    RankSet submitted_;
+    // Later pending steps, newest first, with the ranks that submitted each.
+    std::vector<std::pair<int64_t, RankSet>> later_;
+  };
+  // MISSING_RANKS for `step` of `g`, which cannot complete because of `why`:
+  // names the ranks at fault (StepFacts::AtFault) with the group's last
+  // step and node of each, the ranks that submitted, and the connected
+  // ranks not heard from yet (not named).
   v1::DecisionError MissingRanksErrorLocked(const Job& job, const GroupState& g, int64_t step,
-                                            const PendingStep& p, const std::vector<int>& missing,
-                                            absl::string_view why)
+                                            const PendingStep& p, absl::string_view why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At a step's deadline: asks the nodes whose ranks are missing (and that
   // answer progress queries) which of their ranks submitted. Returns whether

@@ -6,7 +6,10 @@
 namespace accord::daemon {
 
 Membership::Membership(int world_size)
-    : world_size_(world_size), owner_(world_size, nullptr), left_step_(world_size, -1) {}
+    : world_size_(world_size),
+      owner_(world_size, nullptr),
+      left_step_(world_size, -1),
+      left_(world_size, false) {}
 
 int Membership::HeldElsewhere(absl::string_view node_id, const std::vector<int>& ranks) const {
   for (int r : ranks) {
@@ -50,8 +53,9 @@ void Membership::Disconnect(NodeState& node, absl::Time now) {
 
 Membership::Join Membership::JoinRank(NodeState& node, int rank) {
   const NodeState* owner = owner_[rank];
+  if (owner != nullptr && owner != &node && owner->connected()) return Join::kHeldElsewhere;
+  left_[rank] = false;
   if (owner == &node) return Join::kAlreadyServed;
-  if (owner != nullptr && owner->connected()) return Join::kHeldElsewhere;
   TakeRank(node, rank);
   node.ranks.push_back(rank);
   std::sort(node.ranks.begin(), node.ranks.end());
@@ -65,6 +69,7 @@ bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step) {
   // A rank this node does not serve (e.g. one refused as a duplicate)
   // leaving changes nothing.
   if (owner_[rank] != &node) return false;
+  left_[rank] = true;
   left_step_[rank] = std::max(left_step_[rank], last_step);
   return true;
 }

@@ -69,7 +69,8 @@ class Membership {
 
   enum class Join { kJoined, kAlreadyServed, kHeldElsewhere };
   // RankEvent(joined): `rank` (in the world) joined `node`'s sidecar.
-  // kHeldElsewhere when a connected node serves it (nothing changes).
+  // kHeldElsewhere when a connected node serves it (nothing changes);
+  // otherwise the rank no longer counts as left.
   Join JoinRank(NodeState& node, int rank);
   // RankEvent(left): `rank` of `node` left after `last_step`. False (nothing
   // recorded) when `node` does not serve it.
@@ -77,8 +78,14 @@ class Membership {
 
   // The node serving `rank` (nullptr: none).
   const NodeState* OwnerOf(int rank) const { return owner_[rank]; }
-  // Whether `rank` left (RankEvent) since it joined.
-  bool Left(int rank) const { return left_step_[rank] >= 0; }
+  // Whether `rank` left (RankEvent) since it joined, whatever step it left at.
+  bool Left(int rank) const { return left_[rank]; }
+  // Whether `rank` is gone: it left, its node's stream is down, or no node
+  // ever served it. A missing rank that is gone is at fault for a step that
+  // cannot complete; a missing rank that is not may only be slower.
+  bool Gone(int rank) const {
+    return left_[rank] || owner_[rank] == nullptr || !owner_[rank]->connected();
+  }
   // The last step `rank` reached: from its RankEvent when it left, or its
   // node's last contribution (-1: none).
   int64_t LastStep(int rank) const;
@@ -93,6 +100,7 @@ class Membership {
   absl::node_hash_map<std::string, NodeState> nodes_;
   std::vector<NodeState*> owner_;   // per rank
   std::vector<int64_t> left_step_;  // per rank, from RankEvent; -1: none
+  std::vector<bool> left_;          // per rank: left (RankEvent) and not joined since
 };
 
 }  // namespace accord::daemon

@@ -48,11 +48,12 @@ void Coordinator::ObserveStallLocked(const Job& job, const GroupState& g, int64_
   e.step = step;
   e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
   e.deadline_in_ms = absl::ToInt64Milliseconds(p.clock.deadline() - now);
-  RankSet covered(job.world_size);
-  for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
-  for (int r : covered.Missing()) {
+  // The ranks waited for, each with its last step of this group.
+  const StepFacts facts(job, g, p);
+  for (int r = 0; r < job.world_size; ++r) {
+    if (facts.Submitted(r)) continue;
     e.ranks.push_back(r);
-    e.last_steps.push_back(job.members.LastStep(r));
+    e.last_steps.push_back(facts.LastStep(r));
   }
   QueueEventLocked(std::move(e));
 }
@@ -432,12 +433,12 @@ struct Coordinator::StallsSnapshot {
     int64_t step;
     absl::Time first_seen;
     absl::Time deadline;
+    int64_t last_decided;  // the group's
     std::vector<std::shared_ptr<const RankSet>> covered;
   };
   std::string job_id;
   int world_size = 0;
-  std::vector<int64_t> last_steps;  // per rank; empty when nothing is pending
-  std::vector<Step> steps;          // by group id, then step
+  std::vector<Step> steps;  // by group id, then step
 };
 
 Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
@@ -451,8 +452,6 @@ Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
   if (groups.empty()) return snap;
   std::sort(groups.begin(), groups.end(),
             [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
-  snap.last_steps.resize(job.world_size);
-  for (int r = 0; r < job.world_size; ++r) snap.last_steps[r] = job.members.LastStep(r);
   for (const GroupState* g : groups) {
     for (const auto& [step, p] : g->pending) {
       StallsSnapshot::Step& s = snap.steps.emplace_back();
@@ -460,6 +459,7 @@ Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
       s.step = step;
       s.first_seen = p.clock.first_seen();
       s.deadline = p.clock.deadline();
+      s.last_decided = g->last_decided_step;
       for (const Contribution& c : p.contributions) s.covered.push_back(c.content->ranks);
     }
   }
@@ -468,8 +468,8 @@ Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
 
 absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
   // Snapshot under the lock (per pending step its times and the rank sets
-  // of its contributions, shared and immutable; per job its ranks' last
-  // steps); the unions and the missing ranks (O(world) per step) are built
+  // of its contributions, shared and immutable); the unions, the missing
+  // ranks and their last steps of the group (O(world) per step) are built
   // outside it.
   using JobSnapshot = StallsSnapshot;
   std::vector<JobSnapshot> jobs;
@@ -492,18 +492,34 @@ absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string&
             [](const JobSnapshot& a, const JobSnapshot& b) { return a.job_id < b.job_id; });
   v1::StallsResponse out;
   for (const JobSnapshot& job : jobs) {
+    std::vector<RankSet> covered_at;  // per step of job.steps
+    covered_at.reserve(job.steps.size());
     for (const StallsSnapshot::Step& p : job.steps) {
+      RankSet& covered = covered_at.emplace_back(job.world_size);
+      for (const auto& ranks : p.covered) covered.Union(*ranks);
+    }
+    for (size_t i = 0; i < job.steps.size(); ++i) {
+      const StallsSnapshot::Step& p = job.steps[i];
+      const RankSet& covered = covered_at[i];
+      // A missing rank's last step of this group: the last decided one, or a
+      // later pending step of the group that it submitted.
+      auto last_step = [&](int r) {
+        for (size_t k = job.steps.size(); k-- > i + 1;) {
+          if (job.steps[k].group_id == p.group_id && covered_at[k].Contains(r)) {
+            return job.steps[k].step;
+          }
+        }
+        return p.last_decided;
+      };
       v1::Stall* s = out.add_stalls();
       s->set_job_id(job.job_id);
       s->set_group_id(p.group_id);
       s->set_step(p.step);
       s->set_waiting_ms(absl::ToInt64Milliseconds(now - p.first_seen));
       s->set_deadline_in_ms(absl::ToInt64Milliseconds(p.deadline - now));
-      RankSet covered(job.world_size);
-      for (const auto& ranks : p.covered) covered.Union(*ranks);
       for (int r : covered.Missing()) {
         s->add_missing_ranks(r);
-        s->add_missing_last_steps(job.last_steps[r]);
+        s->add_missing_last_steps(last_step(r));
       }
       s->set_reported_ranks(covered.Count());
     }

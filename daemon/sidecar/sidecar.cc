@@ -95,7 +95,7 @@ void Sidecar::CheckPartialStepsLocked() {
       for (int r : st.ranks) p->add_reported(r);
       for (const auto& [r, rs] : ranks_) {
         p->add_ranks(r);
-        p->add_last_steps(rs.last_step);
+        p->add_last_steps(rs.SubmittedOf(g->index));
       }
       ACCORD_LOG(WARNING) << "job " << job_id_ << " group \"" << g->group_id << "\" step "
                           << st.step << ": " << st.ranks.size() << " of " << g->ranks.size()
@@ -557,6 +557,10 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     last->dtypes.assign(parsed.begin(), parsed.end());
   }
   rs.last_step = std::max(rs.last_step, m.step());
+  if (rs.submitted.size() <= static_cast<size_t>(g.index)) {
+    rs.submitted.resize(group_order_.size(), -1);
+  }
+  rs.submitted[g.index] = std::max(rs.submitted[g.index], m.step());
   if (g.touched_epoch != epoch) {
     g.touched_epoch = epoch;
     touched_.push_back(&g);
@@ -659,18 +663,21 @@ void Sidecar::CloseRank(SessionId id) {
     ResetJobLocked();
     return;
   }
-  v1::NodeMessage left;
-  left.mutable_rank_event()->set_rank(rank);
-  left.mutable_rank_event()->set_joined(false);
-  left.mutable_rank_event()->set_last_step(last_step);
-  upstream_->Send(std::move(left));
-  // Steps that only waited for this rank are now complete.
+  // Steps that only waited for this rank are now complete: they go up
+  // before the rank's leave, so that when the leave fails a step at the
+  // coordinator, the node-mates that submitted it are known to have done so
+  // and are not named as missing.
   for (LocalGroup* g : group_order_) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
     CollectCompleteLocked(*g, &outgoing_);
   }
   DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(rank);
+  left.mutable_rank_event()->set_joined(false);
+  left.mutable_rank_event()->set_last_step(last_step);
+  upstream_->Send(std::move(left));
 }
 
 void Sidecar::ResetJobLocked() {
@@ -812,7 +819,11 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   v1::NodeProgress* p = up.mutable_progress();
   p->set_group_id(query.group_id());
   p->set_step(query.step());
+  // Each rank's last step of the asked group (-1: none, or a group not
+  // registered here), never its last step of another group.
+  int index = -1;
   if (auto git = groups_.find(query.group_id()); git != groups_.end()) {
+    index = git->second.index;
     for (const LocalStep& ls : git->second.steps) {
       if (ls.step != query.step()) continue;
       for (int r : ls.ranks) p->add_reported(r);
@@ -820,7 +831,7 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   }
   for (const auto& [r, rs] : ranks_) {
     p->add_ranks(r);
-    p->add_last_steps(rs.last_step);
+    p->add_last_steps(index < 0 ? -1 : rs.SubmittedOf(index));
   }
   ACCORD_LOG(INFO) << "coordinator asked about group \"" << query.group_id() << "\" step "
                    << query.step() << ": " << p->reported_size() << " of " << ranks_.size()

@@ -162,10 +162,17 @@ class Sidecar final : public UpstreamHandler {
   struct RankState {
     SessionId session = 0;
     RankSink* sink = nullptr;
-    int64_t last_step = -1;
+    int64_t last_step = -1;  // over all groups (RankEvent.last_step)
     // Indexed by LocalGroup::index: the step of the last decision delivered
-    // to this rank (-1: none).
+    // to this rank (-1: none) ...
     std::vector<int64_t> delivered;
+    // ... and the last step it submitted of each group (-1: none), what
+    // progress answers and partial reports say of it: the coordinator names
+    // a missing rank with its last step of the step's own group.
+    std::vector<int64_t> submitted;
+    int64_t SubmittedOf(int group_index) const {
+      return static_cast<size_t>(group_index) < submitted.size() ? submitted[group_index] : -1;
+    }
     absl::flat_hash_map<std::string, bool> got_result;
     // This rank's one-rank manifest, for recomputing rank manifest keys
     // without building a world-sized rank set per manifest.

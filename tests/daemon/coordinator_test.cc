@@ -555,20 +555,104 @@ TEST(CoordinatorTimerTest, TimerThreadFiresTheDeadlineOnTheInjectedClock) {
   coord.Stop();
 }
 
-TEST_F(CoordinatorTest, RankLeavingFailsPendingStepsThatNeedItAtOnce) {
+v1::NodeMessage RankLeft(int rank, int64_t last_step) {
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(rank);
+  left.mutable_rank_event()->set_joined(false);
+  left.mutable_rank_event()->set_last_step(last_step);
+  return left;
+}
+
+// Rank 3 leaves while step 0 waits for it: the job fails at once, naming
+// rank 3 only. Rank 2 (connected, not submitted yet) is no culprit, and the
+// leave's last step (7, over all of the rank's groups) is not the group's.
+TEST_F(CoordinatorTest, RankLeavingFailsPendingStepsThatNeedItAtOnceNamingOnlyIt) {
   Join();
   RegisterAll(MakeSpec("g0", 1));
   coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
-  v1::NodeMessage left;
-  left.mutable_rank_event()->set_rank(3);
-  left.mutable_rank_event()->set_joined(false);
-  left.mutable_rank_event()->set_last_step(7);
-  coord_.HandleMessage(b_, left);
+  coord_.HandleMessage(b_, RankLeft(3, 7));
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->decisions().size(), 1u);
+    const v1::DecisionError e = s->decisions()[0].error();
+    EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+    EXPECT_EQ(e.message(),
+              "job job1 group \"g0\" step 0: rank 3 left (its stream to the sidecar on node \"b\" "
+              "ended); missing ranks 3: rank 3 (last step -1, node \"b\"); ranks 0-1 submitted "
+              "it; not yet heard from ranks 2, which are still connected. Check the missing "
+              "ranks' processes and their sidecars' logs; the job is failed");
+    EXPECT_THAT(e.ranks(), ::testing::ElementsAre(3));
+    EXPECT_THAT(e.last_steps(), ::testing::ElementsAre(-1));
+  }
+}
+
+// The guard's group ("~seq") is many steps ahead of "g0": a missing rank's
+// last step is its step of "g0", and it skipped nothing.
+TEST_F(CoordinatorTest, MissingRankLastStepIsItsStepOfTheFailedGroupNotOfAnother) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  RegisterAll(MakeSpec("~seq", 1));
+  for (int64_t step = 0; step <= 15; ++step) {
+    for (int node = 0; node < 2; ++node) {
+      const std::vector<int> ranks = node == 0 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+      std::vector<v1::Manifest> batch = {NodeManifest("~seq", step, {kBf16}, 4, ranks)};
+      if (step <= 1) batch.push_back(NodeManifest("g0", step, {kBf16}, 4, ranks));
+      coord_.HandleMessage(node == 0 ? a_ : b_, Batch(batch));
+    }
+  }
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 2, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 2, {kBf16}, 4, {2, 3}, {2})}));
+  coord_.HandleMessage(b_, RankLeft(3, 15));
   ASSERT_EQ(sink_a_.decisions().size(), 1u);
   const v1::DecisionError e = sink_a_.decisions()[0].error();
-  EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
-  EXPECT_TRUE(absl::StrContains(e.message(), "rank 3 left")) << e.message();
-  EXPECT_EQ(e.last_steps(1), 7);
+  EXPECT_EQ(e.message(),
+            "job job1 group \"g0\" step 2: rank 3 left (its stream to the sidecar on node \"b\" "
+            "ended); missing ranks 3: rank 3 (last step 1, node \"b\"); ranks 0-2 submitted it. "
+            "Check the missing ranks' processes and their sidecars' logs; the job is failed");
+  EXPECT_THAT(e.last_steps(), ::testing::ElementsAre(1));
+}
+
+// "Skipped" only for a rank known to have submitted a later step of the
+// same group: rank 3 submitted step 3 of "g0" but not step 2.
+TEST_F(CoordinatorTest, SkippedIsSaidOnlyOfARankThatSubmittedALaterStepOfTheGroup) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 2, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 2, {kBf16}, 4, {2, 3}, {2})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 3, {kBf16}, 4, {2, 3}, {3})}));
+  coord_.HandleMessage(b_, RankLeft(3, 3));
+  ASSERT_EQ(sink_a_.decisions().size(), 2u);  // step 2 names it, step 3 JOB_FAILED
+  const v1::DecisionError e = sink_a_.decisions()[0].error();
+  EXPECT_EQ(e.step(), 2);
+  EXPECT_EQ(e.message(),
+            "job job1 group \"g0\" step 2: rank 3 left (its stream to the sidecar on node \"b\" "
+            "ended); missing ranks 3: rank 3 (last step 3, node \"b\", past this step: it "
+            "skipped it); ranks 0-2 submitted it. Check the missing ranks' processes and their "
+            "sidecars' logs; the job is failed");
+}
+
+// At the deadline, a rank that left between steps (so no step failed when
+// it left) is the one named; rank 2, alive and answering but not yet at the
+// step (e.g. blocked in a collective with rank 3), is not.
+TEST_F(CoordinatorTest, DeadlineNamesTheRankThatLeftNotALiveRankThatHadNotSubmitted) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {2, 3})}));
+  coord_.HandleMessage(b_, RankLeft(3, 0));  // nothing pending: nothing fails
+  EXPECT_TRUE(sink_a_.decisions().size() == 1u && sink_a_.decisions()[0].has_ok());
+  sink_a_.Clear();
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 1, {kBf16}, 4, {0, 1})}));
+  clock_.Advance(absl::Seconds(61));
+  coord_.CheckDeadlines();  // b does not answer progress queries: fails now
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const v1::DecisionError e = sink_a_.decisions()[0].error();
+  EXPECT_EQ(e.message(),
+            "job job1 group \"g0\" step 1: not every rank reported within 1m of the step's first "
+            "submission (--deadline); missing ranks 3: rank 3 (last step 0, node \"b\"); ranks "
+            "0-1 submitted it; not yet heard from ranks 2, which are still connected. Check the "
+            "missing ranks' processes and their sidecars' logs; the job is failed");
+  EXPECT_THAT(e.ranks(), ::testing::ElementsAre(3));
 }
 
 TEST_F(CoordinatorTest, JobsNeverMix) {

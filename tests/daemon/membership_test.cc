@@ -81,6 +81,22 @@ TEST_F(MembershipTest, RankLeaveAndRejoin) {
   EXPECT_EQ(members_.LastStep(3), 6);  // its own last step, past its node's
   EXPECT_EQ(members_.LastStep(2), 4);  // its node's
   EXPECT_EQ(members_.JoinRank(*b_, 3), Membership::Join::kAlreadyServed);
+  EXPECT_FALSE(members_.Left(3));  // joined again
+}
+
+// A rank that leaves before submitting anything (last step -1, as a relay
+// reports the ranks of a sidecar it dropped) has left all the same, and is
+// gone; so is a rank no node serves or whose node's stream is down.
+TEST_F(MembershipTest, ARankIsGoneWhenItLeftAtAnyStepOrItsNodeIsDown) {
+  EXPECT_FALSE(members_.Gone(2));
+  EXPECT_TRUE(members_.LeaveRank(*b_, 2, -1));
+  EXPECT_TRUE(members_.Left(2));
+  EXPECT_TRUE(members_.Gone(2));
+  EXPECT_EQ(members_.JoinRank(*b_, 2), Membership::Join::kAlreadyServed);
+  EXPECT_FALSE(members_.Gone(2));
+  members_.Disconnect(*a_, absl::UnixEpoch());
+  EXPECT_TRUE(members_.Gone(0));
+  EXPECT_FALSE(members_.Left(0));
 }
 
 TEST_F(MembershipTest, ARankJoiningAnotherNodeAfterItsNodeLeft) {

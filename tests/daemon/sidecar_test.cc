@@ -161,6 +161,50 @@ TEST_F(SidecarTest, AnswersTheCoordinatorsProgressQueryWithWhoSubmittedAndLastSt
   EXPECT_EQ(up_.sent[0].progress().reported_size(), 0);
 }
 
+// Two groups whose steps advance at different rates (like the guard's
+// sequence group beside a reduce-scatter group): the answer about one group
+// gives each rank's last step of that group, not of the other.
+TEST_F(SidecarTest, ProgressAnswersGiveEachRanksLastStepOfTheAskedGroupOnly) {
+  GroupSpec fast = Spec();
+  fast.group_id = "~seq";
+  for (auto s : {s0_, s1_}) {
+    sidecar_.HandleRankMessage(s, Reg(Spec()));
+    sidecar_.HandleRankMessage(s, Reg(fast));
+  }
+  auto man = [](const std::string& group, int64_t step) {
+    v1::RankMessage m;
+    wire::ManifestToProto(group, RankManifest(step, 0, 4, {DType::kBFloat16, std::nullopt}), false,
+                          m.mutable_manifests()->add_manifests());
+    return m;
+  };
+  sidecar_.HandleRankMessage(s0_, man("g", 0));
+  sidecar_.HandleRankMessage(s1_, man("g", 0));
+  sidecar_.HandleRankMessage(s0_, man("g", 1));  // rank 1 stops before step 1
+  for (int64_t step = 0; step <= 15; ++step) {
+    sidecar_.HandleRankMessage(s0_, man("~seq", step));
+    sidecar_.HandleRankMessage(s1_, man("~seq", step));
+  }
+  up_.sent.clear();
+  v1::CoordinatorMessage q;
+  q.mutable_progress_query()->set_group_id("g");
+  q.mutable_progress_query()->set_step(1);
+  sidecar_.HandleCoordinatorMessage(q);
+  ASSERT_EQ(up_.sent.size(), 1u);
+  const v1::NodeProgress& p = up_.sent[0].progress();
+  EXPECT_EQ(std::vector<int>(p.reported().begin(), p.reported().end()), std::vector<int>{0});
+  EXPECT_EQ(std::vector<int>(p.ranks().begin(), p.ranks().end()), (std::vector<int>{0, 1}));
+  EXPECT_EQ(std::vector<int64_t>(p.last_steps().begin(), p.last_steps().end()),
+            (std::vector<int64_t>{1, 0}));
+  // A group not registered here: no rank has a step of it.
+  up_.sent.clear();
+  q.mutable_progress_query()->set_group_id("other");
+  sidecar_.HandleCoordinatorMessage(q);
+  ASSERT_EQ(up_.sent.size(), 1u);
+  EXPECT_EQ(std::vector<int64_t>(up_.sent[0].progress().last_steps().begin(),
+                                 up_.sent[0].progress().last_steps().end()),
+            (std::vector<int64_t>{-1, -1}));
+}
+
 // Ranks 0 and 1 on one node; rank 1 never submits step 1. Once the step is
 // half the coordinator's deadline old (Welcome.deadline_ms), the sidecar
 // reports it upstream as partial, once; complete steps are never reported.
@@ -340,10 +384,15 @@ TEST_F(SidecarTest, RankLeavingIsReportedAndCompletesStepsWaitingOnlyForIt) {
   sidecar_.HandleRankMessage(s0_, Reg(Spec()));
   sidecar_.HandleRankMessage(s1_, Reg(Spec()));
   sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  up_.sent.clear();
   sidecar_.CloseRank(s1_);
-  bool left = false;
-  for (const auto& m : up_.sent) left |= m.has_rank_event() && !m.rank_event().joined();
-  EXPECT_TRUE(left);
+  // The step rank 0 submitted goes up before rank 1's leave, so the
+  // coordinator knows rank 0 submitted it when the leave fails the step.
+  ASSERT_EQ(up_.sent.size(), 2u);
+  EXPECT_EQ(up_.sent[0].manifests().manifests_size(), 1);
+  ASSERT_TRUE(up_.sent[1].has_rank_event());
+  EXPECT_FALSE(up_.sent[1].rank_event().joined());
+  EXPECT_EQ(up_.sent[1].rank_event().rank(), 1);
   ASSERT_EQ(up_.manifests().size(), 1u);
   EXPECT_FALSE(up_.manifests()[0].rank_bits().empty());  // explicit: only rank 0
   sidecar_.CloseRank(s0_);

@@ -260,6 +260,51 @@ TEST_F(FaultTest, RankKilledMidStepIsNamedInTheErrorOfEveryOtherRank) {
   }
 }
 
+// Ranks 2 (node0) and 5 (node1) wait before step 1; every other rank
+// submitted it. Rank 5 is killed: its leave fails the job at once (the
+// deadline is far off), and the error names rank 5 only, with its last step
+// of group g0. Ranks 0, 1 and 3 submitted the step to their sidecar, which
+// still waits for rank 2, and rank 2 is alive: none of them is named as
+// missing, and nobody is said to have skipped anything. Rank 2, released,
+// gets the same error.
+TEST_F(FaultTest, RankKilledMidStepIsNamedAloneNeverALiveRank) {
+  StartCluster(2, {"--deadline=60s"});
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--gate_ranks=2,5", "--gate_step=1", "--gate_fifo=" + gate_.path()});
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> started =
+      cluster_->StartRanks(Command(flags), kWorld, "killed");
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::vector<std::unique_ptr<ChildProcess>> procs = *std::move(started);
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string line = r == 2 || r == 5 ? absl::StrCat("rank ", r, " waiting at gate")
+                                              : absl::StrCat("rank ", r, " step 1 submitted");
+    ASSERT_TRUE(procs[r]->WaitForLine(line, absl::Now() + absl::Seconds(60)).ok())
+        << procs[r]->Output();
+  }
+  kill(procs[5]->pid(), SIGKILL);
+  const std::string expected =
+      "DEADLINE_EXCEEDED: job killed group \"g0\" step 1: rank 5 left (its stream to the "
+      "sidecar on node \"node1\" ended); missing ranks 5: rank 5 (last step 0, node "
+      "\"node1\"); ranks 4,6-7 submitted it; not yet heard from ranks 0-3, which are still "
+      "connected. Check the missing ranks' processes and their sidecars' logs; the job is failed";
+  for (int r : {0, 1, 3, 4, 6, 7}) {
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g0: error"),
+                                  absl::Now() + absl::Seconds(30))
+                    .ok())
+        << procs[r]->Output();
+  }
+  ASSERT_TRUE(gate_.Release());
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  EXPECT_EQ(results[5].exit_code, 128 + SIGKILL);
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == 5) continue;
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    EXPECT_EQ(FirstError(results[r]), expected) << "rank " << r << ":\n" << results[r].output;
+  }
+}
+
 TEST_F(FaultTest, SidecarCutOffFromTheCoordinatorLosesNoDecision) {
   StartCluster(1);
   const std::string port =
