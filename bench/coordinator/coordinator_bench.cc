@@ -17,6 +17,13 @@
 // until every node has its decisions (the coordinator's side of recovery;
 // reconnect backoff and the network come on top). Peak RSS is printed last.
 //
+// Mode "torch" is the steady-state pattern of accord.torch (docs/PARTICIPATION.md,
+// "One order"): every rank submits its step as one batch at the release, the
+// model's groups plus the guard's step window (one more group, 128 slots), so
+// each node sends one batch repeat per step; it runs the batch mode with
+// --groups + 1 groups (in repeat form an entry costs a cache key whatever its
+// parameter count, so the guard's 128 slots need no special shape).
+//
 //   accord_coordinator_bench --nodes=2048 --ranks_per_node=8 --groups=200 --params=16 --steps=3
 //   accord_coordinator_bench --nodes=16384 --relays=128 --modes=batch,full,recover
 #include <sys/resource.h>
@@ -34,6 +41,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/common/clock.h"
@@ -48,7 +56,9 @@ ABSL_FLAG(int, params, 16, "parameters per group");
 ABSL_FLAG(int, steps, 3, "measured steps per mode");
 ABSL_FLAG(std::string, modes, "repeat,batch,full",
           "modes to run, in order: repeat (per-manifest repeat form), batch (batch repeat "
-          "record), full (every manifest in full form), recover (a restarted coordinator: "
+          "record), torch (accord.torch's steady state: one batch repeat per node of the groups "
+          "and the guard's window group), full (every manifest in full form), recover (a "
+          "restarted coordinator: "
           "hellos, registrations and one pending step from every node)");
 ABSL_FLAG(std::string, repeat_waves, "on,off",
           "coordinator settings to run the modes with, in order, each on a fresh coordinator: on "
@@ -401,7 +411,10 @@ int Main(int argc, char** argv) {
   const int rpn = absl::GetFlag(FLAGS_ranks_per_node);
   // The coordinator's peers: the nodes, or the relays.
   const int peers = relays > 0 ? relays : nodes;
-  Setup s{peers, nodes * rpn / peers, absl::GetFlag(FLAGS_groups), absl::GetFlag(FLAGS_params), 0};
+  const bool torch_pattern = absl::StrContains(absl::GetFlag(FLAGS_modes), "torch");
+  // accord.torch's pattern adds the guard's step-window group to every batch.
+  Setup s{peers, nodes * rpn / peers, absl::GetFlag(FLAGS_groups) + (torch_pattern ? 1 : 0),
+          absl::GetFlag(FLAGS_params), 0};
   s.world = nodes * rpn;
   const int steps = absl::GetFlag(FLAGS_steps);
   std::printf(
@@ -412,7 +425,7 @@ int Main(int argc, char** argv) {
   bool recover = false;
   for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
     if (m == "repeat") modes.push_back(Mode::kRepeat);
-    if (m == "batch") modes.push_back(Mode::kBatchRepeat);
+    if (m == "batch" || m == "torch") modes.push_back(Mode::kBatchRepeat);
     if (m == "full") modes.push_back(Mode::kFull);
     if (m == "recover") recover = true;
   }

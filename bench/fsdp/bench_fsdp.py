@@ -1,15 +1,15 @@
-"""What accord costs an FSDP2 job: steps/s and time blocked, in one run.
+"""What accord costs an FSDP2 job: steps/s, time blocked and CPU, in one run.
 
-Each rank holds three identical models, sharded the same way:
+Each rank holds identical models, sharded the same way:
 - plain:    FSDP2 without accord (the baseline);
-- blocking: accord with overlap off (each group waits for its decision in its
-            post-backward, as accord.torch did before overlap);
-- overlap:  accord as installed by default (each group's wait moves behind the
-            next group's backward compute; end-of-backward groups are
-            submitted together);
-- unguarded: overlap without the collective-sequence guard (guard=False), so
-            overlap vs unguarded is the guard's cost;
-- optional: (--model vlm only) overlap with the LLaVA vision tower marked
+- blocking: accord with speculation off (the release waits for the step's
+            decisions, one batch, before its reduce-scatters);
+- speculative: accord as installed by default (each group applies its
+            previous decision at once; the real ones are checked after the
+            reduce-scatters; docs/PARTICIPATION.md);
+- unguarded: speculative without the collective-sequence guard
+            (guard=False), so speculative vs unguarded is the guard's cost;
+- optional: (--model vlm only) speculative with the LLaVA vision tower marked
             optional (install(..., optional=[tower])); every rank has images,
             so plain FSDP2 works too and the difference is what the
             participation mechanism costs.
@@ -21,8 +21,11 @@ Per accord model it prints the time the training thread spent blocked in
 accord per step ("exposed") and how many times per step it waited for a
 decision that had not arrived yet ("blocked", each an exposed round trip). In
 blocking mode that is the whole negotiation
-time, so `exposed(overlap) / exposed(blocking)` is the share of the
-negotiation still on the critical path.
+time, so `exposed(speculative) / exposed(blocking)` is the share of the
+negotiation still on the critical path. It also prints, per step, the
+training thread's CPU time (time.thread_time), the CPU of the rank's other
+threads (the accord client's, the guard's, Gloo's), and the daemons' CPU
+(coordinator and sidecar, from /proc), so the overhead is attributed.
 
 --latency-ms adds that many milliseconds per direction between the sidecar
 and the coordinator (a TCP proxy in this script), standing for a coordinator
@@ -52,7 +55,30 @@ import sys
 import tempfile
 import time
 
-MODES = ("plain", "blocking", "overlap", "unguarded")
+MODES = ("plain", "blocking", "speculative", "unguarded")
+
+
+def cpu_of(pid, tid=None):
+    """User + system CPU seconds of a process (or one of its threads)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def other_threads_cpu():
+    """CPU seconds of this process's threads other than the calling one."""
+    import threading
+
+    me = threading.get_native_id()
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            total += cpu_of("self", tid)
+    return total
 
 
 def modes(args):
@@ -99,7 +125,7 @@ def make_model(args):
     return model, list(model.model.layers)
 
 
-def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q):
+def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
     try:
         import torch
         import torch.distributed as dist
@@ -129,7 +155,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q):
             if name != "plain":
                 optional = [m.model.vision_tower] if name == "optional" else []
                 insts[name] = accord.torch.install(
-                    m, client, prefix=name, overlap=(name != "blocking"),
+                    m, client, prefix=name, speculate=(name != "blocking"),
                     guard=(name != "unguarded"), optional=optional,
                 )
         opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
@@ -160,21 +186,29 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q):
         totals = {n: 0.0 for n in modes(args)}
         exposed = {n: 0.0 for n in insts}
         waits = {n: 0 for n in insts}
+        cpu = {n: [0.0, 0.0, 0.0] for n in modes(args)}  # training thread, others, daemons
+        repairs = {n: 0 for n in insts}
         for _ in range(args.rounds):
             for name in modes(args):
                 dist.barrier()
                 before = insts[name].timing.exposed_s if name in insts else 0.0
                 waits_before = insts[name].timing.blocked if name in insts else 0
+                repairs_before = insts[name].timing.repairs if name in insts else 0
+                c0 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     step(name)
+                c1 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
                 dist.barrier()
                 totals[name] += time.perf_counter() - t0
+                for i in range(3):
+                    cpu[name][i] += c1[i] - c0[i]
                 if name in insts:
                     exposed[name] += insts[name].timing.exposed_s - before
                     waits[name] += insts[name].timing.blocked - waits_before
-        groups = len(insts["overlap"].groups)
-        q.put((rank, "ok", (totals, exposed, groups, waits)))
+                    repairs[name] += insts[name].timing.repairs - repairs_before
+        groups = len(insts["speculative"].groups)
+        q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs)))
         dist.barrier()
     except BaseException as e:  # reported to the parent, which fails the run
         import traceback
@@ -246,6 +280,22 @@ def proxy_main(listen_port, target_port, delay_s, ready):
 # ------------------------------------------------------------------ parent
 
 
+def daemon_pids():
+    """The coordinator's and sidecars' pids: this process's children named so."""
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if int(tail.split()[1]) == me and "accord-" in head:
+            out.append(int(pid))
+    return out
+
+
 def collect(q, procs, timeout_s):
     """Every rank's result, or SystemExit naming the ranks that failed."""
     results, deadline = {}, time.monotonic() + timeout_s
@@ -309,10 +359,12 @@ def main():
                 tempfile.TemporaryDirectory() as tmpdir:
             q = ctx.Queue()
             procs = []
+            daemons = daemon_pids()
             for r in range(args.world):
                 sock, lr = cluster.socket_for(r, args.world)
                 p = ctx.Process(target=rank_main,
-                                args=(r, args.world, tmpdir, sock, lr, "bench", args, q))
+                                args=(r, args.world, tmpdir, sock, lr, "bench", args, q,
+                                      daemons if r == 0 else ()))
                 p.start()
                 procs.append(p)
             try:
@@ -326,7 +378,7 @@ def main():
         if proxy is not None:
             proxy.kill()
     # All ranks finish each round together (barriers); take rank 0's clock.
-    totals, exposed, groups, waits = results[0]
+    totals, exposed, groups, waits, cpu, repairs = results[0]
     n = args.rounds * args.steps
     rate = {m: n / totals[m] for m in modes(args)}
     shape = {"mlp": f"{args.blocks}x Linear({args.width})",
@@ -338,19 +390,27 @@ def main():
           f"added latency {args.latency_ms:g} ms/direction, "
           f"{'local' if args.local_decisions else 'coordinator'} decisions, "
           f"{n} timed steps per mode")
-    print(f"  {'mode':10s} {'steps/s':>9s} {'vs plain':>9s} {'exposed ms/step':>16s} "
-          f"{'blocked/step':>12s}")
+    print(f"  {'mode':11s} {'steps/s':>9s} {'vs plain':>9s} {'exposed ms/step':>16s} "
+          f"{'blocked/step':>12s} {'repairs/step':>12s} {'train CPU ms':>12s} "
+          f"{'other thr ms':>12s} {'daemons ms':>10s}  (CPU per step, rank 0)")
     for m in modes(args):
         over = 100.0 * (rate["plain"] - rate[m]) / rate["plain"]
         exp = f"{1000.0 * exposed[m] / n:16.3f}" if m in exposed else f"{'-':>16s}"
-        wps = f"{waits[m] / n:12.1f}" if m in waits else f"{'-':>12s}"
-        print(f"  {m:10s} {rate[m]:9.2f} {over:+8.2f}% {exp} {wps}")
+        wps = f"{waits[m] / n:12.2f}" if m in waits else f"{'-':>12s}"
+        rps = f"{repairs[m] / n:12.2f}" if m in repairs else f"{'-':>12s}"
+        tc, oc, dc = (1000.0 * x / n for x in cpu[m])
+        print(f"  {m:11s} {rate[m]:9.2f} {over:+8.2f}% {exp} {wps} {rps} {tc:12.1f} "
+              f"{oc:12.1f} {dc:10.1f}")
+    added = 1000.0 * (cpu["speculative"][0] - cpu["plain"][0]) / n
+    print(f"  training-thread CPU accord adds per step (speculative vs plain): {added:+.1f} ms "
+          f"= {100.0 * added / (1000.0 * totals['plain'] / n):+.2f}% of a plain step "
+          f"(target <= 1%)")
     if exposed.get("blocking", 0) > 0:
-        share = 100.0 * exposed["overlap"] / exposed["blocking"]
-        print(f"  exposed with overlap = {share:.1f}% of the blocking negotiation time "
-              f"(target <= 5%); step-time overhead target <= 2% at 32 groups, 1 ms")
-    guard = 100.0 * (rate["unguarded"] - rate["overlap"]) / rate["unguarded"]
-    print(f"  guard cost (overlap vs unguarded): {guard:+.2f}% step time (target <= 1%)")
+        share = 100.0 * exposed["speculative"] / exposed["blocking"]
+        print(f"  exposed with speculation = {share:.1f}% of the blocking negotiation time; "
+              f"step-time overhead target <= 2% at 32 groups, 1 ms")
+    guard = 100.0 * (rate["unguarded"] - rate["speculative"]) / rate["unguarded"]
+    print(f"  guard cost (speculative vs unguarded): {guard:+.2f}% step time (target <= 1%)")
 
 
 if __name__ == "__main__":

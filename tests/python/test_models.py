@@ -228,9 +228,13 @@ def test_custom_moe_zero_token_experts_match_reference(custom_moe, variant):
             # 3 weights per expert. Even ranks never route to expert 2, odd
             # ranks never to expert 1: zero-filled each step. Expert 3: skipped.
             assert (reductions, zero_filled, skipped) == (STEPS, 3 * STEPS, 3 * STEPS)
-            # Even ranks first route to expert 1 on the synced microbatch.
-            late = variant == "bf16-fp32" and rank % 2 == 0
-            assert widened == (3 * STEPS if late else 0), (rank, i, widened)
+            # Even ranks first route to expert 1 on the synced microbatch: a
+            # bf16 gradient beside fp32 accumulations. The layers' post-backwards
+            # run inside autograd, where accord holds them the way FSDP2 does
+            # without gradient sync, which moves that gradient to the reduce
+            # dtype; accord has nothing left to widen (the gradients are checked
+            # against the reference above).
+            assert widened == 0, (rank, i, widened)
         assert stats(custom_moe, rank, variant, "custom_moe", "<root>")[1:] == (0, 0, 0)
 
 

@@ -183,11 +183,11 @@ def make(decide, names=("a", "b", "c"), speculate=True):
     return inst, agreement, log
 
 
-def test_release_goes_in_install_order_as_one_batch():
+def test_release_goes_in_reverse_install_order_as_one_batch():
     inst, agreement, log = make(lambda g, s: FakeDecision([True]))
     inst.release()
-    assert agreement.batches == [[("a", 0), ("b", 0), ("c", 0)]]
-    assert [e[1] for e in log] == ["a", "b", "c"]
+    assert agreement.batches == [[("c", 0), ("b", 0), ("a", 0)]]
+    assert [e[1] for e in log] == ["c", "b", "a"]
     assert not any(e[3] for e in log)  # first step: no previous decision, no speculation
 
 
@@ -196,10 +196,10 @@ def test_steady_state_speculates_and_never_repairs():
     inst.release()
     log.clear()
     inst.release()
-    assert [(e[0], e[1], e[3]) for e in log] == [("reduce", n, True) for n in "abc"]
+    assert [(e[0], e[1], e[3]) for e in log] == [("reduce", n, True) for n in "cba"]
     assert inst.timing.speculated == 3 and inst.timing.repairs == 0
     # Real decisions checked after the reduce-scatters, in the same order.
-    assert agreement.waited[-3:] == [("a", 1), ("b", 1), ("c", 1)]
+    assert agreement.waited[-3:] == [("c", 1), ("b", 1), ("a", 1)]
 
 
 def test_a_changed_decision_is_repaired_in_order_then_the_group_waits_once():
@@ -214,7 +214,7 @@ def test_a_changed_decision_is_repaired_in_order_then_the_group_waits_once():
     log.clear()
     inst.release()  # b was repaired last step: it waits for its decision this step
     assert [(e[1], e[3]) for e in log if e[0] == "reduce"] == [
-        ("a", True), ("b", False), ("c", True)]
+        ("c", True), ("b", False), ("a", True)]
 
 
 def test_a_parameter_newly_used_is_redone_with_the_real_decision():
@@ -240,7 +240,7 @@ def test_groups_without_gradient_sync_are_not_released():
     inst, agreement, log = make(lambda g, s: FakeDecision([True]))
     inst.groups["b"].group.reduce_grads = False
     inst.release()
-    assert agreement.batches == [[("a", 0), ("c", 0)]]
+    assert agreement.batches == [[("c", 0), ("a", 0)]]
 
 
 if __name__ == "__main__":

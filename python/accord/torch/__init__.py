@@ -13,8 +13,8 @@ and element counts, all groups in one batch at ``install``.
 One order, computed locally. During autograd a group's post-backward never
 reduce-scatters and never waits: it does what FSDP2 does without gradient
 sync (reshard, keep the gradient). At the end of each backward, FSDP2's
-end-of-backward callback first releases every group that reduces, in install
-order, the same on every rank: the step's manifests (which parameters have a
+end-of-backward callback first releases every group that reduces, in module order
+reversed (root last), the same on every rank: the step's manifests (which parameters have a
 gradient, in which dtype) go up as one batch; each group then applies its
 decision, the same on every rank (zero-fill where another rank has a
 gradient, parameters used on no rank left out with gradient None, one wire

@@ -5,9 +5,10 @@ Every rank records each FSDP2 collective it issues (unit, kind, element
 count, dtype) and the end of each step. Records are grouped into *windows*
 that close at points every rank agrees on while their sequences agree: after
 a collective this rank has never issued after the same prefix of its step (a
-"new" one), after WINDOW collectives, and at the end of a step. Each window is
-one manifest of a dedicated group (step = window index) that encodes a 64-bit
-hash of the window in two slots per bit: slot 2i is "used" when bit i is 1,
+"new" one), and at each release of reduce-scatters (the end of a backward).
+Each window is one manifest that encodes a 64-bit hash of its records
+("position p: entry", so a steady step hashes the same every time) in two
+slots per bit: slot 2i is "used" when bit i is 1,
 slot 2i+1 when it is 0. The coordinator's decision marks a slot included when
 any rank used it, so the ranks' windows are equal exactly when no bit has both
 slots included; every rank receives the same decision, hence the same verdict.
@@ -18,7 +19,10 @@ waits for a verdict only when a window closed at a new collective, before
 issuing it (the first step, a new pattern, a divergence): a rank about to
 diverge stops before its collective instead of pairing it with another rank's
 different one, which Gloo answers by killing the process and NCCL by hanging.
-In the steady state it never waits, and one report covers WINDOW collectives.
+In the steady state it never waits, and the window closed at the release
+goes in the release's one batch (group `<group>/step`, step = the release's),
+the same manifest every step, so the batch repeats; windows closed at new
+collectives go alone (group `<group>`, step = their count).
 
 When a rank waits longer than STALL_S (for a verdict, or inside a collective,
 seen as no new record), its background thread writes the open window to the
@@ -44,7 +48,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
                                   slot_params, slots)
 
-WINDOW = 64  # collectives per report in the steady state
 STALL_S = 2.0  # waiting this long starts the stall comparison
 END = "end of step"
 
@@ -57,11 +60,14 @@ class _Window:
     """Records of one window; closed by the training thread."""
 
     __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
-                 "checked", "repair", "closed_at")
+                 "checked", "repair", "closed_at", "hashed", "group", "group_step")
 
     def __init__(self, index: int):
-        self.index = index
+        self.index = index  # windows closed before this one, on this rank
         self.records: List[str] = []  # "step s position p: entry"
+        self.hashed: List[str] = []  # "position p: entry" (the same every steady step)
+        self.group: Optional[str] = None  # where it was submitted, and at which step
+        self.group_step = 0
         self.waiting = False  # closed at a new collective: the training thread waits
         self.unit: Optional[str] = None  # of the last record
         self.forward_all_gather = False  # the last record is a forward all-gather
@@ -85,7 +91,6 @@ class SequenceGuard:
         timeout_s: float,
         on_divergence: Optional[Callable[[str], None]] = None,
         learner=None,
-        window: int = WINDOW,
         stall_s: float = STALL_S,
     ):
         self.client = client
@@ -98,7 +103,8 @@ class SequenceGuard:
         # pure); learner.learn(units, current) -> whether the current
         # collective is done (training thread). See record().
         self.learner = learner
-        self.window = window
+        self.step_group_id = f"{group_id}/step"
+        self._new_windows = 0  # windows closed at a new collective (their group's step)
         self.stall_s = stall_s
         self.step = 0
         self.position = 0
@@ -151,12 +157,15 @@ class SequenceGuard:
         with self._mu:
             w = self._open
             w.records.append(f"step {self.step} position {self.position}: {entry}")
+            w.hashed.append(f"position {self.position}: {entry}")
             w.unit, w.forward_all_gather = unit, forward_all_gather
             self.position += 1
             self.prefix = hash64(f"{self.prefix}|{entry}")
             self._last_record = time.monotonic()
-            if new or entry == END or len(w.records) >= self.window:
-                w.waiting = new
+            if new:
+                w.waiting = True
+                w.group, w.group_step = self.group_id, self._new_windows
+                self._new_windows += 1
                 self._close_locked()
                 self._wake.notify()
         if not new:
@@ -193,6 +202,29 @@ class SequenceGuard:
         # that a closed window never waits for it.
         self._submit_locked()
 
+    # The release (accord.torch.installation) closes the open window and sends
+    # it in the step's one batch, to a group of its own at the release's step:
+    # in the steady state it is the same manifest every step, so the whole
+    # batch repeats (docs/PARTICIPATION.md, "The collective-sequence guard").
+    def release_item(self, step: int):
+        """Closes the open window for the release at `step`; returns the batch
+        item (group, step, manifest) and a token for release_handle()."""
+        with self._mu:
+            w = self._open
+            w.group, w.group_step = self.step_group_id, step
+            w.closed_at = time.monotonic()
+            self._open = _Window(w.index + 1)
+        return (w.group, step, slots(hash64("\n".join(w.hashed)))), w
+
+    def release_handle(self, window: "_Window", handle) -> None:
+        """The handle of the window's manifest, submitted with the batch."""
+        if self._thread is None:
+            self._register()
+        with self._mu:
+            window.handle = handle
+            self._inflight.append(window)
+            self._wake.notify()
+
     def _check_error(self) -> None:
         if self.error is not None:
             self._raised.set()
@@ -217,18 +249,21 @@ class SequenceGuard:
             self._raised.set()
             raise AccordDivergenceError(self.error) from failure
 
-    def registration(self) -> tuple:
-        """The guard's group, for the installation's one batched registration
+    def registrations(self) -> List[tuple]:
+        """The guard's groups (windows closed at new collectives; windows
+        closed at releases), for the installation's one batched registration
         (then call registered())."""
-        return (self.group_id, slot_params(), None, False)
+        return [(self.group_id, slot_params(), None, False),
+                (self.step_group_id, slot_params(), None, False)]
 
     def registered(self) -> None:
         self._registered = True
 
     def _register(self) -> None:
         if not self._registered:
-            self.client.register_group(*self.registration()[:2], reduce_dtype=None,
-                                       reduce_dtype_exact=False, timeout_s=self.timeout_s)
+            for group_id, params, _, _ in self.registrations():
+                self.client.register_group(group_id, params, reduce_dtype=None,
+                                           reduce_dtype_exact=False, timeout_s=self.timeout_s)
             self._registered = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="accord-guard", daemon=True)
@@ -238,8 +273,8 @@ class SequenceGuard:
 
     def _submit_locked(self) -> None:
         for w in self._queue:
-            h = hash64("\n".join(w.records))
-            w.handle = self.client.submit(self.group_id, w.index, slots(h))
+            h = hash64("\n".join(w.hashed))
+            w.handle = self.client.submit(w.group, w.group_step, slots(h))
             self._inflight.append(w)
         self._queue.clear()
 

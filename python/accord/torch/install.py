@@ -134,7 +134,7 @@ def install(
         seq_guard = SequenceGuard(client, agreement.rank, agreement.world_size,
                                   f"{prefix}/~collective-sequence", timeout_s,
                                   learner=inst.units if learn_optional else None)
-        extra.append(seq_guard.registration())
+        extra.extend(seq_guard.registrations())
     try:
         inst.register_all(extra)
     except BaseException:

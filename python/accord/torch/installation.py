@@ -5,7 +5,7 @@ autograd a group's post-backward never reduce-scatters and never waits; it
 does what FSDP2 does without gradient sync (reshard, keep the gradient). At
 the end of each backward, FSDP2's end-of-backward callback (which every rank
 reaches once per backward) first *releases* every group that reduces, in
-install order (module order, the same on every rank): the step's manifests go
+release order (module order reversed, the same on every rank): the step's manifests go
 up as one batch, then each group applies its decision and FSDP2's own
 post-backward reduce-scatters it. So every rank issues the same
 reduce-scatters in the same order, whatever order autograd ran the
@@ -67,6 +67,7 @@ class Installation:
         self.speculate = speculate
         self.timing = NegotiationTiming()
         self.releasing: Optional[HookedGroup] = None
+        self.release_index = 0  # releases so far: the step of the batch's other items
         self.guard = None
         self.learned: List[str] = []
         self.units = None  # accord.torch.optional.OptionalUnits
@@ -78,6 +79,14 @@ class Installation:
     @property
     def overlap(self) -> bool:
         return self.speculate
+
+    @property
+    def release_order(self) -> List[HookedGroup]:
+        """The order of every release: install order reversed (so the root,
+        installed first, goes last), which is the order autograd runs a
+        sequential model's post-backwards in; any order that every rank
+        computes alike would be correct."""
+        return list(reversed(self.groups.values()))
 
     @property
     def stats(self) -> Dict[str, GroupStats]:
@@ -151,14 +160,31 @@ class Installation:
         return callback
 
     def release(self) -> None:
-        """Reduce-scatters every group that reduces, in install order (see
+        """Reduce-scatters every group that reduces, in release order (see
         the module docstring). The same groups, steps and order on every rank."""
-        todo = [h for h in self.groups.values() if fsdp2.reduces(h.group)]
+        todo = [h for h in self.release_order if fsdp2.reduces(h.group)]
         if not todo:
             return
         self.timing.releases += 1
+        index = self.release_index
+        self.release_index += 1
         held = [h.manifest() for h in todo]
-        handles = self._submit([(h.group_id, s.step, s.dtypes) for h, s in zip(todo, held)])
+        # One batch: the groups, each optional unit's participation and the
+        # guard's window, all at one step in the steady state, so that an
+        # unchanged step is one batch repeat upstream.
+        extra = self.units.release_items() if self.units is not None else []
+        window = None
+        if self.guard is not None:
+            item, window = self.guard.release_item(index)
+            extra.append((item, None))
+        handles = self._submit([(h.group_id, s.step, s.dtypes) for h, s in zip(todo, held)]
+                               + [item for item, _ in extra])
+        for (_, reporter), handle in zip(extra, handles[len(todo):]):
+            if reporter is not None:
+                reporter.handed(handle)
+        if window is not None:
+            self.guard.release_handle(window, handles[-1])
+        handles = handles[:len(todo)]
         speculated = []
         for h, s, handle in zip(todo, held, handles):
             s.handle = handle

@@ -47,12 +47,20 @@ class ParticipationReporter:
     def registration(self) -> tuple:
         return (self.group_id, self.PARAMS, None, False)
 
-    def report(self, step: int, calls: int) -> None:
+    @staticmethod
+    def manifest(calls: int) -> list:
+        return ["float32" if calls >= 1 else None, "float32" if calls >= 2 else None]
+
+    def item(self, step: int, calls: int):
+        """The batch item of this step (submitted with the release's batch);
+        the previous step's decision, long since there, is collected first."""
         if self.previous is not None:
             self.agreement.wait(self.previous)
-        self.previous = self.agreement.submit_async(
-            self.group_id, step, ["float32" if calls >= 1 else None,
-                                  "float32" if calls >= 2 else None])
+            self.previous = None
+        return (self.group_id, step, self.manifest(calls))
+
+    def handed(self, handle) -> None:
+        self.previous = handle
 
 
 class OptionalUnit:
@@ -66,6 +74,7 @@ class OptionalUnit:
         self.groups = groups
         self.reporter = reporter
         self.pinned = False
+        self.reported = False  # this step's participation went with the release
         self.participation = UnitParticipation()
         for g in groups:
             original = g.reshard  # bound method
@@ -97,9 +106,8 @@ class OptionalUnit:
         for g in self.groups:
             g.reshard()
         p = self.participation
+        self.reported = False
         if count:
-            if self.reporter is not None:
-                self.reporter.report(p.steps, p.calls_this_step)
             p.steps += 1
             if p.calls_this_step == 0:
                 p.skipped += 1
@@ -157,6 +165,25 @@ class OptionalUnits:
     def registrations(self) -> List[tuple]:
         return [u.reporter.registration() for u in self.inst.optional if u.reporter]
 
+    def release_items(self) -> list:
+        """(item, reporter) per optional unit with a reporter: whether this
+        rank ran it in this step (its step: the unit's count of steps, which
+        is the release's step when every backward releases), for the
+        release's batch."""
+        out = []
+        for u in self.inst.optional:
+            if u.reporter is not None and not u.reported:
+                u.reported = True
+                p = u.participation
+                out.append((u.reporter.item(p.steps, p.calls_this_step), u.reporter))
+        return out
+
+    def _report_rest(self) -> None:
+        """Steps that ended without a release (accumulation microbatches, a
+        forward under no_grad) report on their own."""
+        for item, reporter in self.release_items():
+            reporter.handed(self.inst.agreement.submit_async(*item))
+
     def _begin_step(self, module, args):
         if fsdp2.in_backward():
             return None  # recomputation inside backward (activation checkpointing)
@@ -172,6 +199,7 @@ class OptionalUnits:
         return None
 
     def end_step(self) -> None:
+        self._report_rest()
         for unit in self.inst.optional:
             unit.end_step()
 
