@@ -112,8 +112,10 @@ def zoo(rank, world_size, agreement="accord", cluster=None, guard=True, speculat
             m.set_force_sum_reduction_for_comms(True)
     skip_empty = experts == "skip"
     inst = None
-    ag = make_agreement(agreement, rank, world_size, cluster)
-    if ag is not None:
+    # "auto": install(model) with no client, as a new user does under
+    # torchrun (accord.connect() picks the deployment or embedded mode).
+    ag = None if agreement == "auto" else make_agreement(agreement, rank, world_size, cluster)
+    if ag is not None or agreement == "auto":
         import accord.torch
 
         optional = list(model.experts) if skip_empty and not learn else []

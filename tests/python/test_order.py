@@ -123,11 +123,17 @@ def test_plain_fsdp2_fails_on_the_same_job():
     assert bad or wrong, "plain FSDP2 ran the divergent job correctly; the test shows nothing"
 
 
-def test_torchrun_launch(cluster, tmp_path):
+@pytest.mark.parametrize("deployment", ["cluster", "embedded"])
+def test_torchrun_launch(cluster, tmp_path, deployment):
+    """torchrun, 3 ranks: through a running cluster, and with
+    accord.torch.install(model) alone (no accord variable set: the job starts
+    its own daemons, docs/EMBEDDED.md)."""
     world_size = 3
-    info = cluster_info(cluster, world_size, "torchrun-zoo")
-    env = dict(os.environ, ACCORD_TEST_CLUSTER=json.dumps(info),
-               ACCORD_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCORD_")
+           or k == "ACCORD_BIN_DIR"}
+    env.update(ACCORD_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    if deployment == "cluster":
+        env["ACCORD_TEST_CLUSTER"] = json.dumps(cluster_info(cluster, world_size, "torchrun"))
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
