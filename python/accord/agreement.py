@@ -66,9 +66,11 @@ class ClientAgreement:
         """Submits one manifest without blocking; returns a handle for wait()."""
         return self.client.submit(group_id, step, list(dtypes))
 
-    def wait(self, handle) -> "_accord.Decision":
-        """The decision of a submit_async handle (blocks until it is there)."""
-        return self.client.wait(handle, timeout_s=self.timeout_s)
+    def wait(self, handle, timeout_s=None) -> "_accord.Decision":
+        """The decision of a submit_async handle (blocks until it is there, or
+        for timeout_s: then accord.Error DEADLINE_EXCEEDED, handle not ready)."""
+        return self.client.wait(handle, timeout_s=self.timeout_s if timeout_s is None
+                                else timeout_s)
 
     def ready(self, handle) -> bool:
         return handle.ready()

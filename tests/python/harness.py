@@ -30,8 +30,9 @@ class RankDied:
     """A rank process that ended without a result (os._exit, a signal, an
     abort inside a library); `stderr` is the end of what it wrote there."""
 
-    def __init__(self, rank, exitcode, stderr):
+    def __init__(self, rank, exitcode, stderr, ended_at=None):
         self.rank, self.exitcode, self.stderr = rank, exitcode, stderr
+        self.ended_at = ended_at  # time.time() when the harness saw it gone (an upper bound)
 
     def __repr__(self):
         return f"RankDied(rank={self.rank}, exitcode={self.exitcode})\n{self.stderr}"
@@ -59,7 +60,10 @@ def _entry(fn, rank, world_size, tmpdir, kwargs):
     os._exit(0)
 
 
-def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
+def run_ranks(fn, world_size, timeout_s=120.0, victims=(), **kwargs):
+    """victims: ranks expected to stop (SIGSTOP) or die mid-run: the others
+    are waited for, then the victims are killed; their result is whatever
+    they left (RankDied if none)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="accord-ranks-") as tmpdir:
         procs = [
@@ -71,12 +75,16 @@ def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
         import time
 
         deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in stuck:
-            procs[r].kill()
-            procs[r].join()
+        ended = {}
+        for r, p in enumerate(procs):
+            if r not in victims:
+                p.join(max(0.0, deadline - time.monotonic()))
+                ended[r] = time.time()
+        stuck = [r for r, p in enumerate(procs) if p.is_alive() and r not in victims]
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
         results = []
         for r in range(world_size):
             path = os.path.join(tmpdir, f"result.{r}")
@@ -85,7 +93,8 @@ def run_ranks(fn, world_size, timeout_s=120.0, **kwargs):
                     results.append(pickle.load(f))
             else:
                 with open(os.path.join(tmpdir, f"stderr.{r}"), errors="replace") as f:
-                    results.append(RankDied(r, procs[r].exitcode, f.read()[-4000:]))
+                    results.append(RankDied(r, procs[r].exitcode, f.read()[-4000:],
+                                            ended.get(r)))
         if stuck:
             raise RanksTimedOut(
                 f"ranks {stuck} of {world_size} still running after {timeout_s}s "

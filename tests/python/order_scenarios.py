@@ -16,7 +16,6 @@ Gradients are compared with a single-process reference on the same data and
 usage, every step; the reduce-scatters each rank issued are recorded.
 """
 
-import copy
 import random
 
 import torch

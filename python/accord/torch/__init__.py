@@ -39,7 +39,8 @@ Units whose forward runs on some ranks only (``optional=``) are all-gathered
 by every rank at one fixed point and kept unsharded for the step
 (accord.torch.optional); the collective-sequence guard (accord.torch.guard)
 names any other divergence on every rank, and learns optional units that
-diverge from their first step.
+diverge from their first step; the step watch (accord.torch.watchdog) names a
+rank that stops or dies mid-step.
 
 Costs and limits: every group's unsharded gradient is kept until the end of
 the backward (FSDP2 without accord frees each after its reduce-scatter), and
@@ -59,9 +60,10 @@ from accord.torch.guard import AccordDivergenceError  # noqa: F401
 from accord.torch.install import fix_transformers_output_capture, install  # noqa: F401
 from accord.torch.installation import Installation, NegotiationTiming  # noqa: F401
 from accord.torch.optional import UnitParticipation  # noqa: F401
+from accord.torch.watchdog import AccordPeerError  # noqa: F401
 
 __all__ = [
-    "AccordDivergenceError", "AccordFSDPError", "GroupStats", "Installation",
+    "AccordDivergenceError", "AccordFSDPError", "AccordPeerError", "GroupStats", "Installation",
     "NegotiationTiming", "SUPPORTED_TORCH", "UnitParticipation", "UnsupportedTorchError",
     "check_torch_version", "dtype_name", "fix_transformers_output_capture", "install",
     "torch_dtype", "torch_version",

@@ -4,7 +4,7 @@ is applied to its gradients before FSDP2 builds the reduce-scatter buffer."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 

@@ -39,12 +39,11 @@ background thread, which aborts the process group and ends the process.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from accord.torch.watchdog import abort_and_exit
 from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
                                   slot_params, slots)
 
@@ -396,17 +395,8 @@ class SequenceGuard:
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a
-        collective: abort the process group, then end the process with the
-        message (a blocked Gloo/NCCL call may never return otherwise)."""
-        sys.stderr.write(f"AccordDivergenceError: {message}\n")
-        sys.stderr.flush()
-        try:
-            import torch.distributed as dist
-
-            dist.distributed_c10d._abort_process_group(self.process_group)
-        except Exception:  # noqa: BLE001 - best effort; the exit below is what counts
-            pass
-        os._exit(3)
+        collective (accord.torch.watchdog.abort_and_exit)."""
+        abort_and_exit(f"AccordDivergenceError: {message}", self.process_group)
 
     def close(self) -> None:
         with self._mu:

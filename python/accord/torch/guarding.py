@@ -1,7 +1,8 @@
-"""Wires a SequenceGuard into one installation: FSDP2's all-gathers are
-recorded where FSDP2 issues them (its one all-gather entry point, patched
-while any installation has a guard), reduce-scatters where accord releases
-them (accord.torch.group), and each step's start at the root's pre-forward."""
+"""Routes FSDP2's all-gathers of an installation's groups to its
+SequenceGuard (recorded where FSDP2 issues them, through its one all-gather
+entry point, patched while any installation is attached) and to its step
+watch (progress); reduce-scatters are recorded where accord releases them
+(accord.torch.group), each step's start at the root's pre-forward."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Dict, Tuple
 from accord.torch import fsdp2
 from accord.torch.group import dtype_name
 
-# FSDP parameter (id) -> (guard, unit path, group), for every guarded installation.
+# FSDP parameter (id) -> (installation, unit path, group), for every attached installation.
 _GUARDED: Dict[int, tuple] = {}
 _ENTRIES: Dict[Tuple[int, int, object], str] = {}  # (group, params, dtype) -> record text
 
@@ -28,44 +29,52 @@ def _route(original):
         found = _guard_of(fsdp_params)
         if found is None:
             return original(fsdp_params, *args, **kwargs)
-        guard, unit, group = found
+        inst, unit, group = found
         dtype = fsdp2.all_gather_dtype(fsdp_params[0])
         key = (id(group), len(fsdp_params), dtype)
         entry = _ENTRIES.get(key)
         if entry is None:
             numel = sum(fsdp2.param_shape(fp)[1] for fp in fsdp_params)
             entry = _ENTRIES[key] = f"all-gather of '{unit}' ({numel} x {dtype_name(dtype)})"
-        if guard.record(entry, unit=unit, forward_all_gather=fsdp2.in_forward(group)):
+        guard, watch = inst.guard, inst.watch
+        if watch is not None:
+            watch.progress(entry)
+        if guard is not None and guard.record(entry, unit=unit,
+                                              forward_all_gather=fsdp2.in_forward(group)):
             return None  # the unit was all-gathered and pinned instead (learned)
         try:
             return original(fsdp_params, *args, **kwargs)
-        except RuntimeError as e:  # a peer stopped: say why, if the guard knows
-            guard.explain(e)
+        except RuntimeError as e:  # a peer stopped: say why, if accord knows
+            inst.explain(e)
             raise
 
     return all_gather
 
 
-def attach(installation, guard) -> None:
-    installation.guard = guard
+def attach(installation) -> None:
+    """Routes the installation's all-gathers; its guard and watch (either may
+    be None) hear of each step's start first (a prepended root pre-forward)."""
     for h in installation.groups.values():
         for fp in h.group.fsdp_params:
-            _GUARDED[id(fp)] = (guard, h.unit, h.group)
+            _GUARDED[id(fp)] = (installation, h.unit, h.group)
     fsdp2.patch_all_gather(_route)
 
     def begin_step(module, args):
         if not fsdp2.in_backward():
-            guard.begin_step()
+            if installation.watch is not None:
+                installation.watch.begin_step(installation.release_index)
+            if installation.guard is not None:
+                installation.guard.begin_step()
         return None
 
     # Prepended: before FSDP2's root pre-forward and its all-gather.
     installation._handles.append(
         installation.model.register_forward_pre_hook(begin_step, prepend=True))
+    installation.attached = True
 
 
 def detach(installation) -> None:
-    guard = installation.guard
-    if guard is None:
+    if not getattr(installation, "attached", False):
         return
     for h in installation.groups.values():
         for fp in h.group.fsdp_params:
@@ -73,5 +82,8 @@ def detach(installation) -> None:
             _ENTRIES.pop((id(h.group), len(h.group.fsdp_params), fsdp2.all_gather_dtype(fp)),
                          None)
     fsdp2.unpatch_all_gather()
-    guard.close()
-    installation.guard = None
+    installation.attached = False
+    for part in ("guard", "watch"):
+        if getattr(installation, part) is not None:
+            getattr(installation, part).close()
+            setattr(installation, part, None)

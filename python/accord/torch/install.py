@@ -78,6 +78,7 @@ def install(
     overlap: Optional[bool] = None,
     guard: Optional[bool] = None,
     learn_optional: Optional[bool] = None,
+    watch: Optional[bool] = None,
 ) -> Installation:
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
@@ -92,7 +93,10 @@ def install(
     more than one rank; ACCORD_TORCH_GUARD=0) checks that every rank issues
     the same FSDP collectives; with `learn_optional` (default on;
     ACCORD_TORCH_LEARN_OPTIONAL=0) a unit whose forward runs on some ranks
-    only from its first step becomes optional instead of an error.
+    only from its first step becomes optional instead of an error. `watch`
+    (default on with an accord client and more than one rank;
+    ACCORD_TORCH_WATCH=0) names a rank that stops or dies mid-step on every
+    other rank within the coordinator's deadline (accord.torch.watchdog).
     Idempotent for the same client and units; raises ValueError for another,
     UnsupportedTorchError for a torch whose FSDP2 accord.torch cannot hook.
     """
@@ -135,14 +139,26 @@ def install(
                                   f"{prefix}/~collective-sequence", timeout_s,
                                   learner=inst.units if learn_optional else None)
         extra.extend(seq_guard.registrations())
+    if watch is None:
+        watch = _env_flag("ACCORD_TORCH_WATCH")
+    step_watch = None
+    if watch and client is not None and agreement.world_size > 1:
+        from accord.torch.watchdog import StepWatch
+
+        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+        step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
+        extra.append(step_watch.registration())
     try:
         inst.register_all(extra)
     except BaseException:
+        if step_watch is not None:
+            step_watch.close()
         inst.uninstall()
         raise
     if seq_guard is not None:
         seq_guard.registered()
-        guarding.attach(inst, seq_guard)
+    inst.guard, inst.watch = seq_guard, step_watch
+    guarding.attach(inst)
     inst.hook_states()
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = inst

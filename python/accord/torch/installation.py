@@ -69,6 +69,8 @@ class Installation:
         self.releasing: Optional[HookedGroup] = None
         self.release_index = 0  # releases so far: the step of the batch's other items
         self.guard = None
+        self.watch = None  # accord.torch.watchdog.StepWatch
+        self.attached = False
         self.learned: List[str] = []
         self.units = None  # accord.torch.optional.OptionalUnits
         self._handles: list = []
@@ -139,10 +141,16 @@ class Installation:
         self.timing.held += 1
 
     def record_reduce(self, entry: str) -> None:
+        if self.watch is not None:
+            self.watch.progress(entry)
         if self.guard is not None:
             self.guard.record(entry)
 
     def explain(self, failure: BaseException) -> None:
+        """A collective failed: the guard's divergence or the watch's named
+        peer failure replaces the collective's own error, when known."""
+        if self.watch is not None:
+            self.watch.explain(failure)
         if self.guard is not None:
             self.guard.explain(failure)
 
@@ -156,6 +164,8 @@ class Installation:
             finally:
                 if self.units is not None:
                     self.units.end_step()
+                if self.watch is not None:
+                    self.watch.end_step()
 
         return callback
 
@@ -177,11 +187,16 @@ class Installation:
         if self.guard is not None:
             item, window = self.guard.release_item(index)
             extra.append((item, None))
+        live = self.watch.item(index) if self.watch is not None else None
+        if live is not None:
+            extra.insert(0, (live, None))
         handles = self._submit([(h.group_id, s.step, s.dtypes) for h, s in zip(todo, held)]
                                + [item for item, _ in extra])
         for (_, reporter), handle in zip(extra, handles[len(todo):]):
             if reporter is not None:
                 reporter.handed(handle)
+        if live is not None:
+            self.watch.handed(index, handles[len(todo)])
         if window is not None:
             self.guard.release_handle(window, handles[-1])
         handles = handles[:len(todo)]

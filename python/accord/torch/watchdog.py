@@ -1,0 +1,200 @@
+"""The step watch: a rank that stops or dies mid-step is named on every other
+rank within the coordinator's deadline (docs/RELIABILITY.md, "A rank stopped
+mid-step").
+
+The survivors of a stopped rank are blocked inside a collective (Gloo), or
+at the next synchronisation with the device (NCCL), with nothing of theirs
+pending at the coordinator: every decision they hold was already made. So
+each release's batch carries one more item, the step's liveness manifest
+(group `<prefix>/~step`, step = the release's, one constant slot: the same
+manifest every step, so the batch still repeats). A rank whose training
+thread has made no progress (no collective issued, no release) for
+`stall_s` while inside a step submits that item early, if it has not yet:
+from then on the coordinator's deadline runs for that step, and a rank that
+never submits it is named to every rank that did, with its node and last
+step. The watch then aborts the process group so that the survivors leave
+the collective they are blocked in (and ends the process if that does not
+free it), with the coordinator's message.
+
+A rank that is merely slow costs nothing: the early item is the same one its
+release would have sent, and the step completes when the slow rank gets
+there within the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+STALL_S = 1.0  # no progress this long inside a step starts the coordinator's clock
+MANIFEST = ["float32"]
+
+
+class AccordPeerError(RuntimeError):
+    """A rank stopped or died mid-step; the message names it (the same on every rank)."""
+
+
+class StepWatch:
+    """One rank's step watch. The training thread calls begin_step(),
+    progress(), item()/handed() at each release and end_step(); a background
+    thread (owned here, stopped by close()) watches for stalls."""
+
+    def __init__(self, agreement, group_id: str, timeout_s: float, stall_s: float = STALL_S,
+                 on_failure: Optional[Callable[[str], None]] = None, grace_s: float = 0.5):
+        self.agreement = agreement
+        self.group_id = group_id
+        self.timeout_s = timeout_s
+        self.stall_s = stall_s
+        self.grace_s = grace_s
+        self.on_failure = on_failure or abort_and_exit
+        self.early = 0  # steps whose item this watch submitted before the release
+        self.error: Optional[str] = None
+        self.where = "a step"
+        self._mu = threading.Lock()
+        self._wake = threading.Condition(self._mu)
+        self._in_step = False
+        self._step = 0  # the step of the next release
+        self._last = time.monotonic()
+        self._handle = None  # the current step's item, once submitted
+        self._handle_step = -1
+        self._previous = None
+        self._stop = False
+        self._raised = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="accord-step-watch", daemon=True)
+        self._thread.start()
+
+    def registration(self) -> tuple:
+        return (self.group_id, [("alive", 1, 1)], None, False)
+
+    # ------------------------------------------------------------ training thread
+
+    def begin_step(self, step: int) -> None:
+        self.check()
+        with self._mu:
+            self._in_step = True
+            self._step = step
+            self._last = time.monotonic()
+
+    def progress(self, where: str) -> None:
+        self.check()
+        with self._mu:
+            self._last = time.monotonic()
+            self.where = where
+
+    def item(self, step: int):
+        """The release's liveness item, or None when the watch already sent it."""
+        self.check()
+        with self._mu:
+            self._last = time.monotonic()
+            self._step = step
+            if self._handle_step == step:
+                return None
+            if self._previous is not None:  # collected long since
+                self._previous = None
+            return (self.group_id, step, MANIFEST)
+
+    def handed(self, step: int, handle) -> None:
+        with self._mu:
+            self._previous = self._handle
+            self._handle, self._handle_step = handle, step
+
+    def end_step(self) -> None:
+        with self._mu:
+            self._in_step = False
+
+    def check(self) -> None:
+        if self.error is not None:
+            self._raised.set()
+            raise AccordPeerError(self.error)
+
+    def explain(self, failure: BaseException) -> None:
+        """A collective failed (Gloo saw a peer's connection reset): the step's
+        item goes now, and if the coordinator names a rank that never sent it,
+        that named error is raised instead of the collective's."""
+        self.check()
+        with self._mu:
+            step = self._step
+            handle = self._handle if self._handle_step == step else None
+        if handle is None:
+            handle = self.agreement.submit_async(self.group_id, step, MANIFEST)
+            self.handed(step, handle)
+            self.early += 1
+        try:
+            self.agreement.wait(handle)
+        except Exception as e:  # noqa: BLE001 - the coordinator's named error, or none in time
+            if handle.ready():
+                self.error = (f"accord: a rank stopped or died while this rank was blocked in "
+                              f"{self.where}: {e}")
+                self._raised.set()
+                raise AccordPeerError(self.error) from failure
+
+    # ------------------------------------------------------------ background
+
+    def _run(self) -> None:
+        while True:
+            with self._mu:
+                if self._stop:
+                    return
+                self._wake.wait(self.stall_s / 4)
+                stalled = self._in_step and time.monotonic() - self._last > self.stall_s
+                step, handle = self._step, self._handle if self._handle_step == self._step \
+                    else None
+            if not stalled:
+                continue
+            if handle is None:
+                handle = self.agreement.submit_async(self.group_id, step, MANIFEST)
+                self.handed(step, handle)
+                self.early += 1
+            self._watch(handle)
+            if self.error is not None:
+                return
+
+    def _watch(self, handle) -> None:
+        """Waits on the step's item while the rank stays stalled; a failed
+        item is the coordinator naming whoever never sent it."""
+        while not self._stop:
+            try:
+                self.agreement.wait(handle, timeout_s=self.stall_s)
+                return  # every rank was alive at this step: a slow step, nothing more
+            except Exception as e:  # noqa: BLE001 - a local timeout, or the coordinator's error
+                if not handle.ready():
+                    with self._mu:
+                        if not self._in_step or self._handle is not handle:
+                            return  # moved on
+                    continue
+                self._fail(f"accord: a rank stopped or died while this rank was blocked in "
+                           f"{self.where}: {e}")
+                return
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        # The training thread raises it itself if it reaches accord within the
+        # grace; one blocked inside a collective never will.
+        if self._raised.wait(self.grace_s):
+            return
+        self.on_failure(message)
+
+    def close(self) -> None:
+        with self._mu:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout_s)
+
+
+def abort_and_exit(message: str, process_group=None, exit_code: int = 3) -> None:
+    """Aborts the process group (so blocked collectives can fail), writes the
+    message to stderr and ends the process: a blocked Gloo or NCCL call may
+    never return otherwise."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+    try:
+        import torch.distributed as dist
+
+        dist.distributed_c10d._abort_process_group(process_group)
+    except Exception:  # noqa: BLE001 - best effort; the exit below is what counts
+        pass
+    os._exit(exit_code)

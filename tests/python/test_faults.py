@@ -1,0 +1,84 @@
+"""A rank stopped or killed mid-step is named on every other rank within the
+coordinator's deadline (docs/RELIABILITY.md, "A rank stopped mid-step"):
+real daemons, real FSDP2 on Gloo, 3 ranks on two sidecars, coordinator
+deadline 3 s. Each survivor ends with the coordinator's named error (raised,
+or written by the step watch before it ends a process blocked in Gloo), and
+no survivor is named."""
+
+import re
+import time
+
+import pytest
+
+import fault_scenarios as fs
+from cluster_fixture import cluster_info
+from harness import RankDied, RankFailure, run_ranks
+
+import accord
+
+DEADLINE_S, GRACE_S = 3.0, 0.5
+# The step watch's stall period (1 s), its wait for the training thread to
+# raise before ending the process (0.5 s), and polling and process start.
+SLACK_S = 1.0 + 0.5 + 2.5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=[f"--deadline={DEADLINE_S:g}s"]) \
+            as c:
+        yield c
+
+
+def survivor_texts(results, victim):
+    texts = {}
+    for r, res in enumerate(results):
+        if r == victim:
+            continue
+        if isinstance(res, RankDied):
+            lines = [l for l in res.stderr.splitlines() if l.startswith("accord: a rank stopped")]
+            assert res.exitcode == 3 and lines, res
+            texts[r] = lines[-1]
+            began = [float(l.rsplit(" ", 1)[1]) for l in res.stderr.splitlines()
+                     if l.startswith("fault step began at ")]
+            res.seconds = res.ended_at - began[-1] if began and res.ended_at else None
+        else:
+            assert not isinstance(res, RankFailure), res
+            assert res["error"] is not None, f"rank {r} finished although rank {victim} stopped"
+            assert "AccordPeerError: " in res["error"], res
+            texts[r] = res["error"].split("AccordPeerError: ", 1)[1]
+    return texts
+
+
+@pytest.mark.parametrize("fault,when,speculate", [
+    ("stop", "backward", True), ("stop", "forward", True), ("kill", "backward", True),
+    ("stop", "backward", False),
+])
+def test_a_rank_stopped_mid_step_is_named_within_the_deadline(cluster, fault, when, speculate):
+    world, victim = 3, 2
+    info = cluster_info(cluster, world, f"fault-{fault}-{when}-{speculate}")
+    t0 = time.monotonic()
+    results = run_ranks(fs.stop_mid_step, world, 120.0, victims=(victim,), cluster=info,
+                        victim=victim, fault=fault, when=when, speculate=speculate)
+    elapsed = time.monotonic() - t0
+    texts = survivor_texts(results, victim)
+    assert len(set(texts.values())) == 1, texts  # the same words on every survivor
+    for r, text in texts.items():
+        print(f"[text] rank {r}: {text}")
+        # The coordinator's words: the victim, its node and the group's last
+        # step it completed; the survivors only as the ranks that submitted.
+        assert (f'group "fsdp/~step" step 2: not every rank reported' in text
+                and f"missing ranks {victim}: rank {victim} (last step 1, node " in text
+                and "ranks 0-1 submitted it" in text), text
+        assert re.search(rf"\brank {victim}\b", text), (r, text)
+        for survivor in texts:
+            assert not re.search(rf"missing ranks?[^:]*\b{survivor}\b", text), (r, text)
+    bound = DEADLINE_S + GRACE_S + SLACK_S
+    for r, res in enumerate(results):
+        seconds = res.get("seconds") if isinstance(res, dict) else getattr(res, "seconds", None)
+        if seconds is not None:
+            print(f"[timing] {fault}/{when}/speculate={speculate}: rank {r} named rank "
+                  f"{victim} {seconds:.2f}s after the faulty step began (bound {bound:.1f}s)")
+            # Bounded, not a hang (twice the stated bound: a loaded machine).
+            assert seconds < 2 * bound, res
+    # The whole run, process start and three healthy steps included.
+    assert elapsed < 60, elapsed
