@@ -12,12 +12,15 @@ rank, None where used nowhere, and the same reduce-scatters on every rank.
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
 
+import accord
 import order_scenarios as osc
 from cluster_fixture import cluster_info, start_cluster
 from harness import RankDied, RankFailure, RanksTimedOut, check_results, run_ranks
@@ -145,3 +148,23 @@ def test_torchrun_launch(cluster, tmp_path, deployment):
         with open(tmp_path / f"rank{r}.pt", "rb") as f:
             results.append(torch.load(f, weights_only=False))
     check_zoo(results)
+
+
+def test_steady_steps_reach_the_coordinator_as_repeat_waves():
+    """What accord.torch sends in its steady state is one batch per rank per
+    step, the same as the step before (groups, the guard's window, the step
+    watch's item, all at one step), so the coordinator decides those steps as
+    repeat waves (docs/ARCHITECTURE.md, "Repeat waves")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=[f"--metrics_port={port}"]) as c:
+        steps = 6
+        check_results(run_ranks(osc.zoo, 2, TIMEOUT_S, cluster=cluster_info(c, 2, "waves"),
+                                steps=steps, steady=True))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    waves = [float(line.split()[-1]) for line in text.decode().splitlines()
+             if line.startswith("accord_repeat_waves_total")]
+    # The first steps differ (registration, the guard's first windows, the
+    # wave base); every later one is a wave.
+    assert waves and waves[0] >= steps - 3, waves
