@@ -94,8 +94,8 @@ class RankSessionReactor final : public QueuedStreamReactor<v1::RankMessage, v1:
 
  private:
   RankGrpcService* const service_;
-  Sidecar* const sidecar_;
-  Sidecar::SessionId id_ = 0;
+  RankSessionHandler* const sidecar_;
+  RankSessionHandler::SessionId id_ = 0;
   v1::RankMessage in_;
 };
 
@@ -131,8 +131,8 @@ grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
 
 template <typename Request>
 void KeyValueForwarder::Stamp(Request* request) const {
-  if (sidecar_ == nullptr) return;
-  Sidecar::RunStamp run = sidecar_->CurrentRun();
+  if (jobs_ == nullptr) return;
+  Sidecar::RunStamp run = jobs_->CurrentRun(request->job_id());
   if (run.job_id.empty() || run.job_id != request->job_id()) return;
   request->set_run_id(run.run_id);
   request->set_node_id(run.node_id);

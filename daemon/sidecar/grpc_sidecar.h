@@ -17,19 +17,21 @@
 #include "core/sync.h"
 #include "daemon/common/write_queue_limits.h"
 #include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/sidecar_jobs.h"
 #include "grpcpp/grpcpp.h"
 
 namespace accord::daemon {
 
 class RankSessionReactor;
 
-// RankService.Session: one reactor per rank process.
+// RankService.Session: one reactor per rank process, driving `sessions`
+// (the daemon's SidecarJobs, or one Sidecar in tests).
 class RankGrpcService final : public v1::RankService::CallbackService {
  public:
   // `queue_limits`: the watermarks of each rank stream's write queue
   // (write_queue_limits.h).
-  explicit RankGrpcService(Sidecar* sidecar, WriteQueueLimits queue_limits = {})
-      : sidecar_(sidecar), queue_limits_(queue_limits) {}
+  explicit RankGrpcService(RankSessionHandler* sessions, WriteQueueLimits queue_limits = {})
+      : sidecar_(sessions), queue_limits_(queue_limits) {}
   grpc::ServerBidiReactor<v1::RankMessage, v1::RankReply>* Session(
       grpc::CallbackServerContext* context) override;
   // Ends every rank stream (UNAVAILABLE) after its queued replies.
@@ -38,7 +40,7 @@ class RankGrpcService final : public v1::RankService::CallbackService {
  private:
   friend class RankSessionReactor;
   void Remove(RankSessionReactor* r);
-  Sidecar* const sidecar_;
+  RankSessionHandler* const sidecar_;
   const WriteQueueLimits queue_limits_;
   accord::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
@@ -59,9 +61,10 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
         only_job_(std::move(only_job)),
         token_(std::move(token)),
         slack_(slack) {}
-  // Requests of the sidecar's current job go upstream stamped with its run,
-  // node and epoch (Sidecar::CurrentRun); set before serving. Not owned.
-  void SetSidecar(Sidecar* sidecar) { sidecar_ = sidecar; }
+  // Requests of a job served here go upstream stamped with its current
+  // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
+  // serving. Not owned.
+  void SetJobs(SidecarJobs* jobs) { jobs_ = jobs; }
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -79,7 +82,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string only_job_;
   const std::string token_;
   const absl::Duration slack_;
-  Sidecar* sidecar_ = nullptr;
+  SidecarJobs* jobs_ = nullptr;
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread

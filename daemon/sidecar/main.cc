@@ -1,5 +1,6 @@
 // accord-sidecar: serves the local ranks of a node over a Unix socket, merges
-// their manifests and keeps one stream to the coordinator.
+// their manifests and keeps one stream to the coordinator per job it serves
+// (several jobs at once, docs/ARCHITECTURE.md, "Jobs on one sidecar").
 #include <grp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #include "daemon/sidecar/grpc_sidecar.h"
 #include "daemon/sidecar/metrics_sidecar.h"
 #include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/sidecar_jobs.h"
 #include "daemon/sidecar/upstream_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -46,7 +48,13 @@ ABSL_FLAG(std::string, socket_group, "",
           "group to own the socket (name or number), so ranks running as another user in that "
           "group may connect; empty: the sidecar's own group");
 ABSL_FLAG(std::string, node_id, "", "this node's id (default: the hostname)");
-ABSL_FLAG(std::string, job, "", "accept only ranks of this job (default: any, one at a time)");
+ABSL_FLAG(std::string, job, "",
+          "accept only ranks of this job (default: any; several jobs at once, each with its own "
+          "stream to the coordinator)");
+ABSL_FLAG(absl::Duration, job_handover_timeout, absl::Seconds(10),
+          "a rank that starts a new launch of a job id this node serves (a restart, or the next "
+          "run under the same id) waits until the previous launch's ranks here have left, at "
+          "most this long; then it is refused. Its hello is answered as soon as they have left");
 ABSL_FLAG(std::string, token, "",
           "the job's token, sent to the coordinator (prefer --token_file or ACCORD_TOKEN: a "
           "flag is visible in the process list)");
@@ -55,7 +63,8 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(bool, require_rank_token, false,
           "refuse ranks whose RankHello carries no token (a rank with a different token is "
           "always refused)");
-ABSL_FLAG(int, max_ranks, 64, "ranks served at once; one more is refused with LIMIT_EXCEEDED");
+ABSL_FLAG(int, max_ranks, 64,
+          "ranks served at once, over every job; one more is refused with LIMIT_EXCEEDED");
 ABSL_FLAG(int, metrics_port, 9091,
           "serve Prometheus metrics (/metrics) and /healthz over HTTP on this port (0: any free "
           "port; -1: off). The URL is printed on stdout");
@@ -212,16 +221,27 @@ int Main(int argc, char** argv) {
   absl::StatusOr<gid_t> gid = SocketGroup();
   if (!gid.ok()) return Fail(1, gid.status());
 
-  Sidecar sidecar(*options);
-  GrpcUpstream upstream(*channel, &sidecar, absl::GetFlag(FLAGS_reconnect_max_backoff));
-  sidecar.SetUpstream(&upstream);
+  SidecarJobsOptions jobs_options;
+  jobs_options.sidecar = *options;
+  jobs_options.handover_timeout = absl::GetFlag(FLAGS_job_handover_timeout);
+  if (jobs_options.handover_timeout < absl::ZeroDuration()) {
+    return Fail(2, absl::InvalidArgumentError("--job_handover_timeout must not be negative"));
+  }
+  const absl::Duration max_backoff = absl::GetFlag(FLAGS_reconnect_max_backoff);
+  // Each job's Sidecar gets its own stream to the coordinator.
+  SidecarJobs jobs(jobs_options, [channel = *channel, max_backoff](Sidecar* job) {
+    auto upstream = std::make_unique<GrpcUpstream>(channel, job, max_backoff);
+    job->SetUpstream(upstream.get());
+    upstream->Start();
+    return std::unique_ptr<UpstreamSink>(std::move(upstream));
+  });
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
-  RankGrpcService rank_service(&sidecar, queue_limits);
+  RankGrpcService rank_service(&jobs, queue_limits);
   KeyValueForwarder kv_service(*channel, options->job, options->token,
                                absl::GetFlag(FLAGS_deadline));
-  kv_service.SetSidecar(&sidecar);
+  kv_service.SetJobs(&jobs);
   const std::string path = absl::GetFlag(FLAGS_socket);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       ServeRanks(path, *gid, {&rank_service, &kv_service});
@@ -230,7 +250,7 @@ int Main(int argc, char** argv) {
   MetricsRegistry registry;
   SidecarMetrics metrics(&registry);
   MetricsHttpServer metrics_server([&] {
-    metrics.Refresh(sidecar.stats());
+    metrics.Refresh(jobs.stats());
     return registry.Render();
   });
   if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
@@ -238,7 +258,6 @@ int Main(int argc, char** argv) {
         "accord-sidecar", absl::GetFlag(FLAGS_metrics_host), metrics_port);
     if (!bound.ok()) return Fail(1, bound.status());
   }
-  upstream.Start();
   std::printf("accord-sidecar serving unix:%s\n", path.c_str());
   std::fflush(stdout);
 
@@ -246,8 +265,7 @@ int Main(int argc, char** argv) {
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
   rank_service.FinishAll();
   (*server)->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  sidecar.Stop();  // its timer sends upstream
-  upstream.Stop();
+  jobs.Stop();  // each job's timer, then its stream
   metrics_server.Stop();
   ::unlink(path.c_str());
   return 0;

@@ -1,7 +1,5 @@
 #include "daemon/sidecar/metrics_sidecar.h"
 
-#include <algorithm>
-
 namespace accord::daemon {
 
 SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
@@ -23,53 +21,34 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
       &registry->AddGauge("accord_sidecar_rank_streams", "Rank streams open on this sidecar.");
 }
 
-void SidecarMetrics::Refresh(const SidecarStats& stats) {
+void SidecarMetrics::Refresh(const SidecarJobsStats& stats) {
   accord::MutexLock l(&mu_);
-  auto mirror = [&] {
-    if (job_.empty()) return;
-    rank_manifests_->WithLabels({job_}).SetTotal(
-        static_cast<double>(stats.rank_manifests - base_.rank_manifests));
-    node_manifests_->WithLabels({job_, "full"})
-        .SetTotal(static_cast<double>(stats.node_manifests_full - base_.node_manifests_full));
-    node_manifests_->WithLabels({job_, "repeat"})
-        .SetTotal(static_cast<double>(stats.node_manifests_repeat - base_.node_manifests_repeat));
-    decisions_->WithLabels({job_}).SetTotal(
-        static_cast<double>(stats.decisions_in - base_.decisions_in));
-    local_decisions_->WithLabels({job_, "made"})
-        .SetTotal(static_cast<double>(stats.local_decisions - base_.local_decisions));
-    local_decisions_->WithLabels({job_, "confirmed"})
-        .SetTotal(static_cast<double>(stats.local_confirmed - base_.local_confirmed));
-    local_decisions_->WithLabels({job_, "mismatched"})
-        .SetTotal(static_cast<double>(stats.local_mismatches - base_.local_mismatches));
-  };
-  if (stats.job_id != job_) {
-    // What happened since the last scrape belongs to the job that ended
-    // (scrapes are far more frequent than job changes).
-    // A job that starts after an idle period owns everything since the
-    // previous scrape.
-    mirror();
-    base_ = job_.empty() ? last_ : stats;
-    if (!job_.empty()) connected_ranks_->WithLabels({job_}).Set(0);
-    job_ = stats.job_id;
-    if (!job_.empty()) {
-      jobs_.erase(std::remove(jobs_.begin(), jobs_.end(), job_), jobs_.end());
-      jobs_.push_back(job_);
-      while (static_cast<int>(jobs_.size()) > kKeptJobs) {
-        const std::string& old = jobs_.front();
-        connected_ranks_->RemoveByFirstLabel(old);
-        rank_manifests_->RemoveByFirstLabel(old);
-        node_manifests_->RemoveByFirstLabel(old);
-        decisions_->RemoveByFirstLabel(old);
-        local_decisions_->RemoveByFirstLabel(old);
-        jobs_.pop_front();
-      }
-    }
+  std::set<std::string> shown;
+  for (const SidecarStats& j : stats.jobs) {
+    const std::string& job = j.job_id;
+    shown.insert(job);
+    connected_ranks_->WithLabels({job}).Set(j.ranks);
+    rank_manifests_->WithLabels({job}).SetTotal(static_cast<double>(j.rank_manifests));
+    node_manifests_->WithLabels({job, "full"}).SetTotal(static_cast<double>(j.node_manifests_full));
+    node_manifests_->WithLabels({job, "repeat"})
+        .SetTotal(static_cast<double>(j.node_manifests_repeat));
+    decisions_->WithLabels({job}).SetTotal(static_cast<double>(j.decisions_in));
+    local_decisions_->WithLabels({job, "made"}).SetTotal(static_cast<double>(j.local_decisions));
+    local_decisions_->WithLabels({job, "confirmed"})
+        .SetTotal(static_cast<double>(j.local_confirmed));
+    local_decisions_->WithLabels({job, "mismatched"})
+        .SetTotal(static_cast<double>(j.local_mismatches));
   }
+  for (const std::string& old : jobs_) {
+    if (shown.count(old)) continue;
+    connected_ranks_->RemoveByFirstLabel(old);
+    rank_manifests_->RemoveByFirstLabel(old);
+    node_manifests_->RemoveByFirstLabel(old);
+    decisions_->RemoveByFirstLabel(old);
+    local_decisions_->RemoveByFirstLabel(old);
+  }
+  jobs_ = std::move(shown);
   rank_streams_->Get().Set(stats.sessions);
-  last_ = stats;
-  if (job_.empty()) return;
-  connected_ranks_->WithLabels({job_}).Set(stats.ranks);
-  mirror();
 }
 
 }  // namespace accord::daemon

@@ -1,20 +1,21 @@
-// Prometheus metrics of the sidecar, read from Sidecar::stats() at scrape
-// time (the sidecar's hot path is not touched). Counters carry the job
-// served; when the sidecar moves to another job, that job's series start
-// from zero and the previous job's keep their final values. Only the series
-// of the last kKeptJobs jobs are kept (older ones are removed), so a node
-// serving many short jobs does not grow its registry.
+// Prometheus metrics of the sidecar, read from SidecarJobs::stats() at scrape
+// time (the sidecar's hot path is not touched). Counters carry the job id:
+// one series per job served now (several at once) and per job among the
+// last SidecarJobs::kEndedJobsKept that ended, with their final values; a
+// job id's counters add up over its launches on this node. Older jobs'
+// series are removed, so a node serving many short jobs does not grow its
+// registry.
 //
 // Thread-safe.
 #ifndef ACCORD_DAEMON_SIDECAR_METRICS_SIDECAR_H_
 #define ACCORD_DAEMON_SIDECAR_METRICS_SIDECAR_H_
 
-#include <deque>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "core/sync.h"
-#include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/sidecar_jobs.h"
 #include "observe/metrics.h"
 
 namespace accord::daemon {
@@ -23,9 +24,7 @@ class SidecarMetrics {
  public:
   explicit SidecarMetrics(MetricsRegistry* registry);
   // Mirrors `stats` into the registry; call before rendering.
-  void Refresh(const SidecarStats& stats);
-
-  static constexpr int kKeptJobs = 8;
+  void Refresh(const SidecarJobsStats& stats);
 
  private:
   Family<Gauge>* connected_ranks_;
@@ -35,10 +34,7 @@ class SidecarMetrics {
   Family<Counter>* local_decisions_;
   Family<Gauge>* rank_streams_;
   accord::Mutex mu_;
-  std::deque<std::string> jobs_ ABSL_GUARDED_BY(mu_);  // with series, oldest first
-  std::string job_ ABSL_GUARDED_BY(mu_);
-  SidecarStats base_ ABSL_GUARDED_BY(mu_);  // totals when `job_` began
-  SidecarStats last_ ABSL_GUARDED_BY(mu_);  // totals at the previous Refresh
+  std::set<std::string> jobs_ ABSL_GUARDED_BY(mu_);  // with series
 };
 
 }  // namespace accord::daemon

@@ -229,6 +229,69 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
   }
 }
 
+namespace {
+
+// A RankHello token that is not `expected` (the job's), or missing where
+// one is required: the refusal, else nullopt.
+std::optional<v1::DecisionError> TokenRefusal(const v1::RankHello& hello,
+                                              const std::string& expected, bool required) {
+  if ((!hello.token().empty() && !expected.empty() && !TokensEqual(hello.token(), expected)) ||
+      (hello.token().empty() && required)) {
+    ACCORD_LOG(WARNING) << "permission denied: job " << hello.job_id() << " rank " << hello.rank()
+                        << ": RankHello token "
+                        << (hello.token().empty() ? "missing" : "differs from the job's");
+    return KindedError(
+        v1::PERMISSION_DENIED,
+        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
+                     hello.token().empty()
+                         ? " sent no token and this sidecar requires one (--require_rank_token)"
+                         : " sent a token that is not the one this sidecar holds for the job",
+                     "; check ACCORD_TOKEN / ClientOptions.token of the rank"));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<v1::DecisionError> Sidecar::CheckHello(const SidecarOptions& options,
+                                                     const v1::RankHello& hello) {
+  if (hello.job_id().empty()) {
+    return KindedError(v1::INVALID_REQUEST, "RankHello without a job_id");
+  }
+  if (!options.job.empty() && hello.job_id() != options.job) {
+    return KindedError(v1::PERMISSION_DENIED,
+                       absl::StrCat("this sidecar serves job ", options.job, " (--job) only; rank ",
+                                    hello.rank(), " belongs to job ", hello.job_id()));
+  }
+  if (!options.token.empty() || options.require_rank_token) {
+    if (auto refused = TokenRefusal(hello, options.token, options.require_rank_token)) {
+      return refused;
+    }
+  }
+  if (hello.world_size() < 1) {
+    return KindedError(v1::INVALID_REQUEST,
+                       absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size()));
+  }
+  if (hello.rank() < 0 || hello.rank() >= hello.world_size()) {
+    return KindedError(v1::INVALID_REQUEST,
+                       absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " outside 0..",
+                                    hello.world_size() - 1));
+  }
+  return std::nullopt;
+}
+
+bool Sidecar::HadRank(int rank) {
+  accord::MutexLock l(&mu_);
+  return announced_.count(rank) != 0;
+}
+
+std::vector<int> Sidecar::ConnectedRanks() {
+  accord::MutexLock l(&mu_);
+  std::vector<int> out;
+  for (const auto& [r, rs] : ranks_) out.push_back(r);
+  return out;
+}
+
 void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
   auto refuse = [&](v1::DecisionError error) {
     v1::RankReply reply;
@@ -243,43 +306,24 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
                            absl::StrCat("rank ", s.rank, " sent a second RankHello")));
     return;
   }
-  if (hello.job_id().empty()) {
-    refuse(KindedError(v1::INVALID_REQUEST, "RankHello without a job_id"));
-    return;
-  }
-  if (!options_.job.empty() && hello.job_id() != options_.job) {
-    refuse(KindedError(v1::PERMISSION_DENIED, absl::StrCat("this sidecar serves job ", options_.job,
-                                                           " (--job) only; rank ", hello.rank(),
-                                                           " belongs to job ", hello.job_id())));
+  if (std::optional<v1::DecisionError> refused = CheckHello(options_, hello)) {
+    refuse(*std::move(refused));
     return;
   }
   if (!job_id_.empty() && hello.job_id() != job_id_) {
+    // SidecarJobs gives each job its own Sidecar; only a caller that drives
+    // one Sidecar directly gets here.
     refuse(OutOfOrderError(
         v1::INVALID_REQUEST,
-        absl::StrCat("this sidecar is serving job ", job_id_, "; rank ", hello.rank(), " of job ",
-                     hello.job_id(),
-                     " must wait until that job's ranks have left or use another sidecar")));
+        absl::StrCat("this Sidecar holds the state of job ", job_id_, "; rank ", hello.rank(),
+                     " of job ", hello.job_id(), " needs a Sidecar of its own (SidecarJobs)")));
     return;
   }
-  if (const std::string& expected = options_.token.empty() ? rank_token_ : options_.token;
-      (!hello.token().empty() && !expected.empty() && !TokensEqual(hello.token(), expected)) ||
-      (hello.token().empty() && options_.require_rank_token)) {
-    ACCORD_LOG(WARNING) << "permission denied: job " << hello.job_id() << " rank " << hello.rank()
-                        << ": RankHello token "
-                        << (hello.token().empty() ? "missing" : "differs from the job's");
-    refuse(KindedError(
-        v1::PERMISSION_DENIED,
-        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                     hello.token().empty()
-                         ? " sent no token and this sidecar requires one (--require_rank_token)"
-                         : " sent a token that is not the one this sidecar holds for the job",
-                     "; check ACCORD_TOKEN / ClientOptions.token of the rank")));
-    return;
-  }
-  if (hello.world_size() < 1) {
-    refuse(KindedError(v1::INVALID_REQUEST,
-                       absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size())));
-    return;
+  if (options_.token.empty()) {
+    if (auto refused = TokenRefusal(hello, rank_token_, /*required=*/false)) {
+      refuse(*std::move(refused));
+      return;
+    }
   }
   if (!job_id_.empty() && hello.world_size() != world_size_) {
     refuse(KindedError(
@@ -287,12 +331,6 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
         absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
                      hello.world_size(), " but this node's other ranks say ", world_size_,
                      "; check WORLD_SIZE of the launcher")));
-    return;
-  }
-  if (hello.rank() < 0 || hello.rank() >= hello.world_size()) {
-    refuse(KindedError(v1::INVALID_REQUEST,
-                       absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " outside 0..",
-                                    hello.world_size() - 1)));
     return;
   }
   if (ranks_.count(hello.rank())) {
@@ -694,7 +732,7 @@ void Sidecar::ResetJobLocked() {
   groups_.clear();
   upstream_batch_repeat_ = false;
   last_batch_.Clear();
-  upstream_->Reconnect();
+  if (options_.reset_when_empty) upstream_->Reconnect();
 }
 
 void Sidecar::OnUpstreamConnected() {

@@ -1,5 +1,7 @@
-// The sidecar's logic: serves the local ranks of one job and speaks for them
-// to the coordinator.
+// The sidecar's logic for one job: serves the job's local ranks and speaks
+// for them to the coordinator on the job's own upstream stream. A sidecar
+// process serves several jobs at once, one Sidecar each (SidecarJobs,
+// sidecar_jobs.h, routes each rank by its RankHello).
 //
 // Protocol (see accord.proto):
 //  - Rank hello: the job must match (--job, or the job of the ranks already
@@ -32,8 +34,9 @@
 //    registrations and every manifest still without a decision, in full form.
 //  - A rank whose stream ends is reported upstream (RankEvent) at once.
 //
-// One job per sidecar at a time; when its last rank leaves the state is reset
-// and the upstream stream restarted, so the next job can use the node.
+// One job at a time: when its last rank leaves the state is reset and (with
+// SidecarOptions::reset_when_empty) the upstream stream restarted. Under
+// SidecarJobs a Sidecar serves one launch of one job and is then retired.
 //
 // Thread-safe. Sinks are called with the lock held and must not block or call
 // back into the Sidecar.
@@ -74,6 +77,18 @@ class RankSink {
   virtual void Close(const absl::Status& status) = 0;
 };
 
+// What the rank service (grpc_sidecar.h) drives: a Sidecar (one job) or
+// SidecarJobs (every job of the node). A session's calls come in order from
+// one stream; CloseRank is its last.
+class RankSessionHandler {
+ public:
+  using SessionId = uint64_t;
+  virtual ~RankSessionHandler() = default;
+  virtual SessionId OpenRank(RankSink* sink) = 0;
+  virtual void HandleRankMessage(SessionId session, const v1::RankMessage& message) = 0;
+  virtual void CloseRank(SessionId session) = 0;
+};
+
 struct SidecarOptions {
   std::string node_id;
   std::string job;  // empty: accept the first job that arrives
@@ -98,6 +113,9 @@ struct SidecarOptions {
   // coordinator's confirming decision; past it ranks wait for the
   // coordinator as usual. --local_decision_lag.
   int local_decision_lag = 4;
+  // When the last rank leaves, restart the upstream stream for the next job.
+  // SidecarJobs turns it off: it retires the Sidecar (and its stream).
+  bool reset_when_empty = true;
 };
 
 struct SidecarStats {
@@ -114,9 +132,13 @@ struct SidecarStats {
   std::string job_id;  // the job served now, else the last one ("" before the first)
 };
 
-class Sidecar final : public UpstreamHandler {
+class Sidecar final : public UpstreamHandler, public RankSessionHandler {
  public:
-  using SessionId = uint64_t;
+  // The checks of a RankHello that need no state (job id, --job, world
+  // size, rank range, the configured token): the error to refuse it with, or
+  // nullopt. SidecarJobs runs them before it gives the rank a job's Sidecar.
+  static std::optional<v1::DecisionError> CheckHello(const SidecarOptions& options,
+                                                     const v1::RankHello& hello);
 
   explicit Sidecar(SidecarOptions options);
   ~Sidecar();
@@ -130,9 +152,14 @@ class Sidecar final : public UpstreamHandler {
   // Must be set before any other call; not owned.
   void SetUpstream(UpstreamSink* upstream);
 
-  SessionId OpenRank(RankSink* sink);
-  void HandleRankMessage(SessionId session, const v1::RankMessage& message);
-  void CloseRank(SessionId session);
+  SessionId OpenRank(RankSink* sink) override;
+  void HandleRankMessage(SessionId session, const v1::RankMessage& message) override;
+  void CloseRank(SessionId session) override;
+
+  // Whether `rank` was accepted since the job's state was last reset
+  // (connected now or left), and the ranks connected now.
+  bool HadRank(int rank);
+  std::vector<int> ConnectedRanks();
 
   void OnUpstreamConnected() override;
   void HandleCoordinatorMessage(const v1::CoordinatorMessage& message);

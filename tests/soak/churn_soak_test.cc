@@ -144,8 +144,9 @@ TEST(ChurnSoakTest, ThousandShortRunsLeaveTheDaemonsFlat) {
       ASSERT_TRUE(d.ok()) << "run " << i << ": " << d.status();
     }
     client->reset();
-    // The sidecar serves one job at a time: the next run starts once it let
-    // this one go (its log line), as a launcher's next job would find it.
+    // The next run starts once the sidecar let this one go (its log line),
+    // so each run's teardown is complete before the next (the sidecar would
+    // serve it at once anyway: tests/integration/sidecar_jobs_test.cc).
     ASSERT_TRUE(cluster
                     .WaitForSidecarOutput(0, "no rank left on this node; resetting", i + 1,
                                           absl::Now() + absl::Seconds(30))
