@@ -9,9 +9,17 @@ Two entry points (see python/README.md, "Hugging Face Trainer and Accelerate"):
 - ``install_after_prepare(model, client=None)``: the same for a hand-written
   Accelerate loop; call it after ``model = accelerator.prepare(model)``.
 
-Both connect to the node's sidecar with ``accord.connect()`` (its environment:
-ACCORD_SOCKET, ACCORD_JOB_ID, RANK, WORLD_SIZE, LOCAL_RANK) unless given a
-client or an ``accord.Agreement``.
+Given no client (``AccordCallback()``, ``install_after_prepare(model)``),
+both call ``accord.torch.install(model)`` with no client, which calls
+``accord.connect()`` with its defaults (docs/EMBEDDED.md): under torchrun, or
+any launcher that sets RANK, WORLD_SIZE and LOCAL_RANK, nothing needs to be
+set. The sidecar is ACCORD_SOCKET's, else the deployed one answering on
+/run/accord/sidecar.sock, else embedded mode: the job starts its own
+coordinator and one sidecar per node, which needs torch.distributed
+initialized (the Trainer has done so by ``on_train_begin``; in an Accelerate
+loop, ``Accelerator()`` does under a distributed launch). The job id is ACCORD_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID, else one that
+rank 0 draws; ACCORD_TOKEN for a deployment that requires a token. Pass an
+accord client or an ``accord.Agreement`` to choose yourself.
 
 FSDP2 under the Trainer comes from either (a) transformers' own loading,
 ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=W))``,
@@ -28,7 +36,6 @@ from typing import Optional
 
 import torch
 
-import accord
 import accord.torch as accord_torch
 
 try:
@@ -72,17 +79,18 @@ def install_after_prepare(
             "fsdp_size=WORLD_SIZE)) or Accelerate's FSDP plugin with fsdp_version 2; Accelerate "
             "1.15 enables that plugin on GPU-like devices only, not on CPU"
         )
-    if client is None:
-        client = accord.connect()
+    # client None: install() calls accord.connect() with its defaults.
     return accord_torch.install(model, client, prefix=prefix, timeout_s=timeout_s)
 
 
 class AccordCallback(TrainerCallback):
     """Turns accord on for the Trainer's FSDP2 model at the start of training.
 
-    ``client``: an accord client or Agreement (default: ``accord.connect()`` at
-    train begin). After training starts, ``self.installation`` is the
-    accord.torch.Installation (its ``stats`` say what accord did per group).
+    ``client``: an accord client or Agreement; by default (``AccordCallback()``)
+    ``accord.torch.install(model)`` connects at train begin with
+    ``accord.connect()``'s defaults (module docstring). After training starts,
+    ``self.installation`` is the accord.torch.Installation (its ``stats`` say
+    what accord did per group).
     """
 
     def __init__(self, client=None, *, prefix: str = "fsdp", timeout_s: float = 300.0):
