@@ -98,6 +98,9 @@ def main():
         write(out_dir, rank, result)
         dist.barrier()
     elif scenario == "kill_rank0":
+        # Every rank holds its first decision before rank 0 dies (on one node
+        # its sidecar dies with it, possibly before rank 1 read that decision).
+        dist.barrier()
         if rank == 0:
             write(out_dir, rank, result)
             os.kill(os.getpid(), signal.SIGKILL)

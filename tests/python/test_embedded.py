@@ -211,8 +211,13 @@ def test_rank0_killed_others_fail_and_nothing_is_left(tmp_path, nodes):
     assert rc1 == 0, out1
     res1 = job.results(world)[1]
     assert res1["error"] is not None, f"rank 1 got a decision without rank 0:\n{out1}"
-    assert res1["error"].startswith("UNAVAILABLE"), res1["error"]
-    assert "sidecar at " in res1["error"] and "closed the connection" in res1["error"]
+    # Either rank 1's sidecar went first (it dies with rank 0 on one node, or
+    # its lifeline stops it), or the coordinator heard of rank 0 leaving
+    # before that and named it; both end rank 1 at once.
+    err = res1["error"]
+    assert (err.startswith("UNAVAILABLE") and "sidecar at " in err
+            and "closed the connection" in err) or (
+        "rank 0 left" in err and "missing ranks 0: rank 0 " in err), err
     if nodes == 2:
         # Rank 1's own sidecar outlived rank 0; its lifeline stopped it.
         assert "which ran this job's accord-coordinator" in out1, out1
