@@ -1,39 +1,23 @@
-"""The collective-sequence guard of accord.torch (see docs/PARTICIPATION.md;
-its pure parts are in accord.torch.windows).
+"""The collective-sequence guard of accord.torch (docs/PARTICIPATION.md, "The
+collective-sequence guard"; its pure parts are in accord.torch.windows).
 
-Every rank records each FSDP2 collective it issues (unit, kind, element
-count, dtype) and the end of each step. Records are grouped into *windows*
-that close at points every rank agrees on while their sequences agree: after
-a collective this rank has never issued after the same prefix of its step (a
-"new" one), and at each release of reduce-scatters (the end of a backward).
-Each window is one manifest that encodes a 64-bit hash of its records
-("position p: entry", so a steady step hashes the same every time) in two
-slots per bit: slot 2i is "used" when bit i is 1,
-slot 2i+1 when it is 0. The coordinator's decision marks a slot included when
-any rank used it, so the ranks' windows are equal exactly when no bit has both
-slots included; every rank receives the same decision, hence the same verdict.
+Every rank records each FSDP2 collective it issues and the end of each step,
+in *windows* that close at points every rank agrees on while their sequences
+agree: before a collective this rank never issued after the same prefix of
+its step (a "new" one: the training thread waits for the verdict, so a rank
+about to diverge stops before pairing its collective with another rank's),
+and at each release (the window then goes in the release's batch, the same
+manifest every steady step). A window is one manifest encoding a 64-bit hash
+of its records in two slots per bit; the coordinator's decision includes a
+slot when any rank used it, so every rank gets the same verdict.
 
-Off the critical path: the training thread appends records; a background
-thread submits closed windows and checks the decisions. The training thread
-waits for a verdict only when a window closed at a new collective, before
-issuing it (the first step, a new pattern, a divergence): a rank about to
-diverge stops before its collective instead of pairing it with another rank's
-different one, which Gloo answers by killing the process and NCCL by hanging.
-In the steady state it never waits, and the window closed at the release
-goes in the release's one batch (group `<group>/step`, step = the release's),
-the same manifest every step, so the batch repeats; windows closed at new
-collectives go alone (group `<group>`, step = their count).
-
-When a rank waits longer than STALL_S (for a verdict, or inside a collective,
-seen as no new record), its background thread writes the open window to the
-key-value store and compares it with the other ranks'; ranks stuck at
-different collectives differ at a common position, which is a divergence.
-Equal prefixes never are, so a slow rank is never reported.
-
-On divergence every rank builds the same message from every rank's window
-(through the key-value store) and raises accord.torch.AccordDivergenceError;
-a rank whose training thread is blocked inside a collective gets it from the
-background thread, which aborts the process group and ends the process.
+A rank that makes no progress for STALL_S writes its open window to the
+key-value store and compares it with the others': ranks stuck at different
+collectives differ at a common position (a divergence); equal prefixes never
+do. On divergence every rank builds the same message from every rank's
+window and raises accord.torch.AccordDivergenceError; a rank blocked inside a
+collective gets it from the background thread, which aborts the process
+group and ends the process.
 """
 
 from __future__ import annotations
