@@ -1,7 +1,8 @@
 """A rank stopped (SIGSTOP) or killed (SIGKILL) in the middle of an FSDP2
 step (test_faults.py). Six blocks, each its own FSDP unit; at step 2 the
-victim stops itself in the forward of block 3 or in the backward of block 3
-(a gradient hook), so the other ranks are left inside Gloo collectives."""
+victim stops itself in the forward of block 3, in the backward of block 5
+(early) or 3, or after its backward (where the optimizer would step), so the
+other ranks are left inside Gloo collectives."""
 
 import os
 import signal
@@ -53,8 +54,12 @@ def stop_mid_step(rank, world_size, cluster=None, victim=2, fault="stop", when="
     if rank == victim:
         if when == "forward":
             model.blocks[3].register_forward_pre_hook(lambda m, a: die())
-        else:
+        elif when == "early-backward":  # the first block backward reaches
+            model.blocks[5].register_full_backward_hook(lambda m, gi, go: die())
+        elif when == "backward":
             model.blocks[3].register_full_backward_hook(lambda m, gi, go: die())
+        elif when != "optimizer":
+            raise ValueError(when)
     g = torch.Generator().manual_seed(rank)
     started = None
     try:
@@ -66,6 +71,8 @@ def stop_mid_step(rank, world_size, cluster=None, victim=2, fault="stop", when="
                 sys.stderr.flush()
             x = torch.randn(4, D, generator=g)
             model(x).pow(2).sum().backward()
+            if when == "optimizer" and rank == victim:  # after the step's reduce-scatters
+                die()
             model.zero_grad(set_to_none=True)
     except Exception as e:  # noqa: BLE001 - what the survivor was told
         return {"error": f"{type(e).__name__}: {e}",
