@@ -80,7 +80,9 @@ class Client {
   // Registers a group (once per job). Returns when the coordinator has checked
   // the registration against every rank: FAILED_PRECONDITION naming the first
   // differing parameter and the ranks on mismatch; INVALID_ARGUMENT for a bad
-  // spec; DEADLINE_EXCEEDED naming the ranks that did not register in time.
+  // spec; DEADLINE_EXCEEDED naming the ranks that did not register it within
+  // the coordinator's --deadline of its first registration (or, when
+  // `deadline` passes first, saying that no result came).
   virtual absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                                      absl::Time deadline) = 0;
   // Registers many groups: every registration is sent before any result is

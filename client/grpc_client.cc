@@ -98,7 +98,7 @@ class GrpcClient : public Client {
     channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
     stub_ = v1::RankService::NewStub(channel_);
     kv_ = MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
-                                options.job_id, options.token);
+                                options.job_id, options.token, options.rank);
     accord::MutexLock lock(&mu_);
     scratch_.ranks = RankSet(options.world_size);
     scratch_.ranks.Add(options.rank);
@@ -375,8 +375,10 @@ class GrpcClient : public Client {
     return absl::DeadlineExceededError(
         absl::StrCat("no registration result for group \"", spec.group_id, "\" (job \"",
                      options_.job_id, "\", rank ", options_.rank,
-                     ") before the deadline; the coordinator answers once every "
-                     "rank registered the group: check that all ranks register it"));
+                     ") before the caller's deadline; the coordinator answers once every "
+                     "rank registered the group, and names the ranks that did not once its own "
+                     "--deadline passes after the group's first registration: check that all "
+                     "ranks register it"));
   }
 
   void EnqueueLocked(v1::RankMessage msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

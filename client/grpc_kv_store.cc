@@ -19,11 +19,12 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what, absl::strin
 class GrpcKeyValueStore : public KeyValueStore {
  public:
   GrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel, std::string target, std::string job_id,
-                    std::string token)
+                    std::string token, int rank)
       : stub_(v1::KeyValueService::NewStub(channel)),
         target_(std::move(target)),
         job_id_(std::move(job_id)),
-        token_(std::move(token)) {}
+        token_(std::move(token)),
+        rank_(rank) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     v1::KeyValueSetRequest req;
@@ -31,6 +32,7 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_key(key);
     req.set_value(value);
     req.set_token(token_);
+    req.set_rank(rank_);
     v1::KeyValueSetResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
@@ -46,6 +48,7 @@ class GrpcKeyValueStore : public KeyValueStore {
     for (const std::string& k : keys) req.add_keys(k);
     req.set_timeout_ms(timeout.count());
     req.set_token(token_);
+    req.set_rank(rank_);
     v1::KeyValueGetResponse resp;
     grpc::ClientContext ctx;
     // The server enforces `timeout`; the RPC deadline only bounds a lost server.
@@ -67,15 +70,16 @@ class GrpcKeyValueStore : public KeyValueStore {
   const std::string target_;
   const std::string job_id_;
   const std::string token_;
+  const int rank_;
 };
 
 }  // namespace
 
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
-                                                     std::string token) {
+                                                     std::string token, int rank) {
   return std::make_unique<GrpcKeyValueStore>(std::move(channel), std::move(target),
-                                             std::move(job_id), std::move(token));
+                                             std::move(job_id), std::move(token), rank);
 }
 
 }  // namespace accord

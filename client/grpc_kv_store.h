@@ -13,10 +13,12 @@
 namespace accord {
 
 // Creates a store over `channel` (the sidecar's Unix socket). `target` names
-// the endpoint in error messages. Thread-safe.
+// the endpoint in error messages. Each request says `rank` (the caller's), so
+// a Get that ends without its keys can name the ranks that did not set them
+// (docs/ARCHITECTURE.md, "Every wait names who is missing"). Thread-safe.
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
-                                                     std::string token);
+                                                     std::string token, int rank);
 
 }  // namespace accord
 

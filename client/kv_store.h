@@ -20,7 +20,9 @@ class KeyValueStore {
   // Sets (or overwrites) one key of this job.
   virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
   // Returns the values of all keys in order, waiting up to `timeout` for the
-  // missing ones (0: do not wait). DEADLINE_EXCEEDED names the missing keys.
+  // missing ones (0: do not wait). DEADLINE_EXCEEDED names the missing keys;
+  // the coordinator's store waits at most its --deadline and then also names
+  // the ranks expected to set them (ask again to wait longer).
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
                                                        std::chrono::milliseconds timeout) = 0;
 };

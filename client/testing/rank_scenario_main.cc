@@ -13,6 +13,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -52,10 +54,23 @@ ABSL_FLAG(int, gate_step, -1, "... until the FIFO --gate_fifo is opened and clos
 ABSL_FLAG(std::string, gate_fifo, "", "FIFO the gated rank waits on (fault tests)");
 ABSL_FLAG(std::string, gate_ranks, "",
           "more ranks gated like --gate_rank (comma separated; one FIFO opening releases all)");
+ABSL_FLAG(bool, gate_register, false,
+          "the gated ranks wait at the gate before registering their groups instead of before "
+          "--gate_step");
+ABSL_FLAG(std::string, kv_key, "",
+          "before registering, --kv_setter sets this key and every other rank waits for it");
+ABSL_FLAG(int, kv_setter, 0, "the rank that sets --kv_key");
+ABSL_FLAG(std::string, kv_gather, "",
+          "before registering, every rank sets PREFIX/<rank> and waits for PREFIX/0..world-1");
+ABSL_FLAG(int, kv_withhold_rank, -1,
+          "in the --kv_key/--kv_gather phase this rank sets nothing: it waits at the gate "
+          "(--gate_fifo) instead, then exits");
 ABSL_FLAG(int, skip_rank, -1, "this rank does not submit --skip_step (goes on with the next)");
 ABSL_FLAG(int, skip_step, -1, "the step --skip_rank skips");
 ABSL_FLAG(bool, print_times, false,
-          "also print \"rank R time submitted|error step S at_ms T\" (Unix ms) lines");
+          "also print \"rank R time submitted|error step S at_ms T\", \"rank R time "
+          "register|register_error group G at_ms T\" and \"rank R time kv_wait|kv_error at_ms "
+          "T\" (Unix ms) lines");
 
 namespace accord {
 namespace {
@@ -89,6 +104,22 @@ absl::StatusOr<std::vector<Rule>> ParseRules(const std::string& text) {
 }
 
 std::string CodeName(absl::StatusCode c) { return absl::StatusCodeToString(c); }
+
+// Blocks in open(2) until the test opens the FIFO for writing, then until it
+// closes it (EOF): an event, not a timed wait.
+void WaitAtGate(int rank, const std::string& where) {
+  printf("rank %d waiting at gate %s\n", rank, where.c_str());
+  fflush(stdout);
+  const int fd = open(absl::GetFlag(FLAGS_gate_fifo).c_str(), O_RDONLY);
+  if (fd >= 0) {
+    char b;
+    while (read(fd, &b, 1) > 0) {
+    }
+    close(fd);
+  }
+  printf("rank %d passed gate\n", rank);
+  fflush(stdout);
+}
 
 int Run() {
   const int rank = absl::GetFlag(FLAGS_rank);
@@ -150,7 +181,60 @@ int Run() {
     if (!first_error) first_error = s;
   };
 
+  const bool print_times = absl::GetFlag(FLAGS_print_times);
+  auto print_time = [&](const char* what, int step) {
+    if (!print_times) return;
+    printf("rank %d time %s step %d at_ms %lld\n", rank, what, step,
+           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+  };
+  auto print_time_of = [&](const std::string& what) {
+    if (!print_times) return;
+    printf("rank %d time %s at_ms %lld\n", rank, what.c_str(),
+           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+  };
+  bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
+  for (absl::string_view r :
+       absl::StrSplit(absl::GetFlag(FLAGS_gate_ranks), ',', absl::SkipEmpty())) {
+    int x = -1;
+    if (absl::SimpleAtoi(r, &x) && x == rank) gated = true;
+  }
+
+  // Key-value rendezvous (before registering): one key one rank publishes,
+  // or every rank's key under a prefix.
+  const std::string kv_key = absl::GetFlag(FLAGS_kv_key);
+  const std::string kv_gather = absl::GetFlag(FLAGS_kv_gather);
+  if (!kv_key.empty() || !kv_gather.empty()) {
+    if (rank == absl::GetFlag(FLAGS_kv_withhold_rank)) {
+      WaitAtGate(rank, "kv");
+      return 0;
+    }
+    std::vector<std::string> wanted;
+    absl::Status s;
+    if (!kv_key.empty()) {
+      if (rank == absl::GetFlag(FLAGS_kv_setter)) {
+        s = c.kv().Set(kv_key, absl::StrCat("value of ", kv_key));
+      } else {
+        wanted.push_back(kv_key);
+      }
+    } else {
+      s = c.kv().Set(absl::StrCat(kv_gather, "/", rank), absl::StrCat("rank ", rank));
+      for (int r = 0; r < world; ++r) wanted.push_back(absl::StrCat(kv_gather, "/", r));
+    }
+    if (s.ok() && !wanted.empty()) {
+      print_time_of("kv_wait");
+      printf("rank %d kv waiting\n", rank);
+      fflush(stdout);
+      absl::StatusOr<std::vector<std::string>> got =
+          c.kv().Get(wanted, std::chrono::milliseconds(absl::ToInt64Milliseconds(wait)));
+      if (!got.ok()) print_time_of("kv_error");
+      s = got.status();
+    }
+    if (!s.ok()) note_error("kv", s);
+    fflush(stdout);
+  }
+
   // Registration (all groups), p_i with dim0 = 2*world+1 (padding) and 3 columns.
+  if (gated && absl::GetFlag(FLAGS_gate_register) && !first_error) WaitAtGate(rank, "register");
   for (int g = 0; g < num_groups && !first_error; ++g) {
     GroupSpec spec;
     spec.group_id = absl::StrCat("g", g);
@@ -159,38 +243,18 @@ int Run() {
       spec.params.push_back({absl::StrCat("p", i), dim0, dim0 * 3});
     }
     if (rank == absl::GetFlag(FLAGS_mismatch_rank)) spec.params[0].numel += spec.params[0].dim0;
+    print_time_of(absl::StrCat("register group ", spec.group_id));
     absl::Status s = c.RegisterGroup(spec, Policy(), absl::Now() + wait);
-    if (!s.ok()) note_error(absl::StrCat("register ", spec.group_id), s);
+    if (!s.ok()) {
+      print_time_of(absl::StrCat("register_error group ", spec.group_id));
+      note_error(absl::StrCat("register ", spec.group_id), s);
+    }
   }
 
   const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
-  bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
-  for (absl::string_view r :
-       absl::StrSplit(absl::GetFlag(FLAGS_gate_ranks), ',', absl::SkipEmpty())) {
-    int x = -1;
-    if (absl::SimpleAtoi(r, &x) && x == rank) gated = true;
-  }
-  const bool print_times = absl::GetFlag(FLAGS_print_times);
-  auto print_time = [&](const char* what, int step) {
-    if (!print_times) return;
-    printf("rank %d time %s step %d at_ms %lld\n", rank, what, step,
-           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
-  };
   for (int step = 0; step < steps && !first_error && !silent; ++step) {
-    if (gated && step == absl::GetFlag(FLAGS_gate_step)) {
-      // Blocks in open(2) until the test opens the FIFO for writing, then
-      // until it closes it (EOF): an event, not a timed wait.
-      printf("rank %d waiting at gate step %d\n", rank, step);
-      fflush(stdout);
-      const int fd = open(absl::GetFlag(FLAGS_gate_fifo).c_str(), O_RDONLY);
-      if (fd >= 0) {
-        char b;
-        while (read(fd, &b, 1) > 0) {
-        }
-        close(fd);
-      }
-      printf("rank %d passed gate\n", rank);
-      fflush(stdout);
+    if (gated && !absl::GetFlag(FLAGS_gate_register) && step == absl::GetFlag(FLAGS_gate_step)) {
+      WaitAtGate(rank, absl::StrCat("step ", step));
     }
     if (rank == absl::GetFlag(FLAGS_skip_rank) && step == absl::GetFlag(FLAGS_skip_step)) {
       printf("rank %d skips step %d\n", rank, step);
@@ -269,8 +333,15 @@ int Run() {
     for (int r = 0; r < world; ++r) {
       if (r != rank) keys.push_back(absl::StrCat("scenario/done/", r));
     }
-    absl::StatusOr<std::vector<std::string>> all =
-        c.kv().Get(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(wait)));
+    // The coordinator ends each Get at its --deadline (naming who has not
+    // set the keys); the others may take longer, so ask again until --wait.
+    const absl::Time give_up = absl::Now() + wait;
+    absl::StatusOr<std::vector<std::string>> all;
+    do {
+      all = c.kv().Get(keys, std::chrono::milliseconds(std::max<int64_t>(
+                                 1, absl::ToInt64Milliseconds(give_up - absl::Now()))));
+    } while (!all.ok() && all.status().code() == absl::StatusCode::kDeadlineExceeded &&
+             absl::Now() < give_up);
     printf("rank %d silent: others done: %s\n", rank, all.ok() ? "yes" : "no");
     return all.ok() ? 0 : 1;
   }

@@ -426,6 +426,27 @@ std::string Coordinator::CurrentRun(const std::string& job_id) {
   return run == nullptr ? "" : run->run_id;
 }
 
+int Coordinator::WorldSize(const std::string& job_id) {
+  accord::MutexLock l(&mu_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? 0 : it->second.world_size;
+}
+
+std::vector<std::string> Coordinator::DescribeRanks(const std::string& job_id,
+                                                    const std::vector<int>& ranks) {
+  std::vector<std::string> out;
+  accord::MutexLock l(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return out;
+  const Job& job = it->second;
+  out.reserve(ranks.size());
+  for (int r : ranks) {
+    out.push_back(r >= 0 && r < job.world_size ? job.members.Describe(r)
+                                               : absl::StrCat("rank ", r, " (outside the world)"));
+  }
+  return out;
+}
+
 void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
   // Full forms' dtypes are decoded here, before the lock: streams read on
   // several threads decode side by side (docs/ARCHITECTURE.md, "More than
@@ -830,6 +851,17 @@ void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spe
   Job& job = *s.job;
   NodeState& node = *s.node;
   const GroupRegistration::State before = g.registration.state();
+  if (job.failed() && before == GroupRegistration::State::kCollecting) {
+    // A group first registered after the job failed can never complete
+    // (every group collecting at the failure was failed with it): the job's
+    // failure again (counted when it happened).
+    v1::CoordinatorMessage msg;
+    msg.mutable_registration()->set_group_id(g.group_id);
+    *msg.mutable_registration()->mutable_error() = job.failure;
+    msg.mutable_registration()->mutable_error()->set_kind(v1::JOB_FAILED);
+    out.direct.emplace_back(s.sink, std::move(msg));
+    return;
+  }
   const GroupRegistration::Added added = g.registration.Add(spec, policy, ranks);
   auto [ngit, created] = node.groups.try_emplace(g.group_id);
   if (created) ngit->second.waves_counted = g.waves;  // waves before it are not its
@@ -838,7 +870,15 @@ void Coordinator::RegisterLocked(Session& s, GroupState& g, const GroupSpec& spe
     BroadcastRegistrationLocked(job, g, out);
     return;
   }
-  if (before == GroupRegistration::State::kCollecting) return;
+  if (before == GroupRegistration::State::kCollecting) {
+    // The first registration starts the group's clock (docs/ARCHITECTURE.md,
+    // "Every wait names who is missing").
+    if (g.registration_due == absl::InfiniteFuture()) {
+      g.registration_due = clock_->Now() + options_.deadline;
+      WakeTimerAtLocked(g.registration_due);
+    }
+    return;
+  }
   if (before == GroupRegistration::State::kFailed) {
     // The group's failure again (counted when it happened).
     v1::CoordinatorMessage msg;
@@ -1668,6 +1708,63 @@ void Coordinator::FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_s
     }
     g->pending.clear();
   }
+  // Registrations still collecting can never complete now: every rank that
+  // registered one (and any that registers it later) gets the failure, in
+  // group id order.
+  std::vector<GroupState*> collecting;
+  for (auto& [gid, g] : job.groups) {
+    if (g.registration.state() == GroupRegistration::State::kCollecting) collecting.push_back(&g);
+  }
+  std::sort(collecting.begin(), collecting.end(),
+            [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
+  for (GroupState* g : collecting) {
+    v1::DecisionError e = error;
+    if (g != culprit || culprit_step != -1) e.set_kind(v1::JOB_FAILED);
+    g->registration.Fail(e);
+    v1::CoordinatorMessage msg;
+    msg.mutable_registration()->set_group_id(g->group_id);
+    *msg.mutable_registration()->mutable_error() = std::move(e);
+    out.broadcast_other.emplace_back(&job, std::move(msg));
+  }
+}
+
+void Coordinator::FailRegistrationAtDeadlineLocked(Job& job, GroupState& g, Outbox& out) {
+  const std::vector<int> missing = g.registration.Unregistered();
+  std::vector<std::string> parts;
+  for (int r : missing) {
+    if (parts.size() == 32) {
+      parts.push_back(absl::StrCat("and ", missing.size() - 32, " more"));
+      break;
+    }
+    parts.push_back(job.members.Describe(r));
+  }
+  std::vector<int> registered;
+  for (int r = 0, m = 0; r < job.world_size; ++r) {
+    if (m < static_cast<int>(missing.size()) && missing[m] == r) {
+      ++m;
+    } else {
+      registered.push_back(r);
+    }
+  }
+  v1::DecisionError err = Error(
+      v1::MISSING_RANKS,
+      absl::StrCat("job ", job.job_id, " group \"", g.group_id,
+                   "\": not every rank registered the group within ",
+                   absl::FormatDuration(options_.deadline),
+                   " of its first registration (--deadline); missing ranks ", FormatRanks(missing),
+                   ": ", absl::StrJoin(parts, ", "), "; ",
+                   registered.empty()
+                       ? std::string("no rank registered it")
+                       : absl::StrCat("ranks ", FormatRanks(registered), " registered it"),
+                   ". Check that the missing ranks run and register this group (every rank must "
+                   "build and wrap the same model), their processes and their sidecars' logs; the "
+                   "job is failed"),
+      job.job_id, g.group_id, -1);
+  for (int r : missing) {
+    err.add_ranks(r);
+    err.add_last_steps(-1);  // none of this group: it was never registered
+  }
+  FailJobLocked(job, &g, -1, std::move(err), out);
 }
 
 bool Coordinator::AskProgressLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
@@ -1815,8 +1912,24 @@ void Coordinator::CheckDeadlinesWithoutDelivery() {
     // In (group id, step) order, so the first step due to fail, which names
     // the failure, does not depend on the order of the group table.
     std::vector<GroupState*> waiting;
+    // The lowest group id whose registration is past its deadline names the
+    // failure; the registrations are checked before the steps.
+    GroupState* unregistered = nullptr;
     for (auto& [gid, g] : job.groups) {
       if (!g.pending.empty()) waiting.push_back(&g);
+      if (g.registration.state() != GroupRegistration::State::kCollecting ||
+          g.registration_due == absl::InfiniteFuture() || job.failed()) {
+        continue;
+      }
+      if (g.registration_due > now) {
+        next = std::min(next, g.registration_due);
+      } else if (unregistered == nullptr || g.group_id < unregistered->group_id) {
+        unregistered = &g;
+      }
+    }
+    if (unregistered != nullptr) {
+      FailRegistrationAtDeadlineLocked(job, *unregistered, out);
+      continue;
     }
     std::sort(waiting.begin(), waiting.end(),
               [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });

@@ -11,6 +11,12 @@
 //     RegistrationResult{fingerprint}. Otherwise every node gets the same
 //     REGISTRATION_MISMATCH naming the first differing parameter and the ranks
 //     that differ from the lowest rank's registration; the group is failed.
+//     A group not registered by every rank within `deadline` of its first
+//     registration fails the whole JOB: every node gets the same
+//     RegistrationResult{MISSING_RANKS} naming the ranks that did not register
+//     it (node, connected or not) and the ranks that did; a later
+//     registration of the group gets the same error. When the job fails for
+//     any reason, every group still collecting gets the failure (JOB_FAILED).
 //  3. Node manifests (full or repeat form) are collected per (group, step).
 //     When the ranks they cover add up to the world, the coordinator decides
 //     (core Decide on the OR-merge of the node manifests) and broadcasts the
@@ -97,6 +103,7 @@
 #include "daemon/coordinator/group_agreement.h"
 #include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
+#include "daemon/coordinator/rank_directory.h"
 #include "daemon/coordinator/run_registry.h"
 #include "daemon/coordinator/usage_window.h"
 
@@ -205,7 +212,7 @@ enum class JobState {
   kFailed,  // MISSING_RANKS, a rank left mid-step, or a node lost past its grace
 };
 
-class Coordinator : public NodeSessionHandler {
+class Coordinator : public NodeSessionHandler, public RankDirectory {
  public:
   using SessionId = NodeSessionHandler::SessionId;
 
@@ -248,6 +255,10 @@ class Coordinator : public NodeSessionHandler {
                                              const KeyValueOrigin& origin);
   // The job's current run id ("" when it has none).
   std::string CurrentRun(const std::string& job_id);
+  // RankDirectory (the key-value store names the ranks a Get is missing).
+  int WorldSize(const std::string& job_id) override;
+  std::vector<std::string> DescribeRanks(const std::string& job_id,
+                                         const std::vector<int>& ranks) override;
 
   // Last step each rank of the job reached (-1: none), indexed by rank.
   absl::StatusOr<std::vector<int64_t>> RankLastSteps(const std::string& job_id);
@@ -296,6 +307,9 @@ class Coordinator : public NodeSessionHandler {
         : group_id(group_id), registration(world_size, job_id, group_id) {}
     std::string group_id;
     GroupRegistration registration;  // group_agreement.h
+    // While the registration collects: `deadline` after its first
+    // registration, when it fails naming the ranks that did not register.
+    absl::Time registration_due = absl::InfiniteFuture();
     int64_t last_decided_step = -1;
     // Full form (ok body or error) of the last decided step; its step and
     // wait_us are those of the step that computed it (a same_as_previous
@@ -597,8 +611,16 @@ class Coordinator : public NodeSessionHandler {
   // steps completed, as the one-by-one path would (docs/ARCHITECTURE.md,
   // "More than one core").
   void DecideReadyLocked(Job& job, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the job with `error`: the culprit's (group, step) gets it as is
+  // (culprit_step -1: the culprit group's registration), every other pending
+  // step and every registration still collecting gets it as JOB_FAILED.
   void FailJobLocked(Job& job, GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
                      Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A group's registration past its deadline: MISSING_RANKS naming the
+  // ranks that did not register it (each with its node and whether it is
+  // connected) and those that did; fails the job with it.
+  void FailRegistrationAtDeadlineLocked(Job& job, GroupState& g, Outbox& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the coordinator knows of one group's ranks at one of its pending
   // steps, each fact about that group only (docs/ARCHITECTURE.md, "Silent
   // ranks"): who submitted the step, the last step of the group each rank is

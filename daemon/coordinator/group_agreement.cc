@@ -55,6 +55,12 @@ GroupRegistration::Added GroupRegistration::Add(const GroupSpec& spec, const Pol
   return added;
 }
 
+void GroupRegistration::Fail(v1::DecisionError error) {
+  if (state_ != State::kCollecting) return;
+  state_ = State::kFailed;
+  error_ = std::move(error);
+}
+
 void GroupRegistration::Complete() {
   // The reference is the variant of the lowest rank.
   int ref = 0;

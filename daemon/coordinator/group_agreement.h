@@ -31,8 +31,11 @@ struct RegVariant {
 // every rank registered; then agreed (one variant: every node gets its
 // fingerprint) or failed (REGISTRATION_MISMATCH naming the first differing
 // parameter and the ranks that differ from the lowest rank's registration).
-// A later registration is checked against the agreed variant. Not
-// thread-safe: the coordinator's lock guards it.
+// A later registration is checked against the agreed variant. A group still
+// collecting when it can no longer complete (a rank did not register it
+// within the coordinator's deadline, or the job failed) is failed with the
+// error its ranks get (Fail). Not thread-safe: the coordinator's lock guards
+// it.
 class GroupRegistration {
  public:
   enum class State { kCollecting, kAgreed, kFailed };
@@ -50,6 +53,13 @@ class GroupRegistration {
   Added Add(const GroupSpec& spec, const Policy& policy, const RankSet& ranks) {
     return Add(spec, policy, ranks.Members());
   }
+
+  // kCollecting -> kFailed: the group can never complete; `error` is what
+  // every rank that registered it gets, and what a later registration gets.
+  // No effect in another state.
+  void Fail(v1::DecisionError error);
+  // The ranks that have not registered the group (ascending).
+  std::vector<int> Unregistered() const { return registered_.Missing(); }
 
   State state() const { return state_; }
   // kAgreed: the agreed spec's fingerprint.

@@ -145,7 +145,8 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* 
     return reactor;
   }
   reactor->Finish(
-      ToGrpcStatus(kv_->Set(request->job_id(), *run, request->key(), request->value())));
+      ToGrpcStatus(kv_->Set(request->job_id(), *run, request->key(), request->value(),
+                            request->has_rank() ? request->rank() : KvStore::kUnknownRank)));
   return reactor;
 }
 
@@ -172,13 +173,15 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
     return reactor;
   }
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-  kv_->Get(request->job_id(), *run, std::move(keys), absl::Milliseconds(request->timeout_ms()),
-           [reactor, response](absl::StatusOr<std::vector<std::string>> values) {
-             if (values.ok()) {
-               for (std::string& v : *values) response->add_values(std::move(v));
-             }
-             reactor->Finish(ToGrpcStatus(values.status()));
-           });
+  kv_->Get(
+      request->job_id(), *run, std::move(keys), absl::Milliseconds(request->timeout_ms()),
+      [reactor, response](absl::StatusOr<std::vector<std::string>> values) {
+        if (values.ok()) {
+          for (std::string& v : *values) response->add_values(std::move(v));
+        }
+        reactor->Finish(ToGrpcStatus(values.status()));
+      },
+      request->has_rank() ? request->rank() : KvStore::kUnknownRank);
   return reactor;
 }
 

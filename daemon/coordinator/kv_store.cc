@@ -3,16 +3,38 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/rank_set.h"
 
 namespace accord::daemon {
+namespace {
+
+// A key's prefix: the key up to and including its last '/' ("" without one).
+std::string PrefixOf(const std::string& key) {
+  const size_t slash = key.rfind('/');
+  return slash == std::string::npos ? std::string() : key.substr(0, slash + 1);
+}
+
+std::vector<int> Sorted(const absl::flat_hash_set<int>& ranks) {
+  std::vector<int> out(ranks.begin(), ranks.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
 
 KvStore::KvStore(KvOptions options, Clock* clock) : options_(options), clock_(clock) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
 KvStore::~KvStore() { Stop(); }
+
+void KvStore::SetRankDirectory(RankDirectory* ranks) {
+  accord::MutexLock l(&mu_);
+  ranks_ = ranks;
+}
 
 void KvStore::Stop() {
   Ready ready;
@@ -50,7 +72,7 @@ bool KvStore::Lookup(const Scope& scope, const std::vector<std::string>& keys,
 }
 
 absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
-                          const std::string& key, std::string value) {
+                          const std::string& key, std::string value, int rank) {
   if (job_id.empty() || key.empty()) {
     return absl::InvalidArgumentError("key-value Set needs a job_id and a key");
   }
@@ -86,6 +108,8 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
     }
     job.emplace(key, std::move(value));
     ++num_keys_;
+    // One entry per key at most: bounded like the keys.
+    NoteRankLocked(scope, key, rank, /*asked=*/false);
     std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->scope == scope &&
@@ -103,7 +127,8 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
 }
 
 void KvStore::Get(const std::string& job_id, const std::string& run_id,
-                  std::vector<std::string> keys, absl::Duration timeout, GetCallback done) {
+                  std::vector<std::string> keys, absl::Duration timeout, GetCallback done,
+                  int rank) {
   if (job_id.empty() || keys.empty()) {
     done(absl::InvalidArgumentError("key-value Get needs a job_id and at least one key"));
     return;
@@ -119,8 +144,14 @@ void KvStore::Get(const std::string& job_id, const std::string& run_id,
     }
     Scope scope(job_id, run_id);
     if (!Lookup(scope, keys, &values, &missing) && timeout > absl::ZeroDuration()) {
-      const absl::Time deadline = clock_->Now() + std::min(timeout, options_.max_timeout);
-      waiters_.push_back(Waiter{std::move(scope), std::move(keys), deadline, std::move(done)});
+      const absl::Duration asked = std::min(timeout, options_.max_timeout);
+      const absl::Duration waits = std::min(asked, options_.wait_bound);
+      for (const std::string& k : keys) NoteRankLocked(scope, k, rank, /*asked=*/true);
+      Waiter w{std::move(scope), std::move(keys), clock_->Now() + waits, std::move(done)};
+      w.rank = rank;
+      w.waits = waits;
+      w.bounded = waits < asked;
+      waiters_.push_back(std::move(w));
       cv_.SignalAll();
       return;
     }
@@ -133,6 +164,111 @@ void KvStore::Get(const std::string& job_id, const std::string& run_id,
   }
 }
 
+void KvStore::NoteRankLocked(const Scope& scope, const std::string& key, int rank, bool asked) {
+  if (rank < 0) return;  // not said (or not a rank)
+  Prefixes& prefixes = prefixes_[scope];
+  if (prefixes.records >= options_.max_rank_records) return;
+  PrefixRanks& ranks = prefixes.by_prefix[PrefixOf(key)];
+  if ((asked ? ranks.asked : ranks.set).insert(rank).second) ++prefixes.records;
+}
+
+KvStore::Unset KvStore::UnsetLocked(Waiter& w) {
+  Unset u;
+  u.done = std::move(w.done);
+  u.job_id = w.scope.first;
+  u.rank = w.rank;
+  u.waited = w.waits;
+  u.bounded = w.bounded;
+  std::vector<std::string> values;
+  Lookup(w.scope, w.keys, &values, &u.missing);
+  for (const std::string& k : u.missing) {
+    std::string prefix = PrefixOf(k);
+    if (std::find(u.prefixes.begin(), u.prefixes.end(), prefix) == u.prefixes.end()) {
+      u.prefixes.push_back(std::move(prefix));
+    }
+  }
+  auto pit = prefixes_.find(w.scope);
+  if (pit == prefixes_.end()) return u;
+  // Set a key under every prefix; asked for a key under any of them.
+  absl::flat_hash_set<int> set, asked;
+  for (size_t i = 0; i < u.prefixes.size(); ++i) {
+    auto it = pit->second.by_prefix.find(u.prefixes[i]);
+    if (it == pit->second.by_prefix.end()) {
+      set.clear();  // nobody set a key under this prefix
+      continue;
+    }
+    if (i == 0) {
+      set = it->second.set;
+    } else {
+      absl::erase_if(set, [&](int r) { return !it->second.set.contains(r); });
+    }
+    asked.insert(it->second.asked.begin(), it->second.asked.end());
+  }
+  u.set = Sorted(set);
+  u.asked = Sorted(asked);
+  return u;
+}
+
+absl::Status KvStore::UnsetKeysError(const Unset& u) {
+  std::string msg =
+      u.bounded ? absl::StrCat("job ", u.job_id, ": keys still not set after ",
+                               absl::FormatDuration(u.waited),
+                               " (the coordinator's --deadline): ", absl::StrJoin(u.missing, ", "))
+                : absl::StrCat("job ", u.job_id, ": keys still not set after the wait (",
+                               absl::FormatDuration(u.waited),
+                               ", this Get's timeout): ", absl::StrJoin(u.missing, ", "));
+  const std::string under = absl::StrCat(
+      "under ", absl::StrJoin(u.prefixes, ", ", [](std::string* out, const std::string& p) {
+        absl::StrAppend(out, "\"", p, "\"");
+      }));
+  RankDirectory* directory = nullptr;
+  {
+    accord::MutexLock l(&mu_);
+    directory = ranks_;
+  }
+  const int world =
+      directory != nullptr && u.rank >= 0 ? directory->WorldSize(u.job_id) : 0;
+  if (world == 0) {
+    absl::StrAppend(
+        &msg, "; who should set them is not named: ",
+        u.rank < 0
+            ? "this Get did not say its rank (a client older than this coordinator)"
+            : absl::StrCat("no sidecar of job ", u.job_id,
+                           " is connected to this coordinator, so its ranks are not known here"),
+        ". Check that the rank that publishes them runs and reaches the point where it sets them");
+    return absl::DeadlineExceededError(msg);
+  }
+  std::vector<int> named;
+  for (int r = 0; r < world; ++r) {
+    if (!std::binary_search(u.set.begin(), u.set.end(), r) &&
+        !std::binary_search(u.asked.begin(), u.asked.end(), r)) {
+      named.push_back(r);
+    }
+  }
+  const std::string who = absl::StrCat(
+      u.set.empty() ? std::string("no rank set one")
+                    : absl::StrCat("ranks ", FormatRanks(u.set), " set one"),
+      ", ",
+      u.asked.empty() ? std::string("no rank asked for one")
+                      : absl::StrCat("ranks ", FormatRanks(u.asked), " asked for one"));
+  if (named.empty()) {
+    absl::StrAppend(&msg, "; every rank of the job set a key ", under, " or asked for one (", who,
+                    "), so no rank is expected to set these: check the keys' names against the "
+                    "ones the publishing rank sets");
+    return absl::DeadlineExceededError(msg);
+  }
+  const size_t shown = std::min<size_t>(named.size(), 32);
+  std::vector<std::string> parts =
+      directory->DescribeRanks(u.job_id, std::vector<int>(named.begin(), named.begin() + shown));
+  if (named.size() > shown) parts.push_back(absl::StrCat("and ", named.size() - shown, " more"));
+  absl::StrAppend(&msg, "; missing ranks ", FormatRanks(named), " (neither set a key ", under,
+                  " nor asked for one): ", absl::StrJoin(parts, ", "), "; ", who,
+                  ". Check the missing ranks' processes and their sidecars' logs: the rank that "
+                  "publishes these keys is among them; a rank only slower than the wait can ask "
+                  "again");
+  return absl::DeadlineExceededError(msg);
+}
+
 void KvStore::DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
                       const std::string& successor) {
   Ready ready;
@@ -143,6 +279,7 @@ void KvStore::DropRun(const std::string& job_id, const std::string& run_id, cons
       num_keys_ -= static_cast<int64_t>(it->second.size());
       data_.erase(it);
     }
+    prefixes_.erase(scope);
     std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->scope != scope) {
@@ -155,6 +292,7 @@ void KvStore::DropRun(const std::string& job_id, const std::string& run_id, cons
         continue;
       }
       it->scope = Scope(job_id, successor);
+      for (const std::string& k : it->keys) NoteRankLocked(it->scope, k, it->rank, /*asked=*/true);
       if (Lookup(it->scope, it->keys, &values, &missing)) {
         ready.emplace_back(std::move(it->done), values);
         it = waiters_.erase(it);
@@ -186,25 +324,21 @@ void KvStore::TimerLoop() {
   while (!stopping_) {
     const absl::Time now = clock_->Now();
     absl::Time next = absl::InfiniteFuture();
-    Ready ready;
-    std::vector<std::string> values, missing;
+    std::vector<Unset> ended;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->deadline <= now) {
-        Lookup(it->scope, it->keys, &values, &missing);
-        ready.emplace_back(std::move(it->done),
-                           absl::DeadlineExceededError(absl::StrCat(
-                               "job ", it->scope.first, ": keys still not set after the wait: ",
-                               absl::StrJoin(missing, ", "),
-                               "; check that the rank that publishes them is running")));
+        ended.push_back(UnsetLocked(*it));
         it = waiters_.erase(it);
       } else {
         next = std::min(next, it->deadline);
         ++it;
       }
     }
-    if (!ready.empty()) {
+    if (!ended.empty()) {
+      // The errors ask the rank directory, which takes the coordinator's
+      // lock: never with this one held.
       mu_.Unlock();
-      for (auto& [done, result] : ready) done(std::move(result));
+      for (Unset& u : ended) u.done(UnsetKeysError(u));
       mu_.Lock();
       continue;
     }

@@ -44,7 +44,9 @@ ABSL_FLAG(int, health_port, 0,
           "host (for kubelet gRPC probes, which cannot speak TLS); 0 = off");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60),
           "a (group, step) that has not heard from every rank this long after its first "
-          "manifest fails the job with MISSING_RANKS, naming the ranks and their last steps");
+          "manifest fails the job with MISSING_RANKS, naming the ranks and their last steps; so "
+          "does a group not registered by every rank this long after its first registration. "
+          "No key-value Get waits longer: it fails naming the ranks expected to set its keys");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(10),
           "ping each sidecar connection this often (gRPC keepalive); a sidecar gone without "
           "closing its connection (half-open) is dropped, with its job when it was the job's "
@@ -403,8 +405,12 @@ int Serve(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTok
   ReportDeniedTokens(tokens.get(), metrics);
   KvOptions kv_options;
   kv_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  // No key-value wait outlasts the deadline of a step (docs/ARCHITECTURE.md,
+  // "Every wait names who is missing").
+  kv_options.wait_bound = absl::GetFlag(FLAGS_deadline);
   KvStore kv(kv_options, RealClock::Get());
   Coordinator coordinator(CoordinatorOptionsFromFlags(&metrics, &kv), RealClock::Get());
+  kv.SetRankDirectory(&coordinator);
   WriteQueueLimits queue_limits;
   queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
   queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));

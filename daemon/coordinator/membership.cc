@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace accord::daemon {
 
 Membership::Membership(int world_size)
@@ -80,6 +82,17 @@ int64_t Membership::LastStep(int rank) const {
     last = std::max(last, owner->last_step);
   }
   return last;
+}
+
+std::string Membership::Describe(int rank) const {
+  const NodeState* owner = owner_[rank];
+  if (owner == nullptr)
+    return absl::StrCat("rank ", rank, " (not connected: no sidecar has announced it)");
+  const char* state = left_[rank] ? ", not connected: it left its sidecar"
+                      : !owner->connected()
+                          ? ", not connected: the node's stream to the coordinator is down"
+                          : ", connected";
+  return absl::StrCat("rank ", rank, " (node \"", owner->node_id, "\"", state, ")");
 }
 
 void Membership::TakeRank(NodeState& node, int rank) {

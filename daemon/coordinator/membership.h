@@ -89,6 +89,12 @@ class Membership {
   // The last step `rank` reached: from its RankEvent when it left, or its
   // node's last contribution (-1: none).
   int64_t LastStep(int rank) const;
+  // `rank` with its node and whether it is connected, for errors that name
+  // missing ranks: `rank R (node "N", connected)`, `rank R (node "N", not
+  // connected: it left its sidecar)`, `rank R (node "N", not connected: the
+  // node's stream to the coordinator is down)` or `rank R (not connected: no
+  // sidecar has announced it)`.
+  std::string Describe(int rank) const;
 
  private:
   static void SetRankSet(NodeState& node, std::shared_ptr<const RankSet> set);

@@ -822,10 +822,15 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       const v1::RegistrationResult& res = message.registration();
       auto git = groups_.find(res.group_id());
       if (git == groups_.end()) return;
-      // An error about one node registration (not a mismatch across ranks)
-      // names its ranks and goes to them only.
-      const bool targeted = res.has_error() && res.error().kind() != v1::REGISTRATION_MISMATCH &&
-                            res.error().ranks_size() > 0;
+      // An error about one node registration names its ranks and goes to
+      // them only. The group's or the job's failure (a mismatch across ranks,
+      // ranks that did not register it within the deadline, the job failed)
+      // goes to every rank that registered the group; its ranks are the
+      // ranks at fault.
+      const v1::ErrorKind kind = res.error().kind();
+      const bool group_wide =
+          kind == v1::REGISTRATION_MISMATCH || kind == v1::MISSING_RANKS || kind == v1::JOB_FAILED;
+      const bool targeted = res.has_error() && !group_wide && res.error().ranks_size() > 0;
       if (!targeted) git->second.result = res;
       for (int r : git->second.ranks) {
         if (targeted && std::find(res.error().ranks().begin(), res.error().ranks().end(), r) ==

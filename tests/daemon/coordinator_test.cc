@@ -655,6 +655,131 @@ TEST_F(CoordinatorTest, DeadlineNamesTheRankThatLeftNotALiveRankThatHadNotSubmit
   EXPECT_THAT(e.ranks(), ::testing::ElementsAre(3));
 }
 
+// Every wait names who is missing: a group that rank 3 never registers fails
+// the job at the deadline after its first registration, with the same
+// MISSING_RANKS registration result on every node naming rank 3 (node,
+// connected); a pending step of another group gets it as JOB_FAILED, and
+// rank 3's late registration gets the group's error.
+TEST_F(CoordinatorTest, AGroupARankNeverRegistersFailsTheJobAtTheDeadlineNamingTheRank) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  const size_t agreed = sink_a_.registrations().size();
+  coord_.HandleMessage(a_, Registration(MakeSpec("g1", 1), {0, 1}));  // g1's clock starts
+  coord_.HandleMessage(b_, Registration(MakeSpec("g1", 1), {2}));
+  clock_.Advance(absl::Seconds(30));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  clock_.Advance(absl::Seconds(29));
+  coord_.CheckDeadlines();
+  EXPECT_TRUE(sink_a_.registrations().empty());
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  const std::string expected =
+      "job job1 group \"g1\": not every rank registered the group within 1m of its first "
+      "registration (--deadline); missing ranks 3: rank 3 (node \"b\", connected); ranks 0-2 "
+      "registered it. Check that the missing ranks run and register this group (every rank must "
+      "build and wrap the same model), their processes and their sidecars' logs; the job is "
+      "failed";
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->registrations().size(), 1u);
+    const v1::RegistrationResult r = s->registrations()[0];
+    EXPECT_EQ(r.group_id(), "g1");
+    EXPECT_EQ(r.error().kind(), v1::MISSING_RANKS);
+    EXPECT_EQ(r.error().code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+    EXPECT_EQ(r.error().message(), expected);
+    EXPECT_EQ(r.error().group_id(), "g1");
+    EXPECT_THAT(r.error().ranks(), ::testing::ElementsAre(3));
+    EXPECT_THAT(r.error().last_steps(), ::testing::ElementsAre(-1));
+    ASSERT_EQ(s->decisions().size(), 1u);  // g0 step 0
+    EXPECT_EQ(s->decisions()[0].error().kind(), v1::JOB_FAILED);
+    EXPECT_EQ(s->decisions()[0].error().message(), expected);
+  }
+  EXPECT_EQ(coord_.stats().errors, 1);
+  EXPECT_EQ(agreed, 1u);
+  sink_b_.Clear();
+  coord_.HandleMessage(b_, Registration(MakeSpec("g1", 1), {3}));
+  ASSERT_EQ(sink_b_.registrations().size(), 1u);
+  EXPECT_EQ(sink_b_.registrations()[0].error().message(), expected);
+  EXPECT_EQ(sink_b_.registrations()[0].error().kind(), v1::MISSING_RANKS);
+}
+
+// A rank that left, one whose node's stream is down and one no sidecar ever
+// announced are named with why they are not connected.
+TEST_F(CoordinatorTest, ARegistrationDeadlineSaysWhyEachMissingRankIsNotConnected) {
+  FakeNodeSink sink_c;
+  a_ = coord_.OpenSession(&sink_a_);
+  b_ = coord_.OpenSession(&sink_b_);
+  const Coordinator::SessionId c = coord_.OpenSession(&sink_c);
+  coord_.HandleMessage(a_, Hello("job1", "a", 6, {0, 1}));
+  coord_.HandleMessage(b_, Hello("job1", "b", 6, {2, 3}));
+  coord_.HandleMessage(c, Hello("job1", "c", 6, {4}));
+  coord_.HandleMessage(a_, Registration(MakeSpec("g0", 1), {0}));
+  coord_.HandleMessage(b_, RankLeft(3, -1));
+  coord_.CloseSession(c);
+  clock_.Advance(absl::Seconds(61));
+  coord_.CheckDeadlines();
+  ASSERT_EQ(sink_a_.registrations().size(), 1u);
+  EXPECT_EQ(sink_a_.registrations()[0].error().message(),
+            "job job1 group \"g0\": not every rank registered the group within 1m of its first "
+            "registration (--deadline); missing ranks 1-5: rank 1 (node \"a\", connected), rank 2 "
+            "(node \"b\", connected), rank 3 (node \"b\", not connected: it left its sidecar), "
+            "rank 4 (node \"c\", not connected: the node's stream to the coordinator is down), "
+            "rank 5 (not connected: no sidecar has announced it); ranks 0 registered it. Check "
+            "that the missing ranks run and register this group (every rank must build and wrap "
+            "the same model), their processes and their sidecars' logs; the job is failed");
+}
+
+// A job that fails for a missing manifest fails every registration still
+// collecting (JOB_FAILED, the step's message), so no rank waits for one.
+TEST_F(CoordinatorTest, AJobFailureEndsEveryRegistrationStillCollecting) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  clock_.Advance(absl::Seconds(1));
+  coord_.HandleMessage(a_, Registration(MakeSpec("g1", 1), {0, 1}));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  clock_.Advance(absl::Milliseconds(59500));  // past step 0's deadline, not g1's
+  coord_.CheckDeadlines();
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const v1::DecisionError step_error = sink_a_.decisions()[0].error();
+  EXPECT_EQ(step_error.kind(), v1::MISSING_RANKS);
+  for (FakeNodeSink* s : {&sink_a_, &sink_b_}) {
+    ASSERT_EQ(s->registrations().size(), 1u);
+    EXPECT_EQ(s->registrations()[0].group_id(), "g1");
+    EXPECT_EQ(s->registrations()[0].error().kind(), v1::JOB_FAILED);
+    EXPECT_EQ(s->registrations()[0].error().message(), step_error.message());
+  }
+  // A group first registered after the failure gets the job's failure too.
+  sink_b_.Clear();
+  coord_.HandleMessage(b_, Registration(MakeSpec("g2", 1), {2, 3}));
+  ASSERT_EQ(sink_b_.registrations().size(), 1u);
+  EXPECT_EQ(sink_b_.registrations()[0].group_id(), "g2");
+  EXPECT_EQ(sink_b_.registrations()[0].error().kind(), v1::JOB_FAILED);
+  EXPECT_EQ(sink_b_.registrations()[0].error().message(), step_error.message());
+}
+
+// The timer thread is woken for a registration's deadline.
+TEST(CoordinatorTimerTest, TimerThreadFiresARegistrationDeadlineOnTheInjectedClock) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.deadline = absl::Seconds(5);
+  Coordinator coord(o, &clock);
+  FakeNodeSink sink;
+  const Coordinator::SessionId s = coord.OpenSession(&sink);
+  coord.HandleMessage(s, Hello("job1", "a", 2, {0, 1}));
+  coord.HandleMessage(s, Registration(MakeSpec("g0", 1), {0}));
+  clock.AwaitWaiters(1);
+  clock.Advance(absl::Seconds(6));
+  sink.AwaitRegistrations(1);
+  ASSERT_EQ(sink.registrations().size(), 1u);
+  EXPECT_EQ(sink.registrations()[0].error().kind(), v1::MISSING_RANKS);
+  EXPECT_THAT(sink.registrations()[0].error().ranks(), ::testing::ElementsAre(1));
+  coord.Stop();
+}
+
 TEST_F(CoordinatorTest, JobsNeverMix) {
   Join("job1");
   FakeNodeSink sx, sy;

@@ -159,5 +159,151 @@ TEST(KvStoreTest, AFailedRunsWaitersMoveToItsFreshScope) {
   EXPECT_EQ((*waiting.value)[0], "1");
 }
 
+// A job of `world` ranks, each on node "n<rank / 2>", all connected.
+class FakeRankDirectory : public RankDirectory {
+ public:
+  explicit FakeRankDirectory(int world) : world_(world) {}
+  int WorldSize(const std::string& job_id) override { return job_id == "j" ? world_ : 0; }
+  std::vector<std::string> DescribeRanks(const std::string& job_id,
+                                         const std::vector<int>& ranks) override {
+    std::vector<std::string> out;
+    for (int r : ranks)
+      out.push_back(absl::StrCat("rank ", r, " (node \"n", r / 2, "\", connected)"));
+    return out;
+  }
+
+ private:
+  const int world_;
+};
+
+KvOptions Bounded() {
+  KvOptions o;
+  o.wait_bound = absl::Seconds(2);
+  return o;
+}
+
+// One rank publishes a key (as rank 0 the NCCL unique id) and never does:
+// every Get waiting for it ends at the bound naming rank 0, the one rank
+// that neither set a key under "boot/" nor asked for one.
+TEST(KvStoreTest, AWaitEndsAtTheBoundNamingTheRankThatNeitherSetNorAskedUnderThePrefix) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(3);
+  kv.SetRankDirectory(&ranks);
+  ASSERT_TRUE(kv.Set("j", "r1", "other/x", "1", 0).ok());  // another prefix: does not count
+  Result r1, r2;
+  kv.Get("j", "r1", {"boot/nccl_id"}, absl::Seconds(30), r1.Callback(), 1);
+  kv.Get("j", "r1", {"boot/nccl_id"}, absl::Seconds(30), r2.Callback(), 2);
+  clock.Advance(absl::Milliseconds(1999));
+  EXPECT_FALSE(r1.done.HasBeenNotified());
+  clock.Advance(absl::Milliseconds(1));
+  for (Result* r : {&r1, &r2}) {
+    r->done.WaitForNotification();
+    EXPECT_EQ(r->value.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(r->value.status().message(),
+              "job j: keys still not set after 2s (the coordinator's --deadline): boot/nccl_id; "
+              "missing ranks 0 (neither set a key under \"boot/\" nor asked for one): rank 0 "
+              "(node \"n0\", connected); no rank set one, ranks 1-2 asked for one. Check the "
+              "missing ranks' processes and their sidecars' logs: the rank that publishes these "
+              "keys is among them; a rank only slower than the wait can ask again");
+  }
+}
+
+// Every rank publishes its own key under a prefix and reads all of them:
+// the rank that did not publish is named, with the Get's own (shorter)
+// timeout said as such.
+TEST(KvStoreTest, AnAllGatherNamesTheRankThatDidNotSetItsKey) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(4);
+  kv.SetRankDirectory(&ranks);
+  const std::vector<std::string> keys = {"g/0", "g/1", "g/2", "g/3"};
+  std::vector<Result> results(3);
+  for (int r = 0; r < 3; ++r) {
+    if (r != 2) {
+      ASSERT_TRUE(kv.Set("j", "r1", keys[r], "v", r).ok());
+    }
+    kv.Get("j", "r1", keys, absl::Seconds(1), results[r].Callback(), r);
+  }
+  ASSERT_TRUE(kv.Set("j", "r1", "g/2", "v", 2).ok());
+  clock.Advance(absl::Seconds(1));
+  for (Result& r : results) {
+    r.done.WaitForNotification();
+    EXPECT_EQ(r.value.status().message(),
+              "job j: keys still not set after the wait (1s, this Get's timeout): g/3; missing "
+              "ranks 3 (neither set a key under \"g/\" nor asked for one): rank 3 (node \"n1\", "
+              "connected); ranks 0-2 set one, ranks 0-2 asked for one. Check the missing ranks' "
+              "processes and their sidecars' logs: the rank that publishes these keys is among "
+              "them; a rank only slower than the wait can ask again");
+  }
+}
+
+// Nobody is left to name: every rank set a key under the prefix or asked
+// for one, so the key's name is what to check.
+TEST(KvStoreTest, AKeyNoRankIsLeftToSetSaysToCheckItsName) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(2);
+  kv.SetRankDirectory(&ranks);
+  ASSERT_TRUE(kv.Set("j", "r1", "boot/nccl_uid", "v", 0).ok());
+  Result r;
+  kv.Get("j", "r1", {"boot/nccl_id"}, absl::Seconds(30), r.Callback(), 1);
+  clock.Advance(absl::Seconds(2));
+  r.done.WaitForNotification();
+  EXPECT_EQ(r.value.status().message(),
+            "job j: keys still not set after 2s (the coordinator's --deadline): boot/nccl_id; "
+            "every rank of the job set a key under \"boot/\" or asked for one (ranks 0 set one, "
+            "ranks 1 asked for one), so no rank is expected to set these: check the keys' names "
+            "against the ones the publishing rank sets");
+}
+
+// Who cannot be named says why: a client that did not say its rank, a job
+// with no node here, no rank directory at all.
+TEST(KvStoreTest, AWaitThatCannotNameRanksSaysWhy) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(2);
+  Result no_directory;
+  kv.Get("j", "r1", {"k"}, absl::Seconds(30), no_directory.Callback(), 1);
+  clock.Advance(absl::Seconds(2));
+  no_directory.done.WaitForNotification();
+  EXPECT_EQ(no_directory.value.status().message(),
+            "job j: keys still not set after 2s (the coordinator's --deadline): k; who should "
+            "set them is not named: no sidecar of job j is connected to this coordinator, so its "
+            "ranks are not known here. Check that the rank that publishes them runs and reaches "
+            "the point where it sets them");
+  kv.SetRankDirectory(&ranks);
+  Result old_client, unknown_job;
+  kv.Get("j", "r1", {"k"}, absl::Seconds(30), old_client.Callback());
+  kv.Get("other", "r1", {"k"}, absl::Seconds(30), unknown_job.Callback(), 0);
+  clock.Advance(absl::Seconds(2));
+  old_client.done.WaitForNotification();
+  unknown_job.done.WaitForNotification();
+  EXPECT_EQ(old_client.value.status().message(),
+            "job j: keys still not set after 2s (the coordinator's --deadline): k; who should "
+            "set them is not named: this Get did not say its rank (a client older than this "
+            "coordinator). Check that the rank that publishes them runs and reaches the point "
+            "where it sets them");
+  EXPECT_TRUE(absl::StrContains(unknown_job.value.status().message(),
+                                "no sidecar of job other is connected"));
+}
+
+// The prefixes' records go with the run, like its keys.
+TEST(KvStoreTest, DropRunForgetsWhoSetAndAskedUnderEachPrefix) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(2);
+  kv.SetRankDirectory(&ranks);
+  ASSERT_TRUE(kv.Set("j", "r1", "boot/a", "v", 0).ok());
+  kv.DropRun("j", "r1", absl::FailedPreconditionError("ended"));
+  Result r;
+  kv.Get("j", "r1", {"boot/b"}, absl::Seconds(30), r.Callback(), 1);
+  clock.Advance(absl::Seconds(2));
+  r.done.WaitForNotification();
+  EXPECT_TRUE(absl::StrContains(r.value.status().message(),
+                                "missing ranks 0 (neither set a key under \"boot/\""))
+      << r.value.status();
+}
+
 }  // namespace
 }  // namespace accord::daemon

@@ -108,6 +108,21 @@ TEST_F(MembershipTest, ARankJoiningAnotherNodeAfterItsNodeLeft) {
   EXPECT_THAT(b_->ranks, ElementsAre(3));
 }
 
+// How an error names a rank: its node, and why it is not connected.
+TEST(MembershipDescribeTest, ARankIsDescribedWithItsNodeAndWhetherItIsConnected) {
+  Membership m(5);
+  uint64_t replaced = 0;
+  m.Connect("a", {0, 1}, 1, nullptr, false, &replaced);
+  NodeState& b = m.Connect("b", {2}, 2, nullptr, false, &replaced);
+  ASSERT_TRUE(m.LeaveRank(*m.OwnerOf(1), 1, -1));
+  m.Disconnect(b, absl::UnixEpoch());
+  EXPECT_EQ(m.Describe(0), "rank 0 (node \"a\", connected)");
+  EXPECT_EQ(m.Describe(1), "rank 1 (node \"a\", not connected: it left its sidecar)");
+  EXPECT_EQ(m.Describe(2),
+            "rank 2 (node \"b\", not connected: the node's stream to the coordinator is down)");
+  EXPECT_EQ(m.Describe(4), "rank 4 (not connected: no sidecar has announced it)");
+}
+
 TEST_F(MembershipTest, RankSetWordBoundsCoverOnlyTheNodesWords) {
   Membership wide(256);
   uint64_t replaced = 0;

@@ -330,6 +330,36 @@ TEST_F(SidecarTest, LocalRegistrationsAreForwardedPerVariantForTheCoordinatorToC
   EXPECT_EQ(regs, 2);
 }
 
+// A registration error naming ranks is about those ranks' own registration
+// (they alone get it) unless it is the group's or the job's failure, whose
+// ranks are the ranks at fault: MISSING_RANKS names ranks 2 and 3 (that never
+// registered), and both local ranks, which did, get it.
+TEST_F(SidecarTest, ARegistrationErrorNamingTheRanksAtFaultReachesEveryRankThatRegistered) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  auto result = [](v1::ErrorKind kind, std::vector<int> ranks) {
+    v1::CoordinatorMessage m;
+    m.mutable_registration()->set_group_id("g");
+    v1::DecisionError* e = m.mutable_registration()->mutable_error();
+    e->set_kind(kind);
+    e->set_code(static_cast<int>(wire::CodeOfKind(kind)));
+    e->set_message("about ranks");
+    for (int r : ranks) e->add_ranks(r);
+    return m;
+  };
+  auto registration_errors = [](const FakeRankSink& sink) {
+    int n = 0;
+    for (const v1::RankReply& r : sink.replies) n += r.registration().has_error() ? 1 : 0;
+    return n;
+  };
+  sidecar_.HandleCoordinatorMessage(result(v1::INVALID_REQUEST, {1}));
+  EXPECT_EQ(registration_errors(r0_), 0);
+  EXPECT_EQ(registration_errors(r1_), 1);
+  sidecar_.HandleCoordinatorMessage(result(v1::MISSING_RANKS, {2, 3}));
+  EXPECT_EQ(registration_errors(r0_), 1);
+  EXPECT_EQ(registration_errors(r1_), 1);  // it had its result already
+}
+
 TEST_F(SidecarTest, InvalidManifestAnswersThatRankOnly) {
   sidecar_.HandleRankMessage(s0_, Reg(Spec()));
   sidecar_.HandleRankMessage(s1_, Reg(Spec()));

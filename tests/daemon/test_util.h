@@ -61,6 +61,15 @@ class FakeNodeSink : public NodeSink {
     }
     return out;
   }
+  void AwaitRegistrations(size_t n) {
+    accord::MutexLock l(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      size_t k = 0;
+      for (const auto& m : messages_) k += m.has_registration() ? 1 : 0;
+      return k >= n;
+    };
+    while (!enough()) cv_wait_.Wait(&mu_);
+  }
   void AwaitDecisions(size_t n) {
     accord::MutexLock l(&mu_);
     auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
