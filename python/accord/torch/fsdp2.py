@@ -55,11 +55,12 @@ def check_torch_version(version: Optional[str] = None) -> None:
 _NAMES = {
     "FSDPParamGroup": ("post_backward", "reshard", "_record_post_forward", "fsdp_params",
                        "_training_state", "reduce_grads", "_reduce_dtype",
-                       "reshard_after_backward"),
+                       "reshard_after_backward", "mesh_info", "all_reduce_grads"),
     "FSDPParam": ("accumulate_unsharded_grad_if_needed", "unsharded_param", "_unsharded_param",
                   "unsharded_accumulated_grad", "_orig_size", "sharded_param", "param_dtype",
                   "orig_dtype"),
-    "FSDPState": ("_root_post_backward_final_callback", "_is_root"),
+    "FSDPState": ("_root_post_backward_final_callback", "_is_root", "_state_ctx",
+                  "is_last_backward"),
     "module _fsdp_param_group": ("foreach_all_gather",),
     "TrainingState": ("FORWARD", "POST_BACKWARD", "PRE_BACKWARD", "IDLE"),
 }
@@ -162,6 +163,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def is_last_backward(module) -> bool:
+    """FSDP2's flag for "the next backward ends the step" (False while a
+    pipeline schedule runs its microbatches' backwards)."""
+    return bool(state_of(module)._state_ctx.is_last_backward)
+
+
 def wrap_final_callback(state, make: Callable[[Callable], Callable]) -> bool:
     """Replaces this state's end-of-backward callback with make(original);
     False when it is already replaced."""
@@ -195,6 +202,23 @@ def reduces(group) -> bool:
     """Whether this group reduce-scatters at its next post-backward (False
     under set_requires_gradient_sync(False))."""
     return bool(getattr(group, "reduce_grads", True))
+
+
+def all_reduces(group) -> bool:
+    """Whether the group all-reduces across replicas after its reduce-scatter
+    (HSDP, or a replicate-only mesh)."""
+    return getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None
+
+
+def data_parallel_ranks(group) -> List[int]:
+    """The global ranks of the group's FSDP mesh (shard and replicate dims):
+    every rank that takes part in its reduce-scatter or all-reduce."""
+    return sorted(int(r) for r in group.mesh_info.mesh.mesh.flatten().tolist())
+
+
+def all_reduce_enabled(group) -> bool:
+    """False under set_requires_all_reduce(False)."""
+    return bool(getattr(group, "all_reduce_grads", True))
 
 
 def reduce_dtype(group) -> Optional[torch.dtype]:
@@ -253,7 +277,11 @@ def sharded_param(fp):
     return fp.sharded_param
 
 
-def all_gather_dtype(fp) -> torch.dtype:
+def all_gather_dtype(fp) -> Optional[torch.dtype]:
+    """None before FSDP2's lazy init (the first forward) sets the dtypes:
+    nothing was all-gathered yet (uninstall after a refused configuration)."""
+    if not hasattr(fp, "orig_dtype"):
+        return None
     return fp.param_dtype or fp.orig_dtype
 
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from accord.agreement import as_agreement
-from accord.torch import fsdp2, guarding
+from accord.torch import configs, fsdp2, guarding
 from accord.torch.group import HookedGroup
 from accord.torch.installation import Installation
 from accord.torch.optional import OptionalUnits, resolve
@@ -98,7 +98,10 @@ def install(
     ACCORD_TORCH_WATCH=0) names a rank that stops or dies mid-step on every
     other rank within the coordinator's deadline (accord.torch.watchdog).
     Idempotent for the same client and units; raises ValueError for another,
-    UnsupportedTorchError for a torch whose FSDP2 accord.torch cannot hook.
+    UnsupportedTorchError for a torch whose FSDP2 accord.torch cannot hook,
+    and accord.torch.configs.UnsupportedConfigurationError (a ValueError) for
+    an FSDP2 configuration it cannot keep correct, then or when it is turned
+    on later (python/README.md, "Configurations").
     """
     fsdp2.probe()
     units = resolve(model, optional)
@@ -111,6 +114,7 @@ def install(
                 "accord.torch.install: the model has already run a forward under FSDP2; "
                 "install accord right after fully_shard, before the first forward, on "
                 "every rank (each group's step count must start at the same point)")
+    configs.refuse(model, [name for name, _ in units])
     if client_or_agreement is None:
         import accord
 
@@ -150,16 +154,22 @@ def install(
         extra.append(step_watch.registration())
     try:
         inst.register_all(extra)
-    except BaseException:
+    except BaseException as e:
         if step_watch is not None:
             step_watch.close()
         inst.uninstall()
+        waited = any(t in str(e) for t in ("DEADLINE_EXCEEDED", "not every rank registered"))
+        hint = configs.registration_hint(model, agreement.world_size) if isinstance(
+            e, Exception) and waited else ""
+        if hint:
+            raise type(e)(f"{e} [{hint}]") from e
         raise
     if seq_guard is not None:
         seq_guard.registered()
     inst.guard, inst.watch = seq_guard, step_watch
     guarding.attach(inst)
     inst.hook_states()
+    configs.watch(inst)
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = inst
     return inst

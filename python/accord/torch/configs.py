@@ -1,0 +1,144 @@
+"""FSDP2 configurations accord.torch refuses, each with an error naming it.
+
+python/README.md ("Configurations") lists what is supported, with the test
+of each. Two configurations are not, because accord would produce wrong
+gradients or a hang in them; each is refused where it appears: at
+`install` when the model is already so configured, otherwise at the call of
+FSDP2's public setter that turns it on (which may come after `install`, for
+example from a pipeline schedule), so the error comes before the step that
+would go wrong, never as a failure at step N.
+
+1. HSDP with the replica all-reduce off between microbatches
+   (`set_requires_all_reduce(False)`). FSDP2 then adds each microbatch's
+   reduce-scatter output into one flat buffer laid out by the parameters
+   that reduce-scatter included, and all-reduces the sum on the last
+   microbatch. accord's decision may include a parameter in one microbatch
+   and not in another (a parameter first used on the last one), and a
+   speculative decision repaired after the fact reduce-scatters again after
+   FSDP2 has already folded that buffer in: the sum is misaligned or loses
+   a microbatch (measured: relative error 0.78). Accumulating with
+   `set_requires_gradient_sync(False)` under HSDP is supported.
+2. Optional units when the backward of one step is split into several
+   backwards (`set_is_last_backward(False)`, which
+   torch.distributed.pipelining schedules call before every microbatch's
+   backward). accord ends an optional unit's step, unpinning and resharding
+   it, at every end-of-backward callback, so a later microbatch's backward
+   all-gathers it again on the ranks that ran it only. Pipeline schedules
+   without optional units are supported.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from accord.torch import fsdp2
+
+
+class UnsupportedConfigurationError(ValueError):
+    """An FSDP2 configuration accord.torch cannot keep correct (named in the message)."""
+
+
+def _hsdp_units(model) -> List[str]:
+    return [name or "<root>" for name, m in model.named_modules()
+            if fsdp2.is_fsdp_module(m) and any(fsdp2.all_reduces(g)
+                                               for g in fsdp2.param_groups(m))]
+
+
+def _all_reduce_error(units: List[str], where: str) -> UnsupportedConfigurationError:
+    return UnsupportedConfigurationError(
+        f"accord.torch: HSDP with the replica all-reduce turned off between microbatches "
+        f"({where}) is not supported (units {', '.join(units[:4])}"
+        f"{', ...' if len(units) > 4 else ''}): FSDP2 sums each microbatch's reduce-scatter "
+        f"output in one flat buffer laid out by the parameters it included, and accord's "
+        f"decisions may include different parameters in different microbatches, which would "
+        f"misalign that sum. Accumulate with set_requires_gradient_sync(False) instead (no "
+        f"reduce-scatter until the last microbatch), or run without accord.torch")
+
+
+def _split_backward_error(names: List[str], where: str) -> UnsupportedConfigurationError:
+    return UnsupportedConfigurationError(
+        f"accord.torch: optional units ({', '.join(names)}) are not supported when one step's "
+        f"backward is split into several backwards ({where}; torch.distributed.pipelining "
+        f"schedules do this before every microbatch's backward): accord would unpin and "
+        f"reshard them after every microbatch, and the next microbatch's backward would "
+        f"all-gather them on some ranks only. Install without optional units (and with "
+        f"learn_optional=False) under a pipeline schedule, or keep such units in a unit that "
+        f"every microbatch runs")
+
+
+def refuse(model, optional_names: List[str]) -> None:
+    """At install: raises UnsupportedConfigurationError when the model is
+    already in a configuration listed in the module docstring."""
+    for name, m in model.named_modules():
+        if not fsdp2.is_fsdp_module(m):
+            continue
+        for g in fsdp2.param_groups(m):
+            if fsdp2.all_reduces(g) and not fsdp2.all_reduce_enabled(g):
+                raise _all_reduce_error([name or "<root>"], "requires_all_reduce is False at "
+                                        "install")
+        if optional_names and not fsdp2.is_last_backward(m):
+            raise _split_backward_error(optional_names, "is_last_backward is False at install")
+
+
+class _Override:
+    """An instance attribute shadowing a method of one module; remove()
+    restores the class's method (kept in the installation's handles)."""
+
+    def __init__(self, module, name: str, fn):
+        self.module, self.name = module, name
+        module.__dict__[name] = fn
+
+    def remove(self) -> None:
+        self.module.__dict__.pop(self.name, None)
+
+
+def watch(installation) -> None:
+    """Refuses the configurations turned on after install, at the setter."""
+    model = installation.model
+    hsdp = _hsdp_units(model)
+    for name, m in model.named_modules():
+        if not fsdp2.is_fsdp_module(m):
+            continue
+        if hsdp:
+            original = m.set_requires_all_reduce  # bound to the module
+
+            def set_requires_all_reduce(requires_all_reduce, *args, _original=original,
+                                        _name=name or "<root>", **kwargs):
+                if not requires_all_reduce:
+                    raise _all_reduce_error(hsdp, f"set_requires_all_reduce(False) on '{_name}'")
+                return _original(requires_all_reduce, *args, **kwargs)
+
+            installation._handles.append(
+                _Override(m, "set_requires_all_reduce", set_requires_all_reduce))
+        original_last = m.set_is_last_backward
+
+        def set_is_last_backward(is_last_backward, *args, _original=original_last,
+                                 _name=name or "<root>", **kwargs):
+            if not is_last_backward and installation.optional:
+                names = [u.name for u in installation.optional]
+                raise _split_backward_error(names, f"set_is_last_backward(False) on '{_name}'")
+            return _original(is_last_backward, *args, **kwargs)
+
+        installation._handles.append(_Override(m, "set_is_last_backward", set_is_last_backward))
+
+
+def registration_hint(model, world_size: int) -> str:
+    """Why registering the model's groups may never complete: groups whose
+    FSDP mesh is smaller than the accord job (appended to the registration
+    error). Every rank of the job must register every group; ranks outside
+    a group's mesh do so only if they hold the same module (tensor
+    parallelism), not if they hold another one (a pipeline stage)."""
+    for m in model.modules():
+        if not fsdp2.is_fsdp_module(m):
+            continue
+        for g in fsdp2.param_groups(m):
+            ranks = fsdp2.data_parallel_ranks(g)
+            if len(ranks) < world_size:
+                return (
+                    f"the model's FSDP mesh has ranks {ranks} of the accord job's {world_size}: "
+                    f"every rank of the job registers every group, so ranks that hold other "
+                    f"modules (another pipeline stage) never register these; under pipeline "
+                    f"parallelism connect one accord job per stage's data-parallel ranks "
+                    f"(accord.connect(job_id=<job>-stage<s>, rank=<dp rank>, "
+                    f"world_size=<dp size>)) and install each stage module with it")
+    return ""
