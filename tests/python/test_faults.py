@@ -87,3 +87,21 @@ def test_a_rank_stopped_mid_step_is_named_within_the_deadline(cluster, world, fa
             assert seconds < 2 * bound, res
     # The whole run, process start and three healthy steps included.
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_a_rank_stopped_mid_step_on_a_single_sidecar_is_named(fault):
+    """Both ranks on one sidecar, which decides the job's steps itself (local
+    decisions): the step watch's item is decided there, with the same
+    deadline and the same words."""
+    world, victim = 2, 1
+    with accord.LocalCluster(num_sidecars=1,
+                             coordinator_flags=[f"--deadline={DEADLINE_S:g}s"]) as one:
+        results = run_ranks(fs.stop_mid_step, world, 120.0, victims=(victim,),
+                            cluster=cluster_info(one, world, f"one-sidecar-{fault}"),
+                            victim=victim, fault=fault, when="backward")
+    texts = survivor_texts(results, victim)
+    (text,) = texts.values()
+    assert 'group "fsdp/~step" step 2: ' in text, text
+    assert "missing ranks 1: rank 1 (last step 1, node " in text, text
+    assert "ranks 0 submitted it" in text, text
