@@ -226,8 +226,7 @@ absl::Status KvStore::UnsetKeysError(const Unset& u) {
     accord::MutexLock l(&mu_);
     directory = ranks_;
   }
-  const int world =
-      directory != nullptr && u.rank >= 0 ? directory->WorldSize(u.job_id) : 0;
+  const int world = directory != nullptr && u.rank >= 0 ? directory->WorldSize(u.job_id) : 0;
   if (world == 0) {
     absl::StrAppend(
         &msg, "; who should set them is not named: ",

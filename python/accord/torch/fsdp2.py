@@ -127,8 +127,6 @@ def probe() -> None:
         )
 
 
-def fsdp_module_class():
-    return _import().FSDPModule
 
 
 def is_fsdp_module(module) -> bool:
@@ -312,11 +310,6 @@ def zero_fill(fp, dtype: torch.dtype) -> None:
                                                      requires_grad=False)
 
 
-def replace_grad(fp, grad: torch.Tensor, new: torch.Tensor) -> None:
-    """Puts `new` where FSDP2 takes this parameter's gradient from."""
-    fp.unsharded_accumulated_grad = new
-    if fp._unsharded_param.grad is grad:
-        fp._unsharded_param.grad = None
 
 
 def take_grad(fp) -> Optional[tuple]:
@@ -329,10 +322,6 @@ def take_grad(fp) -> Optional[tuple]:
     return held
 
 
-def put_grad(fp, held: Optional[tuple]) -> None:
-    if held is None:
-        return
-    fp.unsharded_accumulated_grad, fp._unsharded_param.grad = held
 
 
 # ------------------------------------------------------------------ all-gathers
@@ -358,6 +347,3 @@ def unpatch_all_gather() -> None:
         _import().pg_module.foreach_all_gather = _ALL_GATHER["original"]
         _ALL_GATHER["original"] = None
 
-
-def all_gather_patched() -> bool:
-    return _ALL_GATHER["users"] > 0

@@ -166,11 +166,11 @@ class HookedGroup:
             sharded.grad = held.prior[i]
 
     def restore_for_redo(self, held: Held) -> None:
-        for fp, prior, grad in zip(self.group.fsdp_params, held.prior, held.local):
+        """The sharded gradients go back to what they were before the
+        speculative reduce-scatter; reduce() then takes the unsharded ones
+        from held.local again."""
+        for fp, prior in zip(self.group.fsdp_params, held.prior):
             fsdp2.sharded_param(fp).grad = prior
-            fsdp2.take_grad(fp)
-            if grad is not None:
-                fp.unsharded_accumulated_grad = grad
 
     def count(self, decision, held: Held) -> None:
         """This step's stats, from its final decision."""

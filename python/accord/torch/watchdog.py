@@ -60,7 +60,6 @@ class StepWatch:
         self._last = time.monotonic()
         self._handle = None  # the current step's item, once submitted
         self._handle_step = -1
-        self._previous = None
         self._stop = False
         self._raised = threading.Event()
         self._thread = threading.Thread(target=self._run, name="accord-step-watch", daemon=True)
@@ -92,13 +91,10 @@ class StepWatch:
             self._step = step
             if self._handle_step == step:
                 return None
-            if self._previous is not None:  # collected long since
-                self._previous = None
             return (self.group_id, step, MANIFEST)
 
     def handed(self, step: int, handle) -> None:
         with self._mu:
-            self._previous = self._handle
             self._handle, self._handle_step = handle, step
 
     def end_step(self) -> None:
