@@ -255,7 +255,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
   // A failed run is never resumed (its late requests get RUN_ENDED); a
   // healthy one whose last node only lost its connection may be (its
   // sidecar's RESUME takes it over, as after a coordinator restart).
-  if (run->state == RunState::kFailed) runs_.Remember(job_id, run_id);
+  if (run->state == RunState::kFailed) runs_.Remember(job_id, run_id, run->failure);
   runs_.End(job_id, run_id,
             wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
                                                         " ended: its last node left")));
@@ -295,7 +295,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     runs_.SetLastEndReason(scope, why);  // the end RemoveJobLocked queued
   }
   // A superseded run is never resumed: its late requests get RUN_ENDED.
-  if (error != nullptr) runs_.Remember(job_id, run_id);
+  if (error != nullptr) runs_.Remember(job_id, run_id, *error);
 }
 
 absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
@@ -318,7 +318,14 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
   if (start == v1::NodeHello::RUN_START_RESUME) {
     // A reconnect (or a request stamped with the run): the run must be the
     // current one, or unknown here (this coordinator restarted) and not one
-    // that ended here.
+    // that ended here. A node back too late for a run that failed or was
+    // superseded gets the very error the run's other nodes got, so every
+    // rank of the run ends with one error (docs/RELIABILITY.md, "Chaos").
+    if (const v1::DecisionError* why = runs_.RememberedError(job_id, run_id)) {
+      if (current == nullptr || current->run_id != run_id) {
+        return wire::KindError(why->kind(), why->message());
+      }
+    }
     if (current == nullptr) {
       if (runs_.Remembered(job_id, run_id)) {
         return wire::KindError(

@@ -58,12 +58,13 @@ void RunRegistry::Fail(const std::string& job_id, const std::string& run_id,
   ended_.push_back(EndedRun{job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(*run)});
 }
 
-void RunRegistry::Remember(const std::string& job_id, const std::string& run_id) {
-  if (remembered_set_.insert(std::make_pair(job_id, run_id)).second) {
+void RunRegistry::Remember(const std::string& job_id, const std::string& run_id,
+                           v1::DecisionError why) {
+  if (remembered_why_.insert_or_assign(std::make_pair(job_id, run_id), std::move(why)).second) {
     remembered_.emplace_back(job_id, run_id);
   }
   while (remembered_.size() > kRemembered) {
-    remembered_set_.erase(remembered_.front());
+    remembered_why_.erase(remembered_.front());
     remembered_.pop_front();
   }
 }

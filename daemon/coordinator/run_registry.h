@@ -81,10 +81,18 @@ class RunRegistry {
   // kFailed, and the drop of its keys is queued; keys set afterwards go to a
   // fresh scope (KeyScopeOf), dropped when the run ends.
   void Fail(const std::string& job_id, const std::string& run_id, const v1::DecisionError& error);
-  // Remembers that `run_id` of `job_id` ended here (bounded, oldest first out).
-  void Remember(const std::string& job_id, const std::string& run_id);
+  // Remembers that `run_id` of `job_id` ended here with `why`, the error its
+  // ranks were sent (bounded, oldest first out).
+  void Remember(const std::string& job_id, const std::string& run_id, v1::DecisionError why);
   bool Remembered(const std::string& job_id, const std::string& run_id) const {
-    return remembered_set_.contains(std::make_pair(job_id, run_id));
+    return remembered_why_.contains(std::make_pair(job_id, run_id));
+  }
+  // The error a remembered run ended with (nullptr: not remembered), so a
+  // node that comes back to it late gets the error its other nodes got.
+  const v1::DecisionError* RememberedError(const std::string& job_id,
+                                           const std::string& run_id) const {
+    auto it = remembered_why_.find(std::make_pair(job_id, run_id));
+    return it == remembered_why_.end() ? nullptr : &it->second;
   }
   // The jobs whose run is still kStarting `timeout` after it started; lowers
   // `next` to when the next one is due.
@@ -102,7 +110,7 @@ class RunRegistry {
   uint64_t nonce_;
   std::vector<EndedRun> ended_;
   std::deque<std::pair<std::string, std::string>> remembered_;
-  absl::flat_hash_set<std::pair<std::string, std::string>> remembered_set_;
+  absl::flat_hash_map<std::pair<std::string, std::string>, v1::DecisionError> remembered_why_;
 };
 
 }  // namespace accord::daemon

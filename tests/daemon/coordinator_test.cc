@@ -1016,12 +1016,11 @@ TEST_F(CoordinatorRunTest, ANodeWhoseRanksRestartedSupersedesTheRunEvenWithAStal
   resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
   resume.mutable_hello()->set_run_id(old_run);
   coord_.HandleMessage(sbr, resume);
+  // It gets the very error the old run's other nodes got, so every rank of
+  // the old run ends with one error.
   ASSERT_EQ(b_resume.messages().size(), 1u);
   EXPECT_EQ(b_resume.messages()[0].error().kind(), v1::RUN_ENDED);
-  EXPECT_EQ(b_resume.messages()[0].error().message(),
-            absl::StrCat("job job run ", old_run, " has ended (the job's current run is ", new_run,
-                         ", started by a restart under the same job id); node \"b\" still speaks "
-                         "for the old run: stop its ranks"));
+  EXPECT_EQ(b_resume.messages()[0].error().message(), want);
   FakeNodeSink b_new;
   const auto sbn = coord_.OpenSession(&b_new);
   coord_.HandleMessage(sbn, NewHello("b", {1}, 44));
@@ -1118,8 +1117,13 @@ TEST_F(CoordinatorRunTest, ALateRequestOfAFailedRunThatEndedIsRefusedNotRevived)
   coord_.CheckDeadlines();  // node b never submitted: the run failed
   coord_.CloseSession(sa);
   coord_.CloseSession(sb);  // ... and ended
+  // The late request gets the run's failure, the error its ranks got.
   absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "a", 11});
-  EXPECT_EQ(wire::KindOf(late.status()), v1::RUN_ENDED) << late.status();
+  EXPECT_EQ(wire::KindOf(late.status()), v1::MISSING_RANKS) << late.status();
+  EXPECT_THAT(std::string(late.status().message()),
+              ::testing::StartsWith("job job group \"g0\" step 0: not every rank reported within "
+                                    "1m of the step's first submission (--deadline); missing "
+                                    "ranks 1: rank 1"));
   EXPECT_EQ(coord_.CurrentRun("job"), "") << "not revived";
   EXPECT_EQ(coord_.stats().runs, 0);
 }

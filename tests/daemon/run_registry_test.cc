@@ -82,17 +82,30 @@ TEST(RunRegistryTest, TheLastEndsReasonCanBeReplaced) {
   EXPECT_EQ(runs.TakeEnded()[0].why.message(), "superseded");
 }
 
-TEST(RunRegistryTest, RememberedRunsAreBounded) {
+v1::DecisionError Failure(const std::string& message) {
+  v1::DecisionError e;
+  e.set_kind(v1::MISSING_RANKS);
+  e.set_message(message);
+  return e;
+}
+
+TEST(RunRegistryTest, RememberedRunsAreBoundedAndKeepTheErrorTheyEndedWith) {
   RunRegistry runs(1);
-  runs.Remember("job", "r0");
+  runs.Remember("job", "r0", Failure("rank 3 left"));
   EXPECT_TRUE(runs.Remembered("job", "r0"));
+  ASSERT_NE(runs.RememberedError("job", "r0"), nullptr);
+  EXPECT_EQ(runs.RememberedError("job", "r0")->message(), "rank 3 left");
+  EXPECT_EQ(runs.RememberedError("job", "r0")->kind(), v1::MISSING_RANKS);
   EXPECT_FALSE(runs.Remembered("job", "r1"));
+  EXPECT_EQ(runs.RememberedError("job", "r1"), nullptr);
   EXPECT_FALSE(runs.Remembered("other", "r0"));
   for (size_t i = 1; i <= RunRegistry::kRemembered; ++i) {
-    runs.Remember("job", "r" + std::to_string(i));
+    runs.Remember("job", "r" + std::to_string(i), Failure("r" + std::to_string(i)));
   }
   EXPECT_FALSE(runs.Remembered("job", "r0"));  // the oldest went first
+  EXPECT_EQ(runs.RememberedError("job", "r0"), nullptr);
   EXPECT_TRUE(runs.Remembered("job", "r1"));
+  EXPECT_EQ(runs.RememberedError("job", "r1")->message(), "r1");
   EXPECT_TRUE(runs.Remembered("job", "r" + std::to_string(RunRegistry::kRemembered)));
 }
 
