@@ -779,7 +779,18 @@ void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
     default:
       break;
   }
-  // Decisions, registration results and errors: the same for every sidecar.
+  if (message->has_error()) {
+    // An error reaches every sidecar of the job, welcomed or not: a refused
+    // hello (the run failed or ended while this relay's nodes were away) is
+    // answered before any Welcome, and the sidecars waiting for one must get
+    // the error their job's other ranks got (docs/RELIABILITY.md, "Chaos").
+    auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(*message));
+    for (auto& [id, node] : nodes_) {
+      if (node.sink != nullptr) node.sink->Send(shared);
+    }
+    return;
+  }
+  // Decisions and registration results: the same for every sidecar.
   BroadcastLocked(std::make_shared<const v1::CoordinatorMessage>(std::move(*message)));
 }
 
