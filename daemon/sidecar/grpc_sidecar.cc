@@ -1,6 +1,9 @@
 #include "daemon/sidecar/grpc_sidecar.h"
 
 #include <algorithm>
+#include <functional>
+#include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -129,6 +132,45 @@ grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
                                    "sidecar holds; check ACCORD_TOKEN of the rank"));
 }
 
+namespace {
+
+// One key-value call forwarded upstream. Sent again while the coordinator is
+// unreachable (restarting, or the link to it cut), until the call's deadline:
+// wait_for_ready holds each attempt until the channel is up, and a call cut
+// mid-way (UNAVAILABLE) is sent again. Both calls are idempotent (a key is
+// write-once per run), so resending one the coordinator may have seen is
+// safe. docs/RELIABILITY.md, "Chaos".
+template <typename Request, typename Response>
+struct ForwardedCall {
+  Request request;
+  Response* response = nullptr;
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  absl::Time deadline;
+  absl::Time wait_until = absl::InfinitePast();  // a Get's own wait ends here
+  std::unique_ptr<grpc::ClientContext> context;
+};
+
+template <typename Request, typename Response, typename Start>
+void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
+  c->context = std::make_unique<grpc::ClientContext>();
+  c->context->set_deadline(absl::ToChronoTime(c->deadline));
+  c->context->set_wait_for_ready(true);
+  if constexpr (std::is_same_v<Request, v1::KeyValueGetRequest>) {
+    c->request.set_timeout_ms(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(c->wait_until - absl::Now())));
+  }
+  start(c->context.get(), &c->request, c->response, [c, start](grpc::Status s) {
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE && absl::Now() < c->deadline) {
+      c->response->Clear();
+      Forward(c, start);
+      return;
+    }
+    c->reactor->Finish(s);
+  });
+}
+
+}  // namespace
+
 template <typename Request>
 void KeyValueForwarder::Stamp(Request* request) const {
   if (jobs_ == nullptr) return;
@@ -153,15 +195,17 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
     return reactor;
   }
   // The upstream request owns a copy carrying the sidecar's token.
-  auto* upstream = new v1::KeyValueSetRequest(*request);
-  if (!token_.empty()) upstream->set_token(token_);
-  Stamp(upstream);
-  auto* call = new grpc::ClientContext();
-  call->set_deadline(absl::ToChronoTime(absl::Now() + slack_));
-  stub_->async()->Set(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
-    reactor->Finish(s);
-    delete call;
-    delete upstream;
+  auto call = std::make_shared<ForwardedCall<v1::KeyValueSetRequest, v1::KeyValueSetResponse>>();
+  call->request = *request;
+  if (!token_.empty()) call->request.set_token(token_);
+  Stamp(&call->request);
+  call->response = response;
+  call->reactor = reactor;
+  call->deadline = absl::Now() + slack_;
+  v1::KeyValueService::Stub* stub = stub_.get();
+  Forward(call, [stub](grpc::ClientContext* ctx, const v1::KeyValueSetRequest* req,
+                       v1::KeyValueSetResponse* resp, std::function<void(grpc::Status)> done) {
+    stub->async()->Set(ctx, req, resp, std::move(done));
   });
   return reactor;
 }
@@ -179,16 +223,18 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
     reactor->Finish(s);
     return reactor;
   }
-  auto* upstream = new v1::KeyValueGetRequest(*request);
-  if (!token_.empty()) upstream->set_token(token_);
-  Stamp(upstream);
-  auto* call = new grpc::ClientContext();
-  call->set_deadline(absl::ToChronoTime(
-      absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms())) + slack_));
-  stub_->async()->Get(call, upstream, response, [reactor, call, upstream](grpc::Status s) {
-    reactor->Finish(s);
-    delete call;
-    delete upstream;
+  auto call = std::make_shared<ForwardedCall<v1::KeyValueGetRequest, v1::KeyValueGetResponse>>();
+  call->request = *request;
+  if (!token_.empty()) call->request.set_token(token_);
+  Stamp(&call->request);
+  call->response = response;
+  call->reactor = reactor;
+  call->wait_until = absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms()));
+  call->deadline = call->wait_until + slack_;
+  v1::KeyValueService::Stub* stub = stub_.get();
+  Forward(call, [stub](grpc::ClientContext* ctx, const v1::KeyValueGetRequest* req,
+                       v1::KeyValueGetResponse* resp, std::function<void(grpc::Status)> done) {
+    stub->async()->Get(ctx, req, resp, std::move(done));
   });
   return reactor;
 }
