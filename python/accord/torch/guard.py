@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from accord.torch.watchdog import abort_and_exit
+from accord.torch.watchdog import abort_and_exit, stop_at_exit
 from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
                                   slot_params, slots)
 
@@ -110,6 +110,7 @@ class SequenceGuard:
         self._inflight: List[_Window] = []  # submitted, not yet checked
         self._stop = False
         self._thread: Optional[threading.Thread] = None
+        self._exiting = False
         self._stall_checked: Tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------ training thread
@@ -251,6 +252,7 @@ class SequenceGuard:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="accord-guard", daemon=True)
             self._thread.start()
+            stop_at_exit(self)
 
     # ------------------------------------------------------------ background
 
@@ -262,7 +264,7 @@ class SequenceGuard:
         self._queue.clear()
 
     def _run(self) -> None:
-        while True:
+        while not self._exiting:
             with self._mu:
                 window = self._inflight[0] if self._inflight else None
                 if window is None:
@@ -278,6 +280,8 @@ class SequenceGuard:
             try:
                 decision = self.client.wait(window.handle, timeout_s=self.stall_s)
             except Exception as e:  # noqa: BLE001 - a timeout, or the service's named error
+                if self._exiting:
+                    return
                 if not window.handle.ready():
                     # Not there yet: someone may be stuck; look, then wait again.
                     if time.monotonic() - window.closed_at > self.timeout_s:
@@ -388,3 +392,10 @@ class SequenceGuard:
             self._wake.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s)
+
+    def stop_for_exit(self) -> None:  # watchdog.stop_at_exit: no verdict is waited for
+        with self._mu:
+            self._stop = self._exiting = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.stall_s + 1)

@@ -23,13 +23,38 @@ there within the deadline.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 STALL_S = 1.0  # no progress this long inside a step starts the coordinator's clock
+
+# accord.torch's background threads (the step watch's, the guard's) spend
+# their time inside accord's C++ waits with the GIL released. If the
+# interpreter finalizes while one is there, the thread is ended as it takes
+# the GIL back, which aborts the process ("terminate called without an active
+# exception": a chaos finding, docs/RELIABILITY.md "Chaos"). So at exit,
+# before finalization, each is stopped and joined: its waits last at most
+# its stall_s.
+_threads_to_stop: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def stop_at_exit(owner) -> None:
+    """`owner.stop_for_exit()` runs at interpreter exit if owner is alive."""
+    _threads_to_stop.add(owner)
+
+
+@atexit.register
+def _stop_threads() -> None:
+    for owner in list(_threads_to_stop):
+        try:
+            owner.stop_for_exit()
+        except Exception:  # noqa: BLE001 - exiting anyway; the next one still stops
+            pass
 MANIFEST = ["float32"]
 
 
@@ -64,6 +89,7 @@ class StepWatch:
         self._raised = threading.Event()
         self._thread = threading.Thread(target=self._run, name="accord-step-watch", daemon=True)
         self._thread.start()
+        stop_at_exit(self)
 
     def registration(self) -> tuple:
         return (self.group_id, [("alive", 1, 1)], None, False)
@@ -179,6 +205,13 @@ class StepWatch:
             self._wake.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s)
+
+    def stop_for_exit(self) -> None:
+        with self._mu:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.stall_s + 1)
 
 
 def abort_and_exit(message: str, process_group=None, exit_code: int = 3) -> None:
