@@ -64,6 +64,8 @@ ABSL_FLAG(absl::Duration, reconnect_max_backoff, absl::Seconds(5),
           "upper bound of the jittered exponential backoff between upstream reconnects");
 ABSL_FLAG(absl::Duration, kv_slack, absl::Seconds(60),
           "how long a forwarded key-value request may take beyond its own wait");
+ABSL_FLAG(int, max_ranks, 65536,
+          "largest world size a sidecar's NodeHello may say (as the coordinator's --max_ranks)");
 ABSL_FLAG(int, max_message_bytes, 4 << 20, "largest gRPC message received or sent");
 ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
           "messages queued for one sidecar stream past which it is logged as slow");
@@ -168,6 +170,7 @@ int Main(int argc, char** argv) {
   }
   options.token = *token;
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
+  options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
   Relay relay(options);
   GrpcUpstream upstream(*channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
   relay.SetUpstream(&upstream);

@@ -25,10 +25,10 @@ namespace accord::daemon {
 bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
   // Every rank of the job is here (ranks are distinct and in range) and
   // registered the group, with one registration the coordinator accepted.
-  return options_.local_decisions && !run_id_.empty() && world_size_ > 0 &&
-         static_cast<int>(ranks_.size()) == world_size_ &&
-         static_cast<int>(g.ranks.size()) == world_size_ && g.variants.size() == 1 &&
-         g.result.has_value() && !g.result->has_error();
+  const int world = node_.world_size();
+  return options_.local_decisions && !node_.run_id().empty() && world > 0 &&
+         static_cast<int>(ranks_.size()) == world && static_cast<int>(g.ranks.size()) == world &&
+         g.registrations.size() == 1 && g.result.has_value() && !g.result->has_error();
 }
 
 void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
@@ -38,18 +38,16 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   }
   // Steps of a group are decided in order: every earlier step still
   // without the coordinator's decision must have been decided here.
-  size_t earlier = 0;
-  while (earlier < g.inflight.size() && g.inflight[earlier].step < st.step) ++earlier;
-  if (earlier != g.unconfirmed.size()) return;
+  if (g.inflight.CountBefore(st.step) != g.unconfirmed.size()) return;
   if (g.local_ok_bytes == nullptr || g.local_content_gen != g.node_content_gen) {
-    absl::StatusOr<Policy> policy = wire::PolicyFromProto(g.variants[0].registration.policy());
+    absl::StatusOr<Policy> policy = wire::PolicyFromProto(g.registrations.first().policy());
     if (!policy.ok()) return;
     Manifest merged;
     merged.step = st.step;
     merged.dtypes = st.merged;
-    merged.ranks = RankSet(world_size_);
+    merged.ranks = RankSet(node_.world_size());
     for (int r : st.ranks) merged.ranks.Add(r);
-    absl::StatusOr<Decision> decision = Decide(g.spec, world_size_, merged, *policy);
+    absl::StatusOr<Decision> decision = Decide(g.spec, node_.world_size(), merged, *policy);
     if (!decision.ok()) return;  // error decisions are the coordinator's to send
     v1::DecisionOk ok;
     wire::DecisionToProto(*decision, &ok);
@@ -108,13 +106,13 @@ bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
     e = wire::MakeError(
         v1::JOB_FAILED,
         absl::InternalError(absl::StrCat(
-            "job ", job_id_, " group \"", g.group_id, "\" step ", d.step(), ": node \"",
+            "job ", node_.job_id(), " group \"", g.group_id, "\" step ", d.step(), ": node \"",
             options_.node_id,
             "\" decided the step locally (--local_decisions) but the "
             "coordinator decided otherwise; the ranks may have reduced differently, so the job "
             "is failed. Report this as a bug, and run the sidecar with --local_decisions=false "
             "meanwhile")));
-    e.set_job_id(job_id_);
+    e.set_job_id(node_.job_id());
     e.set_group_id(g.group_id);
     e.set_step(d.step());
   }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -22,7 +21,8 @@ absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatu
 
 Sidecar::Sidecar(SidecarOptions options)
     : options_(std::move(options)),
-      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()) {
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
+      node_(options_.node_id) {
   if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -71,7 +71,7 @@ void Sidecar::CheckPartialSteps() {
 void Sidecar::CheckPartialStepsLocked() {
   timer_armed_ = false;
   timer_at_ = absl::InfiniteFuture();
-  if (report_after_ <= absl::ZeroDuration() || upstream_ == nullptr) return;
+  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) return;
   const absl::Time now = clock_->Now();
   absl::Time next = absl::InfiniteFuture();
   for (LocalGroup* g : group_order_) {
@@ -97,12 +97,12 @@ void Sidecar::CheckPartialStepsLocked() {
         p->add_ranks(r);
         p->add_last_steps(rs.SubmittedOf(g->index));
       }
-      ACCORD_LOG(WARNING) << "job " << job_id_ << " group \"" << g->group_id << "\" step "
+      ACCORD_LOG(WARNING) << "job " << node_.job_id() << " group \"" << g->group_id << "\" step "
                           << st.step << ": " << st.ranks.size() << " of " << g->ranks.size()
                           << " local ranks submitted it "
                           << absl::FormatDuration(now - st.first_seen)
                           << " ago; reporting the partial step to the coordinator";
-      upstream_->Send(std::move(up));
+      node_.Send(std::move(up));
     }
   }
   if (next != absl::InfiniteFuture()) ArmTimerLocked(next);
@@ -110,12 +110,12 @@ void Sidecar::CheckPartialStepsLocked() {
 
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
-  upstream_ = upstream;
+  node_.SetSink(upstream);
 }
 
 Sidecar::RunStamp Sidecar::CurrentRun() {
   accord::MutexLock l(&mu_);
-  return RunStamp{job_id_, run_id_, options_.node_id, node_epoch_};
+  return RunStamp{node_.job_id(), node_.run_id(), options_.node_id, node_.epoch()};
 }
 
 SidecarStats Sidecar::stats() {
@@ -123,7 +123,7 @@ SidecarStats Sidecar::stats() {
   SidecarStats s = stats_;
   s.ranks = static_cast<int>(ranks_.size());
   s.sessions = static_cast<int>(sessions_.size());
-  s.job_id = job_id_.empty() ? last_job_id_ : job_id_;
+  s.job_id = node_.has_job() ? node_.job_id() : last_job_id_;
   return s;
 }
 
@@ -142,27 +142,17 @@ void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
 
 void Sidecar::SendBatchRepeatLocked(int64_t step) {
   ++stats_.node_batch_repeats;
-  upstream_->Send(last_batch_.RepeatAt(step));
-}
-
-void Sidecar::SendManifestsLocked(v1::NodeMessage up) {
-  const v1::ManifestBatch& batch = up.manifests();
-  if (batch.manifests_size() == 0) return;
-  if (upstream_batch_repeat_ && last_batch_.RepeatedBy(batch)) {
-    SendBatchRepeatLocked(batch.manifests(0).step());
-    return;
-  }
-  last_batch_.Record(batch);
-  upstream_->Send(std::move(up));
+  node_.SendBatchRepeat(step);
 }
 
 void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
   if (items.empty()) return;
   const int64_t step = items[0].step;
-  bool same = upstream_batch_repeat_ && items.size() == last_batch_.size();
+  const wire::StreamBatchRecord& previous = node_.previous_batch();
+  bool same = node_.batch_repeat() && items.size() == previous.size();
   for (size_t i = 0; same && i < items.size(); ++i) {
     const Outgoing& o = items[i];
-    same = o.repeat && o.step == step && last_batch_.Matches(i, o.group->group_id, o.key);
+    same = o.repeat && o.step == step && previous.Matches(i, o.group->group_id, o.key);
   }
   if (same) {
     SendBatchRepeatLocked(step);
@@ -184,26 +174,7 @@ void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
     m->set_step(o.step);
   }
   items.clear();
-  last_batch_.Record(*batch);
-  upstream_->Send(std::move(up));
-}
-
-v1::NodeMessage Sidecar::HelloMessageLocked() {
-  v1::NodeMessage m;
-  v1::NodeHello* h = m.mutable_hello();
-  h->set_job_id(job_id_);
-  h->set_node_id(options_.node_id);
-  h->set_world_size(world_size_);
-  h->set_token(options_.token.empty() ? rank_token_ : options_.token);
-  for (int r : announced_) h->add_ranks(r);
-  h->set_answers_progress(true);
-  // Runs (docs/ARCHITECTURE.md): a stream of a run we were placed in resumes
-  // it; otherwise this node's ranks start or join one.
-  h->set_run_id(run_id_);
-  h->set_run_start(run_id_.empty() ? v1::NodeHello::RUN_START_NEW
-                                   : v1::NodeHello::RUN_START_RESUME);
-  h->set_node_epoch(node_epoch_);
-  return m;
+  node_.SendNewBatch(std::move(up));
 }
 
 void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
@@ -282,7 +253,7 @@ std::optional<v1::DecisionError> Sidecar::CheckHello(const SidecarOptions& optio
 
 bool Sidecar::HadRank(int rank) {
   accord::MutexLock l(&mu_);
-  return announced_.count(rank) != 0;
+  return node_.announced().count(rank) != 0;
 }
 
 std::vector<int> Sidecar::ConnectedRanks() {
@@ -310,26 +281,27 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
     refuse(*std::move(refused));
     return;
   }
-  if (!job_id_.empty() && hello.job_id() != job_id_) {
+  if (node_.has_job() && hello.job_id() != node_.job_id()) {
     // SidecarJobs gives each job its own Sidecar; only a caller that drives
     // one Sidecar directly gets here.
-    refuse(OutOfOrderError(
-        v1::INVALID_REQUEST,
-        absl::StrCat("this Sidecar holds the state of job ", job_id_, "; rank ", hello.rank(),
-                     " of job ", hello.job_id(), " needs a Sidecar of its own (SidecarJobs)")));
+    refuse(OutOfOrderError(v1::INVALID_REQUEST,
+                           absl::StrCat("this Sidecar holds the state of job ", node_.job_id(),
+                                        "; rank ", hello.rank(), " of job ", hello.job_id(),
+                                        " needs a Sidecar of its own (SidecarJobs)")));
     return;
   }
   if (options_.token.empty()) {
-    if (auto refused = TokenRefusal(hello, rank_token_, /*required=*/false)) {
+    // The job's token upstream is then the first rank's.
+    if (auto refused = TokenRefusal(hello, node_.token(), /*required=*/false)) {
       refuse(*std::move(refused));
       return;
     }
   }
-  if (!job_id_.empty() && hello.world_size() != world_size_) {
+  if (node_.has_job() && hello.world_size() != node_.world_size()) {
     refuse(KindedError(
         v1::WORLD_SIZE_MISMATCH,
         absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
-                     hello.world_size(), " but this node's other ranks say ", world_size_,
+                     hello.world_size(), " but this node's other ranks say ", node_.world_size(),
                      "; check WORLD_SIZE of the launcher")));
     return;
   }
@@ -346,36 +318,22 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
                                                         ranks_.size(), " ranks (--max_ranks)")));
     return;
   }
-  const bool first = job_id_.empty();
-  if (first) {
-    rank_token_ = hello.token();
-    // A new local incarnation of the job (see NodeHello.node_epoch).
-    std::random_device rd;
-    node_epoch_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+  if (!node_.has_job()) {
+    node_.StartJob(hello.job_id(), hello.world_size(),
+                   options_.token.empty() ? hello.token() : options_.token);
   }
-  job_id_ = hello.job_id();
-  world_size_ = hello.world_size();
   s.rank = hello.rank();
   RankState& rs = ranks_[s.rank];
   rs.session = id;
   rs.sink = s.sink;
   rs.key_scratch = Manifest();
-  rs.key_scratch.ranks = RankSet(world_size_);
+  rs.key_scratch.ranks = RankSet(node_.world_size());
   rs.key_scratch.ranks.Add(s.rank);
   v1::RankReply welcome;
   welcome.mutable_welcome()->set_node_id(options_.node_id);
   welcome.mutable_welcome()->set_server_version(kServerVersion);
   s.sink->Send(std::make_shared<const v1::RankReply>(std::move(welcome)));
-  const bool new_rank = announced_.insert(s.rank).second;
-  if (first || !hello_sent_) {
-    hello_sent_ = true;
-    upstream_->Send(HelloMessageLocked());
-  } else if (new_rank) {
-    v1::NodeMessage joined;
-    joined.mutable_rank_event()->set_rank(s.rank);
-    joined.mutable_rank_event()->set_joined(true);
-    upstream_->Send(std::move(joined));
-  }
+  node_.AnnounceRanks({s.rank});
 }
 
 void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
@@ -383,7 +341,7 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
   auto reply_error = [&](v1::DecisionError e) {
     v1::RankReply reply;
     reply.mutable_registration()->set_group_id(reg.group_id());
-    e.set_job_id(job_id_);
+    e.set_job_id(node_.job_id());
     e.set_group_id(reg.group_id());
     *reply.mutable_registration()->mutable_error() = std::move(e);
     SendToRankLocked(rank, std::move(reply));
@@ -391,13 +349,13 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
   if (!spec.ok()) {
     reply_error(ErrorFromStatus(v1::INVALID_REQUEST, spec.status(),
-                                absl::StrCat("job ", job_id_, " rank ", rank, ": ")));
+                                absl::StrCat("job ", node_.job_id(), " rank ", rank, ": ")));
     return;
   }
   if (absl::StatusOr<Policy> p = wire::PolicyFromProto(reg.policy()); !p.ok()) {
     reply_error(ErrorFromStatus(
         v1::INVALID_REQUEST, p.status(),
-        absl::StrCat("job ", job_id_, " rank ", rank, " group \"", reg.group_id(), "\": ")));
+        absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", reg.group_id(), "\": ")));
     return;
   }
   auto [git, inserted] = groups_.try_emplace(reg.group_id());
@@ -407,17 +365,8 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
     g.index = static_cast<int>(group_order_.size());
     group_order_.push_back(&g);
   }
-  if (g.variants.empty()) g.spec = *spec;
-  const std::string bytes = reg.SerializeAsString();
-  Variant* v = nullptr;
-  for (Variant& x : g.variants) {
-    if (x.bytes == bytes) v = &x;
-  }
-  if (v == nullptr) {
-    g.variants.push_back(Variant{reg, bytes, {}});
-    v = &g.variants.back();
-  }
-  v->ranks.insert(rank);
+  if (g.registrations.size() == 0) g.spec = *spec;
+  g.registrations.Add(reg, {rank});
   if (auto it = std::lower_bound(g.ranks.begin(), g.ranks.end(), rank);
       it == g.ranks.end() || *it != rank) {
     g.ranks.insert(it, rank);
@@ -426,7 +375,7 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
   v1::NodeMessage up;
   *up.mutable_registration()->mutable_registration() = reg;
   up.mutable_registration()->add_ranks(rank);
-  upstream_->Send(std::move(up));
+  node_.Send(std::move(up));
 }
 
 Sidecar::LocalStep& Sidecar::StepFor(LocalGroup& g, int64_t step) {
@@ -452,9 +401,7 @@ void Sidecar::DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight) {
   for (size_t i = 0; i < n; ++i) g.spare.push_back(std::move(g.steps[i]));
   g.steps.erase(g.steps.begin(), g.steps.begin() + n);
   if (keep_inflight) return;  // resent until the coordinator decided them
-  size_t k = 0;
-  while (k < g.inflight.size() && g.inflight[k].step <= step) ++k;
-  g.inflight.erase(g.inflight.begin(), g.inflight.begin() + k);
+  g.inflight.DropUpTo(step);
 }
 
 void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
@@ -463,11 +410,11 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
   if (batch.repeat_batch_key() != 0) {
     // Batch repeats are a sidecar -> coordinator form only.
     v1::RankReply reply;
-    *reply.mutable_error() =
-        KindedError(v1::INVALID_REQUEST,
-                    absl::StrCat("job ", job_id_, " rank ", rank, " step ", batch.repeat_step(),
-                                 ": a rank must send manifests, not a batch repeat record; check "
-                                 "the client library's version"));
+    *reply.mutable_error() = KindedError(
+        v1::INVALID_REQUEST,
+        absl::StrCat("job ", node_.job_id(), " rank ", rank, " step ", batch.repeat_step(),
+                     ": a rank must send manifests, not a batch repeat record; check "
+                     "the client library's version"));
     reply.mutable_error()->add_ranks(rank);
     SendToRankLocked(rank, std::move(reply));
     return;
@@ -500,7 +447,7 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     d->set_group_id(about.group_id());
     d->set_step(about.step());
     *d->mutable_error() = std::move(error);
-    d->mutable_error()->set_job_id(job_id_);
+    d->mutable_error()->set_job_id(node_.job_id());
     d->mutable_error()->set_group_id(about.group_id());
     d->mutable_error()->set_step(about.step());
     d->mutable_error()->add_ranks(rank);
@@ -510,10 +457,10 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
   auto git = groups_.find(m.group_id());
   if (git == groups_.end() ||
       !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
-    reply_error(m,
-                KindedError(v1::UNKNOWN_GROUP,
-                            absl::StrCat("job ", job_id_, " rank ", rank, ": manifest for group \"",
-                                         m.group_id(), "\" which this rank has not registered")));
+    reply_error(
+        m, KindedError(v1::UNKNOWN_GROUP, absl::StrCat("job ", node_.job_id(), " rank ", rank,
+                                                       ": manifest for group \"", m.group_id(),
+                                                       "\" which this rank has not registered")));
     return;
   }
   LocalGroup& g = git->second;
@@ -525,10 +472,10 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
   }
   if (m.step() <= g.last_decided_step) {
     reply_error(
-        m, KindedError(
-               v1::STEP_REGRESSION,
-               absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(), "\" step ",
-                            m.step(), ": older than the last decided step ", g.last_decided_step)));
+        m, KindedError(v1::STEP_REGRESSION,
+                       absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"",
+                                    m.group_id(), "\" step ", m.step(),
+                                    ": older than the last decided step ", g.last_decided_step)));
     return;
   }
   const size_t num_params = g.spec.params.size();
@@ -541,12 +488,13 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
   uint64_t full_key = 0;
   if (m.repeat()) {
     if (!have_last || last->key != m.cache_key()) {
-      reply_error(m, OutOfOrderError(
-                         v1::INVALID_MANIFEST,
-                         absl::StrCat("job ", job_id_, " rank ", rank, " group \"", m.group_id(),
-                                      "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
-                                      " which is not this rank's previous manifest; send the "
-                                      "full form")));
+      reply_error(
+          m, OutOfOrderError(
+                 v1::INVALID_MANIFEST,
+                 absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", m.group_id(),
+                              "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
+                              " which is not this rank's previous manifest; send the "
+                              "full form")));
       return;
     }
     content = &last->dtypes;
@@ -559,9 +507,9 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     }
     if (!valid.ok()) {
       const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
-      reply_error(
-          m, KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                         absl::StrCat("job ", job_id_, " rank ", rank, ": ", valid.message())));
+      reply_error(m, KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
+                                 absl::StrCat("job ", node_.job_id(), " rank ", rank, ": ",
+                                              valid.message())));
       return;
     }
     // The key covers content, not the step; recompute it so a client that
@@ -578,8 +526,8 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     // no-op, different content is an error.
     if (!std::equal(content->begin(), content->end(), st.rows.begin() + row * num_params)) {
       reply_error(m, OutOfOrderError(v1::INVALID_MANIFEST,
-                                     absl::StrCat("job ", job_id_, " rank ", rank, " group \"",
-                                                  m.group_id(), "\" step ", m.step(),
+                                     absl::StrCat("job ", node_.job_id(), " rank ", rank,
+                                                  " group \"", m.group_id(), "\" step ", m.step(),
                                                   ": a second, different manifest for the same "
                                                   "step")));
     }
@@ -638,8 +586,8 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
           detail[at + i / 8] = static_cast<char>(detail[at + i / 8] | (1 << (i % 8)));
       }
     }
-    const bool with_ranks =
-        !std::equal(st.ranks.begin(), st.ranks.end(), announced_.begin(), announced_.end());
+    const bool with_ranks = !std::equal(st.ranks.begin(), st.ranks.end(), node_.announced().begin(),
+                                        node_.announced().end());
     const bool same_content = g.last_node_full != nullptr && st.ranks == g.last_node_covered &&
                               st.merged == g.last_node_merged && detail == g.last_node_detail;
     if (!same_content || with_ranks != g.last_node_with_ranks) {
@@ -648,7 +596,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       Manifest merged;
       merged.step = st.step;
       merged.dtypes = st.merged;
-      merged.ranks = RankSet(world_size_);
+      merged.ranks = RankSet(node_.world_size());
       for (int r : st.ranks) merged.ranks.Add(r);
       auto full = std::make_shared<v1::Manifest>();
       wire::ManifestToProto(g.group_id, merged, with_ranks, full.get());
@@ -670,9 +618,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       g.last_node_full = std::move(full);
       ++g.node_content_gen;
     }
-    g.inflight.insert(std::lower_bound(g.inflight.begin(), g.inflight.end(), st.step,
-                                       [](const Inflight& f, int64_t s) { return f.step < s; }),
-                      Inflight{st.step, g.last_node_full});
+    g.inflight.Add(st.step, g.last_node_full);
     if (g.have_last_sent && same_content) {
       out->push_back(Outgoing{&g, st.step, /*repeat=*/true, g.last_node_key, nullptr});
       ++stats_.node_manifests_repeat;
@@ -695,8 +641,8 @@ void Sidecar::CloseRank(SessionId id) {
   if (rank < 0 || rit == ranks_.end() || rit->second.session != id) return;
   const int64_t last_step = rit->second.last_step;
   ranks_.erase(rit);
-  ACCORD_LOG(INFO) << "job " << job_id_ << ": rank " << rank << " left (last step " << last_step
-                   << ")";
+  ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank << " left (last step "
+                   << last_step << ")";
   if (ranks_.empty()) {
     ResetJobLocked();
     return;
@@ -711,71 +657,34 @@ void Sidecar::CloseRank(SessionId id) {
   }
   DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
-  v1::NodeMessage left;
-  left.mutable_rank_event()->set_rank(rank);
-  left.mutable_rank_event()->set_joined(false);
-  left.mutable_rank_event()->set_last_step(last_step);
-  upstream_->Send(std::move(left));
+  node_.LeaveRank(rank, last_step, /*forget=*/false);
 }
 
 void Sidecar::ResetJobLocked() {
-  ACCORD_LOG(INFO) << "job " << job_id_ << ": no rank left on this node; resetting";
-  last_job_id_ = job_id_;
-  job_id_.clear();
-  run_id_.clear();
-  node_epoch_ = 0;
-  rank_token_.clear();
-  world_size_ = 0;
-  hello_sent_ = false;
-  announced_.clear();
+  ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
+  last_job_id_ = node_.job_id();
+  node_.EndJob();
   group_order_.clear();
   groups_.clear();
-  upstream_batch_repeat_ = false;
-  last_batch_.Clear();
-  if (options_.reset_when_empty) upstream_->Reconnect();
+  if (options_.reset_when_empty) node_.sink()->Reconnect();
 }
 
 void Sidecar::OnUpstreamConnected() {
   accord::MutexLock l(&mu_);
-  std::vector<v1::NodeMessage> msgs;
-  if (!job_id_.empty()) {
-    msgs.push_back(HelloMessageLocked());
-    hello_sent_ = true;
-    v1::NodeMessage batch;
-    for (LocalGroup* gp : group_order_) {
-      LocalGroup& g = *gp;
-      for (const Variant& v : g.variants) {
-        std::vector<int> live;
-        for (int r : v.ranks) {
-          if (ranks_.count(r)) live.push_back(r);
-        }
-        if (live.empty()) continue;
-        v1::NodeMessage reg;
-        *reg.mutable_registration()->mutable_registration() = v.registration;
-        for (int r : live) reg.mutable_registration()->add_ranks(r);
-        msgs.push_back(std::move(reg));
-      }
-      for (const Inflight& f : g.inflight) {
-        v1::Manifest* m = batch.mutable_manifests()->add_manifests();
-        *m = *f.full;
-        m->set_step(f.step);
-      }
-      // The coordinator may have lost its cache: the next manifest goes in full.
-      g.have_last_sent = false;
-      // ... and its pending steps: partial steps are reported again.
-      for (LocalStep& st : g.steps) st.partial_reported = false;
-    }
-    // A new stream: no batch repeat until its Welcome says so; its previous
-    // batch is the resend (or none).
-    last_batch_.Record(batch.manifests());
-    if (batch.manifests().manifests_size() > 0) msgs.push_back(std::move(batch));
-  } else {
-    hello_sent_ = false;
-    last_batch_.Clear();
+  std::vector<v1::NodeMessage> registrations;
+  v1::ManifestBatch inflight;
+  for (LocalGroup* g : group_order_) {
+    g->registrations.AppendResend(
+        [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.count(r) != 0; },
+        &registrations);
+    g->inflight.AppendAll(&inflight);
+    // The coordinator may have lost its cache: the next manifest goes in full.
+    g->have_last_sent = false;
+    // ... and its pending steps: partial steps are reported again.
+    for (LocalStep& st : g->steps) st.partial_reported = false;
   }
-  upstream_batch_repeat_ = false;
   report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
-  upstream_->Reset(std::move(msgs));
+  node_.Connected(std::move(registrations), std::move(inflight));
 }
 
 void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
@@ -791,10 +700,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   accord::MutexLock l(&mu_);
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
-      upstream_batch_repeat_ = message.welcome().batch_repeat();
-      if (!message.welcome().run_id().empty() && !job_id_.empty()) {
-        run_id_ = message.welcome().run_id();
-      }
+      node_.OnWelcome(message.welcome());
       report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
       if (report_after_ > absl::ZeroDuration()) ArmTimerLocked(clock_->Now());
@@ -879,7 +785,7 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   ACCORD_LOG(INFO) << "coordinator asked about group \"" << query.group_id() << "\" step "
                    << query.step() << ": " << p->reported_size() << " of " << ranks_.size()
                    << " local ranks submitted it";
-  if (upstream_ != nullptr) upstream_->Send(std::move(up));
+  node_.Send(std::move(up));
 }
 
 void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
@@ -895,7 +801,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   std::vector<Routed> routed;
   routed.reserve(batch.decisions_size());
   bool uniform = true;  // every connected rank gets every routed decision as is
-  v1::NodeMessage resend;
+  v1::ManifestBatch resend;
   for (const v1::Decision& d : batch.decisions()) {
     if (!local) ++stats_.decisions_in;
     auto git = groups_.find(d.group_id());
@@ -903,12 +809,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
     LocalGroup& g = git->second;
     // A repeat the coordinator could not resolve: resend in full form.
     if (d.has_error() && d.error().resend_full_form()) {
-      auto in = std::lower_bound(g.inflight.begin(), g.inflight.end(), d.step(),
-                                 [](const Inflight& f, int64_t s) { return f.step < s; });
-      if (in != g.inflight.end() && in->step == d.step()) {
-        v1::Manifest* m = resend.mutable_manifests()->add_manifests();
-        *m = *in->full;
-        m->set_step(d.step());
+      if (g.inflight.AppendStep(d.step(), &resend)) {
         g.have_last_sent = false;
         continue;
       }
@@ -988,7 +889,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   }
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
-  if (!local) SendManifestsLocked(std::move(resend));
+  if (!local && node_.SendBatch(std::move(resend))) ++stats_.node_batch_repeats;
 }
 
 }  // namespace accord::daemon

@@ -64,6 +64,7 @@
 #include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/upstream.h"
+#include "daemon/common/upstream_node.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -222,11 +223,6 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     std::vector<DTypeMask> rows;    // ranks.size() x num_params dtype sets
     std::vector<DTypeMask> merged;  // OR of the rows
   };
-  struct Variant {
-    v1::GroupRegistration registration;
-    std::string bytes;
-    std::set<int> ranks;
-  };
   // A local rank's last full-form manifest content for a group, against
   // which its repeat-form manifests are resolved.
   struct LastFull {
@@ -234,21 +230,16 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     uint64_t key = 0;
     std::vector<DTypeMask> dtypes;
   };
-  // A node manifest sent without a decision yet (for resends).
-  struct Inflight {
-    int64_t step = 0;
-    std::shared_ptr<const v1::Manifest> full;  // full form, step not set
-  };
   struct LocalGroup {
     std::string group_id;
     int index = 0;  // dense, in registration order
     GroupSpec spec;
-    std::vector<Variant> variants;
-    std::vector<int> ranks;  // local ranks that registered it, ascending
+    GroupRegistrations registrations;  // as forwarded, for resends
+    std::vector<int> ranks;            // local ranks that registered it, ascending
     std::optional<v1::RegistrationResult> result;
-    std::vector<LocalStep> steps;    // ascending step
-    std::vector<LocalStep> spare;    // emptied steps, kept for their storage
-    std::vector<Inflight> inflight;  // ascending step
+    std::vector<LocalStep> steps;  // ascending step
+    std::vector<LocalStep> spare;  // emptied steps, kept for their storage
+    InflightManifests inflight;    // node manifests sent, undecided
     // The last node manifest produced for the group (content, detail
     // signature, whether it carried rank_bits, and its full form).
     uint64_t last_node_key = 0;
@@ -333,12 +324,8 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Fails the job on this node: every rank gets `e` and its stream closes.
   void FailRanksLocked(const v1::DecisionError& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRankLocked(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
-  // previous batch, and records it as the stream's previous batch.
-  void SendManifestsLocked(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the 16-byte record "step `step` repeats the previous batch".
   void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -359,18 +346,16 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // the steady state signals the timer at most once per report_after_).
   bool timer_armed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  std::string job_id_ ABSL_GUARDED_BY(mu_);
-  std::string run_id_ ABSL_GUARDED_BY(mu_);       // from the Welcome; "" before it
-  uint64_t node_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // drawn at the job's first local rank
-  std::string last_job_id_ ABSL_GUARDED_BY(mu_);  // for metrics after the job ended
-  std::string rank_token_ ABSL_GUARDED_BY(mu_);  // first rank's token, when options_.token is empty
-  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
+  // The node upstream: the job served now (none before the first rank and
+  // after the last), its run and epoch (drawn at the job's first local
+  // rank), the token (options_.token, else the first rank's), the ranks
+  // announced (every rank accepted since the job started), the stream's
+  // Welcome and previous batch.
+  UpstreamNode node_ ABSL_GUARDED_BY(mu_);
+  std::string last_job_id_ ABSL_GUARDED_BY(mu_);         // for metrics after the job ended
   std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
-  std::set<int> announced_ ABSL_GUARDED_BY(mu_);         // every rank announced upstream
   // node_hash_map: LocalGroup addresses are stable (group_order_ points at them).
   absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
   std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
@@ -380,10 +365,6 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   v1::DecisionBatch local_batch_ ABSL_GUARDED_BY(mu_);     // DecideLocallyLocked's output
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
-  // The current upstream stream: whether the coordinator accepts batch
-  // repeats, and the previous ManifestBatch sent on it (group, cache key).
-  bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  wire::StreamBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
   std::thread timer_;  // last: started once everything above is initialised
 };
 
