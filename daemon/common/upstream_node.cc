@@ -63,6 +63,18 @@ void RepeatForm::Sent(uint64_t key, absl::string_view shape) {
   if (shape != shape_) shape_ = std::string(shape);
 }
 
+v1::NodeMessage PartialReport(absl::string_view group_id, int64_t step, absl::Duration waited,
+                              const std::vector<int>& reported) {
+  v1::NodeMessage up;
+  v1::NodeProgress* p = up.mutable_progress();
+  p->set_group_id(std::string(group_id));
+  p->set_step(step);
+  p->set_partial(true);
+  p->set_waited_us(absl::ToInt64Microseconds(waited));
+  for (int r : reported) p->add_reported(r);
+  return up;
+}
+
 void UpstreamNode::Send(v1::NodeMessage message) {
   if (sink_ != nullptr) sink_->Send(std::move(message));
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
 #include "daemon/common/upstream.h"
 #include "proto/wire.h"
@@ -112,6 +113,12 @@ class RepeatForm {
   uint64_t key_ = 0;
   std::string shape_;
 };
+
+// NodeProgress{partial} (docs/ARCHITECTURE.md, "Silent ranks"): some of the
+// node's ranks (`reported`) submitted (group, step) `waited` ago, and the
+// others did not.
+v1::NodeMessage PartialReport(absl::string_view group_id, int64_t step, absl::Duration waited,
+                              const std::vector<int>& reported);
 
 class UpstreamNode {
  public:

@@ -33,13 +33,13 @@ bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
 
 void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   if (!LocalDecisionAllowedLocked(g) ||
-      static_cast<int>(g.unconfirmed.size()) >= options_.local_decision_lag) {
+      static_cast<int>(g.local.unconfirmed.size()) >= options_.local_decision_lag) {
     return;
   }
   // Steps of a group are decided in order: every earlier step still
   // without the coordinator's decision must have been decided here.
-  if (g.inflight.CountBefore(st.step) != g.unconfirmed.size()) return;
-  if (g.local_ok_bytes == nullptr || g.local_content_gen != g.node_content_gen) {
+  if (g.inflight.CountBefore(st.step) != g.local.unconfirmed.size()) return;
+  if (g.local.ok_bytes == nullptr || g.local.content_gen != g.form.content_gen) {
     absl::StatusOr<Policy> policy = wire::PolicyFromProto(g.registrations.first().policy());
     if (!policy.ok()) return;
     Manifest merged;
@@ -51,20 +51,20 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
     if (!decision.ok()) return;  // error decisions are the coordinator's to send
     v1::DecisionOk ok;
     wire::DecisionToProto(*decision, &ok);
-    g.local_ok_bytes = std::make_shared<const std::string>(ok.SerializeAsString());
-    g.local_content_gen = g.node_content_gen;
+    g.local.ok_bytes = std::make_shared<const std::string>(ok.SerializeAsString());
+    g.local.content_gen = g.form.content_gen;
   }
   v1::Decision* d = local_batch_.add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(st.step);
   d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - st.first_seen));
-  if (g.last_ok.has_value() && g.local_ok_delivered == g.local_ok_bytes) {
+  if (g.decided.ok.has_value() && g.local.delivered == g.local.ok_bytes) {
     d->set_same_as_previous(true);  // the ranks' last decision of the group
   } else {
-    d->mutable_ok()->ParseFromString(*g.local_ok_bytes);
-    g.local_ok_delivered = g.local_ok_bytes;
+    d->mutable_ok()->ParseFromString(*g.local.ok_bytes);
+    g.local.delivered = g.local.ok_bytes;
   }
-  g.unconfirmed.push_back(LocalGroup::Unconfirmed{st.step, g.local_ok_bytes});
+  g.local.unconfirmed.push_back(LocalDecisionState::Unconfirmed{st.step, g.local.ok_bytes});
   ++stats_.local_decisions;
 }
 
@@ -75,24 +75,25 @@ void Sidecar::DeliverLocalDecisionsLocked() {
 }
 
 bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
-  if (g.unconfirmed.empty() || d.step() < g.unconfirmed.front().step) return false;
+  if (g.local.unconfirmed.empty() || d.step() < g.local.unconfirmed.front().step) return false;
   // Decisions come in step order: earlier local steps without one were
   // decided by the coordinator in a batch this one belongs to.
-  while (!g.unconfirmed.empty() && g.unconfirmed.front().step < d.step()) {
-    g.unconfirmed.pop_front();
+  while (!g.local.unconfirmed.empty() && g.local.unconfirmed.front().step < d.step()) {
+    g.local.unconfirmed.pop_front();
   }
-  if (g.unconfirmed.empty() || g.unconfirmed.front().step != d.step()) return false;
-  const std::shared_ptr<const std::string> mine = std::move(g.unconfirmed.front().ok_bytes);
-  g.unconfirmed.pop_front();
-  DropStepsUpTo(g, d.step());  // its inflight entry: no resend needed any more
+  if (g.local.unconfirmed.empty() || g.local.unconfirmed.front().step != d.step()) return false;
+  const std::shared_ptr<const std::string> mine = std::move(g.local.unconfirmed.front().ok_bytes);
+  g.local.unconfirmed.pop_front();
+  g.collect.DropUpTo(d.step());
+  g.inflight.DropUpTo(d.step());  // no resend needed any more
   std::string theirs;
   if (d.has_ok()) {
     theirs = d.ok().SerializeAsString();
-  } else if (d.same_as_previous() && g.coordinator_ok_bytes.has_value()) {
-    theirs = *g.coordinator_ok_bytes;
+  } else if (d.same_as_previous() && g.local.coordinator_ok_bytes.has_value()) {
+    theirs = *g.local.coordinator_ok_bytes;
   }
   if (!d.has_error() && !theirs.empty() && theirs == *mine) {
-    g.coordinator_ok_bytes = std::move(theirs);
+    g.local.coordinator_ok_bytes = std::move(theirs);
     ++stats_.local_confirmed;
     return true;
   }
