@@ -39,7 +39,7 @@ absl::StatusOr<std::vector<int>> CheckNodeHello(const v1::NodeHello& hello, int 
 }
 
 absl::Status CheckNodeJoins(absl::string_view job_id, int job_world, const v1::NodeHello& hello,
-                            const RankHeldElsewhere& held) {
+                            absl::FunctionRef<RankHeldElsewhere()> held_elsewhere) {
   if (job_world != hello.world_size()) {
     return wire::KindError(
         v1::WORLD_SIZE_MISMATCH,
@@ -47,7 +47,7 @@ absl::Status CheckNodeJoins(absl::string_view job_id, int job_world, const v1::N
                      hello.world_size(), " but the job has world size ", job_world,
                      "; check WORLD_SIZE of every launcher"));
   }
-  if (held.rank >= 0) {
+  if (const RankHeldElsewhere held = held_elsewhere(); held.rank >= 0) {
     return wire::KindError(
         v1::DUPLICATE_RANK,
         absl::StrCat("job ", job_id, ": rank ", held.rank, " is already served by node \"",

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -31,10 +32,11 @@ struct RankHeldElsewhere {
 };
 
 // Whether the hello's node may join job `job_id` of world size `job_world`:
-// WORLD_SIZE_MISMATCH when the world sizes differ, DUPLICATE_RANK when
-// `held.rank` >= 0.
+// WORLD_SIZE_MISMATCH when the world sizes differ, else DUPLICATE_RANK when
+// `held_elsewhere()` (asked only once the hello's ranks are known to be in
+// the job's range) names a rank.
 absl::Status CheckNodeJoins(absl::string_view job_id, int job_world, const v1::NodeHello& hello,
-                            const RankHeldElsewhere& held);
+                            absl::FunctionRef<RankHeldElsewhere()> held_elsewhere);
 
 }  // namespace accord::daemon
 

@@ -603,10 +603,12 @@ absl::StatusOr<Coordinator::Job*> Coordinator::FindOrCreateJobLocked(const v1::N
 absl::Status Coordinator::CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
                                           const std::vector<int>& ranks) const {
   // Ranks held by another connected node are refused.
-  RankHeldElsewhere held;
-  held.rank = job.members.HeldElsewhere(hello.node_id(), ranks);
-  if (held.rank >= 0) held.node_id = job.members.OwnerOf(held.rank)->node_id;
-  return CheckNodeJoins(job.job_id, job.world_size, hello, held);
+  return CheckNodeJoins(job.job_id, job.world_size, hello, [&] {
+    RankHeldElsewhere held;
+    held.rank = job.members.HeldElsewhere(hello.node_id(), ranks);
+    if (held.rank >= 0) held.node_id = job.members.OwnerOf(held.rank)->node_id;
+    return held;
+  });
 }
 
 void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,

@@ -163,12 +163,14 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   }
   if (node_.has_job()) {
     // As the coordinator checks a node joining a job (the same checks).
-    const RankHeldElsewhere held = HeldElsewhereLocked(hello.node_id(), ranks);
-    if (absl::Status joins = CheckNodeJoins(node_.job_id(), node_.world_size(), hello, held);
-        !joins.ok()) {
+    RankHeldElsewhere held;
+    absl::Status joins = CheckNodeJoins(node_.job_id(), node_.world_size(), hello,
+                                        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                          return held = HeldElsewhereLocked(hello.node_id(), ranks);
+                                        });
+    if (!joins.ok()) {
       std::vector<int> at_fault;
-      if (held.rank >= 0 && wire::KindOf(joins) == v1::DUPLICATE_RANK)
-        at_fault.push_back(held.rank);
+      if (held.rank >= 0) at_fault.push_back(held.rank);
       RefuseLocked(s.sink, ErrorFromStatus(v1::ERROR_KIND_UNSPECIFIED, joins), at_fault);
       return;
     }
