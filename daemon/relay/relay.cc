@@ -175,23 +175,7 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
       return;
     }
   }
-  if (node_.has_job() && RanksRestartedLocked(hello)) {
-    // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
-    // current run is over for every sidecar here; the hello then starts a
-    // new one, and the relay's NEW hello with a fresh epoch ends the run at
-    // the coordinator for every other node too.
-    const std::string msg = absl::StrCat(
-        "job ", node_.job_id(), " run ", node_.run_id(), " ended: node \"", hello.node_id(),
-        "\" started a new run of the same job id (its ranks were restarted), so this run gets "
-        "no more decisions; stop the ranks of the old run");
-    ACCORD_LOG(WARNING) << msg;
-    for (auto& [sid, other] : sessions_) {
-      if (sid == id || other.node_id.empty()) continue;
-      RefuseLocked(other.sink, KindedError(v1::RUN_ENDED, msg));
-      other.node_id.clear();
-    }
-    ResetJobLocked();
-  }
+  if (node_.has_job() && RanksRestartedLocked(hello)) EndRunLocked(id, hello);
   if (!node_.has_job()) {
     // A resuming sidecar names its run: a restarted relay rejoins it.
     node_.StartJob(hello.job_id(), hello.world_size(),
@@ -200,6 +184,32 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": first node \"" << hello.node_id()
                      << "\" arrived; relaying as node \"" << options_.relay_id << "\"";
   }
+  Node& node = PlaceNodeLocked(id, s, hello, ranks);
+  // Ranks not yet announced upstream join the relay's node there.
+  node_.AnnounceRanks(ranks);
+  if (node_.welcomed()) WelcomeLocked(node);
+}
+
+void Relay::EndRunLocked(SessionId id, const v1::NodeHello& hello) {
+  // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
+  // current run is over for every sidecar here; the hello then starts a
+  // new one, and the relay's NEW hello with a fresh epoch ends the run at
+  // the coordinator for every other node too.
+  const std::string msg = absl::StrCat(
+      "job ", node_.job_id(), " run ", node_.run_id(), " ended: node \"", hello.node_id(),
+      "\" started a new run of the same job id (its ranks were restarted), so this run gets "
+      "no more decisions; stop the ranks of the old run");
+  ACCORD_LOG(WARNING) << msg;
+  for (auto& [sid, other] : sessions_) {
+    if (sid == id || other.node_id.empty()) continue;
+    RefuseLocked(other.sink, KindedError(v1::RUN_ENDED, msg));
+    other.node_id.clear();
+  }
+  ResetJobLocked();
+}
+
+Relay::Node& Relay::PlaceNodeLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                                    const std::vector<int>& ranks) {
   Node& node = nodes_[hello.node_id()];
   if (node.session != 0 && node.session != id) {
     // The same node reconnected before its old stream was noticed as gone.
@@ -220,9 +230,7 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   for (int r : ranks) node.rank_set.Add(r);
   ++membership_epoch_;
   s.node_id = node.node_id;
-  // Ranks not yet announced upstream join the relay's node there.
-  node_.AnnounceRanks(ranks);
-  if (node_.welcomed()) WelcomeLocked(node);
+  return node;
 }
 
 RankHeldElsewhere Relay::HeldElsewhereLocked(const std::string& node_id,

@@ -210,6 +210,13 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
                                         const std::vector<int>& ranks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WelcomeLocked(Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A NEW hello from `id` under another epoch ended the current run: every
+  // other sidecar gets RUN_ENDED and the job's state is dropped.
+  void EndRunLocked(SessionId id, const v1::NodeHello& hello) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The accepted hello's sidecar takes its place (a new stream: no previous
+  // manifest or batch).
+  Node& PlaceNodeLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                        const std::vector<int>& ranks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A NEW hello from a sidecar of the current job under another epoch: its
   // ranks were restarted, so the current run is over.
   bool RanksRestartedLocked(const v1::NodeHello& hello) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
