@@ -21,20 +21,15 @@ constexpr char kRelayVersion[] = "accord-relay/1";
 Relay::Relay(RelayOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      node_(options_.relay_id) {
-  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+      node_(options_.relay_id),
+      timer_(&mu_, clock_,
+             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckTimersLocked(); }) {
+  if (options_.start_timer_thread) timer_.Start();
 }
 
 Relay::~Relay() { Stop(); }
 
-void Relay::Stop() {
-  {
-    accord::MutexLock l(&mu_);
-    stopping_ = true;
-    timer_cv_.SignalAll();
-  }
-  if (timer_.joinable()) timer_.join();
-}
+void Relay::Stop() { timer_.Stop(); }
 
 void Relay::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
@@ -92,7 +87,7 @@ void Relay::CloseSession(SessionId id) {
                       << "\" ended; its steps wait "
                       << absl::FormatDuration(options_.node_reconnect_grace)
                       << " for it to reconnect";
-  ArmTimerLocked(node.lost_at + options_.node_reconnect_grace);
+  timer_.Arm(node.lost_at + options_.node_reconnect_grace);
 }
 
 void Relay::HandleMessage(SessionId id, const v1::NodeMessage& message) {
@@ -491,29 +486,12 @@ void Relay::ResetJobLocked() {
   node_.sink()->Reconnect();
 }
 
-void Relay::ArmTimerLocked(absl::Time at) {
-  if (at >= timer_at_) return;
-  timer_at_ = at;
-  timer_cv_.SignalAll();
-}
-
-void Relay::TimerLoop() {
-  accord::MutexLock l(&mu_);
-  while (!stopping_) {
-    if (clock_->Now() >= timer_at_) {
-      CheckTimersLocked();
-      continue;
-    }
-    clock_->WaitUntil(&timer_cv_, &mu_, timer_at_);
-  }
-}
-
 void Relay::CheckTimers() {
   accord::MutexLock l(&mu_);
-  CheckTimersLocked();
+  timer_.RunNow();
 }
 
-void Relay::CheckTimersLocked() {
+absl::Time Relay::CheckTimersLocked() {
   const absl::Time now = clock_->Now();
   absl::Time next = absl::InfiniteFuture();
   std::vector<std::string> lost;
@@ -548,7 +526,7 @@ void Relay::CheckTimersLocked() {
       }
     }
   }
-  timer_at_ = next;
+  return next;
 }
 
 }  // namespace accord::daemon

@@ -75,6 +75,7 @@
 #include "core/rank_set.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/due_timer.h"
 #include "daemon/common/node_hello.h"
 #include "daemon/common/node_session.h"
 #include "daemon/common/upstream.h"
@@ -265,16 +266,13 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TimerLoop();
+  // Drops the sidecars past their grace and reports the partial steps due;
+  // returns when the next one is due.
+  absl::Time CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RelayOptions options_;
   Clock* const clock_;
   accord::Mutex mu_;
-  accord::CondVar timer_cv_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
 
@@ -288,7 +286,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);
-  std::thread timer_;  // last: started once everything above is initialised
+  DueTimer timer_;  // last: its thread starts once everything above is initialised
 };
 
 }  // namespace accord::daemon

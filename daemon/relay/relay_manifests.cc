@@ -141,7 +141,7 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
   st.contributed[node.node_id] = std::move(covered);
   st.unsent.push_back(Part{node.node_id, std::move(m), repeat});
   if (node_.deadline_ms() > 0) {
-    ArmTimerLocked(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
+    timer_.Arm(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
   }
   MaybeSendStepLocked(g, step, out);
 }

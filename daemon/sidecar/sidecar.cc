@@ -22,20 +22,15 @@ absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatu
 Sidecar::Sidecar(SidecarOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      node_(options_.node_id) {
-  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+      node_(options_.node_id),
+      timer_(&mu_, clock_,
+             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckPartialStepsLocked(); }) {
+  if (options_.start_timer_thread) timer_.Start();
 }
 
 Sidecar::~Sidecar() { Stop(); }
 
-void Sidecar::Stop() {
-  {
-    accord::MutexLock l(&mu_);
-    stopping_ = true;
-    timer_cv_.SignalAll();
-  }
-  if (timer_.joinable()) timer_.join();
-}
+void Sidecar::Stop() { timer_.Stop(); }
 
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);

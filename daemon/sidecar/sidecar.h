@@ -63,6 +63,7 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/due_timer.h"
 #include "daemon/common/upstream.h"
 #include "daemon/common/upstream_node.h"
 #include "daemon/sidecar/local_group.h"
@@ -284,23 +285,15 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TimerLoop();
+  // Reports the steps due; returns when the next one is due.
+  absl::Time CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SidecarOptions options_;
   Clock* const clock_;
   accord::Mutex mu_;
-  accord::CondVar timer_cv_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Half the coordinator's deadline (Welcome.deadline_ms) on the current
   // stream; zero: partial steps are not reported.
   absl::Duration report_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
-  // The timer wakes at timer_at_ when armed: the earliest time a step not
-  // yet sent or reported becomes due (armed at most once per due time, so
-  // the steady state signals the timer at most once per report_after_).
-  bool timer_armed_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   // The node upstream: the job served now (none before the first rank and
@@ -320,7 +313,11 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   v1::DecisionBatch local_batch_ ABSL_GUARDED_BY(mu_);     // DecideLocallyLocked's output
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
-  std::thread timer_;  // last: started once everything above is initialised
+  // Partial-step reports: due at the earliest time a step not yet sent or
+  // reported becomes due (armed at most once per due time, so the steady
+  // state signals the timer at most once per report_after_). Last: its
+  // thread starts once everything above is initialised.
+  DueTimer timer_;
 };
 
 }  // namespace accord::daemon

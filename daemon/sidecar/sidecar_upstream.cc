@@ -14,41 +14,23 @@
 
 namespace accord::daemon {
 
-void Sidecar::TimerLoop() {
-  accord::MutexLock l(&mu_);
-  while (!stopping_) {
-    if (timer_armed_ && clock_->Now() >= timer_at_) {
-      CheckPartialStepsLocked();
-      continue;
-    }
-    clock_->WaitUntil(&timer_cv_, &mu_, timer_armed_ ? timer_at_ : absl::InfiniteFuture());
-  }
-}
-
-void Sidecar::ArmTimerLocked(absl::Time at) {
-  if (timer_armed_ && timer_at_ <= at) return;
-  timer_armed_ = true;
-  timer_at_ = at;
-  timer_cv_.SignalAll();
-}
-
 void Sidecar::NoteStepStartedLocked(LocalStep& st) {
   st.first_seen = clock_->Now();
   st.partial_reported = false;
-  if (report_after_ > absl::ZeroDuration() && !timer_armed_) {
-    ArmTimerLocked(st.first_seen + report_after_);
+  if (report_after_ > absl::ZeroDuration() && !timer_.armed()) {
+    timer_.Arm(st.first_seen + report_after_);
   }
 }
 
 void Sidecar::CheckPartialSteps() {
   accord::MutexLock l(&mu_);
-  CheckPartialStepsLocked();
+  timer_.RunNow();
 }
 
-void Sidecar::CheckPartialStepsLocked() {
-  timer_armed_ = false;
-  timer_at_ = absl::InfiniteFuture();
-  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) return;
+absl::Time Sidecar::CheckPartialStepsLocked() {
+  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) {
+    return absl::InfiniteFuture();
+  }
   const absl::Time now = clock_->Now();
   absl::Time next = absl::InfiniteFuture();
   for (LocalGroup* g : group_order_) {
@@ -77,7 +59,7 @@ void Sidecar::CheckPartialStepsLocked() {
       node_.Send(std::move(up));
     }
   }
-  if (next != absl::InfiniteFuture()) ArmTimerLocked(next);
+  return next;
 }
 
 void Sidecar::SendBatchRepeatLocked(int64_t step) {
@@ -151,7 +133,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       node_.OnWelcome(message.welcome());
       report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
-      if (report_after_ > absl::ZeroDuration()) ArmTimerLocked(clock_->Now());
+      if (report_after_ > absl::ZeroDuration()) timer_.Arm(clock_->Now());
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
