@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "daemon/common/decision_errors.h"
 #include "daemon/sidecar/sidecar.h"
 #include "proto/wire.h"
 
@@ -104,7 +105,8 @@ bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
     // own error, for every rank.
     e = d.error();
   } else {
-    e = wire::MakeError(
+    // A broken invariant of accord's own (Decide is deterministic): INTERNAL.
+    e = ErrorFromStatus(
         v1::JOB_FAILED,
         absl::InternalError(absl::StrCat(
             "job ", node_.job_id(), " group \"", g.group_id, "\" step ", d.step(), ": node \"",
