@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "core/log.h"
 #include "daemon/common/decision_errors.h"
+#include "daemon/common/node_hello.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -577,32 +578,10 @@ absl::Status Coordinator::ValidateHello(const Session& s, const v1::NodeHello& h
             absl::StrCat("node \"", s.node->node_id, "\" sent a second NodeHello on one session")),
         v1::INVALID_REQUEST);
   }
-  if (hello.job_id().empty() || hello.node_id().empty()) {
-    return wire::KindError(v1::INVALID_REQUEST, "NodeHello needs a job_id and a node_id");
-  }
-  const int world = hello.world_size();
-  if (world > options_.max_world_size) {
-    return wire::KindError(
-        v1::LIMIT_EXCEEDED,
-        absl::StrCat("job ", hello.job_id(), ": world size ", world, " from node \"",
-                     hello.node_id(), "\" exceeds --max_ranks=", options_.max_world_size,
-                     "; raise the coordinator's --max_ranks"));
-  }
-  if (world < 1) {
-    return wire::KindError(v1::INVALID_REQUEST,
-                           absl::StrCat("job ", hello.job_id(), ": world size ", world,
-                                        " from node \"", hello.node_id(), "\" must be at least 1"));
-  }
-  ranks.assign(hello.ranks().begin(), hello.ranks().end());
-  std::sort(ranks.begin(), ranks.end());
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (ranks[i] < 0 || ranks[i] >= world || (i > 0 && ranks[i] == ranks[i - 1])) {
-      return wire::KindError(
-          v1::INVALID_REQUEST,
-          absl::StrCat("job ", hello.job_id(), ": node \"", hello.node_id(), "\" announced rank ",
-                       ranks[i], " twice or outside 0..", world - 1));
-    }
-  }
+  absl::StatusOr<std::vector<int>> checked =
+      CheckNodeHello(hello, options_.max_world_size, "coordinator");
+  if (!checked.ok()) return checked.status();
+  ranks = *std::move(checked);
   return absl::OkStatus();
 }
 
@@ -630,22 +609,13 @@ absl::StatusOr<Coordinator::Job*> Coordinator::FindOrCreateJobLocked(const v1::N
 
 absl::Status Coordinator::CheckJoinLocked(const Job& job, const v1::NodeHello& hello,
                                           const std::vector<int>& ranks) const {
-  if (job.world_size != hello.world_size()) {
-    return wire::KindError(
-        v1::WORLD_SIZE_MISMATCH,
-        absl::StrCat("job ", job.job_id, ": node \"", hello.node_id(), "\" says world size ",
-                     hello.world_size(), " but the job has world size ", job.world_size,
-                     "; check WORLD_SIZE of every launcher"));
-  }
   // Ranks held by another connected node are refused.
-  if (const int r = job.members.HeldElsewhere(hello.node_id(), ranks); r >= 0) {
-    return wire::KindError(
-        v1::DUPLICATE_RANK,
-        absl::StrCat("job ", job.job_id, ": rank ", r, " is already served by node \"",
-                     job.members.OwnerOf(r)->node_id, "\"; node \"", hello.node_id(),
-                     "\" announced it too. Check RANK of the processes on both nodes"));
-  }
-  return absl::OkStatus();
+  return CheckNodeJoins(job.job_id, job.world_size, hello, [&] {
+    RankHeldElsewhere held;
+    held.rank = job.members.HeldElsewhere(hello.node_id(), ranks);
+    if (held.rank >= 0) held.node_id = job.members.OwnerOf(held.rank)->node_id;
+    return held;
+  });
 }
 
 void Coordinator::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello,

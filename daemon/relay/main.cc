@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -64,6 +66,8 @@ ABSL_FLAG(absl::Duration, reconnect_max_backoff, absl::Seconds(5),
           "upper bound of the jittered exponential backoff between upstream reconnects");
 ABSL_FLAG(absl::Duration, kv_slack, absl::Seconds(60),
           "how long a forwarded key-value request may take beyond its own wait");
+ABSL_FLAG(int, max_ranks, 65536,
+          "largest world size a sidecar's NodeHello may say (as the coordinator's --max_ranks)");
 ABSL_FLAG(int, max_message_bytes, 4 << 20, "largest gRPC message received or sent");
 ABSL_FLAG(int64_t, stream_queue_low_watermark, 1024,
           "messages queued for one sidecar stream past which it is logged as slow");
@@ -123,6 +127,72 @@ UpstreamFlags UpstreamFlagsFromFlags() {
   return f;
 }
 
+RelayOptions RelayOptionsFromFlags(const std::string& token) {
+  RelayOptions options;
+  options.relay_id = absl::GetFlag(FLAGS_relay_id);
+  if (options.relay_id.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.relay_id = absl::StrCat("relay-", host);
+  }
+  options.token = token;
+  options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
+  options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
+  return options;
+}
+
+// --tokens_file's tokens; null without the flag.
+absl::StatusOr<std::unique_ptr<JobTokens>> TokensFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_tokens_file);
+  if (path.empty()) return std::unique_ptr<JobTokens>();
+  return JobTokens::Load(path);
+}
+
+// The sidecars' server on --listen (null when it cannot listen); its port
+// in `port`. It keeps alive as the upstream does.
+std::unique_ptr<grpc::Server> StartServer(const std::shared_ptr<grpc::ServerCredentials>& creds,
+                                          std::pair<int, int> keepalive,
+                                          const std::vector<grpc::Service*>& services, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), creds, port);
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive.first);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive.second);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             keepalive.first / 2);
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+void PrintStats(const RelayStats& stats) {
+  std::printf(
+      "accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld up_batch_repeats=%lld "
+      "batches=%lld\n",
+      static_cast<long long>(stats.node_manifests_in),
+      static_cast<long long>(stats.manifests_up_full),
+      static_cast<long long>(stats.manifests_up_repeat),
+      static_cast<long long>(stats.batch_repeats_up),
+      static_cast<long long>(stats.decision_batches));
+  std::fflush(stdout);
+}
+
+// Waits for a termination signal, re-reading --tokens_file (when given) on
+// each SIGHUP; returns the signal.
+int WaitForStop(JobTokens* tokens) {
+  int sig = 0;
+  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
+    if (tokens == nullptr) continue;
+    if (absl::Status s = tokens->Reload(); !s.ok()) {
+      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
+    }
+  }
+  return sig;
+}
+
 int Main(int argc, char** argv) {
   ParseFlagsWithEnv(argc, argv, __FILE__,
                     "relays the node streams of many sidecars (a rack) to the coordinator as one "
@@ -143,32 +213,16 @@ int Main(int argc, char** argv) {
   // with the channel).
   absl::StatusOr<std::pair<int, int>> keepalive =
       KeepaliveMillis(absl::GetFlag(FLAGS_keepalive_time), absl::GetFlag(FLAGS_keepalive_timeout));
-  for (const absl::Status& s :
-       {server_creds.status(), channel.status(), token.status(), keepalive.status()}) {
+  absl::StatusOr<std::unique_ptr<JobTokens>> loaded = TokensFromFlags();
+  for (const absl::Status& s : {server_creds.status(), channel.status(), token.status(),
+                                keepalive.status(), loaded.status()}) {
     if (!s.ok()) {
       ACCORD_LOG(ERROR) << s.message();
       return 2;
     }
   }
-  std::unique_ptr<JobTokens> tokens;
-  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
-    absl::StatusOr<std::unique_ptr<JobTokens>> loaded = JobTokens::Load(path);
-    if (!loaded.ok()) {
-      ACCORD_LOG(ERROR) << loaded.status().message();
-      return 2;
-    }
-    tokens = *std::move(loaded);
-  }
-  RelayOptions options;
-  options.relay_id = absl::GetFlag(FLAGS_relay_id);
-  if (options.relay_id.empty()) {
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    options.relay_id = absl::StrCat("relay-", host);
-  }
-  options.token = *token;
-  options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
-  Relay relay(options);
+  std::unique_ptr<JobTokens> tokens = *std::move(loaded);
+  Relay relay(RelayOptionsFromFlags(*token));
   GrpcUpstream upstream(*channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
   relay.SetUpstream(&upstream);
   WriteQueueLimits queue_limits;
@@ -179,22 +233,10 @@ int Main(int argc, char** argv) {
   KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
-  builder.AddListeningPort(listen, *server_creds, &port);
-  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive->first);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive->second);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             keepalive->first / 2);
-  builder.RegisterService(&node_service);
-  builder.RegisterService(&kv_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server =
+      StartServer(*server_creds, *keepalive, {&node_service, &kv_service}, &port);
   if (server == nullptr || port == 0) {
     ACCORD_LOG(ERROR) << "cannot listen on " << listen
                       << " (--listen); is the port in use or the address not local?";
@@ -219,29 +261,13 @@ int Main(int argc, char** argv) {
   std::printf("accord-relay listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
 
-  int sig = 0;
-  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
-    if (tokens == nullptr) continue;
-    if (absl::Status s = tokens->Reload(); !s.ok()) {
-      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
-    }
-  }
-  ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
+  ACCORD_LOG(INFO) << "signal " << WaitForStop(tokens.get()) << ": stopping";
   node_service.FinishAll();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   relay.Stop();  // its timer sends upstream
   upstream.Stop();
   metrics_server.Stop();
-  const RelayStats stats = relay.stats();
-  std::printf(
-      "accord-relay stats: manifests_in=%lld up_full=%lld up_repeat=%lld up_batch_repeats=%lld "
-      "batches=%lld\n",
-      static_cast<long long>(stats.node_manifests_in),
-      static_cast<long long>(stats.manifests_up_full),
-      static_cast<long long>(stats.manifests_up_repeat),
-      static_cast<long long>(stats.batch_repeats_up),
-      static_cast<long long>(stats.decision_batches));
-  std::fflush(stdout);
+  PrintStats(relay.stats());
   return 0;
 }
 

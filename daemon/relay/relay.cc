@@ -1,13 +1,14 @@
 #include "daemon/relay/relay.h"
 
 #include <algorithm>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/hash.h"
 #include "core/log.h"
 #include "core/manifest.h"
+#include "daemon/common/decision_errors.h"
+#include "daemon/common/node_hello.h"
+#include "daemon/common/upstream_node.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -15,91 +16,30 @@ namespace {
 
 constexpr char kRelayVersion[] = "accord-relay/1";
 
-v1::DecisionError ErrorOf(v1::ErrorKind kind, absl::StatusCode code, const std::string& message,
-                          const std::string& job_id) {
-  v1::DecisionError e;
-  e.set_kind(kind);
-  e.set_code(static_cast<int>(code));
-  e.set_message(message);
-  e.set_job_id(job_id);
-  e.set_param_index(-1);
-  return e;
-}
-
-// The used bits of each rank in `m` (a sidecar's node manifest covering
-// `ranks`): rank_detail where given, else the manifest's own used bits.
-void RankUsageOf(const v1::Manifest& m, const std::vector<int>& ranks,
-                 std::map<int, std::string>* out) {
-  for (int r : ranks) (*out)[r] = m.used_bits();
-  for (const v1::RankUsage& u : m.rank_detail()) {
-    auto it = out->find(u.rank());
-    if (it != out->end()) it->second = u.used_bits();
-  }
-}
-
-// What besides the cache key tells two merged manifests apart: the ranks
-// they name and the per-rank detail (the key covers dtypes and ranks only).
-std::string ShapeOf(const v1::Manifest& m) {
-  std::string shape = m.rank_bits();
-  for (const v1::RankUsage& u : m.rank_detail()) {
-    absl::StrAppend(&shape, "|", u.rank(), ":", u.used_bits());
-  }
-  return shape;
-}
-
-// The registrations of a group as one per distinct spec, with the union of
-// the ranks that sent it: what a resend after a reconnect needs (the
-// coordinator compares specs per rank), in O(variants) messages instead of
-// one per sidecar.
-std::vector<v1::NodeRegistration> MergedRegistrations(const std::vector<v1::NodeRegistration>& in) {
-  std::map<std::string, v1::NodeRegistration> by_spec;
-  std::map<std::string, std::set<int>> ranks;
-  std::vector<std::string> order;
-  for (const v1::NodeRegistration& nr : in) {
-    const std::string key = nr.registration().SerializeAsString();
-    if (by_spec.count(key) == 0) {
-      order.push_back(key);
-      *by_spec[key].mutable_registration() = nr.registration();
-    }
-    ranks[key].insert(nr.ranks().begin(), nr.ranks().end());
-  }
-  std::vector<v1::NodeRegistration> out;
-  for (const std::string& key : order) {
-    v1::NodeRegistration& nr = by_spec[key];
-    for (int r : ranks[key]) nr.add_ranks(r);
-    out.push_back(std::move(nr));
-  }
-  return out;
-}
-
 }  // namespace
 
 Relay::Relay(RelayOptions options)
     : options_(std::move(options)),
-      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()) {
-  if (options_.start_timer_thread) timer_ = std::thread([this] { TimerLoop(); });
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
+      node_(options_.relay_id),
+      timer_(&mu_, clock_,
+             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckTimersLocked(); }) {
+  if (options_.start_timer_thread) timer_.Start();
 }
 
 Relay::~Relay() { Stop(); }
 
-void Relay::Stop() {
-  {
-    accord::MutexLock l(&mu_);
-    stopping_ = true;
-    timer_cv_.SignalAll();
-  }
-  if (timer_.joinable()) timer_.join();
-}
+void Relay::Stop() { timer_.Stop(); }
 
 void Relay::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
-  upstream_ = upstream;
+  node_.SetSink(upstream);
 }
 
 RelayStats Relay::stats() {
   accord::MutexLock l(&mu_);
   RelayStats s = stats_;
-  s.job_id = job_id_;
+  s.job_id = node_.job_id();
   s.nodes = 0;
   for (const auto& [id, n] : nodes_) s.nodes += n.session != 0 ? 1 : 0;
   return s;
@@ -143,11 +83,11 @@ void Relay::CloseSession(SessionId id) {
     return;
   }
   node.lost_at = clock_->Now();
-  ACCORD_LOG(WARNING) << "job " << job_id_ << ": the stream of node \"" << node_id
+  ACCORD_LOG(WARNING) << "job " << node_.job_id() << ": the stream of node \"" << node_id
                       << "\" ended; its steps wait "
                       << absl::FormatDuration(options_.node_reconnect_grace)
                       << " for it to reconnect";
-  ArmTimerLocked(node.lost_at + options_.node_reconnect_grace);
+  timer_.Arm(node.lost_at + options_.node_reconnect_grace);
 }
 
 void Relay::HandleMessage(SessionId id, const v1::NodeMessage& message) {
@@ -161,9 +101,9 @@ void Relay::HandleMessage(SessionId id, const v1::NodeMessage& message) {
   }
   auto nit = nodes_.find(s.node_id);
   if (s.node_id.empty() || nit == nodes_.end() || nit->second.session != id) {
-    RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-                 "the relay got a message before this stream's NodeHello was accepted; send "
-                 "NodeHello first");
+    RefuseLocked(s.sink, OutOfOrderError(v1::INVALID_REQUEST,
+                                         "the relay got a message before this stream's NodeHello "
+                                         "was accepted; send NodeHello first"));
     return;
   }
   Node& node = nit->second;
@@ -185,12 +125,12 @@ void Relay::HandleMessage(SessionId id, const v1::NodeMessage& message) {
   }
 }
 
-void Relay::RefuseLocked(NodeSink* sink, v1::ErrorKind kind, absl::StatusCode code,
-                         const std::string& message, std::vector<int> ranks) {
+void Relay::RefuseLocked(NodeSink* sink, v1::DecisionError error, std::vector<int> ranks) {
   v1::CoordinatorMessage reply;
-  *reply.mutable_error() = ErrorOf(kind, code, message, job_id_);
-  for (int r : ranks) reply.mutable_error()->add_ranks(r);
-  ACCORD_LOG(WARNING) << message;
+  error.set_job_id(node_.job_id());
+  for (int r : ranks) error.add_ranks(r);
+  ACCORD_LOG(WARNING) << error.message();
+  *reply.mutable_error() = std::move(error);
   SendToLocked(sink, std::move(reply));
 }
 
@@ -200,79 +140,71 @@ void Relay::SendToLocked(NodeSink* sink, v1::CoordinatorMessage message) {
 }
 
 void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello) {
-  const std::string who = absl::StrCat("node \"", hello.node_id(), "\"");
-  if (hello.job_id().empty() || hello.node_id().empty() || hello.world_size() <= 0) {
-    RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                 absl::StrCat("NodeHello from ", who,
-                              " needs a job id, a node id and a positive "
-                              "world size"));
+  absl::StatusOr<std::vector<int>> checked =
+      CheckNodeHello(hello, options_.max_world_size, "relay");
+  if (!checked.ok()) {
+    RefuseLocked(s.sink, ErrorFromStatus(v1::ERROR_KIND_UNSPECIFIED, checked.status()));
     return;
   }
-  if (!job_id_.empty() && hello.job_id() != job_id_) {
-    RefuseLocked(s.sink, v1::LIMIT_EXCEEDED, absl::StatusCode::kResourceExhausted,
-                 absl::StrCat("relay \"", options_.relay_id, "\" serves job ", job_id_, " now; ",
-                              who, " asked for job ", hello.job_id(),
-                              ". A relay serves one job at a time: give each job its own relays"));
+  const std::vector<int>& ranks = *checked;
+  if (node_.has_job() && hello.job_id() != node_.job_id()) {
+    RefuseLocked(s.sink, KindedError(v1::LIMIT_EXCEEDED,
+                                     absl::StrCat("relay \"", options_.relay_id, "\" serves job ",
+                                                  node_.job_id(), " now; node \"", hello.node_id(),
+                                                  "\" asked for job ", hello.job_id(),
+                                                  ". A relay serves one job at a time: give each "
+                                                  "job its own relays")));
     return;
   }
-  if (!job_id_.empty() && hello.world_size() != world_size_) {
-    RefuseLocked(s.sink, v1::WORLD_SIZE_MISMATCH, absl::StatusCode::kFailedPrecondition,
-                 absl::StrCat("job ", job_id_, ": ", who, " says world size ", hello.world_size(),
-                              " but the job has world size ", world_size_,
-                              "; check WORLD_SIZE of every launcher"));
-    return;
-  }
-  std::vector<int> ranks(hello.ranks().begin(), hello.ranks().end());
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
-  for (int r : ranks) {
-    if (r < 0 || r >= hello.world_size()) {
-      RefuseLocked(s.sink, v1::INVALID_REQUEST, absl::StatusCode::kInvalidArgument,
-                   absl::StrCat("job ", hello.job_id(), ": ", who, " announced rank ", r,
-                                " outside 0..", hello.world_size() - 1),
-                   {r});
+  if (node_.has_job()) {
+    // As the coordinator checks a node joining a job (the same checks).
+    RankHeldElsewhere held;
+    absl::Status joins = CheckNodeJoins(node_.job_id(), node_.world_size(), hello,
+                                        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                          return held = HeldElsewhereLocked(hello.node_id(), ranks);
+                                        });
+    if (!joins.ok()) {
+      std::vector<int> at_fault;
+      if (held.rank >= 0) at_fault.push_back(held.rank);
+      RefuseLocked(s.sink, ErrorFromStatus(v1::ERROR_KIND_UNSPECIFIED, joins), at_fault);
       return;
     }
-    for (const auto& [other_id, other] : nodes_) {
-      if (other_id == hello.node_id() || other.session == 0) continue;
-      if (std::binary_search(other.ranks.begin(), other.ranks.end(), r)) {
-        RefuseLocked(s.sink, v1::DUPLICATE_RANK, absl::StatusCode::kAlreadyExists,
-                     absl::StrCat("job ", hello.job_id(), ": rank ", r,
-                                  " is already served by node \"", other_id, "\"; ", who,
-                                  " announced it too. Check RANK of the processes on both nodes"),
-                     {r});
-        return;
-      }
-    }
   }
-  if (!job_id_.empty() && RanksRestartedLocked(hello)) {
-    // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
-    // current run is over for every sidecar here; the hello then starts a
-    // new one, and the relay's NEW hello with a fresh epoch ends the run at
-    // the coordinator for every other node too.
-    const std::string msg = absl::StrCat(
-        "job ", job_id_, " run ", run_id_, " ended: node \"", hello.node_id(),
-        "\" started a new run of the same job id (its ranks were restarted), so this run gets "
-        "no more decisions; stop the ranks of the old run");
-    ACCORD_LOG(WARNING) << msg;
-    for (auto& [sid, other] : sessions_) {
-      if (sid == id || other.node_id.empty()) continue;
-      RefuseLocked(other.sink, v1::RUN_ENDED, absl::StatusCode::kFailedPrecondition, msg);
-      other.node_id.clear();
-    }
-    ResetJobLocked();
-  }
-  if (job_id_.empty()) {
-    job_id_ = hello.job_id();
-    world_size_ = hello.world_size();
-    token_ = options_.token.empty() ? hello.token() : options_.token;
+  if (node_.has_job() && RanksRestartedLocked(hello)) EndRunLocked(id, hello);
+  if (!node_.has_job()) {
     // A resuming sidecar names its run: a restarted relay rejoins it.
-    run_id_ = hello.run_start() == v1::NodeHello::RUN_START_RESUME ? hello.run_id() : "";
-    std::random_device rd;
-    epoch_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
-    ACCORD_LOG(INFO) << "job " << job_id_ << ": first node \"" << hello.node_id()
+    node_.StartJob(hello.job_id(), hello.world_size(),
+                   options_.token.empty() ? hello.token() : options_.token,
+                   hello.run_start() == v1::NodeHello::RUN_START_RESUME ? hello.run_id() : "");
+    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": first node \"" << hello.node_id()
                      << "\" arrived; relaying as node \"" << options_.relay_id << "\"";
   }
+  Node& node = PlaceNodeLocked(id, s, hello, ranks);
+  // Ranks not yet announced upstream join the relay's node there.
+  node_.AnnounceRanks(ranks);
+  if (node_.welcomed()) WelcomeLocked(node);
+}
+
+void Relay::EndRunLocked(SessionId id, const v1::NodeHello& hello) {
+  // As the coordinator does for a node (docs/ARCHITECTURE.md, "Runs"): the
+  // current run is over for every sidecar here; the hello then starts a
+  // new one, and the relay's NEW hello with a fresh epoch ends the run at
+  // the coordinator for every other node too.
+  const std::string msg = absl::StrCat(
+      "job ", node_.job_id(), " run ", node_.run_id(), " ended: node \"", hello.node_id(),
+      "\" started a new run of the same job id (its ranks were restarted), so this run gets "
+      "no more decisions; stop the ranks of the old run");
+  ACCORD_LOG(WARNING) << msg;
+  for (auto& [sid, other] : sessions_) {
+    if (sid == id || other.node_id.empty()) continue;
+    RefuseLocked(other.sink, KindedError(v1::RUN_ENDED, msg));
+    other.node_id.clear();
+  }
+  ResetJobLocked();
+}
+
+Relay::Node& Relay::PlaceNodeLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                                    const std::vector<int>& ranks) {
   Node& node = nodes_[hello.node_id()];
   if (node.session != 0 && node.session != id) {
     // The same node reconnected before its old stream was noticed as gone.
@@ -289,48 +221,28 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
   node.last_full.clear();  // a new stream starts without a previous manifest
   node.received.Clear();   // ... and without a previous batch
   node.ranks = ranks;
-  node.rank_set = RankSet(world_size_);
+  node.rank_set = RankSet(node_.world_size());
   for (int r : ranks) node.rank_set.Add(r);
   ++membership_epoch_;
   s.node_id = node.node_id;
-  // Ranks not yet announced upstream join the relay's node there.
+  return node;
+}
+
+RankHeldElsewhere Relay::HeldElsewhereLocked(const std::string& node_id,
+                                             const std::vector<int>& ranks) const {
   for (int r : ranks) {
-    if (!announced_.insert(r).second || !hello_sent_) continue;
-    v1::NodeMessage join;
-    join.mutable_rank_event()->set_rank(r);
-    join.mutable_rank_event()->set_joined(true);
-    upstream_->Send(std::move(join));
+    for (const auto& [other_id, other] : nodes_) {
+      if (other_id == node_id || other.session == 0) continue;
+      if (std::binary_search(other.ranks.begin(), other.ranks.end(), r)) return {r, other_id};
+    }
   }
-  if (upstream_up_ && !hello_sent_) {
-    upstream_->Send(HelloMessageLocked());
-    hello_sent_ = true;
-  }
-  if (welcomed_) WelcomeLocked(node);
+  return {};
 }
 
 bool Relay::RanksRestartedLocked(const v1::NodeHello& hello) const {
   if (hello.run_start() != v1::NodeHello::RUN_START_NEW || hello.node_epoch() == 0) return false;
   auto nit = nodes_.find(hello.node_id());
   return nit != nodes_.end() && nit->second.epoch != 0 && nit->second.epoch != hello.node_epoch();
-}
-
-v1::NodeMessage Relay::HelloMessageLocked() {
-  v1::NodeMessage m;
-  v1::NodeHello& h = *m.mutable_hello();
-  h.set_job_id(job_id_);
-  h.set_node_id(options_.relay_id);
-  h.set_world_size(world_size_);
-  for (int r : announced_) h.add_ranks(r);
-  h.set_token(token_);
-  h.set_answers_progress(true);
-  h.set_node_epoch(epoch_);
-  if (run_id_.empty()) {
-    h.set_run_start(v1::NodeHello::RUN_START_NEW);
-  } else {
-    h.set_run_start(v1::NodeHello::RUN_START_RESUME);
-    h.set_run_id(run_id_);
-  }
-  return m;
 }
 
 void Relay::WelcomeLocked(Node& node) {
@@ -341,8 +253,8 @@ void Relay::WelcomeLocked(Node& node) {
   w.set_node_id(node.node_id);
   w.set_server_version(kRelayVersion);
   w.set_batch_repeat(true);  // HandleManifestsLocked expands them
-  w.set_deadline_ms(deadline_ms_);
-  w.set_run_id(run_id_);
+  w.set_deadline_ms(node_.deadline_ms());
+  w.set_run_id(node_.run_id());
   SendToLocked(node.sink, std::move(reply));
 }
 
@@ -354,279 +266,22 @@ void Relay::HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr)
     g.num_params = spec->params.size();
   }
   g.nodes.insert(node.node_id);
-  g.registrations.push_back(nr);
+  g.registrations.Add(nr.registration(), {nr.ranks().begin(), nr.ranks().end()});
   v1::NodeMessage up;
   *up.mutable_registration() = nr;
-  upstream_->Send(std::move(up));
+  node_.Send(std::move(up));
 }
 
 void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
   if (!e.joined()) {
     node.ranks.erase(std::remove(node.ranks.begin(), node.ranks.end(), e.rank()), node.ranks.end());
-    announced_.erase(e.rank());
   } else if (!std::binary_search(node.ranks.begin(), node.ranks.end(), e.rank())) {
     node.ranks.insert(std::lower_bound(node.ranks.begin(), node.ranks.end(), e.rank()), e.rank());
-    announced_.insert(e.rank());
   }
-  node.rank_set = RankSet(world_size_);
+  node.rank_set = RankSet(node_.world_size());
   for (int r : node.ranks) node.rank_set.Add(r);
   ++membership_epoch_;
-  v1::NodeMessage up;
-  *up.mutable_rank_event() = e;
-  upstream_->Send(std::move(up));
-}
-
-// ---------------------------------------------------------------------------
-// Manifests.
-
-void Relay::HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch) {
-  if (batch.repeat_batch_key() == 0) {
-    if (batch.manifests_size() == 0) return;
-    node.received.Record(batch);
-    AddBatchLocked(node, batch);
-    return;
-  }
-  if (batch.manifests_size() > 0 || node.received.key() != batch.repeat_batch_key()) {
-    RefuseLocked(
-        node.sink, v1::INVALID_REQUEST, absl::StatusCode::kFailedPrecondition,
-        absl::StrCat("job ", job_id_, " step ", batch.repeat_step(), ": node \"", node.node_id,
-                     "\" sent relay \"", options_.relay_id, "\" a batch repeat with key ",
-                     absl::Hex(batch.repeat_batch_key()),
-                     batch.manifests_size() > 0
-                         ? std::string(" together with manifests")
-                         : absl::StrCat(" but the previous batch on this stream has key ",
-                                        absl::Hex(node.received.key()), " (", node.received.size(),
-                                        " manifests)"),
-                     "; the sidecar and the relay disagree on the stream's history. Check the "
-                     "sidecar's version; restarting it resends in full form"));
-    return;
-  }
-  ++stats_.batch_repeats_in;
-  AddBatchLocked(node, node.received.ExpandAt(batch.repeat_step()));
-}
-
-void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
-  v1::ManifestBatch out;
-  for (const v1::Manifest& m : batch.manifests()) {
-    auto git = groups_.find(m.group_id());
-    if (git == groups_.end() || git->second.num_params == 0) {
-      // Unknown here: the coordinator gives the precise error.
-      *out.add_manifests() = m;
-      continue;
-    }
-    Group& g = git->second;
-    v1::Manifest full;
-    if (m.repeat()) {
-      auto lit = node.last_full.find(g.group_id);
-      if (lit == node.last_full.end() || lit->second.cache_key() != m.cache_key()) {
-        v1::CoordinatorMessage reply;
-        v1::Decision* d = reply.mutable_decisions()->add_decisions();
-        d->set_group_id(g.group_id);
-        d->set_step(m.step());
-        *d->mutable_error() =
-            ErrorOf(v1::INVALID_MANIFEST, absl::StatusCode::kFailedPrecondition,
-                    absl::StrCat("job ", job_id_, " group \"", g.group_id, "\" step ", m.step(),
-                                 ": repeat-form manifest from node \"", node.node_id,
-                                 "\" whose previous manifest relay \"", options_.relay_id,
-                                 "\" does not hold; resend this step in full form"),
-                    job_id_);
-        d->mutable_error()->set_group_id(g.group_id);
-        d->mutable_error()->set_step(m.step());
-        d->mutable_error()->set_resend_full_form(true);
-        SendToLocked(node.sink, std::move(reply));
-        continue;
-      }
-      full = lit->second;
-      full.set_step(m.step());
-    } else {
-      full = m;
-      v1::Manifest remembered = m;
-      remembered.clear_step();
-      node.last_full[g.group_id] = std::move(remembered);
-    }
-    ++stats_.node_manifests_in;
-    AddManifestLocked(node, g, std::move(full), m.repeat(), &out);
-  }
-  SendBatchLocked(std::move(out));
-}
-
-void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
-                              v1::ManifestBatch* out) {
-  const int64_t step = m.step();
-  if (step <= g.last_decided) {
-    if (step == g.last_decided && g.last_decision.has_value()) {
-      // A resend after a reconnect whose decision was lost: answer again.
-      v1::CoordinatorMessage reply;
-      v1::Decision* d = reply.mutable_decisions()->add_decisions();
-      *d = *g.last_decision;
-      d->set_step(step);
-      SendToLocked(node.sink, std::move(reply));
-    }
-    return;
-  }
-  LocalStep& st = g.steps[step];
-  if (st.contributed.empty()) st.first_seen = clock_->Now();
-  if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
-  // Explicit ranks only when the sidecar named a subset; empty: all of its ranks.
-  std::vector<int> covered;
-  if (!m.rank_bits().empty()) {
-    absl::StatusOr<RankSet> set = wire::RankSetFromBits(m.rank_bits(), world_size_, "rank_bits");
-    if (set.ok()) covered = set->Members();
-  }
-  st.contributed[node.node_id] = std::move(covered);
-  st.unsent.push_back(Part{node.node_id, std::move(m), repeat});
-  if (deadline_ms_ > 0) ArmTimerLocked(st.first_seen + absl::Milliseconds(deadline_ms_) / 2);
-  MaybeSendStepLocked(g, step, out);
-}
-
-void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) {
-  auto sit = g.steps.find(step);
-  if (sit == g.steps.end() || sit->second.unsent.empty()) return;
-  LocalStep& st = sit->second;
-  // Cheap test first: fewer contributions than registered sidecars cannot be
-  // complete (the full check below runs about once per step).
-  if (st.contributed.size() < g.nodes.size()) return;
-  for (const std::string& n : g.nodes) {
-    if (nodes_.count(n) != 0 && st.contributed.count(n) == 0) return;  // still waiting for n
-  }
-  std::vector<Part> parts = std::move(st.unsent);
-  st.unsent.clear();
-  const uint64_t signature = PartsSignatureLocked(parts);
-  const bool all_repeat =
-      std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.repeat; });
-  if (all_repeat && signature != 0 && g.have_last_sent && signature == g.last_parts_signature) {
-    // The steady state: every sidecar repeated the content of the last merge,
-    // and the ranks are the same, so the merge would be the last one again.
-    v1::Manifest& sent = g.inflight[step].emplace_back(g.last_merged);
-    sent.set_step(step);
-    v1::Manifest* r = out->add_manifests();
-    r->set_group_id(g.group_id);
-    r->set_step(step);
-    r->set_cache_key(g.last_sent_key);
-    r->set_repeat(true);
-    ++stats_.manifests_up_repeat;
-    ++stats_.merges_reused;
-    return;
-  }
-  absl::StatusOr<v1::Manifest> merged = MergeLocked(g, step, parts);
-  if (!merged.ok()) {
-    // Malformed contributions: forward them as they are, so the coordinator
-    // names the problem exactly as it would without a relay.
-    for (Part& p : parts) *out->add_manifests() = std::move(p.manifest);
-    g.have_last_sent = false;
-    g.last_parts_signature = 0;
-    return;
-  }
-  g.last_parts_signature = signature;
-  g.last_merged = *merged;
-  g.last_merged.clear_step();
-  g.inflight[step].push_back(*merged);
-  const std::string shape = ShapeOf(*merged);
-  if (g.have_last_sent && g.last_sent_key == merged->cache_key() && g.last_sent_shape == shape) {
-    v1::Manifest* r = out->add_manifests();
-    r->set_group_id(g.group_id);
-    r->set_step(step);
-    r->set_cache_key(merged->cache_key());
-    r->set_repeat(true);
-    ++stats_.manifests_up_repeat;
-    return;
-  }
-  g.have_last_sent = true;
-  g.last_sent_key = merged->cache_key();
-  g.last_sent_shape = shape;
-  *out->add_manifests() = *std::move(merged);
-  ++stats_.manifests_up_full;
-}
-
-uint64_t Relay::PartsSignatureLocked(const std::vector<Part>& parts) const {
-  // Order-independent: a step's parts arrive in any order.
-  uint64_t sum = 0;
-  for (const Part& p : parts) {
-    if (p.manifest.cache_key() == 0) return 0;
-    StableHasher h;
-    h.AddBytes(p.node_id);
-    h.AddU64(p.manifest.cache_key());
-    sum += h.Finish();
-  }
-  StableHasher h;
-  h.AddU64(sum);
-  h.AddU64(parts.size());
-  h.AddU64(membership_epoch_);
-  const uint64_t signature = h.Finish();
-  return signature != 0 ? signature : 1;
-}
-
-absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
-                                                const std::vector<Part>& parts) {
-  Manifest merged;
-  merged.step = step;
-  merged.dtypes.assign(g.num_params, 0);
-  merged.ranks = RankSet(world_size_);
-  std::vector<DTypeMask> dtypes;
-  for (const Part& p : parts) {
-    if (absl::Status s = wire::ManifestDTypesFromProto(p.manifest, g.num_params, &dtypes);
-        !s.ok()) {
-      return s;
-    }
-    for (size_t i = 0; i < g.num_params; ++i) merged.dtypes[i] |= dtypes[i];
-    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
-    if (!ranks.ok()) return ranks.status();
-    merged.ranks.Union(*ranks);
-  }
-  // Every rank merged here was announced upstream, so equal counts mean the
-  // manifest covers all of them (rank_bits may then be left out).
-  const bool all_announced = merged.ranks.Count() == static_cast<int>(announced_.size());
-  v1::Manifest out;
-  wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!all_announced, &out);
-  // Per-rank detail for the ranks whose usage differs from the merge: only
-  // parts whose own usage differs, or that carry detail, need a look.
-  const std::string used = out.used_bits();
-  for (const Part& p : parts) {
-    if (p.manifest.used_bits() == used) {
-      for (const v1::RankUsage& u : p.manifest.rank_detail()) {
-        if (u.used_bits() != used) *out.add_rank_detail() = u;
-      }
-      continue;
-    }
-    std::map<int, std::string> usage;
-    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
-    if (!ranks.ok()) return ranks.status();
-    RankUsageOf(p.manifest, ranks->Members(), &usage);
-    for (const auto& [rank, bits] : usage) {
-      if (bits == used) continue;
-      v1::RankUsage* u = out.add_rank_detail();
-      u->set_rank(rank);
-      u->set_used_bits(bits);
-    }
-  }
-  std::sort(out.mutable_rank_detail()->begin(), out.mutable_rank_detail()->end(),
-            [](const v1::RankUsage& a, const v1::RankUsage& b) { return a.rank() < b.rank(); });
-  return out;
-}
-
-absl::StatusOr<RankSet> Relay::PartRanksLocked(const Part& p) {
-  if (!p.manifest.rank_bits().empty()) {
-    return wire::RankSetFromBits(p.manifest.rank_bits(), world_size_, "rank_bits");
-  }
-  auto nit = nodes_.find(p.node_id);
-  if (nit == nodes_.end()) return RankSet(world_size_);
-  return nit->second.rank_set;
-}
-
-void Relay::SendBatchLocked(v1::ManifestBatch batch) {
-  if (batch.manifests_size() == 0) return;
-  // Every group of a step completed by one sidecar's batch, each identical
-  // to the previous one sent: the coordinator can take it as one batch
-  // repeat (and a repeat wave when every relay does the same).
-  if (upstream_batch_repeat_ && last_batch_.RepeatedBy(batch)) {
-    ++stats_.batch_repeats_up;
-    upstream_->Send(last_batch_.RepeatAt(batch.manifests(0).step()));
-    return;
-  }
-  last_batch_.Record(batch);
-  v1::NodeMessage up;
-  *up.mutable_manifests() = std::move(batch);
-  upstream_->Send(std::move(up));
+  node_.ForwardRankEvent(e);
 }
 
 // ---------------------------------------------------------------------------
@@ -663,7 +318,7 @@ void Relay::HandleProgressLocked(Node& node, const v1::NodeProgress& p) {
       up.mutable_progress()->set_waited_us(std::max<int64_t>(
           p.waited_us(), absl::ToInt64Microseconds(clock_->Now() - st.first_seen)));
     }
-    upstream_->Send(std::move(up));
+    node_.Send(std::move(up));
     return;
   }
   if (git == groups_.end()) return;
@@ -689,7 +344,7 @@ void Relay::HandleProgressQueryLocked(const v1::ProgressQuery& q) {
     v1::NodeMessage up;
     up.mutable_progress()->set_group_id(q.group_id());
     up.mutable_progress()->set_step(q.step());
-    upstream_->Send(std::move(up));
+    node_.Send(std::move(up));
     return;
   }
   Group& g = git->second;
@@ -717,7 +372,7 @@ void Relay::FinishQueryLocked(Group& g, int64_t step) {
   v1::NodeMessage up;
   *up.mutable_progress() = std::move(it->second.answer);
   g.queries.erase(it);
-  upstream_->Send(std::move(up));
+  node_.Send(std::move(up));
 }
 
 // ---------------------------------------------------------------------------
@@ -725,47 +380,22 @@ void Relay::FinishQueryLocked(Group& g, int64_t step) {
 
 void Relay::OnUpstreamConnected() {
   accord::MutexLock l(&mu_);
-  upstream_up_ = true;
-  welcomed_ = false;
-  hello_sent_ = false;
-  std::vector<v1::NodeMessage> resend;
-  if (!job_id_.empty()) {
-    resend.push_back(HelloMessageLocked());
-    hello_sent_ = true;
-    for (auto& [gid, g] : groups_) {
-      g.have_last_sent = false;  // a new stream holds no previous manifest
-      for (v1::NodeRegistration& nr : MergedRegistrations(g.registrations)) {
-        v1::NodeMessage m;
-        *m.mutable_registration() = std::move(nr);
-        resend.push_back(std::move(m));
-      }
-    }
-    v1::NodeMessage batch;
-    for (auto& [gid, g] : groups_) {
-      for (auto& [step, sent] : g.inflight) {
-        for (const v1::Manifest& m : sent) *batch.mutable_manifests()->add_manifests() = m;
-      }
-    }
-    // A new stream: no batch repeat until its Welcome offers them; its
-    // previous batch is the resend (or none).
-    last_batch_.Record(batch.manifests());
-    if (batch.manifests().manifests_size() > 0) resend.push_back(std::move(batch));
-  } else {
-    last_batch_.Clear();
+  std::vector<v1::NodeMessage> registrations;
+  v1::ManifestBatch inflight;
+  for (auto& [gid, g] : groups_) {
+    g.repeat.Forget();  // a new stream holds no previous manifest
+    g.registrations.AppendResend([](int) { return true; }, &registrations);
   }
-  upstream_batch_repeat_ = false;
-  upstream_->Reset(std::move(resend));
+  for (auto& [gid, g] : groups_) g.inflight.AppendAll(&inflight);
+  node_.Connected(std::move(registrations), std::move(inflight));
 }
 
 void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   accord::MutexLock l(&mu_);
-  if (job_id_.empty()) return;
+  if (!node_.has_job()) return;
   switch (message->body_case()) {
     case v1::CoordinatorMessage::kWelcome:
-      welcomed_ = true;
-      upstream_batch_repeat_ = message->welcome().batch_repeat();
-      deadline_ms_ = message->welcome().deadline_ms();
-      if (!message->welcome().run_id().empty()) run_id_ = message->welcome().run_id();
+      node_.OnWelcome(message->welcome());
       for (auto& [id, node] : nodes_) WelcomeLocked(node);
       return;
     case v1::CoordinatorMessage::kDecisions:
@@ -804,12 +434,8 @@ void Relay::HandleDecisionsLocked(v1::DecisionBatch* batch) {
                               if (!d.has_error() || !d.error().resend_full_form()) return false;
                               auto git = groups_.find(d.group_id());
                               if (git == groups_.end()) return true;
-                              git->second.have_last_sent = false;
-                              auto sent = git->second.inflight.find(d.step());
-                              if (sent != git->second.inflight.end()) {
-                                for (const v1::Manifest& m : sent->second)
-                                  *resend.add_manifests() = m;
-                              }
+                              git->second.repeat.Forget();
+                              git->second.inflight.AppendStep(d.step(), &resend);
                               return true;
                             });
   batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());
@@ -826,7 +452,7 @@ void Relay::HandleDecisionsLocked(v1::DecisionBatch* batch) {
       g.last_decision->set_step(step);
     }
     g.steps.erase(g.steps.begin(), g.steps.upper_bound(step));
-    g.inflight.erase(g.inflight.begin(), g.inflight.upper_bound(step));
+    g.inflight.DropUpTo(step);
     g.queries.erase(g.queries.begin(), g.queries.upper_bound(step));
   }
 }
@@ -845,12 +471,7 @@ void Relay::DropNodeLocked(const std::string& node_id) {
   if (nit == nodes_.end()) return;
   for (int r : nit->second.ranks) {
     // Gone past the grace: a pending step that needs these ranks fails now.
-    v1::NodeMessage left;
-    left.mutable_rank_event()->set_rank(r);
-    left.mutable_rank_event()->set_joined(false);
-    left.mutable_rank_event()->set_last_step(-1);
-    upstream_->Send(std::move(left));
-    announced_.erase(r);
+    node_.LeaveRank(r, /*last_step=*/-1, /*forget=*/true);
   }
   nodes_.erase(nit);
   ++membership_epoch_;
@@ -866,49 +487,22 @@ void Relay::DropNodeLocked(const std::string& node_id) {
 }
 
 void Relay::ResetJobLocked() {
-  ACCORD_LOG(INFO) << "job " << job_id_ << ": no node left on relay \"" << options_.relay_id
+  ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no node left on relay \"" << options_.relay_id
                    << "\"; its state is dropped";
-  job_id_.clear();
-  world_size_ = 0;
-  token_.clear();
-  run_id_.clear();
-  epoch_ = 0;
-  welcomed_ = false;
-  hello_sent_ = false;
-  deadline_ms_ = 0;
-  upstream_batch_repeat_ = false;
-  last_batch_.Clear();
-  announced_.clear();
+  node_.EndJob();
   ++membership_epoch_;
   nodes_.clear();
   groups_.clear();
-  upstream_->Reset({});
-  upstream_->Reconnect();
-}
-
-void Relay::ArmTimerLocked(absl::Time at) {
-  if (at >= timer_at_) return;
-  timer_at_ = at;
-  timer_cv_.SignalAll();
-}
-
-void Relay::TimerLoop() {
-  accord::MutexLock l(&mu_);
-  while (!stopping_) {
-    if (clock_->Now() >= timer_at_) {
-      CheckTimersLocked();
-      continue;
-    }
-    clock_->WaitUntil(&timer_cv_, &mu_, timer_at_);
-  }
+  node_.sink()->Reset({});
+  node_.sink()->Reconnect();
 }
 
 void Relay::CheckTimers() {
   accord::MutexLock l(&mu_);
-  CheckTimersLocked();
+  timer_.RunNow();
 }
 
-void Relay::CheckTimersLocked() {
+absl::Time Relay::CheckTimersLocked() {
   const absl::Time now = clock_->Now();
   absl::Time next = absl::InfiniteFuture();
   std::vector<std::string> lost;
@@ -922,13 +516,14 @@ void Relay::CheckTimersLocked() {
     }
   }
   for (const std::string& id : lost) {
-    ACCORD_LOG(WARNING) << "job " << job_id_ << ": node \"" << id << "\" did not reconnect within "
+    ACCORD_LOG(WARNING) << "job " << node_.job_id() << ": node \"" << id
+                        << "\" did not reconnect within "
                         << absl::FormatDuration(options_.node_reconnect_grace)
                         << "; its ranks are reported as left";
     DropNodeLocked(id);
   }
-  if (deadline_ms_ > 0 && welcomed_) {
-    const absl::Duration half = absl::Milliseconds(deadline_ms_) / 2;
+  if (node_.deadline_ms() > 0 && node_.welcomed()) {
+    const absl::Duration half = absl::Milliseconds(node_.deadline_ms()) / 2;
     for (auto& [gid, g] : groups_) {
       for (auto& [step, st] : g.steps) {
         if (st.partial_reported || st.unsent.empty()) continue;
@@ -938,18 +533,11 @@ void Relay::CheckTimersLocked() {
           continue;
         }
         st.partial_reported = true;
-        v1::NodeMessage up;
-        v1::NodeProgress& p = *up.mutable_progress();
-        p.set_group_id(gid);
-        p.set_step(step);
-        p.set_partial(true);
-        p.set_waited_us(absl::ToInt64Microseconds(now - st.first_seen));
-        for (int r : ContributedRanksLocked(g, step)) p.add_reported(r);
-        upstream_->Send(std::move(up));
+        node_.Send(PartialReport(gid, step, now - st.first_seen, ContributedRanksLocked(g, step)));
       }
     }
   }
-  timer_at_ = next;
+  return next;
 }
 
 }  // namespace accord::daemon

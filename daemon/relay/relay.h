@@ -14,9 +14,11 @@
 //    ranks go up as RankEvent joins. A NEW hello from a sidecar of the run
 //    under another epoch (its ranks were restarted) ends the run: every
 //    other sidecar gets RUN_ENDED, and the relay rejoins upstream NEW with a
-//    fresh epoch, which ends the run at the coordinator for everyone. Another job while one is
-//    served, a world size that differs, or a rank another connected sidecar serves is refused with
-//    the coordinator's error kinds.
+//    fresh epoch, which ends the run at the coordinator for everyone. A hello
+//    the coordinator would refuse is refused with its checks and errors
+//    (node_hello.h: ids, world size, ranks in range and announced once, the
+//    job's world size, a rank another connected sidecar serves); another job
+//    while one is served gets LIMIT_EXCEEDED.
 //  - NodeRegistration and RankEvent are forwarded unchanged (the
 //    coordinator compares registrations per rank); after an upstream
 //    reconnect the registrations go again as one per distinct spec with the
@@ -73,8 +75,11 @@
 #include "core/rank_set.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/due_timer.h"
+#include "daemon/common/node_hello.h"
 #include "daemon/common/node_session.h"
 #include "daemon/common/upstream.h"
+#include "daemon/common/upstream_node.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -88,6 +93,9 @@ struct RelayOptions {
   // How long a sidecar whose stream ended keeps its place (its ranks are
   // reported as left afterwards). Match the coordinator's.
   absl::Duration node_reconnect_grace = absl::Seconds(10);
+  // The largest world size a sidecar's hello may say (--max_ranks), as
+  // the coordinator's CoordinatorOptions::max_world_size.
+  int max_world_size = 1 << 20;
   Clock* clock = nullptr;  // not owned; null: the real clock
   // Tests that drive CheckTimers() by hand may turn the thread off.
   bool start_timer_thread = true;
@@ -172,22 +180,21 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   struct Group {
     std::string group_id;
     size_t num_params = 0;
-    std::set<std::string> nodes;                      // sidecars that registered it
-    std::vector<v1::NodeRegistration> registrations;  // as forwarded, for resends
+    std::set<std::string> nodes;       // sidecars that registered it
+    GroupRegistrations registrations;  // as forwarded, for resends
     std::map<int64_t, LocalStep> steps;
-    std::map<int64_t, std::vector<v1::Manifest>> inflight;  // sent, undecided (full form)
+    InflightManifests inflight;  // merges sent up, undecided
     std::map<int64_t, Query> queries;
     int64_t last_decided = -1;
     std::optional<v1::Decision> last_decision;  // with an ok or error body
-    // The previous manifest sent upstream on this stream, for repeat form.
-    bool have_last_sent = false;
-    uint64_t last_sent_key = 0;
-    std::string last_sent_shape;  // rank_bits + rank_detail it carried
+    // Whether the upstream stream holds the previous merge sent (its shape:
+    // rank_bits + rank_detail), for repeat form.
+    RepeatForm repeat;
     // The last merge: a signature of its parts (PartsSignatureLocked; 0:
     // none) and its result (full form, step cleared). A step whose parts are
     // all repeats with the same signature merges to the same manifest.
     uint64_t last_parts_signature = 0;
-    v1::Manifest last_merged;
+    std::shared_ptr<const v1::Manifest> last_merged;
   };
   struct Session {
     NodeSink* sink = nullptr;
@@ -196,10 +203,21 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
 
   void HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RefuseLocked(NodeSink* sink, v1::ErrorKind kind, absl::StatusCode code,
-                    const std::string& message, std::vector<int> ranks = {})
+  // Sends `error` (its job: the one served now) and logs it.
+  void RefuseLocked(NodeSink* sink, v1::DecisionError error, std::vector<int> ranks = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first of `ranks` that another connected sidecar serves.
+  RankHeldElsewhere HeldElsewhereLocked(const std::string& node_id,
+                                        const std::vector<int>& ranks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WelcomeLocked(Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A NEW hello from `id` under another epoch ended the current run: every
+  // other sidecar gets RUN_ENDED and the job's state is dropped.
+  void EndRunLocked(SessionId id, const v1::NodeHello& hello) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The accepted hello's sidecar takes its place (a new stream: no previous
+  // manifest or batch).
+  Node& PlaceNodeLocked(SessionId id, Session& s, const v1::NodeHello& hello,
+                        const std::vector<int>& ranks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A NEW hello from a sidecar of the current job under another epoch: its
   // ranks were restarted, so the current run is over.
   bool RanksRestartedLocked(const v1::NodeHello& hello) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -246,45 +264,29 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToLocked(NodeSink* sink, v1::CoordinatorMessage message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TimerLoop();
+  // Drops the sidecars past their grace and reports the partial steps due;
+  // returns when the next one is due.
+  absl::Time CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RelayOptions options_;
   Clock* const clock_;
   accord::Mutex mu_;
-  accord::CondVar timer_cv_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
 
-  // The job served now ("" when none).
-  std::string job_id_ ABSL_GUARDED_BY(mu_);
-  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string token_ ABSL_GUARDED_BY(mu_);
-  std::string run_id_ ABSL_GUARDED_BY(mu_);  // from a resuming sidecar or the Welcome
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  bool upstream_up_ ABSL_GUARDED_BY(mu_) = false;  // a stream is connected
-  bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;   // on the current stream
-  bool welcomed_ ABSL_GUARDED_BY(mu_) = false;     // its Welcome arrived
-  int64_t deadline_ms_ ABSL_GUARDED_BY(mu_) = 0;   // from the Welcome
-  // The upstream Welcome offered batch repeats; last_batch_ is the stream's
-  // previous manifest batch (docs/ARCHITECTURE.md, "Repeat waves").
-  bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  wire::StreamBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
-  std::set<int> announced_ ABSL_GUARDED_BY(mu_);  // ranks announced upstream
+  // The relay as one node upstream: the job served now (none: no job), its
+  // run and epoch, the ranks announced, the stream's Welcome and previous
+  // batch (docs/ARCHITECTURE.md, "Relays").
+  UpstreamNode node_ ABSL_GUARDED_BY(mu_);
   // Moves whenever a sidecar's ranks or the announced ranks change (merges
   // depend on both).
   uint64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);
-  std::thread timer_;  // last: started once everything above is initialised
+  DueTimer timer_;  // last: its thread starts once everything above is initialised
 };
 
 }  // namespace accord::daemon

@@ -256,7 +256,7 @@ void GrpcUpstream::Stop() {
   {
     accord::MutexLock l(&mu_);
     stopping_ = true;
-    if (context_ != nullptr) context_->TryCancel();
+    if (call_.context != nullptr) call_.context->TryCancel();
   }
   if (reader_.joinable()) reader_.join();
   if (writer_.joinable()) writer_.join();
@@ -277,7 +277,7 @@ void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
 void GrpcUpstream::Reconnect() {
   accord::MutexLock l(&mu_);
   reconnect_requested_ = true;
-  if (context_ != nullptr) context_->TryCancel();
+  if (call_.context != nullptr) call_.context->TryCancel();
 }
 
 void GrpcUpstream::WriteLoop() {
@@ -285,19 +285,19 @@ void GrpcUpstream::WriteLoop() {
   while (true) {
     mu_.Await(absl::Condition(
         +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) {
-          return u->stopping_ || (u->stream_ != nullptr && !u->queue_.empty());
+          return u->stopping_ || (u->call_.stream != nullptr && !u->queue_.empty());
         },
         this));
     if (stopping_) return;
     v1::NodeMessage m = std::move(queue_.front());
     queue_.pop_front();
-    auto* stream = stream_;
-    writing_ = true;
+    auto* stream = call_.stream;
+    call_.writing = true;
     mu_.Unlock();
     const bool ok = stream->Write(m);
     mu_.Lock();
-    writing_ = false;
-    if (!ok && context_ != nullptr) context_->TryCancel();
+    call_.writing = false;
+    if (!ok && call_.context != nullptr) call_.context->TryCancel();
   }
 }
 
@@ -308,7 +308,7 @@ void GrpcUpstream::ReadLoop() {
     {
       accord::MutexLock l(&mu_);
       if (stopping_) return;
-      context_ = context.get();
+      call_.context = context.get();
     }
     std::unique_ptr<grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>> stream =
         stub_->Session(context.get());
@@ -320,7 +320,7 @@ void GrpcUpstream::ReadLoop() {
     handler_->OnUpstreamConnected();
     {
       accord::MutexLock l(&mu_);
-      stream_ = stream.get();
+      call_.stream = stream.get();
     }
     v1::CoordinatorMessage in;
     bool got_any = false;
@@ -331,12 +331,12 @@ void GrpcUpstream::ReadLoop() {
     {
       accord::MutexLock l(&mu_);
       connected_ = false;
-      context_->TryCancel();
+      call_.context->TryCancel();
       mu_.Await(absl::Condition(
-          +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) { return !u->writing_; },
+          +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) { return !u->call_.writing; },
           this));
-      stream_ = nullptr;
-      context_ = nullptr;
+      call_.stream = nullptr;
+      call_.context = nullptr;
       queue_.clear();
     }
     grpc::Status status = stream->Finish();

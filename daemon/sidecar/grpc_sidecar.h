@@ -113,10 +113,15 @@ class GrpcUpstream final : public UpstreamSink {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool reconnect_requested_ ABSL_GUARDED_BY(mu_) = false;  // Reconnect() called
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
-  grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream_ ABSL_GUARDED_BY(mu_) =
-      nullptr;
+  // The current call: its context (set while it is being opened and read),
+  // its stream (set once the handler was told of it) and whether the writer
+  // is writing to it outside the lock.
+  struct Call {
+    grpc::ClientContext* context = nullptr;
+    grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream = nullptr;
+    bool writing = false;
+  };
+  Call call_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::NodeMessage> queue_ ABSL_GUARDED_BY(mu_);
   std::thread reader_;
   std::thread writer_;

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "daemon/common/decision_errors.h"
 #include "daemon/sidecar/sidecar.h"
 #include "proto/wire.h"
 
@@ -25,48 +26,46 @@ namespace accord::daemon {
 bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
   // Every rank of the job is here (ranks are distinct and in range) and
   // registered the group, with one registration the coordinator accepted.
-  return options_.local_decisions && !run_id_.empty() && world_size_ > 0 &&
-         static_cast<int>(ranks_.size()) == world_size_ &&
-         static_cast<int>(g.ranks.size()) == world_size_ && g.variants.size() == 1 &&
-         g.result.has_value() && !g.result->has_error();
+  const int world = node_.world_size();
+  return options_.local_decisions && !node_.run_id().empty() && world > 0 &&
+         static_cast<int>(ranks_.size()) == world && static_cast<int>(g.ranks.size()) == world &&
+         g.registrations.size() == 1 && g.result.has_value() && !g.result->has_error();
 }
 
 void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   if (!LocalDecisionAllowedLocked(g) ||
-      static_cast<int>(g.unconfirmed.size()) >= options_.local_decision_lag) {
+      static_cast<int>(g.local.unconfirmed.size()) >= options_.local_decision_lag) {
     return;
   }
   // Steps of a group are decided in order: every earlier step still
   // without the coordinator's decision must have been decided here.
-  size_t earlier = 0;
-  while (earlier < g.inflight.size() && g.inflight[earlier].step < st.step) ++earlier;
-  if (earlier != g.unconfirmed.size()) return;
-  if (g.local_ok_bytes == nullptr || g.local_content_gen != g.node_content_gen) {
-    absl::StatusOr<Policy> policy = wire::PolicyFromProto(g.variants[0].registration.policy());
+  if (g.inflight.CountBefore(st.step) != g.local.unconfirmed.size()) return;
+  if (g.local.ok_bytes == nullptr || g.local.content_gen != g.form.content_gen) {
+    absl::StatusOr<Policy> policy = wire::PolicyFromProto(g.registrations.first().policy());
     if (!policy.ok()) return;
     Manifest merged;
     merged.step = st.step;
     merged.dtypes = st.merged;
-    merged.ranks = RankSet(world_size_);
+    merged.ranks = RankSet(node_.world_size());
     for (int r : st.ranks) merged.ranks.Add(r);
-    absl::StatusOr<Decision> decision = Decide(g.spec, world_size_, merged, *policy);
+    absl::StatusOr<Decision> decision = Decide(g.spec, node_.world_size(), merged, *policy);
     if (!decision.ok()) return;  // error decisions are the coordinator's to send
     v1::DecisionOk ok;
     wire::DecisionToProto(*decision, &ok);
-    g.local_ok_bytes = std::make_shared<const std::string>(ok.SerializeAsString());
-    g.local_content_gen = g.node_content_gen;
+    g.local.ok_bytes = std::make_shared<const std::string>(ok.SerializeAsString());
+    g.local.content_gen = g.form.content_gen;
   }
   v1::Decision* d = local_batch_.add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(st.step);
   d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - st.first_seen));
-  if (g.last_ok.has_value() && g.local_ok_delivered == g.local_ok_bytes) {
+  if (g.decided.ok.has_value() && g.local.delivered == g.local.ok_bytes) {
     d->set_same_as_previous(true);  // the ranks' last decision of the group
   } else {
-    d->mutable_ok()->ParseFromString(*g.local_ok_bytes);
-    g.local_ok_delivered = g.local_ok_bytes;
+    d->mutable_ok()->ParseFromString(*g.local.ok_bytes);
+    g.local.delivered = g.local.ok_bytes;
   }
-  g.unconfirmed.push_back(LocalGroup::Unconfirmed{st.step, g.local_ok_bytes});
+  g.local.unconfirmed.push_back(LocalDecisionState::Unconfirmed{st.step, g.local.ok_bytes});
   ++stats_.local_decisions;
 }
 
@@ -77,24 +76,25 @@ void Sidecar::DeliverLocalDecisionsLocked() {
 }
 
 bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
-  if (g.unconfirmed.empty() || d.step() < g.unconfirmed.front().step) return false;
+  if (g.local.unconfirmed.empty() || d.step() < g.local.unconfirmed.front().step) return false;
   // Decisions come in step order: earlier local steps without one were
   // decided by the coordinator in a batch this one belongs to.
-  while (!g.unconfirmed.empty() && g.unconfirmed.front().step < d.step()) {
-    g.unconfirmed.pop_front();
+  while (!g.local.unconfirmed.empty() && g.local.unconfirmed.front().step < d.step()) {
+    g.local.unconfirmed.pop_front();
   }
-  if (g.unconfirmed.empty() || g.unconfirmed.front().step != d.step()) return false;
-  const std::shared_ptr<const std::string> mine = std::move(g.unconfirmed.front().ok_bytes);
-  g.unconfirmed.pop_front();
-  DropStepsUpTo(g, d.step());  // its inflight entry: no resend needed any more
+  if (g.local.unconfirmed.empty() || g.local.unconfirmed.front().step != d.step()) return false;
+  const std::shared_ptr<const std::string> mine = std::move(g.local.unconfirmed.front().ok_bytes);
+  g.local.unconfirmed.pop_front();
+  g.collect.DropUpTo(d.step());
+  g.inflight.DropUpTo(d.step());  // no resend needed any more
   std::string theirs;
   if (d.has_ok()) {
     theirs = d.ok().SerializeAsString();
-  } else if (d.same_as_previous() && g.coordinator_ok_bytes.has_value()) {
-    theirs = *g.coordinator_ok_bytes;
+  } else if (d.same_as_previous() && g.local.coordinator_ok_bytes.has_value()) {
+    theirs = *g.local.coordinator_ok_bytes;
   }
   if (!d.has_error() && !theirs.empty() && theirs == *mine) {
-    g.coordinator_ok_bytes = std::move(theirs);
+    g.local.coordinator_ok_bytes = std::move(theirs);
     ++stats_.local_confirmed;
     return true;
   }
@@ -105,16 +105,17 @@ bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
     // own error, for every rank.
     e = d.error();
   } else {
-    e = wire::MakeError(
+    // A broken invariant of accord's own (Decide is deterministic): INTERNAL.
+    e = ErrorFromStatus(
         v1::JOB_FAILED,
         absl::InternalError(absl::StrCat(
-            "job ", job_id_, " group \"", g.group_id, "\" step ", d.step(), ": node \"",
+            "job ", node_.job_id(), " group \"", g.group_id, "\" step ", d.step(), ": node \"",
             options_.node_id,
             "\" decided the step locally (--local_decisions) but the "
             "coordinator decided otherwise; the ranks may have reduced differently, so the job "
             "is failed. Report this as a bug, and run the sidecar with --local_decisions=false "
             "meanwhile")));
-    e.set_job_id(job_id_);
+    e.set_job_id(node_.job_id());
     e.set_group_id(g.group_id);
     e.set_step(d.step());
   }

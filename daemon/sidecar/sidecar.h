@@ -63,7 +63,10 @@
 #include "core/manifest.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/due_timer.h"
 #include "daemon/common/upstream.h"
+#include "daemon/common/upstream_node.h"
+#include "daemon/sidecar/local_group.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -209,88 +212,6 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     RankSink* sink = nullptr;
     int rank = -1;  // -1 until a hello is accepted
   };
-  // One (group, step) being collected. Rows are per reporting rank, sorted by
-  // rank; storage is reused across steps (see LocalGroup::spare).
-  struct LocalStep {
-    int64_t step = 0;
-    bool sent = false;
-    // When its first local rank submitted it, and whether it was reported to
-    // the coordinator as partial on the current stream.
-    absl::Time first_seen;
-    bool partial_reported = false;
-    std::vector<int> ranks;         // reporting ranks, ascending
-    std::vector<DTypeMask> rows;    // ranks.size() x num_params dtype sets
-    std::vector<DTypeMask> merged;  // OR of the rows
-  };
-  struct Variant {
-    v1::GroupRegistration registration;
-    std::string bytes;
-    std::set<int> ranks;
-  };
-  // A local rank's last full-form manifest content for a group, against
-  // which its repeat-form manifests are resolved.
-  struct LastFull {
-    int rank = -1;
-    uint64_t key = 0;
-    std::vector<DTypeMask> dtypes;
-  };
-  // A node manifest sent without a decision yet (for resends).
-  struct Inflight {
-    int64_t step = 0;
-    std::shared_ptr<const v1::Manifest> full;  // full form, step not set
-  };
-  struct LocalGroup {
-    std::string group_id;
-    int index = 0;  // dense, in registration order
-    GroupSpec spec;
-    std::vector<Variant> variants;
-    std::vector<int> ranks;  // local ranks that registered it, ascending
-    std::optional<v1::RegistrationResult> result;
-    std::vector<LocalStep> steps;    // ascending step
-    std::vector<LocalStep> spare;    // emptied steps, kept for their storage
-    std::vector<Inflight> inflight;  // ascending step
-    // The last node manifest produced for the group (content, detail
-    // signature, whether it carried rank_bits, and its full form).
-    uint64_t last_node_key = 0;
-    std::vector<int> last_node_covered;
-    std::vector<DTypeMask> last_node_merged;
-    std::string last_node_detail;
-    bool last_node_with_ranks = false;
-    std::shared_ptr<const v1::Manifest> last_node_full;
-    // Whether the upstream holds last_node_* as this node's previous manifest
-    // for the group (repeat form allowed).
-    bool have_last_sent = false;
-    int64_t last_decided_step = -1;
-    std::optional<v1::DecisionOk> last_ok;
-    // The last decided step's decision when it was an error, for a rank that
-    // submits that step only afterwards.
-    std::optional<v1::Decision> last_error;
-    std::vector<LastFull> last_full;  // per local rank, ascending rank
-    uint64_t touched_epoch = 0;       // HandleManifestsLocked dedup
-    // Local decisions (SidecarOptions::local_decisions): steps decided here
-    // that the coordinator has not decided yet, ascending, each with its
-    // DecisionOk's bytes; the bytes of the last local decision and the node
-    // manifest key they were computed for; the coordinator's own last ok
-    // (what its `same_as_previous` stands for).
-    struct Unconfirmed {
-      int64_t step = 0;
-      std::shared_ptr<const std::string> ok_bytes;
-    };
-    std::deque<Unconfirmed> unconfirmed;
-    std::shared_ptr<const std::string> local_ok_bytes;
-    uint64_t node_content_gen = 0;   // bumped when last_node_* changes
-    uint64_t local_content_gen = 0;  // the generation local_ok_bytes is for
-    // last_ok holds these bytes (set by a local decision, reset by any
-    // decision of the coordinator delivered as such).
-    std::shared_ptr<const std::string> local_ok_delivered;
-    std::optional<std::string> coordinator_ok_bytes;
-  };
-  // The group's LocalStep for `step`, created (from spare storage) if absent.
-  static LocalStep& StepFor(LocalGroup& g, int64_t step);
-  // Drops every step (and, unless `keep_inflight`, inflight entry) <= `step`,
-  // keeping step storage.
-  static void DropStepsUpTo(LocalGroup& g, int64_t step, bool keep_inflight = false);
-
   void HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg)
@@ -299,10 +220,16 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
                                 v1::RankReply& errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The dtypes a rank's manifest `m` of `g` carries: for a repeat, its
+  // previous full form's; else `m` decoded into rs.key_scratch, its key in
+  // `full_key`. Null, with the error for the rank in `refused`, when neither.
+  const std::vector<DTypeMask>* RankContentLocked(int rank, RankState& rs, const LocalGroup& g,
+                                                  const v1::Manifest& m, uint64_t* full_key,
+                                                  v1::DecisionError* refused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the coordinator's question about a (group, step) past its
   // deadline: which local ranks submitted it, and each one's last step.
   void AnswerProgressLocked(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends every complete local step of `group` into `out`.
   // A node manifest ready to go upstream.
   struct Outgoing {
     const LocalGroup* group;
@@ -311,15 +238,35 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     uint64_t key;
     std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
   };
+  // Appends every complete local step of `g` to `out` (sidecar.cc).
   void CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // SendManifestsLocked for collected node manifests (builds them only when the
-  // batch does not repeat the previous one); clears `items`.
+  // Sends collected node manifests as one batch, or as a batch repeat when
+  // they repeat the stream's previous batch (built only when they do not);
+  // clears `items`. The upstream side is in sidecar_upstream.cc.
   void SendOutgoingLocked(std::vector<Outgoing>& items) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `take`: null, or `batch` itself, whose decisions may be moved out.
   // `local`: decisions made here (local_decisions.cc), not the coordinator's.
   void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
                              bool local = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A decision for the ranks, and which of them get the full body instead
+  // of `same_as_previous` (they missed the group's previous decision).
+  struct RoutedDecision {
+    const v1::Decision* decision;
+    LocalGroup* group;
+    std::vector<int> expand;   // ranks that get the full body (usually none)
+    v1::DecisionOk expand_ok;  // that body (the group's last ok at this decision)
+  };
+  // Records `d` for `g` and its ranks into `out`; whether every connected
+  // rank gets it as is.
+  bool RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool local, RoutedDecision& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the routed decisions: one shared reply when `uniform` (the whole
+  // `batch`, moved out of `take` when given and nothing was left out), else
+  // one reply per rank.
+  void DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                              const std::vector<RoutedDecision>& routed, bool uniform)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Local decisions (local_decisions.cc). Decides the complete step `st` of
   // `g` here when allowed, into local_batch_ ...
   void DecideLocallyLocked(LocalGroup& g, const LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -333,44 +280,30 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Fails the job on this node: every rank gets `e` and its stream closes.
   void FailRanksLocked(const v1::DecisionError& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRankLocked(int rank, v1::RankReply reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends a ManifestBatch upstream, as a batch repeat when it repeats the
-  // previous batch, and records it as the stream's previous batch.
-  void SendManifestsLocked(v1::NodeMessage up) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the 16-byte record "step `step` repeats the previous batch".
   void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::NodeMessage HelloMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ArmTimerLocked(absl::Time at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TimerLoop();
+  // Reports the steps due; returns when the next one is due.
+  absl::Time CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SidecarOptions options_;
   Clock* const clock_;
   accord::Mutex mu_;
-  accord::CondVar timer_cv_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Half the coordinator's deadline (Welcome.deadline_ms) on the current
   // stream; zero: partial steps are not reported.
   absl::Duration report_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
-  // The timer wakes at timer_at_ when armed: the earliest time a step not
-  // yet sent or reported becomes due (armed at most once per due time, so
-  // the steady state signals the timer at most once per report_after_).
-  bool timer_armed_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time timer_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  UpstreamSink* upstream_ ABSL_GUARDED_BY(mu_) = nullptr;
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  std::string job_id_ ABSL_GUARDED_BY(mu_);
-  std::string run_id_ ABSL_GUARDED_BY(mu_);       // from the Welcome; "" before it
-  uint64_t node_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // drawn at the job's first local rank
-  std::string last_job_id_ ABSL_GUARDED_BY(mu_);  // for metrics after the job ended
-  std::string rank_token_ ABSL_GUARDED_BY(mu_);  // first rank's token, when options_.token is empty
-  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  bool hello_sent_ ABSL_GUARDED_BY(mu_) = false;
+  // The node upstream: the job served now (none before the first rank and
+  // after the last), its run and epoch (drawn at the job's first local
+  // rank), the token (options_.token, else the first rank's), the ranks
+  // announced (every rank accepted since the job started), the stream's
+  // Welcome and previous batch.
+  UpstreamNode node_ ABSL_GUARDED_BY(mu_);
+  std::string last_job_id_ ABSL_GUARDED_BY(mu_);         // for metrics after the job ended
   std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
-  std::set<int> announced_ ABSL_GUARDED_BY(mu_);         // every rank announced upstream
   // node_hash_map: LocalGroup addresses are stable (group_order_ points at them).
   absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
   std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
@@ -380,11 +313,11 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   v1::DecisionBatch local_batch_ ABSL_GUARDED_BY(mu_);     // DecideLocallyLocked's output
   std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
-  // The current upstream stream: whether the coordinator accepts batch
-  // repeats, and the previous ManifestBatch sent on it (group, cache key).
-  bool upstream_batch_repeat_ ABSL_GUARDED_BY(mu_) = false;
-  wire::StreamBatchRecord last_batch_ ABSL_GUARDED_BY(mu_);
-  std::thread timer_;  // last: started once everything above is initialised
+  // Partial-step reports: due at the earliest time a step not yet sent or
+  // reported becomes due (armed at most once per due time, so the steady
+  // state signals the timer at most once per report_after_). Last: its
+  // thread starts once everything above is initialised.
+  DueTimer timer_;
 };
 
 }  // namespace accord::daemon

@@ -491,5 +491,37 @@ TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
   EXPECT_THAT(other.errors()[0].message(), ::testing::HasSubstr("serves job j now"));
 }
 
+// The coordinator refuses such a hello (node_hello.h); a relay used to drop
+// the second copy and accept it.
+TEST(RelayHelloTest, AHelloAnnouncingARankTwiceIsRefusedWithTheCoordinatorsError) {
+  FakeClock clock;
+  FakeUpstream up;
+  RelayOptions o;
+  o.relay_id = "relay0";
+  o.clock = &clock;
+  o.start_timer_thread = false;
+  Relay relay(o);
+  relay.SetUpstream(&up);
+  relay.OnUpstreamConnected();
+  FakeNodeSink twice;
+  const Relay::SessionId id = relay.OpenSession(&twice);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_job_id("j");
+  hello.mutable_hello()->set_node_id("node0");
+  hello.mutable_hello()->set_world_size(kWorld);
+  hello.mutable_hello()->add_ranks(1);
+  hello.mutable_hello()->add_ranks(1);
+  relay.HandleMessage(id, hello);
+  ASSERT_EQ(twice.errors().size(), 1u);
+  EXPECT_EQ(twice.errors()[0].kind(), v1::INVALID_REQUEST);
+  EXPECT_EQ(twice.errors()[0].code(), static_cast<int>(wire::CodeOfKind(v1::INVALID_REQUEST)));
+  // The coordinator's own words.
+  EXPECT_EQ(twice.errors()[0].message(),
+            "job j: node \"node0\" announced rank 1 twice or outside 0..3");
+  EXPECT_EQ(twice.messages().size(), 1u) << "no Welcome";
+  EXPECT_TRUE(up.sent.empty()) << "no job started: nothing goes upstream";
+  EXPECT_EQ(relay.stats().job_id, "");
+}
+
 }  // namespace
 }  // namespace accord::daemon

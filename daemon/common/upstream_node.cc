@@ -1,0 +1,200 @@
+#include "daemon/common/upstream_node.h"
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+namespace accord::daemon {
+
+void GroupRegistrations::Add(const v1::GroupRegistration& registration,
+                             const std::vector<int>& ranks) {
+  std::string bytes = registration.SerializeAsString();
+  auto it = std::find_if(variants_.begin(), variants_.end(),
+                         [&](const Variant& v) { return v.bytes == bytes; });
+  if (it == variants_.end()) {
+    variants_.push_back(Variant{registration, std::move(bytes), {}});
+    it = variants_.end() - 1;
+  }
+  it->ranks.insert(ranks.begin(), ranks.end());
+}
+
+void InflightManifests::Add(int64_t step, std::shared_ptr<const v1::Manifest> full) {
+  auto at = std::upper_bound(entries_.begin(), entries_.end(), step,
+                             [](int64_t s, const Entry& e) { return s < e.step; });
+  entries_.insert(at, Entry{step, std::move(full)});
+}
+
+void InflightManifests::DropUpTo(int64_t step) {
+  size_t n = 0;
+  while (n < entries_.size() && entries_[n].step <= step) ++n;
+  entries_.erase(entries_.begin(), entries_.begin() + n);
+}
+
+bool InflightManifests::AppendStep(int64_t step, v1::ManifestBatch* out) const {
+  auto it = std::lower_bound(entries_.begin(), entries_.end(), step,
+                             [](const Entry& e, int64_t s) { return e.step < s; });
+  bool any = false;
+  for (; it != entries_.end() && it->step == step; ++it) {
+    v1::Manifest* m = out->add_manifests();
+    *m = *it->full;
+    m->set_step(step);
+    any = true;
+  }
+  return any;
+}
+
+void InflightManifests::AppendAll(v1::ManifestBatch* out) const {
+  for (const Entry& e : entries_) {
+    v1::Manifest* m = out->add_manifests();
+    *m = *e.full;
+    m->set_step(e.step);
+  }
+}
+
+size_t InflightManifests::CountBefore(int64_t step) const {
+  size_t n = 0;
+  while (n < entries_.size() && entries_[n].step < step) ++n;
+  return n;
+}
+
+void RepeatForm::Sent(uint64_t key, absl::string_view shape) {
+  held_ = true;
+  key_ = key;
+  if (shape != shape_) shape_ = std::string(shape);
+}
+
+v1::NodeMessage PartialReport(absl::string_view group_id, int64_t step, absl::Duration waited,
+                              const std::vector<int>& reported) {
+  v1::NodeMessage up;
+  v1::NodeProgress* p = up.mutable_progress();
+  p->set_group_id(std::string(group_id));
+  p->set_step(step);
+  p->set_partial(true);
+  p->set_waited_us(absl::ToInt64Microseconds(waited));
+  for (int r : reported) p->add_reported(r);
+  return up;
+}
+
+void UpstreamNode::Send(v1::NodeMessage message) {
+  if (sink_ != nullptr) sink_->Send(std::move(message));
+}
+
+void UpstreamNode::StartJob(absl::string_view job_id, int world_size, absl::string_view token,
+                            absl::string_view resume_run_id) {
+  job_.job_id = std::string(job_id);
+  job_.world_size = world_size;
+  job_.token = std::string(token);
+  job_.run_id = std::string(resume_run_id);
+  // A new local incarnation of the job (NodeHello.node_epoch).
+  std::random_device rd;
+  job_.epoch = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+}
+
+void UpstreamNode::EndJob() {
+  job_ = Job();
+  stream_ = Stream();
+  announced_.clear();
+}
+
+v1::NodeMessage UpstreamNode::Hello() const {
+  v1::NodeMessage m;
+  v1::NodeHello* h = m.mutable_hello();
+  h->set_job_id(job_.job_id);
+  h->set_node_id(node_id_);
+  h->set_world_size(job_.world_size);
+  h->set_token(job_.token);
+  for (int r : announced_) h->add_ranks(r);
+  h->set_answers_progress(true);
+  // Runs (docs/ARCHITECTURE.md): a stream of a run the node was placed in
+  // resumes it; otherwise the node's ranks start or join one.
+  h->set_run_id(job_.run_id);
+  h->set_run_start(job_.run_id.empty() ? v1::NodeHello::RUN_START_NEW
+                                       : v1::NodeHello::RUN_START_RESUME);
+  h->set_node_epoch(job_.epoch);
+  return m;
+}
+
+void UpstreamNode::AnnounceRanks(const std::vector<int>& ranks) {
+  for (int r : ranks) {
+    if (!announced_.insert(r).second || !stream_.hello_sent) continue;
+    v1::NodeMessage join;
+    join.mutable_rank_event()->set_rank(r);
+    join.mutable_rank_event()->set_joined(true);
+    Send(std::move(join));
+  }
+  if (!stream_.hello_sent) {
+    stream_.hello_sent = true;
+    Send(Hello());
+  }
+}
+
+void UpstreamNode::LeaveRank(int rank, int64_t last_step, bool forget) {
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(rank);
+  left.mutable_rank_event()->set_joined(false);
+  left.mutable_rank_event()->set_last_step(last_step);
+  Send(std::move(left));
+  if (forget) announced_.erase(rank);
+}
+
+void UpstreamNode::ForwardRankEvent(const v1::RankEvent& event) {
+  if (event.joined()) {
+    announced_.insert(event.rank());
+  } else {
+    announced_.erase(event.rank());
+  }
+  v1::NodeMessage up;
+  *up.mutable_rank_event() = event;
+  Send(std::move(up));
+}
+
+void UpstreamNode::Connected(std::vector<v1::NodeMessage> registrations,
+                             v1::ManifestBatch inflight) {
+  stream_.hello_sent = false;
+  stream_.welcomed = false;
+  stream_.batch_repeat = false;  // until the new stream's Welcome offers them
+  std::vector<v1::NodeMessage> messages;
+  if (has_job()) {
+    messages.push_back(Hello());
+    stream_.hello_sent = true;
+    for (v1::NodeMessage& m : registrations) messages.push_back(std::move(m));
+    // The new stream's previous batch is the resend (or none).
+    stream_.previous.Record(inflight);
+    if (inflight.manifests_size() > 0) {
+      v1::NodeMessage batch;
+      *batch.mutable_manifests() = std::move(inflight);
+      messages.push_back(std::move(batch));
+    }
+  } else {
+    stream_.previous.Clear();
+  }
+  if (sink_ != nullptr) sink_->Reset(std::move(messages));
+}
+
+void UpstreamNode::OnWelcome(const v1::Welcome& welcome) {
+  stream_.welcomed = true;
+  stream_.batch_repeat = welcome.batch_repeat();
+  stream_.deadline_ms = welcome.deadline_ms();
+  if (!welcome.run_id().empty() && has_job()) job_.run_id = welcome.run_id();
+}
+
+bool UpstreamNode::SendBatch(v1::ManifestBatch batch) {
+  if (batch.manifests_size() == 0) return false;
+  if (stream_.batch_repeat && stream_.previous.RepeatedBy(batch)) {
+    SendBatchRepeat(batch.manifests(0).step());
+    return true;
+  }
+  v1::NodeMessage up;
+  *up.mutable_manifests() = std::move(batch);
+  SendNewBatch(std::move(up));
+  return false;
+}
+
+void UpstreamNode::SendBatchRepeat(int64_t step) { Send(stream_.previous.RepeatAt(step)); }
+
+void UpstreamNode::SendNewBatch(v1::NodeMessage batch) {
+  stream_.previous.Record(batch.manifests());
+  Send(std::move(batch));
+}
+
+}  // namespace accord::daemon

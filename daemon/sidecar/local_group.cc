@@ -1,0 +1,78 @@
+#include "daemon/sidecar/local_group.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace accord::daemon {
+
+LocalStep& StepCollection::StepFor(int64_t step) {
+  auto it = std::lower_bound(steps.begin(), steps.end(), step,
+                             [](const LocalStep& st, int64_t s) { return st.step < s; });
+  if (it != steps.end() && it->step == step) return *it;
+  LocalStep fresh;
+  if (!spare.empty()) {
+    fresh = std::move(spare.back());
+    spare.pop_back();
+  }
+  fresh.step = step;
+  fresh.sent = false;
+  fresh.ranks.clear();
+  fresh.rows.clear();
+  fresh.merged.clear();
+  return *steps.insert(it, std::move(fresh));
+}
+
+void StepCollection::DropUpTo(int64_t step) {
+  size_t n = 0;
+  while (n < steps.size() && steps[n].step <= step) ++n;
+  for (size_t i = 0; i < n; ++i) spare.push_back(std::move(steps[i]));
+  steps.erase(steps.begin(), steps.begin() + n);
+}
+
+const LastFull* StepCollection::LastFullOf(int rank) const {
+  auto it = std::lower_bound(last_full.begin(), last_full.end(), rank,
+                             [](const LastFull& l, int r) { return l.rank < r; });
+  return it != last_full.end() && it->rank == rank ? &*it : nullptr;
+}
+
+void StepCollection::RememberFull(int rank, uint64_t key, const std::vector<DTypeMask>& dtypes) {
+  auto it = std::lower_bound(last_full.begin(), last_full.end(), rank,
+                             [](const LastFull& l, int r) { return l.rank < r; });
+  if (it == last_full.end() || it->rank != rank) it = last_full.insert(it, LastFull{rank, 0, {}});
+  it->key = key;
+  it->dtypes.assign(dtypes.begin(), dtypes.end());
+}
+
+StepCollection::Row StepCollection::AddRow(LocalStep& st, int rank,
+                                           const std::vector<DTypeMask>& content) {
+  const size_t num_params = content.size();
+  auto pos = std::lower_bound(st.ranks.begin(), st.ranks.end(), rank);
+  const size_t row = static_cast<size_t>(pos - st.ranks.begin());
+  if (pos != st.ranks.end() && *pos == rank) {
+    return std::equal(content.begin(), content.end(), st.rows.begin() + row * num_params)
+               ? Row::kSame
+               : Row::kDiffers;
+  }
+  st.ranks.insert(pos, rank);
+  st.rows.insert(st.rows.begin() + row * num_params, content.begin(), content.end());
+  if (st.merged.size() != num_params) st.merged.assign(num_params, 0);
+  for (size_t i = 0; i < num_params; ++i) st.merged[i] |= content[i];
+  return Row::kAdded;
+}
+
+int64_t Decided::Record(const v1::Decision& d) {
+  const int64_t previous = step;
+  if (d.step() > step) step = d.step();
+  if (d.has_ok()) ok = d.ok();
+  if (d.has_error()) ok.reset();
+  if (d.step() >= step) {
+    if (d.has_error()) {
+      error = d;
+    } else {
+      error.reset();
+    }
+  }
+  return previous;
+}
+
+}  // namespace accord::daemon

@@ -1,0 +1,321 @@
+// The Sidecar's upstream side (docs/ARCHITECTURE.md, "The protocol on one
+// page"): the node manifests and batch repeats it sends, what a new stream
+// resends (through its UpstreamNode), partial-step reports and progress
+// answers, and the coordinator's messages: the Welcome, errors,
+// registration results and decisions, fanned out to the ranks.
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "daemon/sidecar/sidecar.h"
+#include "proto/wire.h"
+
+namespace accord::daemon {
+
+void Sidecar::NoteStepStartedLocked(LocalStep& st) {
+  st.first_seen = clock_->Now();
+  st.partial_reported = false;
+  if (report_after_ > absl::ZeroDuration() && !timer_.armed()) {
+    timer_.Arm(st.first_seen + report_after_);
+  }
+}
+
+void Sidecar::CheckPartialSteps() {
+  accord::MutexLock l(&mu_);
+  timer_.RunNow();
+}
+
+absl::Time Sidecar::CheckPartialStepsLocked() {
+  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) {
+    return absl::InfiniteFuture();
+  }
+  const absl::Time now = clock_->Now();
+  absl::Time next = absl::InfiniteFuture();
+  for (LocalGroup* g : group_order_) {
+    for (LocalStep& st : g->collect.steps) {
+      if (st.sent || st.ranks.empty() || st.partial_reported) continue;
+      const absl::Time due = st.first_seen + report_after_;
+      if (due > now) {
+        next = std::min(next, due);
+        continue;
+      }
+      // Some local ranks submitted this step long ago and the node manifest
+      // still waits for the others: tell the coordinator, so that its
+      // deadline runs even when no node sends a manifest for the step.
+      st.partial_reported = true;
+      v1::NodeMessage up = PartialReport(g->group_id, st.step, now - st.first_seen, st.ranks);
+      v1::NodeProgress* p = up.mutable_progress();
+      for (const auto& [r, rs] : ranks_) {
+        p->add_ranks(r);
+        p->add_last_steps(rs.SubmittedOf(g->index));
+      }
+      ACCORD_LOG(WARNING) << "job " << node_.job_id() << " group \"" << g->group_id << "\" step "
+                          << st.step << ": " << st.ranks.size() << " of " << g->ranks.size()
+                          << " local ranks submitted it "
+                          << absl::FormatDuration(now - st.first_seen)
+                          << " ago; reporting the partial step to the coordinator";
+      node_.Send(std::move(up));
+    }
+  }
+  return next;
+}
+
+void Sidecar::SendBatchRepeatLocked(int64_t step) {
+  ++stats_.node_batch_repeats;
+  node_.SendBatchRepeat(step);
+}
+
+void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
+  if (items.empty()) return;
+  const int64_t step = items[0].step;
+  const wire::StreamBatchRecord& previous = node_.previous_batch();
+  bool same = node_.batch_repeat() && items.size() == previous.size();
+  for (size_t i = 0; same && i < items.size(); ++i) {
+    const Outgoing& o = items[i];
+    same = o.repeat && o.step == step && previous.Matches(i, o.group->group_id, o.key);
+  }
+  if (same) {
+    SendBatchRepeatLocked(step);
+    items.clear();
+    return;
+  }
+  v1::NodeMessage up;
+  v1::ManifestBatch* batch = up.mutable_manifests();
+  batch->mutable_manifests()->Reserve(static_cast<int>(items.size()));
+  for (const Outgoing& o : items) {
+    v1::Manifest* m = batch->add_manifests();
+    if (o.repeat) {
+      m->set_group_id(o.group->group_id);
+      m->set_repeat(true);
+      m->set_cache_key(o.key);
+    } else {
+      *m = *o.full;
+    }
+    m->set_step(o.step);
+  }
+  items.clear();
+  node_.SendNewBatch(std::move(up));
+}
+
+void Sidecar::OnUpstreamConnected() {
+  accord::MutexLock l(&mu_);
+  std::vector<v1::NodeMessage> registrations;
+  v1::ManifestBatch inflight;
+  for (LocalGroup* g : group_order_) {
+    g->registrations.AppendResend(
+        [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.count(r) != 0; },
+        &registrations);
+    g->inflight.AppendAll(&inflight);
+    // The coordinator may have lost its cache: the next manifest goes in full.
+    g->form.repeat.Forget();
+    // ... and its pending steps: partial steps are reported again.
+    for (LocalStep& st : g->collect.steps) st.partial_reported = false;
+  }
+  report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
+  node_.Connected(std::move(registrations), std::move(inflight));
+}
+
+void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  if (message->has_decisions()) {
+    accord::MutexLock l(&mu_);
+    HandleDecisionsLocked(message->decisions(), message->mutable_decisions());
+    return;
+  }
+  HandleCoordinatorMessage(*message);
+}
+
+void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
+  accord::MutexLock l(&mu_);
+  switch (message.body_case()) {
+    case v1::CoordinatorMessage::kWelcome:
+      node_.OnWelcome(message.welcome());
+      report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
+      // Steps that began before this stream are checked now.
+      if (report_after_ > absl::ZeroDuration()) timer_.Arm(clock_->Now());
+      return;
+    case v1::CoordinatorMessage::kError: {
+      const v1::DecisionError& e = message.error();
+      ACCORD_LOG(ERROR) << "coordinator: " << e.message();
+      std::vector<int> targets;
+      if (e.kind() == v1::DUPLICATE_RANK && e.ranks_size() > 0) {
+        targets.assign(e.ranks().begin(), e.ranks().end());
+      } else {
+        for (const auto& [r, rs] : ranks_) targets.push_back(r);
+      }
+      for (int r : targets) {
+        auto it = ranks_.find(r);
+        if (it == ranks_.end()) continue;
+        v1::RankReply reply;
+        *reply.mutable_error() = e;
+        it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
+        it->second.sink->Close(wire::ErrorToStatus(e));
+      }
+      return;
+    }
+    case v1::CoordinatorMessage::kRegistration: {
+      const v1::RegistrationResult& res = message.registration();
+      auto git = groups_.find(res.group_id());
+      if (git == groups_.end()) return;
+      // An error about one node registration names its ranks and goes to
+      // them only. The group's or the job's failure (a mismatch across ranks,
+      // ranks that did not register it within the deadline, the job failed)
+      // goes to every rank that registered the group; its ranks are the
+      // ranks at fault.
+      const v1::ErrorKind kind = res.error().kind();
+      const bool group_wide =
+          kind == v1::REGISTRATION_MISMATCH || kind == v1::MISSING_RANKS || kind == v1::JOB_FAILED;
+      const bool targeted = res.has_error() && !group_wide && res.error().ranks_size() > 0;
+      if (!targeted) git->second.result = res;
+      for (int r : git->second.ranks) {
+        if (targeted && std::find(res.error().ranks().begin(), res.error().ranks().end(), r) ==
+                            res.error().ranks().end()) {
+          continue;
+        }
+        auto it = ranks_.find(r);
+        if (it == ranks_.end() || it->second.got_result[res.group_id()]) continue;
+        it->second.got_result[res.group_id()] = true;
+        v1::RankReply reply;
+        *reply.mutable_registration() = res;
+        SendToRankLocked(r, std::move(reply));
+      }
+      return;
+    }
+    case v1::CoordinatorMessage::kDecisions:
+      HandleDecisionsLocked(message.decisions(), nullptr);
+      return;
+    case v1::CoordinatorMessage::kProgressQuery:
+      AnswerProgressLocked(message.progress_query());
+      return;
+    default:
+      return;
+  }
+}
+
+void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
+  v1::NodeMessage up;
+  v1::NodeProgress* p = up.mutable_progress();
+  p->set_group_id(query.group_id());
+  p->set_step(query.step());
+  // Each rank's last step of the asked group (-1: none, or a group not
+  // registered here), never its last step of another group.
+  int index = -1;
+  if (auto git = groups_.find(query.group_id()); git != groups_.end()) {
+    index = git->second.index;
+    for (const LocalStep& ls : git->second.collect.steps) {
+      if (ls.step != query.step()) continue;
+      for (int r : ls.ranks) p->add_reported(r);
+    }
+  }
+  for (const auto& [r, rs] : ranks_) {
+    p->add_ranks(r);
+    p->add_last_steps(index < 0 ? -1 : rs.SubmittedOf(index));
+  }
+  ACCORD_LOG(INFO) << "coordinator asked about group \"" << query.group_id() << "\" step "
+                   << query.step() << ": " << p->reported_size() << " of " << ranks_.size()
+                   << " local ranks submitted it";
+  node_.Send(std::move(up));
+}
+
+void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                                    bool local) {
+  // Pass 1: group state, and per decision which ranks need the full body
+  // instead of the coordinator's `same_as_previous`.
+  std::vector<RoutedDecision> routed;
+  routed.reserve(batch.decisions_size());
+  bool uniform = true;  // every connected rank gets every routed decision as is
+  v1::ManifestBatch resend;
+  for (const v1::Decision& d : batch.decisions()) {
+    if (!local) ++stats_.decisions_in;
+    auto git = groups_.find(d.group_id());
+    if (git == groups_.end()) continue;
+    LocalGroup& g = git->second;
+    if (d.has_error() && d.error().resend_full_form() && g.inflight.AppendStep(d.step(), &resend)) {
+      // A repeat the coordinator could not resolve: resend in full form.
+      g.form.repeat.Forget();
+      continue;
+    }
+    if (!local) {
+      // Already delivered (decided here): only compared.
+      if (ConfirmLocalLocked(g, d)) continue;
+      // What the coordinator's next `same_as_previous` stands for, kept
+      // when local decisions are on (a new body is rare in the steady state).
+      if (d.has_ok() || d.has_error()) g.local.delivered.reset();
+      if (d.has_error()) {
+        g.local.coordinator_ok_bytes.reset();
+      } else if (d.has_ok() && options_.local_decisions) {
+        g.local.coordinator_ok_bytes = d.ok().SerializeAsString();
+      }
+    }
+    if (!RecordDecisionLocked(g, d, local, routed.emplace_back(RoutedDecision{&d, &g, {}, {}}))) {
+      uniform = false;
+    }
+  }
+  DeliverDecisionsLocked(batch, take, routed, uniform);
+  // Full-form manifests never compact, but the resend is the stream's
+  // previous batch from now on.
+  if (!local && node_.SendBatch(std::move(resend))) ++stats_.node_batch_repeats;
+}
+
+bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool local,
+                                   RoutedDecision& out) {
+  const int64_t previous = g.decided.Record(d);
+  g.collect.DropUpTo(d.step());
+  // A local decision's node manifest is resent until the coordinator
+  // decided it.
+  if (!local) g.inflight.DropUpTo(d.step());
+  size_t connected = 0;
+  for (int r : g.ranks) {
+    auto rit = ranks_.find(r);
+    if (rit == ranks_.end()) continue;
+    ++connected;
+    std::vector<int64_t>& delivered = rit->second.delivered;
+    if (delivered.size() <= static_cast<size_t>(g.index)) {
+      delivered.resize(group_order_.size(), -1);
+    }
+    int64_t& last = delivered[g.index];
+    if (d.same_as_previous() && (last != previous || previous < 0) && g.decided.ok.has_value()) {
+      if (out.expand.empty()) out.expand_ok = *g.decided.ok;
+      out.expand.push_back(r);
+    }
+    last = d.step();
+  }
+  return connected == ranks_.size() && out.expand.empty();
+}
+
+void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                                     const std::vector<RoutedDecision>& routed, bool uniform) {
+  // Pass 2: one shared reply when every rank gets the same decisions (the
+  // common case), else one reply per rank.
+  if (!routed.empty() && uniform) {
+    auto reply = std::make_shared<v1::RankReply>();
+    v1::DecisionBatch* b = reply->mutable_decisions();
+    if (take != nullptr && static_cast<int>(routed.size()) == batch.decisions_size()) {
+      b->Swap(take);  // every decision, unchanged: forward the batch itself
+    } else {
+      b->mutable_decisions()->Reserve(static_cast<int>(routed.size()));
+      for (const RoutedDecision& x : routed) *b->add_decisions() = *x.decision;
+    }
+    std::shared_ptr<const v1::RankReply> shared = std::move(reply);
+    for (auto& [r, rs] : ranks_) {
+      if (rs.sink != nullptr) rs.sink->Send(shared);
+    }
+  } else if (!routed.empty()) {
+    for (auto& [r, rs] : ranks_) {
+      v1::RankReply reply;
+      for (const RoutedDecision& x : routed) {
+        if (!std::binary_search(x.group->ranks.begin(), x.group->ranks.end(), r)) continue;
+        v1::Decision* rd = reply.mutable_decisions()->add_decisions();
+        *rd = *x.decision;
+        if (std::find(x.expand.begin(), x.expand.end(), r) != x.expand.end()) {
+          rd->set_same_as_previous(false);
+          *rd->mutable_ok() = x.expand_ok;
+        }
+      }
+      if (reply.has_decisions()) SendToRankLocked(r, std::move(reply));
+    }
+  }
+}
+
+}  // namespace accord::daemon

@@ -1,0 +1,138 @@
+// UpstreamNode, the upstream side of the node protocol shared by the sidecar
+// and the relay, with a recording sink.
+#include "daemon/common/upstream_node.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace accord::daemon {
+namespace {
+
+using ::testing::ElementsAre;
+
+class RecordingSink : public UpstreamSink {
+ public:
+  void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
+  void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
+  void Reconnect() override {}
+  std::vector<v1::NodeMessage> sent;
+  std::vector<v1::NodeMessage> reset;
+};
+
+v1::Manifest Full(const std::string& group, uint64_t key) {
+  v1::Manifest m;
+  m.set_group_id(group);
+  m.set_cache_key(key);
+  m.set_used_bits("\x01");
+  return m;
+}
+
+v1::ManifestBatch Repeats(int64_t step, const std::vector<std::pair<std::string, uint64_t>>& e) {
+  v1::ManifestBatch b;
+  for (const auto& [group, key] : e) {
+    v1::Manifest* m = b.add_manifests();
+    m->set_group_id(group);
+    m->set_cache_key(key);
+    m->set_repeat(true);
+    m->set_step(step);
+  }
+  return b;
+}
+
+class UpstreamNodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override { node_.SetSink(&sink_); }
+  RecordingSink sink_;
+  UpstreamNode node_{"n0"};
+};
+
+TEST_F(UpstreamNodeTest, TheFirstRanksGoInTheHelloLaterOnesAsJoins) {
+  node_.StartJob("j", 4, "tok");
+  node_.AnnounceRanks({1, 0});
+  node_.AnnounceRanks({0, 2});
+  ASSERT_EQ(sink_.sent.size(), 2u);
+  const v1::NodeHello& h = sink_.sent[0].hello();
+  EXPECT_EQ(h.job_id(), "j");
+  EXPECT_EQ(h.node_id(), "n0");
+  EXPECT_EQ(h.token(), "tok");
+  EXPECT_THAT(h.ranks(), ElementsAre(0, 1));
+  EXPECT_EQ(h.run_start(), v1::NodeHello::RUN_START_NEW);
+  EXPECT_NE(h.node_epoch(), 0u);
+  EXPECT_TRUE(h.answers_progress());
+  EXPECT_EQ(sink_.sent[1].rank_event().rank(), 2);
+  EXPECT_TRUE(sink_.sent[1].rank_event().joined());
+}
+
+TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResumesTheRun) {
+  node_.StartJob("j", 4, "tok");
+  node_.AnnounceRanks({0, 1});
+  v1::Welcome w;
+  w.set_run_id("r1");
+  w.set_batch_repeat(true);
+  node_.OnWelcome(w);
+  GroupRegistrations regs;
+  v1::GroupRegistration spec;
+  spec.set_group_id("g");
+  regs.Add(spec, {1});
+  regs.Add(spec, {0});
+  InflightManifests inflight;
+  inflight.Add(5, std::make_shared<const v1::Manifest>(Full("g", 7)));
+  inflight.Add(6, std::make_shared<const v1::Manifest>(Full("g", 7)));
+  inflight.DropUpTo(5);
+  std::vector<v1::NodeMessage> resend_regs;
+  regs.AppendResend([](int r) { return r == 0; }, &resend_regs);
+  v1::ManifestBatch resend;
+  inflight.AppendAll(&resend);
+  node_.Connected(std::move(resend_regs), std::move(resend));
+  ASSERT_EQ(sink_.reset.size(), 3u);
+  EXPECT_EQ(sink_.reset[0].hello().run_start(), v1::NodeHello::RUN_START_RESUME);
+  EXPECT_EQ(sink_.reset[0].hello().run_id(), "r1");
+  EXPECT_THAT(sink_.reset[1].registration().ranks(), ElementsAre(0));
+  ASSERT_EQ(sink_.reset[2].manifests().manifests_size(), 1);
+  EXPECT_EQ(sink_.reset[2].manifests().manifests(0).step(), 6);
+  EXPECT_FALSE(node_.batch_repeat()) << "until the new stream's Welcome offers them";
+}
+
+TEST_F(UpstreamNodeTest, ABatchGoesAsABatchRepeatOnlyWhenOfferedAndTheSameAsThePrevious) {
+  node_.StartJob("j", 2, "");
+  node_.AnnounceRanks({0, 1});
+  EXPECT_FALSE(node_.SendBatch(Repeats(1, {{"a", 1}, {"b", 2}})));
+  EXPECT_FALSE(node_.SendBatch(Repeats(2, {{"a", 1}, {"b", 2}}))) << "not offered";
+  v1::Welcome w;
+  w.set_batch_repeat(true);
+  node_.OnWelcome(w);
+  EXPECT_TRUE(node_.SendBatch(Repeats(3, {{"a", 1}, {"b", 2}})));
+  EXPECT_EQ(sink_.sent.back().manifests().repeat_step(), 3);
+  EXPECT_FALSE(node_.SendBatch(Repeats(4, {{"a", 1}, {"b", 3}}))) << "another key";
+  EXPECT_FALSE(node_.SendBatch(v1::ManifestBatch()));
+}
+
+TEST_F(UpstreamNodeTest, EndJobForgetsTheJobTheRanksAndTheStreamsBatch) {
+  node_.StartJob("j", 2, "", "r0");
+  node_.AnnounceRanks({0});
+  node_.SendBatch(Repeats(1, {{"a", 1}}));
+  node_.EndJob();
+  EXPECT_FALSE(node_.has_job());
+  EXPECT_TRUE(node_.announced().empty());
+  EXPECT_EQ(node_.previous_batch().size(), 0u);
+  node_.Connected({}, {});
+  EXPECT_TRUE(sink_.reset.empty()) << "no job: nothing to resend";
+}
+
+TEST(RepeatFormTest, RepeatsOnlyTheHeldKeyAndShape) {
+  RepeatForm f;
+  EXPECT_FALSE(f.Repeats(1, ""));
+  f.Sent(1, "s");
+  EXPECT_TRUE(f.Repeats(1, "s"));
+  EXPECT_FALSE(f.Repeats(1, "t"));
+  EXPECT_FALSE(f.Repeats(2, "s"));
+  f.Forget();
+  EXPECT_FALSE(f.Repeats(1, "s"));
+}
+
+}  // namespace
+}  // namespace accord::daemon
