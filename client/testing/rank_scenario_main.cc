@@ -67,6 +67,9 @@ ABSL_FLAG(int, kv_withhold_rank, -1,
           "(--gate_fifo) instead, then exits");
 ABSL_FLAG(int, skip_rank, -1, "this rank does not submit --skip_step (goes on with the next)");
 ABSL_FLAG(int, skip_step, -1, "the step --skip_rank skips");
+ABSL_FLAG(absl::Duration, step_delay, absl::ZeroDuration(),
+          "sleep this long before submitting each step after the first (chaos tests: a job "
+          "that lasts long enough for faults to land inside it)");
 ABSL_FLAG(bool, print_times, false,
           "also print \"rank R time submitted|error step S at_ms T\", \"rank R time "
           "register|register_error group G at_ms T\" and \"rank R time kv_wait|kv_error at_ms "
@@ -252,7 +255,9 @@ int Run() {
   }
 
   const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
+  const absl::Duration step_delay = absl::GetFlag(FLAGS_step_delay);
   for (int step = 0; step < steps && !first_error && !silent; ++step) {
+    if (step > 0 && step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
     if (gated && !absl::GetFlag(FLAGS_gate_register) && step == absl::GetFlag(FLAGS_gate_step)) {
       WaitAtGate(rank, absl::StrCat("step ", step));
     }

@@ -1,0 +1,104 @@
+"""A key-value call survives the coordinator restarting under it (a chaos
+finding, docs/RELIABILITY.md "Chaos"): the sidecar holds a call while the
+coordinator is unreachable and sends it again when the coordinator is back,
+within the call's deadline, instead of failing it with UNAVAILABLE.
+
+Real coordinator and sidecar processes of the build (ACCORD_BUILD_DIR), the
+real client through the Python package staged in the build.
+"""
+
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from procs import Proc  # noqa: E402
+
+BUILD = os.environ.get("ACCORD_BUILD_DIR", os.path.join(HERE, "..", "..", "build"))
+sys.path.insert(0, os.path.join(BUILD, "python", "pkg"))
+accord = pytest.importorskip("accord", reason="the Python package is not staged in the build")
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def daemons():
+    work = tempfile.mkdtemp(prefix="accord-kv-")
+    port = free_port()
+    coord = Proc("coordinator", [
+        os.path.join(BUILD, "daemon/coordinator/accord-coordinator"),
+        f"--listen=127.0.0.1:{port}", "--metrics_port=-1", "--deadline=30s"], work)
+    coord.start()
+    coord.wait_line("accord-coordinator listening on", 20)
+    sock = os.path.join(work, "sidecar.sock")
+    sidecar = Proc("sidecar", [
+        os.path.join(BUILD, "daemon/sidecar/accord-sidecar"), f"--coordinator=127.0.0.1:{port}",
+        f"--socket={sock}", "--metrics_port=-1", "--reconnect_max_backoff=0.2s",
+        "--deadline=20s"], work)
+    sidecar.start()
+    sidecar.wait_line("accord-sidecar serving", 20)
+    yield coord, sock
+    sidecar.kill()
+    coord.kill()
+
+
+def restart_after(proc, down_s):
+    def run():
+        time.sleep(down_s)
+        proc.start()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_set_sent_while_the_coordinator_is_down_lands_once_it_is_back(daemons):
+    coord, sock = daemons
+    a = accord.connect(sock, "kv-job", 0, 2, local_rank=0)
+    b = accord.connect(sock, "kv-job", 1, 2, local_rank=1)
+    a.kv_set("before", b"1")
+    coord.kill()
+    t = restart_after(coord, 1.0)
+    start = time.monotonic()
+    a.kv_set("boot/0", b"id-0")  # held by the sidecar until the coordinator is back
+    held = time.monotonic() - start
+    t.join()
+    assert held >= 0.5, f"the Set returned after {held:.2f}s, before the coordinator was back"
+    b.kv_set("boot/1", b"id-1")
+    assert b.kv_get(["boot/0", "boot/1"], timeout_s=10) == [b"id-0", b"id-1"]
+
+
+def test_a_get_waiting_when_the_coordinator_restarts_is_sent_again_and_answered(daemons):
+    coord, sock = daemons
+    a = accord.connect(sock, "kv-job2", 0, 2, local_rank=0)
+    b = accord.connect(sock, "kv-job2", 1, 2, local_rank=1)
+    got = {}
+
+    def wait_for_key():
+        try:
+            got["value"] = a.kv_get(["late"], timeout_s=15)
+        except Exception as e:  # noqa: BLE001 - the assertion below names it
+            got["error"] = e
+
+    waiter = threading.Thread(target=wait_for_key)
+    waiter.start()
+    time.sleep(0.5)  # the Get is at the coordinator
+    coord.kill()  # ... which dies under it
+    restart_after(coord, 0.5).join()
+    coord.wait_line("accord-coordinator listening on", 20)
+    time.sleep(0.5)
+    b.kv_set("late", b"v")
+    waiter.join(timeout=20)
+    assert not waiter.is_alive(), "the Get never returned"
+    assert got.get("value") == [b"v"], f"the Get ended with {got}"
