@@ -1,202 +1,51 @@
-// The coordinator's observe side: counters and the usage window kept per
-// group, events for the observer, and the read-only views of observe.proto.
+// The coordinator's observe side: the read-only views of observe.proto and
+// the skip counts, each built from a snapshot of a Job copied under the lock,
+// and what is kept of a job after its last node left.
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/job_core.h"
 
 namespace accord::daemon {
-void Coordinator::QueueEventLocked(ObserveEvent event) {
-  if (options_.observer == nullptr) return;
-  events_.push_back(std::move(event));
-  have_events_.store(true, std::memory_order_release);
-}
+namespace {
 
-void Coordinator::NoteErrorLocked(const v1::DecisionError& error) {
-  ++stats_.errors;
-  if (options_.observer == nullptr) return;
-  ObserveEvent e;
-  e.type = ObserveEvent::Type::kError;
-  e.job_id = error.job_id();
-  e.group_id = error.group_id();
-  e.step = error.step();
-  e.kind = error.kind();
-  e.message = error.message();
-  e.ranks.assign(error.ranks().begin(), error.ranks().end());
-  e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
-  QueueEventLocked(std::move(e));
-}
+// The status view of a job: copied under the lock (StatusSnapshotOf), built
+// into the proto outside it (JobStatusOf).
+struct StatusSnapshot {
+  struct Node {
+    std::string node_id;
+    bool connected = false;
+    std::vector<int> ranks;
+  };
+  struct Group {
+    std::string group_id;
+    int num_params = -1;  // -1: not registered
+    int64_t last_decided_step = -1;
+    int64_t decisions = 0;
+    int64_t cache_hits = 0;
+    int64_t cache_misses = 0;
+    bool have_last_ok = false;
+    DType last_wire = DType::kFloat32;
+    int last_num_skipped = 0;
+    bool failed = false;
+    std::string error;
+  };
+  std::string job_id;
+  int world_size = 0;
+  std::vector<Node> nodes;      // by node id
+  std::vector<int> rank_owner;  // per rank: index into nodes, -1: none
+  std::vector<bool> rank_connected;
+  std::vector<int64_t> rank_last_step;
+  std::vector<Group> groups;  // by group id
+  bool failed = false;
+  std::string error;
+};
 
-void Coordinator::ObserveNodeLocked(const Job& job, const NodeState& node, bool connected) {
-  if (options_.observer == nullptr) return;
-  ObserveEvent e;
-  e.type = connected ? ObserveEvent::Type::kNodeConnected : ObserveEvent::Type::kNodeDisconnected;
-  e.job_id = job.job_id;
-  e.node_id = node.node_id;
-  e.ranks = node.ranks;
-  e.connected_nodes = job.members.connected();
-  QueueEventLocked(std::move(e));
-}
+StatusSnapshot::Group GroupStatusOf(const GroupState& g);
 
-void Coordinator::ObserveStallLocked(const Job& job, const GroupState& g, int64_t step,
-                                     const PendingStep& p, absl::Time now) {
-  ObserveEvent e;
-  e.type = ObserveEvent::Type::kStall;
-  e.job_id = job.job_id;
-  e.group_id = g.group_id;
-  e.step = step;
-  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
-  e.deadline_in_ms = absl::ToInt64Milliseconds(p.clock.deadline() - now);
-  // The ranks waited for, each with its last step of this group.
-  const StepFacts facts(job, g, p);
-  for (int r = 0; r < job.world_size; ++r) {
-    if (facts.Submitted(r)) continue;
-    e.ranks.push_back(r);
-    e.last_steps.push_back(facts.LastStep(r));
-  }
-  QueueEventLocked(std::move(e));
-}
-
-void Coordinator::ObserveDeadlineFailureLocked(const Job& job, const GroupState& g, int64_t step,
-                                               const PendingStep& p, const v1::DecisionError& error,
-                                               absl::Time now) {
-  if (options_.observer == nullptr) return;
-  ObserveEvent e;
-  e.type = ObserveEvent::Type::kDeadlineFailure;
-  e.job_id = job.job_id;
-  e.group_id = g.group_id;
-  e.step = step;
-  e.kind = error.kind();
-  e.message = error.message();
-  e.ranks.assign(error.ranks().begin(), error.ranks().end());
-  e.last_steps.assign(error.last_steps().begin(), error.last_steps().end());
-  e.waiting_ms = absl::ToInt64Milliseconds(now - p.clock.first_seen());
-  QueueEventLocked(std::move(e));
-}
-
-void Coordinator::DeliverEvents() {
-  if (options_.observer == nullptr || !have_events_.load(std::memory_order_acquire)) return;
-  accord::MutexLock order(&deliver_mu_);
-  std::vector<ObserveEvent> events;
-  {
-    accord::MutexLock l(&mu_);
-    events.swap(events_);
-    have_events_.store(false, std::memory_order_relaxed);
-  }
-  for (const ObserveEvent& e : events) options_.observer->OnEvent(e);
-}
-
-void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, PendingStep& p,
-                                        const v1::Decision& d, const Decision* decided) {
-  ObserveDecisionLocked(job, g, step, &p, d, decided, [&] {
-    std::vector<std::shared_ptr<const Content>> contents;
-    contents.reserve(p.contributions.size());
-    for (const Contribution& c : p.contributions) contents.push_back(c.Owner());
-    p.contributions.clear();
-    return contents;
-  });
-}
-
-void Coordinator::ObserveDecisionLocked(Job& job, GroupState& g, int64_t step, const PendingStep* p,
-                                        const v1::Decision& d, const Decision* decided,
-                                        StepContents contents) {
-  ++g.decisions;
-  const bool same = d.same_as_previous();
-  const bool ok = same || d.has_ok();
-  if (decided != nullptr && p != nullptr) {
-    NoteDecidedLocked(job, g, step, *p, *decided);
-  } else if (!ok) {
-    g.have_last_ok = false;
-  }
-  if (g.observer != nullptr) {
-    DecisionSummary s;
-    s.step = step;
-    s.ok = ok;
-    s.same_as_previous = same;
-    if (ok) {
-      s.wire = g.last_wire;
-      s.included = static_cast<int>(g.last_included.size()) - g.last_num_skipped;
-      s.skipped = g.last_num_skipped;
-      s.zero_fills = g.last_zero_fills;
-    }
-    s.wait = absl::Microseconds(d.wait_us());
-    g.observer->OnDecision(s);
-  }
-  RecordUsageLocked(g, step, same, contents);
-}
-
-// Zero-fills: (included parameter, rank) pairs without a local gradient.
-// O(nodes x params).
-int64_t Coordinator::ZeroFills(const PendingStep& p, const Decision& decided) {
-  int64_t zero_fills = 0;
-  for (const Contribution& c : p.contributions) {
-    const Content& content = *c.content;
-    const size_t n = std::min(content.dtypes.size(), decided.included.size());
-    for (size_t i = 0; i < n; ++i) {
-      if (!decided.included[i]) continue;
-      if (content.dtypes[i] == 0) {
-        zero_fills += content.rank_count;
-        continue;
-      }
-      for (const RankDetail& r : content.detail) zero_fills += r.used[i] ? 0 : 1;
-    }
-  }
-  return zero_fills;
-}
-
-void Coordinator::NoteDecidedLocked(const Job& job, GroupState& g, int64_t step,
-                                    const PendingStep& p, const Decision& decided) {
-  // Only the metrics need the zero-fills.
-  const int64_t zero_fills = g.observer != nullptr ? ZeroFills(p, decided) : 0;
-  int skipped = 0;
-  for (bool in : decided.included) skipped += in ? 0 : 1;
-  const bool changed =
-      !g.have_last_ok || g.last_wire != decided.wire_dtype || g.last_included != decided.included;
-  g.have_last_ok = true;
-  g.last_wire = decided.wire_dtype;
-  g.last_included = decided.included;
-  g.last_num_skipped = skipped;
-  g.last_zero_fills = zero_fills;
-  if (!changed || options_.observer == nullptr) return;
-  ObserveEvent e;
-  e.type = ObserveEvent::Type::kDecisionChanged;
-  e.job_id = job.job_id;
-  e.group_id = g.group_id;
-  e.step = step;
-  e.wire = std::string(DTypeName(decided.wire_dtype));
-  e.included = static_cast<int>(decided.included.size()) - skipped;
-  e.skipped = skipped;
-  const GroupSpec& spec = g.registration.reference().spec;
-  for (size_t i = 0; i < decided.included.size() && i < spec.params.size(); ++i) {
-    if (decided.included[i]) continue;
-    if (static_cast<int>(e.skipped_names.size()) >= ObserveEvent::kMaxSkippedNames) break;
-    e.skipped_names.push_back(spec.params[i].name);
-  }
-  QueueEventLocked(std::move(e));
-}
-
-void Coordinator::RecordUsageLocked(GroupState& g, int64_t step, bool same, StepContents contents) {
-  // Usage window: extend the last run when the contents repeat the previous
-  // step; otherwise start a run with this step's contents.
-  if (options_.usage_window_steps <= 0) return;
-  stats_.usage_bytes += g.usage.Record(step, same, contents);
-  // The global cap (usage_total_bytes): retired jobs' windows go first.
-  while (stats_.usage_bytes > options_.usage_total_bytes && !retired_.empty()) {
-    PopRetiredLocked();
-  }
-  g.usage.Trim(UsageLimits(), stats_.usage_bytes);
-}
-
-UsageWindow::Limits Coordinator::UsageLimits() const {
-  UsageWindow::Limits limits;
-  limits.steps = options_.usage_window_steps;
-  limits.bytes = options_.usage_window_bytes;
-  limits.total_bytes = options_.usage_total_bytes;
-  return limits;
-}
-
-Coordinator::StatusSnapshot Coordinator::StatusSnapshotLocked(const Job& job) {
+StatusSnapshot StatusSnapshotOf(const JobCore& job) {
   StatusSnapshot snap;
   snap.job_id = job.job_id;
   snap.world_size = job.world_size;
@@ -228,30 +77,30 @@ Coordinator::StatusSnapshot Coordinator::StatusSnapshotLocked(const Job& job) {
   return snap;
 }
 
-Coordinator::StatusSnapshot::Group Coordinator::GroupStatusOf(const GroupState& g) {
+StatusSnapshot::Group GroupStatusOf(const GroupState& g) {
   StatusSnapshot::Group s;
   s.group_id = g.group_id;
   if (!g.registration.empty()) {
     s.num_params = static_cast<int>(g.registration.reference().spec.params.size());
   }
-  s.last_decided_step = g.last_decided_step;
-  s.decisions = g.decisions;
-  s.cache_hits = g.cache_hits;
-  s.cache_misses = g.cache_misses;
-  s.have_last_ok = g.have_last_ok;
-  s.last_wire = g.last_wire;
-  s.last_num_skipped = g.last_num_skipped;
+  s.last_decided_step = g.last_decided_step();
+  s.decisions = g.counters.decisions;
+  s.cache_hits = g.counters.cache_hits;
+  s.cache_misses = g.counters.cache_misses;
+  s.have_last_ok = g.shape.have_last_ok;
+  s.last_wire = g.shape.last_wire;
+  s.last_num_skipped = g.shape.last_num_skipped;
   if (g.registration.state() == GroupRegistration::State::kFailed) {
     s.failed = true;
     s.error = g.registration.error().message();
-  } else if (g.last_decision != nullptr && g.last_decision->has_error()) {
+  } else if (g.last_decision() != nullptr && g.last_decision()->has_error()) {
     s.failed = true;
-    s.error = g.last_decision->error().message();
+    s.error = g.last_decision()->error().message();
   }
   return s;
 }
 
-v1::JobStatus Coordinator::JobStatusOf(const StatusSnapshot& snap) {
+v1::JobStatus JobStatusOf(const StatusSnapshot& snap) {
   v1::JobStatus js;
   js.set_job_id(snap.job_id);
   js.set_world_size(snap.world_size);
@@ -288,10 +137,13 @@ v1::JobStatus Coordinator::JobStatusOf(const StatusSnapshot& snap) {
   return js;
 }
 
-void Coordinator::RetireJobLocked(Job& job) {
+}  // namespace
+
+void Coordinator::RetireJobLocked(Job& job_engine) {
+  JobCore& job = job_engine.core();
   if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
-  r.status = JobStatusOf(StatusSnapshotLocked(job));
+  r.status = JobStatusOf(StatusSnapshotOf(job));
   for (auto& [id, g] : job.groups) {
     if (g.registration.empty()) continue;
     RetiredGroup& rg = r.groups[id];
@@ -311,12 +163,10 @@ void Coordinator::RetireJobLocked(Job& job) {
     }
   }
   retired_.push_back(std::move(r));
-  while (static_cast<int>(retired_.size()) > options_.retired_jobs) PopRetiredLocked();
-}
-
-void Coordinator::PopRetiredLocked() {
-  stats_.usage_bytes -= retired_.front().usage_bytes;
-  retired_.pop_front();
+  while (static_cast<int>(retired_.size()) > options_.retired_jobs) {
+    stats_.usage_bytes -= retired_.front().usage_bytes;
+    retired_.pop_front();
+  }
 }
 
 absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string& job_id) {
@@ -327,7 +177,7 @@ absl::StatusOr<v1::StatusResponse> Coordinator::ObserveStatus(const std::string&
   {
     accord::MutexLock l(&mu_);
     for (const auto& [id, job] : jobs_) {
-      if (job_id.empty() || id == job_id) live.push_back(StatusSnapshotLocked(job));
+      if (job_id.empty() || id == job_id) live.push_back(StatusSnapshotOf(job.core()));
     }
     for (auto it = retired_.rbegin(); it != retired_.rend(); ++it) {
       if (!job_id.empty() && it->status.job_id() != job_id) continue;
@@ -383,7 +233,7 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
     bool found = false;
     if (auto it = jobs_.find(job_id); it != jobs_.end()) {
       found = true;
-      const Job& job = it->second;
+      const JobCore& job = it->second.core();
       world = job.world_size;
       std::vector<std::string> ids;
       for (const auto& [id, g] : job.groups) {
@@ -427,7 +277,10 @@ absl::StatusOr<v1::SkipMatrixResponse> Coordinator::ObserveSkipMatrix(const std:
   return out;
 }
 
-struct Coordinator::StallsSnapshot {
+namespace {
+
+// What ObserveStalls copies of one job under the lock.
+struct StallsSnapshot {
   struct Step {
     std::string group_id;
     int64_t step;
@@ -441,7 +294,7 @@ struct Coordinator::StallsSnapshot {
   std::vector<Step> steps;  // by group id, then step
 };
 
-Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
+StallsSnapshot StallsSnapshotOf(const JobCore& job) {
   StallsSnapshot snap;
   snap.job_id = job.job_id;
   snap.world_size = job.world_size;
@@ -459,12 +312,14 @@ Coordinator::StallsSnapshot Coordinator::StallsSnapshotLocked(const Job& job) {
       s.step = step;
       s.first_seen = p.clock.first_seen();
       s.deadline = p.clock.deadline();
-      s.last_decided = g->last_decided_step;
+      s.last_decided = g->last_decided_step();
       for (const Contribution& c : p.contributions) s.covered.push_back(c.content->ranks);
     }
   }
   return snap;
 }
+
+}  // namespace
 
 absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string& job_id) {
   // Snapshot under the lock (per pending step its times and the rank sets
@@ -482,10 +337,10 @@ absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string&
                        "\" is not running on this coordinator; check the job id with "
                        "`accordctl status`"));
     }
-    now = clock_->Now();
+    now = timer_.Now();
     for (const auto& [id, job] : jobs_) {
       if (!job_id.empty() && id != job_id) continue;
-      jobs.push_back(StallsSnapshotLocked(job));
+      jobs.push_back(StallsSnapshotOf(job.core()));
     }
   }
   std::sort(jobs.begin(), jobs.end(),
@@ -529,9 +384,10 @@ absl::StatusOr<v1::StallsResponse> Coordinator::ObserveStalls(const std::string&
 
 std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
   accord::MutexLock l(&mu_);
-  const absl::Time now = clock_->Now();
+  const absl::Time now = timer_.Now();
   std::vector<JobGauges> out;
-  for (const auto& [id, job] : jobs_) {
+  for (const auto& [id, job_engine] : jobs_) {
+    const JobCore& job = job_engine.core();
     JobGauges g;
     g.job_id = id;
     g.connected_nodes = job.members.connected();
@@ -544,6 +400,63 @@ std::vector<Coordinator::JobGauges> Coordinator::Gauges() {
       }
     }
     out.push_back(std::move(g));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int64_t>> Coordinator::RankLastSteps(const std::string& job_id) {
+  accord::MutexLock l(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  const JobCore& job = it->second.core();
+  std::vector<int64_t> out(job.world_size);
+  for (int r = 0; r < job.world_size; ++r) out[r] = job.members.LastStep(r);
+  return out;
+}
+
+absl::StatusOr<SkipMatrix> Coordinator::SkipCounts(const std::string& job_id,
+                                                   const std::string& group_id) {
+  // Per-node counts are copied under the lock (O(nodes x params)); the
+  // per-rank rows (O(world x params)) are built outside it.
+  struct NodeCounts {
+    std::vector<int> ranks;
+    std::vector<int64_t> node_skips;
+    absl::flat_hash_map<int, std::vector<int64_t>> rank_extra_skips;
+  };
+  std::vector<NodeCounts> nodes;
+  SkipMatrix out;
+  {
+    accord::MutexLock l(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+    JobCore& job = it->second.core();
+    auto git = job.groups.find(group_id);
+    if (git == job.groups.end() || git->second.registration.empty()) {
+      return absl::NotFoundError(absl::StrCat("job ", job_id, " has no group \"", group_id, "\""));
+    }
+    const GroupState& g = git->second;
+    const GroupSpec& spec = g.registration.reference().spec;
+    for (const ParamSpec& p : spec.params) out.param_names.push_back(p.name);
+    for (auto& [node_id, node] : job.members.nodes()) {
+      auto ngit = node.groups.find(group_id);
+      if (ngit == node.groups.end()) continue;
+      NodeGroupState& ng = ngit->second;
+      CountWaveSkips(g, ng);
+      ng.contents.FlushSkips();
+      nodes.push_back(
+          NodeCounts{node.ranks, ng.contents.node_skips(), ng.contents.rank_extra_skips()});
+    }
+  }
+  const size_t n = out.param_names.size();
+  for (const NodeCounts& node : nodes) {
+    for (int r : node.ranks) {
+      std::vector<int64_t>& row = out.skips[r];
+      row.assign(n, 0);
+      for (size_t i = 0; i < n && i < node.node_skips.size(); ++i) row[i] += node.node_skips[i];
+      if (auto e = node.rank_extra_skips.find(r); e != node.rank_extra_skips.end()) {
+        for (size_t i = 0; i < n && i < e->second.size(); ++i) row[i] += e->second[i];
+      }
+    }
   }
   return out;
 }
