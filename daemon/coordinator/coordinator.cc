@@ -121,12 +121,17 @@ void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
 
 void Coordinator::DispatchLocked(SessionId id, Session& s, const v1::NodeMessage& message,
                                  std::vector<PredecodedContent>* predecoded, Outbox& out) {
+  if (options_.repeat_waves && message.has_manifests() && s.stream != nullptr) {
+    // The clock is read only when a wave starts or completes: a join is
+    // O(1) per node.
+    Effects fx(*this, out, s.job);
+    if (s.job->TryJoinWave(
+            *s.stream, message.manifests(), [this] { return timer_.Now(); }, fx)) {
+      return;
+    }
+  }
   const absl::Time now = timer_.Now();
   if (options_.repeat_waves) {
-    if (message.has_manifests() && s.stream != nullptr) {
-      Effects fx(*this, out, s.job);
-      if (s.job->TryJoinWave(*s.stream, message.manifests(), now, fx)) return;
-    }
     // Anything else first settles the job's held-back repeats.
     Job* job = s.job;
     if (job == nullptr && message.has_hello()) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/container/node_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -85,7 +86,9 @@ class Job {
   // of the records as same_as_previous. BreakWave: any other event of the
   // job first hands the held-back repeats to the entry-by-entry path, as if
   // they had been handled on arrival.
-  bool TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch, absl::Time now, JobEffects& fx);
+  // `now` is read only when the repeat starts or completes the wave.
+  bool TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch,
+                   absl::FunctionRef<absl::Time()> now, JobEffects& fx);
   void BreakWave(absl::Time now, JobEffects& fx);
 
   // Everything due at `now` (a held wave's check, lost nodes, registrations,

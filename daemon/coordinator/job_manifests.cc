@@ -115,8 +115,8 @@ void Job::NoteSynced(NodeStream& s, int64_t step, bool all_added) {
                     !core_.failed() && core_.members.all_connected(), core_.members.connected());
 }
 
-bool Job::TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch, absl::Time now,
-                      JobEffects& fx) {
+bool Job::TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch,
+                      absl::FunctionRef<absl::Time()> now, JobEffects& fx) {
   if (batch.repeat_batch_key() == 0 || batch.manifests_size() > 0) return false;
   const int64_t step = batch.repeat_step();
   absl::Time wake = absl::InfiniteFuture();
@@ -125,7 +125,7 @@ bool Job::TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch, absl::Time 
   if (join == RepeatWaves::Join::kNo) return false;
   if (wake != absl::InfiniteFuture()) fx.WakeAt(wake);
   s.node->last_step = std::max(s.node->last_step, step);
-  if (join == RepeatWaves::Join::kComplete) CompleteWave(waves_.TakeComplete(), now, fx);
+  if (join == RepeatWaves::Join::kComplete) CompleteWave(waves_.TakeComplete(), now(), fx);
   return true;
 }
 

@@ -53,16 +53,16 @@ void RepeatWaves::NoteSynced(WaveStream& s, BatchRecord& record, int64_t step, b
 
 RepeatWaves::Join RepeatWaves::TryJoin(StreamId id, WaveStream& s, const BatchRecord& record,
                                        int64_t step, uint64_t batch_key, bool failed,
-                                       absl::Time now, absl::Time* wake) {
+                                       absl::FunctionRef<absl::Time()> now, absl::Time* wake) {
   if (base_ < 0 || failed || s.synced_step != base_ || step <= base_ || s.wave_step == step ||
       (!wave_.streams.empty() && wave_.step != step) || record.key != batch_key) {
     return Join::kNo;
   }
   if (wave_.streams.empty()) {
     wave_.step = step;
-    wave_.first_seen = now;
+    wave_.first_seen = now();
     // The check the entry-by-entry path's pending steps would wake for.
-    const StepDeadline clock(now, deadline_);
+    const StepDeadline clock(wave_.first_seen, deadline_);
     wave_.wake = stalls_ ? clock.stall_at() : clock.deadline();
     *wake = wave_.wake;
   }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/time/time.h"
 #include "daemon/coordinator/batch_record.h"
 
@@ -50,9 +51,11 @@ class RepeatWaves {
     kHeld,      // held back; `*wake` set when the timer must look at the wave
     kComplete,  // held back, and the wave is complete: Take() it and decide
   };
-  // A batch repeat (`batch_key`, at `step`) on stream `id` at `now`.
+  // A batch repeat (`batch_key`, at `step`) on stream `id`. `now` is read
+  // only when the repeat starts a wave (once per wave, not per node).
   Join TryJoin(StreamId id, WaveStream& s, const BatchRecord& record, int64_t step,
-               uint64_t batch_key, bool failed, absl::Time now, absl::Time* wake);
+               uint64_t batch_key, bool failed, absl::FunctionRef<absl::Time()> now,
+               absl::Time* wake);
   // The complete wave, taken out; the job stays in wave mode at its step.
   Wave TakeComplete();
   // Any other event of the job: leaves wave mode, returning the held-back

@@ -181,10 +181,12 @@ TEST_F(JobTest, BatchRepeatsOfEveryNodeAreDecidedAsOneWave) {
   // Step 1: node a's repeat is held back (nothing decided, a wake for the
   // wave's deadline); node b's completes the wave.
   const absl::Time t1 = kStart + absl::Seconds(1);
-  EXPECT_TRUE(job_.TryJoinWave(*a_, BatchRepeat(1, ra), t1, fx_));
+  EXPECT_TRUE(job_.TryJoinWave(
+      *a_, BatchRepeat(1, ra), [&] { return t1; }, fx_));
   EXPECT_EQ(fx_.decisions.decisions_size(), 2);
   EXPECT_THAT(fx_.wakes, ::testing::Contains(t1 + kDeadline));
-  EXPECT_TRUE(job_.TryJoinWave(*b_, BatchRepeat(1, rb), t1 + absl::Milliseconds(2), fx_));
+  EXPECT_TRUE(job_.TryJoinWave(
+      *b_, BatchRepeat(1, rb), [&] { return t1 + absl::Milliseconds(2); }, fx_));
   ASSERT_EQ(fx_.decisions.decisions_size(), 4);
   for (int i = 2; i < 4; ++i) {
     EXPECT_TRUE(fx_.decisions.decisions(i).same_as_previous());
@@ -203,7 +205,8 @@ TEST_F(JobTest, BrokenWaveStartsItsStepsAtTheFirstArrival) {
   job_.HandleManifests(*a_, BatchOf(ra), nullptr, kStart, fx_);
   job_.HandleManifests(*b_, BatchOf(rb), nullptr, kStart, fx_);
   const absl::Time t1 = kStart + absl::Seconds(1);
-  ASSERT_TRUE(job_.TryJoinWave(*a_, BatchRepeat(1, ra), t1, fx_));
+  ASSERT_TRUE(job_.TryJoinWave(
+      *a_, BatchRepeat(1, ra), [&] { return t1; }, fx_));
   // Any other event (here: a deadline check at the wave's wake) hands the
   // held-back repeat to the entry-by-entry path: its step started at t1.
   const absl::Time next = job_.CheckDeadlines(t1 + kDeadline, fx_);
