@@ -200,6 +200,7 @@ int Run() {
     if (!print_times) return;
     printf("rank %d time %s at_ms %lld\n", rank, what.c_str(),
            static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+    fflush(stdout);  // tests act on these lines (e.g. once every rank registers)
   };
   bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
   for (absl::string_view r :
