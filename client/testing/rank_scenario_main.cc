@@ -200,7 +200,6 @@ int Run() {
     if (!print_times) return;
     printf("rank %d time %s at_ms %lld\n", rank, what.c_str(),
            static_cast<long long>(absl::ToUnixMillis(absl::Now())));
-    fflush(stdout);  // tests act on these lines (e.g. once every rank registers)
   };
   bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
   for (absl::string_view r :
@@ -254,6 +253,7 @@ int Run() {
     }
     if (rank == absl::GetFlag(FLAGS_mismatch_rank)) spec.params[0].numel += spec.params[0].dim0;
     print_time_of(absl::StrCat("register group ", spec.group_id));
+    fflush(stdout);  // tests act once every rank sent its registration
     absl::Status s = c.RegisterGroup(spec, Policy(), absl::Now() + wait);
     if (!s.ok()) {
       print_time_of(absl::StrCat("register_error group ", spec.group_id));
