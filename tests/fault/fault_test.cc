@@ -330,6 +330,47 @@ TEST_F(SidecarRestartTest, ADecisionLostWithTheSidecarIsAnsweredAgainTheSame) {
               absl::FormatDuration(took).c_str());
 }
 
+// A node's ranks that differ in what they received: step 1's decision
+// reached ranks 4, 6 and 7 but not rank 5 (a proxy between rank 5 and
+// sidecar 1 drops what the sidecar sends), then sidecar 1 is killed and
+// restarted. Ranks 4, 6 and 7 say they hold step 1 (the new sidecar does not
+// wait for their manifests of it); rank 5 resends step 1 and gets the
+// coordinator's decision of it again.
+TEST_F(SidecarRestartTest, RanksThatDifferInWhatTheyReceivedGetTheSameDecisions) {
+  StartCluster(2, {"--deadline=30s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  const std::string proxied = absl::StrCat("/tmp/accord-fault-rank5d-", getpid(), ".sock");
+  CuttableProxy proxy(CuttableProxy::UnixSockets{proxied, cluster_->sidecar_sockets()[1]});
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--proxied_rank=5", "--proxy_socket=" + proxied});
+  auto procs = StartHeld(flags, "0", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  proxy.DropDownstream(true);
+  ASSERT_TRUE(gate_.Release());
+  for (int r : {0, 1, 2, 3, 4, 6, 7}) {
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g1:"),
+                                  absl::Now() + absl::Seconds(60))
+                    .ok())
+        << procs[r]->Output();
+  }
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(1);
+  proxy.DropDownstream(false);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  ASSERT_TRUE(
+      procs[5]->WaitForLine("rank 5 step 1 group g1:", absl::Now() + absl::Seconds(60)).ok())
+      << procs[5]->Output();
+  const absl::Duration took = absl::Now() - killed;
+  ExpectAllSucceededWith(Finish(procs), digest);
+  unlink(proxied.c_str());
+  std::printf(
+      "[timing] sidecar restart with ranks that differ: rank 5 got step 1 %s after the "
+      "kill\n",
+      absl::FormatDuration(took).c_str());
+}
+
 // A sidecar that does not come back: past the clients' reconnect grace its
 // own ranks get one error naming the node and socket (the same text on each),
 // and past the coordinator's --node_reconnect_grace every other rank gets
