@@ -10,6 +10,9 @@
 //      library's own thread receives decisions and completes futures.
 //   4. Wait blocks the calling thread (never a gRPC thread) until the
 //      decision, an error, or the deadline.
+//   5. When the stream ends without an error (sidecar restarted, stream
+//      dropped), the library reconnects within ClientOptions::reconnect_grace
+//      and resumes: calls in flight get the decisions they would have got.
 //
 // Thread-safety: Client is thread-safe; the intended use is one training
 // thread plus the library's own background thread. No user code runs on
@@ -42,6 +45,12 @@ struct ClientOptions {
   std::string token;  // the job's token, when the deployment requires one
   // How long Connect waits for the sidecar's welcome.
   absl::Duration connect_timeout = absl::Seconds(30);
+  // When the stream to the sidecar ends (the sidecar was restarted, or the
+  // stream dropped), how long the client keeps reconnecting, with jittered
+  // backoff, before every call fails (docs/RELIABILITY.md, "Sidecar
+  // restart"). The default matches the coordinator's --node_reconnect_grace.
+  // Zero: no reconnect; the session ends with the stream.
+  absl::Duration reconnect_grace = absl::Seconds(10);
 };
 
 // A submitted manifest's eventual decision. Cheap to copy.

@@ -1,9 +1,20 @@
 // Client over gRPC: one RankService.Session stream to the node's sidecar.
 //
-// Threads: the caller's threads (Register/Submit/Wait), a writer thread that
-// drains the outbox onto the stream, and a reader thread that receives
-// replies and completes futures. Both background threads belong to
-// GrpcClient and are joined in its destructor. SubmitBatch writes its batch
+// Threads: the caller's threads (Register/Submit/Wait), a writer thread per
+// stream that drains the outbox onto it, and the session thread that reads
+// replies, completes futures and, when a stream ends, reconnects. Both
+// background threads belong to GrpcClient and are joined in its destructor.
+//
+// Reconnect (docs/RELIABILITY.md, "Sidecar restart"): when a welcomed
+// stream ends without an error from the sidecar (the sidecar was killed or
+// restarted, or the stream dropped), the session thread opens a new stream
+// with jittered exponential backoff (50 ms doubling up to 1 s, each wait drawn
+// from [nominal/2, nominal]) until ClientOptions::reconnect_grace has passed
+// since the end. Its hello carries RankResume: the run id from the last
+// Welcome and, per group, the last step this rank holds a decision for; then
+// every registration and every manifest without a decision go again, in
+// full form. Calls made meanwhile queue. Past the grace every call fails with
+// one error naming the node and the socket. SubmitBatch writes its batch
 // on the caller's thread when no write is in flight and nothing is queued
 // (the steady state), which saves a thread hand-off per round trip
 // (docs/ARCHITECTURE.md, "Threading"); otherwise it queues for the writer.
@@ -18,6 +29,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -35,6 +47,7 @@
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "proto/wire.h"
 
 namespace accord {
@@ -91,14 +104,27 @@ bool SamePolicy(const Policy& a, const Policy& b) {
          a.fp8_tie == b.fp8_tie && a.empty_group_dtype == b.empty_group_dtype;
 }
 
+// A channel to the sidecar's socket whose own reconnect backoff is capped
+// like the session's (gRPC's default grows to 120 s), so that a key-value
+// call after a sidecar restart finds it within a second.
+std::shared_ptr<grpc::Channel> SidecarChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
 class GrpcClient : public Client {
  public:
   explicit GrpcClient(const ClientOptions& options)
-      : options_(options), target_(absl::StrCat("unix:", options.socket_path)) {
-    channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
-    stub_ = v1::RankService::NewStub(channel_);
-    kv_ = MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
-                                options.job_id, options.token, options.rank);
+      : options_(options),
+        target_(absl::StrCat("unix:", options.socket_path)),
+        rng_(std::random_device()() ^ static_cast<uint64_t>(options.rank)) {
+    channel_ = SidecarChannel(target_);
+    kv_ =
+        MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
+                              options.job_id, options.token, options.rank, options.reconnect_grace);
     accord::MutexLock lock(&mu_);
     scratch_.ranks = RankSet(options.world_size);
     scratch_.ranks.Add(options.rank);
@@ -108,29 +134,19 @@ class GrpcClient : public Client {
     {
       accord::MutexLock lock(&mu_);
       stopping_ = true;
+      if (ctx_ != nullptr) ctx_->TryCancel();
     }
-    ctx_.TryCancel();
-    if (reader_.joinable()) reader_.join();
-    if (writer_.joinable()) writer_.join();
+    if (session_.joinable()) session_.join();
   }
 
   // Opens the stream, says hello and waits for the welcome.
   absl::Status Start() {
-    stream_ = stub_->Session(&ctx_);
-    v1::RankMessage hello;
-    v1::RankHello* h = hello.mutable_hello();
-    h->set_job_id(options_.job_id);
-    h->set_rank(options_.rank);
-    h->set_world_size(options_.world_size);
-    h->set_local_rank(options_.local_rank);
-    h->set_token(options_.token);
-    h->set_client_version(kClientVersion);
     {
       accord::MutexLock lock(&mu_);
-      outbox_.push_back(std::move(hello));
+      OpenStreamLocked();
+      outbox_.push_back(HelloLocked(/*resume=*/false));
     }
-    writer_ = std::thread([this] { WriterLoop(); });
-    reader_ = std::thread([this] { ReaderLoop(); });
+    session_ = std::thread([this] { SessionLoop(); });
 
     accord::MutexLock lock(&mu_);
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -211,7 +227,7 @@ class GrpcClient : public Client {
       v1::Manifest* pm = mb->add_manifests();
       // The key is a function of the content (the rank set is fixed): the
       // same content as the last full form is a repeat of its key.
-      if (g.last_key.has_value() && g.last_content == scratch_.dtypes) {
+      if (g.last_key.has_value() && *g.last_content == scratch_.dtypes) {
         pm->set_group_id(sub.group_id);
         pm->set_step(sub.step);
         pm->set_cache_key(*g.last_key);
@@ -219,10 +235,13 @@ class GrpcClient : public Client {
       } else {
         wire::ManifestToProto(sub.group_id, scratch_, /*with_ranks=*/false, pm);
         g.last_key = pm->cache_key();
-        g.last_content = scratch_.dtypes;
+      }
+      if (g.last_content == nullptr || *g.last_content != scratch_.dtypes) {
+        g.last_content = std::make_shared<const std::vector<DTypeMask>>(scratch_.dtypes);
       }
       g.last_step = sub.step;
-      g.pending.emplace_back(sub.step, std::move(state));
+      // The content stays with the step until its decision: a resume resends it.
+      g.pending.push_back(Pending{sub.step, std::move(state), g.last_content});
     }
     if (mb->manifests_size() == 0) return out;
     if (!CanWriteDirectlyLocked()) {
@@ -236,7 +255,7 @@ class GrpcClient : public Client {
     writing_ = false;
     RecycleBatchLocked(&msg);
     // A failed write means the stream is broken: the reader sees it end.
-    if (!ok) ctx_.TryCancel();
+    if (!ok) ctx_->TryCancel();
     return out;
   }
 
@@ -274,23 +293,33 @@ class GrpcClient : public Client {
 
  private:
   enum class RegState { kPending, kOk, kFailed };
+  struct Pending {
+    int64_t step = 0;
+    std::shared_ptr<DecisionFuture::State> state;
+    std::shared_ptr<const std::vector<DTypeMask>> content;
+  };
   struct GroupState {
     GroupSpec spec;
     Policy policy;
     uint64_t spec_fingerprint = 0;
     RegState reg = RegState::kPending;
     absl::Status reg_status;
-    int64_t last_step = -1;                 // last submitted step
-    std::optional<uint64_t> last_key;       // key of the last full-form manifest sent
-    std::vector<DTypeMask> last_content;    // its content (guards against key collisions)
+    int64_t last_step = -1;            // last submitted step
+    std::optional<uint64_t> last_key;  // key of the last full-form manifest on this stream
+    // The last submitted content (guards repeats against key collisions),
+    // shared with the pending steps that have it.
+    std::shared_ptr<const std::vector<DTypeMask>> last_content;
     std::optional<Decision> last_decision;  // last successful decision received
+    // The last step this rank holds a decision (or an error) for: what a
+    // resume tells the sidecar (RankResume).
+    int64_t decided_step = -1;
     // Submitted steps without a decision, ascending (steps only increase).
-    std::deque<std::pair<int64_t, std::shared_ptr<DecisionFuture::State>>> pending;
+    std::deque<Pending> pending;
   };
 
   static auto FindPending(GroupState& g, int64_t step) {
     return std::find_if(g.pending.begin(), g.pending.end(),
-                        [step](const auto& p) { return p.first == step; });
+                        [step](const Pending& p) { return p.step == step; });
   }
 
   absl::Status ClosedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -348,6 +377,7 @@ class GrpcClient : public Client {
       return absl::OkStatus();
     }
     GroupState& g = groups_[spec.group_id];
+    group_order_.push_back(spec.group_id);
     g.spec = spec;
     g.policy = policy;
     g.spec_fingerprint = SpecFingerprint(spec);
@@ -420,36 +450,162 @@ class GrpcClient : public Client {
     writer_done_ = true;
   }
 
-  void ReaderLoop() {
-    v1::RankReply reply;
-    while (stream_->Read(&reply)) HandleReply(reply);
-    {
-      accord::MutexLock lock(&mu_);
-      read_ended_ = true;
-      // Finish must not overlap a write: the writer's or a caller's.
-      auto writes_over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return writer_done_ && !writing_;
-      };
-      mu_.Await(absl::Condition(&writes_over));
+  // The hello of a new stream; a resume says what this rank holds.
+  v1::RankMessage HelloLocked(bool resume) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    v1::RankMessage hello;
+    v1::RankHello* h = hello.mutable_hello();
+    h->set_job_id(options_.job_id);
+    h->set_rank(options_.rank);
+    h->set_world_size(options_.world_size);
+    h->set_local_rank(options_.local_rank);
+    h->set_token(options_.token);
+    h->set_client_version(kClientVersion);
+    h->set_reconnects(options_.reconnect_grace > absl::ZeroDuration());
+    if (resume) {
+      v1::RankResume* r = h->mutable_resume();
+      r->set_run_id(run_id_);
+      r->set_holds_local_decisions(holds_local_decisions_);
+      for (const std::string& id : group_order_) {
+        v1::GroupResume* gr = r->add_groups();
+        gr->set_group_id(id);
+        gr->set_decided_step(groups_.find(id)->second.decided_step);
+      }
     }
-    const grpc::Status s = stream_->Finish();
-    accord::MutexLock lock(&mu_);
-    if (!welcomed_) {
-      closed_status_ = absl::UnavailableError(absl::StrCat(
+    return hello;
+  }
+
+  // A new stream on a new channel (a fresh channel has no connection
+  // backoff left from the previous sidecar process).
+  void OpenStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    session_channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    stub_ = v1::RankService::NewStub(session_channel_);
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    if (stopping_) ctx_->TryCancel();
+    stream_ = stub_->Session(ctx_.get());
+    read_ended_ = false;
+    writer_done_ = false;
+    welcomed_ = false;
+  }
+
+  // What a resumed stream sends first: the resume hello, every registration
+  // and every manifest still without a decision (full form, ascending step).
+  void QueueResumeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    outbox_.clear();
+    outbox_.push_back(HelloLocked(/*resume=*/true));
+    struct Resend {
+      int64_t step;
+      size_t order;
+      const std::string* group_id;
+      const Pending* pending;
+    };
+    std::vector<Resend> resend;
+    for (size_t i = 0; i < group_order_.size(); ++i) {
+      GroupState& g = groups_.find(group_order_[i])->second;
+      if (g.reg == RegState::kFailed) continue;
+      v1::RankMessage reg;
+      *reg.mutable_registration() = wire::GroupSpecToProto(g.spec, g.policy);
+      outbox_.push_back(std::move(reg));
+      // The new sidecar knows no previous content: repeats start again.
+      g.last_key.reset();
+      for (const Pending& p : g.pending) resend.push_back(Resend{p.step, i, &group_order_[i], &p});
+    }
+    if (resend.empty()) return;
+    std::sort(resend.begin(), resend.end(), [](const Resend& a, const Resend& b) {
+      return a.step != b.step ? a.step < b.step : a.order < b.order;
+    });
+    v1::RankMessage batch;
+    Manifest m;
+    m.ranks = RankSet(options_.world_size);
+    m.ranks.Add(options_.rank);
+    for (const Resend& r : resend) {
+      m.step = r.step;
+      m.dtypes = *r.pending->content;
+      wire::ManifestToProto(*r.group_id, m, /*with_ranks=*/false,
+                            batch.mutable_manifests()->add_manifests());
+    }
+    outbox_.push_back(std::move(batch));
+  }
+
+  // Runs streams until the session is over: reads each one's replies, then
+  // reconnects (NextStreamLocked) or fails every call.
+  void SessionLoop() {
+    while (true) {
+      std::thread writer([this] { WriterLoop(); });
+      v1::RankReply reply;
+      while (stream_->Read(&reply)) HandleReply(reply);
+      {
+        accord::MutexLock lock(&mu_);
+        read_ended_ = true;
+        // Finish must not overlap a write: the writer's or a caller's.
+        auto writes_over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return writer_done_ && !writing_;
+        };
+        mu_.Await(absl::Condition(&writes_over));
+      }
+      writer.join();
+      const grpc::Status s = stream_->Finish();
+      accord::MutexLock lock(&mu_);
+      if (!NextStreamLocked(s)) return;
+    }
+  }
+
+  // After a stream ended with `s`: opens the next one (true), or closes the
+  // session and fails every call (false).
+  bool NextStreamLocked(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool was_welcomed = welcomed_;
+    welcomed_ = false;
+    const std::string detail = s.ok() ? std::string() : absl::StrCat(": ", s.error_message());
+    auto close = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      closed_status_ = std::move(why);
+      closed_ = true;
+      FailAllLocked(fatal_.ok() ? closed_status_ : fatal_);
+      return false;
+    };
+    if (!ever_welcomed_) {
+      return close(absl::UnavailableError(absl::StrCat(
           "cannot reach the sidecar at ", options_.socket_path, " (job \"", options_.job_id,
           "\", rank ", options_.rank, "): ", s.error_message(),
-          "; check that accord-sidecar runs on this node with --socket=", options_.socket_path));
-    } else {
-      // The client does not reconnect (docs/RELIABILITY.md, "Sidecar
-      // restart"): a sidecar gone is this rank's session gone.
-      closed_status_ = absl::UnavailableError(absl::StrCat(
-          "sidecar at ", options_.socket_path, " closed the connection (job \"", options_.job_id,
-          "\", rank ", options_.rank, ")",
-          s.ok() ? std::string() : absl::StrCat(": ", s.error_message()),
-          "; accord clients do not reconnect, so this rank's session is over: restart the job"));
+          "; check that accord-sidecar runs on this node with --socket=", options_.socket_path)));
     }
-    closed_ = true;
-    FailAllLocked(fatal_.ok() ? closed_status_ : fatal_);
+    if (!fatal_.ok()) return close(fatal_);
+    if (stopping_) return close(absl::CancelledError("the client is shutting down"));
+    if (options_.reconnect_grace <= absl::ZeroDuration()) {
+      return close(absl::UnavailableError(absl::StrCat(
+          "sidecar at ", options_.socket_path, " closed the connection (job \"", options_.job_id,
+          "\", rank ", options_.rank, ")", detail,
+          "; this client does not reconnect (ClientOptions.reconnect_grace is 0), so this "
+          "rank's session is over: restart the job")));
+    }
+    const absl::Time now = absl::Now();
+    if (was_welcomed || !lost_at_.has_value()) {
+      lost_at_ = now;
+      backoff_ = kFirstBackoff;
+      ACCORD_LOG(WARNING) << "rank " << options_.rank << ": the stream to the sidecar at "
+                          << options_.socket_path << " ended" << detail
+                          << "; reconnecting for up to "
+                          << absl::FormatDuration(options_.reconnect_grace);
+    }
+    const absl::Time give_up = *lost_at_ + options_.reconnect_grace;
+    // Equal jitter: ranks that lost the same sidecar spread their attempts.
+    const absl::Duration wait =
+        backoff_ / 2 + std::uniform_real_distribution<double>(0, 1)(rng_) * (backoff_ / 2);
+    backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    mu_.AwaitWithDeadline(absl::Condition(&stop), std::min(give_up, absl::Now() + wait));
+    if (stopping_) return close(absl::CancelledError("the client is shutting down"));
+    if (absl::Now() >= give_up) {
+      // The same text on every rank of the node (no rank in it).
+      return close(absl::UnavailableError(absl::StrCat(
+          "job ", options_.job_id, ": the sidecar of node \"", node_id_, "\" at ",
+          options_.socket_path, " closed its ranks' connections and did not come back within ",
+          absl::FormatDuration(options_.reconnect_grace),
+          " (the client's reconnect grace, ClientOptions.reconnect_grace), so this node's ranks "
+          "cannot take part: check accord-sidecar on this node (its log, --socket=",
+          options_.socket_path, ") and restart the job")));
+    }
+    OpenStreamLocked();
+    QueueResumeLocked();
+    return true;
   }
 
   void HandleReply(const v1::RankReply& reply) {
@@ -457,7 +613,15 @@ class GrpcClient : public Client {
     switch (reply.body_case()) {
       case v1::RankReply::kWelcome:
         welcomed_ = true;
+        ever_welcomed_ = true;
         node_id_ = reply.welcome().node_id();
+        if (!reply.welcome().run_id().empty()) run_id_ = reply.welcome().run_id();
+        if (lost_at_.has_value()) {
+          ACCORD_LOG(INFO) << "rank " << options_.rank << ": resumed with the sidecar at "
+                           << options_.socket_path << " after "
+                           << absl::FormatDuration(absl::Now() - *lost_at_);
+          lost_at_.reset();
+        }
         break;
       case v1::RankReply::kRegistration:
         HandleRegistrationLocked(reply.registration());
@@ -481,6 +645,8 @@ class GrpcClient : public Client {
   void HandleRegistrationLocked(const v1::RegistrationResult& r)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = groups_.find(r.group_id());
+    // A group registered again on a resumed stream is answered again.
+    if (it != groups_.end() && it->second.reg == RegState::kOk) return;
     if (it == groups_.end() || it->second.reg != RegState::kPending) {
       ACCORD_LOG(WARNING) << "unexpected registration result for group \"" << r.group_id()
                           << "\" on rank " << options_.rank << "; ignored";
@@ -510,6 +676,9 @@ class GrpcClient : public Client {
       return;
     }
     GroupState& g = it->second;
+    // A decision this rank already holds, sent again after it resumed.
+    if (d.step() <= g.decided_step) return;
+    if (d.local()) holds_local_decisions_ = true;
     absl::StatusOr<Decision> result = DecodeDecision(g, d);
     if (result.ok()) {
       if (d.same_as_previous()) {
@@ -524,7 +693,8 @@ class GrpcClient : public Client {
                           << " that rank " << options_.rank << " is not waiting for; ignored";
       return;
     }
-    p->second->CompleteLocked(std::move(result));
+    p->state->CompleteLocked(std::move(result));
+    g.decided_step = std::max(g.decided_step, d.step());
     g.pending.erase(p);
   }
 
@@ -581,7 +751,8 @@ class GrpcClient : public Client {
         GroupState& g = it->second;
         auto p = FindPending(g, e.step());
         if (p != g.pending.end()) {
-          p->second->Complete(s);
+          p->state->Complete(s);
+          g.decided_step = std::max(g.decided_step, e.step());
           g.pending.erase(p);
           return;
         }
@@ -592,6 +763,12 @@ class GrpcClient : public Client {
         }
       }
     }
+    if (lost_at_.has_value() && e.kind() == v1::DUPLICATE_RANK) {
+      // The sidecar has not yet seen this rank's previous stream end: the
+      // next attempt of the resume goes through.
+      ACCORD_LOG(INFO) << "rank " << options_.rank << ": " << s << "; trying again";
+      return;
+    }
     ACCORD_LOG(ERROR) << "rank " << options_.rank << ": " << s;
     fatal_ = s;
     FailAllLocked(s);
@@ -599,7 +776,7 @@ class GrpcClient : public Client {
 
   void FailAllLocked(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto& [id, g] : groups_) {
-      for (auto& [step, st] : g.pending) st->Complete(s);
+      for (Pending& p : g.pending) p.state->Complete(s);
       g.pending.clear();
       if (g.reg == RegState::kPending) {
         g.reg = RegState::kFailed;
@@ -608,21 +785,35 @@ class GrpcClient : public Client {
     }
   }
 
+  static constexpr absl::Duration kFirstBackoff = absl::Milliseconds(50);
+  static constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+
   const ClientOptions options_;
   const std::string target_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::RankService::Stub> stub_;
+  std::shared_ptr<grpc::Channel> channel_;  // key-value calls
   std::unique_ptr<KeyValueStore> kv_;
-  grpc::ClientContext ctx_;
-  // Set once in Start before the threads; then Read is used by the reader,
-  // Write by the writer or a caller (one at a time, `writing_`) and Finish by
-  // the reader once both are done.
+  mutable accord::Mutex mu_;
+  // The session stream, its channel, stub and context: replaced (under mu_)
+  // only by the session thread, between streams, when neither the writer nor
+  // a caller writes. Read is used by the session thread, Write by the writer
+  // or a caller (one at a time, `writing_`), Finish by the session thread once
+  // both are done.
+  std::shared_ptr<grpc::Channel> session_channel_;
+  std::unique_ptr<v1::RankService::Stub> stub_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::RankMessage, v1::RankReply>> stream_;
 
-  mutable accord::Mutex mu_;
   std::deque<v1::RankMessage> outbox_ ABSL_GUARDED_BY(mu_);
-  bool welcomed_ ABSL_GUARDED_BY(mu_) = false;
+  bool welcomed_ ABSL_GUARDED_BY(mu_) = false;  // the current stream was welcomed
+  bool ever_welcomed_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_id_ ABSL_GUARDED_BY(mu_);
+  std::string run_id_ ABSL_GUARDED_BY(mu_);  // Welcome.run_id: named by a resume
+  // Set while reconnecting: when the last welcomed stream ended.
+  std::optional<absl::Time> lost_at_ ABSL_GUARDED_BY(mu_);
+  absl::Duration backoff_ ABSL_GUARDED_BY(mu_) = kFirstBackoff;
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
+  // A decision made by the sidecar alone was received (Decision.local).
+  bool holds_local_decisions_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -631,14 +822,14 @@ class GrpcClient : public Client {
   absl::Status closed_status_ ABSL_GUARDED_BY(mu_);
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);  // a session/job-wide error from the sidecar
   absl::flat_hash_map<std::string, GroupState> groups_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> group_order_ ABSL_GUARDED_BY(mu_);  // registration order
   const std::shared_ptr<FutureHub> hub_ = std::make_shared<FutureHub>();
   static constexpr size_t kMaxSpareBatches = 4;
   std::vector<std::unique_ptr<v1::ManifestBatch>> spare_batches_ ABSL_GUARDED_BY(mu_);
   // This rank's manifest, reused by SubmitBatch (rank set built once).
   Manifest scratch_ ABSL_GUARDED_BY(mu_);
 
-  std::thread writer_;
-  std::thread reader_;
+  std::thread session_;
 };
 
 absl::Status ValidateOptions(const ClientOptions& o) {

@@ -1,9 +1,11 @@
 #include "client/grpc_kv_store.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "grpcpp/client_context.h"
 
@@ -19,12 +21,13 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what, absl::strin
 class GrpcKeyValueStore : public KeyValueStore {
  public:
   GrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel, std::string target, std::string job_id,
-                    std::string token, int rank)
+                    std::string token, int rank, absl::Duration retry_unavailable_for)
       : stub_(v1::KeyValueService::NewStub(channel)),
         target_(std::move(target)),
         job_id_(std::move(job_id)),
         token_(std::move(token)),
-        rank_(rank) {}
+        rank_(rank),
+        retry_for_(retry_unavailable_for) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     v1::KeyValueSetRequest req;
@@ -34,10 +37,11 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_token(token_);
     req.set_rank(rank_);
     v1::KeyValueSetResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    return FromGrpc(stub_->Set(&ctx, req, &resp),
-                    absl::StrCat("key-value Set(\"", key, "\") for job \"", job_id_, "\""),
+    const grpc::Status s = Retried([&](grpc::ClientContext& ctx) {
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      return stub_->Set(&ctx, req, &resp);
+    });
+    return FromGrpc(s, absl::StrCat("key-value Set(\"", key, "\") for job \"", job_id_, "\""),
                     target_);
   }
 
@@ -50,10 +54,11 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_token(token_);
     req.set_rank(rank_);
     v1::KeyValueGetResponse resp;
-    grpc::ClientContext ctx;
-    // The server enforces `timeout`; the RPC deadline only bounds a lost server.
-    ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(30));
-    grpc::Status s = stub_->Get(&ctx, req, &resp);
+    grpc::Status s = Retried([&](grpc::ClientContext& ctx) {
+      // The server enforces `timeout`; the RPC deadline only bounds a lost server.
+      ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(30));
+      return stub_->Get(&ctx, req, &resp);
+    });
     if (!s.ok()) {
       return FromGrpc(s, absl::StrCat("key-value Get for job \"", job_id_, "\""), target_);
     }
@@ -66,20 +71,40 @@ class GrpcKeyValueStore : public KeyValueStore {
   }
 
  private:
+  // Runs `call` (on a fresh context each time) again while it finds the
+  // sidecar unreachable, with backoff, for at most retry_for_.
+  template <typename Call>
+  grpc::Status Retried(Call call) {
+    const absl::Time give_up = absl::Now() + retry_for_;
+    absl::Duration backoff = absl::Milliseconds(50);
+    while (true) {
+      grpc::ClientContext ctx;
+      grpc::Status s = call(ctx);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || absl::Now() + backoff >= give_up) {
+        return s;
+      }
+      absl::SleepFor(backoff);  // a retry's backoff, not a synchronisation
+      backoff = std::min(backoff * 2, absl::Seconds(1));
+    }
+  }
+
   std::unique_ptr<v1::KeyValueService::Stub> stub_;
   const std::string target_;
   const std::string job_id_;
   const std::string token_;
   const int rank_;
+  const absl::Duration retry_for_;
 };
 
 }  // namespace
 
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
-                                                     std::string token, int rank) {
+                                                     std::string token, int rank,
+                                                     absl::Duration retry_unavailable_for) {
   return std::make_unique<GrpcKeyValueStore>(std::move(channel), std::move(target),
-                                             std::move(job_id), std::move(token), rank);
+                                             std::move(job_id), std::move(token), rank,
+                                             retry_unavailable_for);
 }
 
 }  // namespace accord

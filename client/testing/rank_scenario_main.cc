@@ -49,6 +49,10 @@ ABSL_FLAG(std::string, expect_wire, "", "expected wire dtype of every decision")
 ABSL_FLAG(std::string, expect_skipped, "",
           "expected skipped parameter indices (comma separated; \"-\" for none)");
 ABSL_FLAG(absl::Duration, wait, absl::Seconds(60), "how long to wait for each answer");
+ABSL_FLAG(int, proxied_rank, -1, "this rank connects to --proxy_socket instead of --socket");
+ABSL_FLAG(std::string, proxy_socket, "", "see --proxied_rank (fault tests cut its stream)");
+ABSL_FLAG(absl::Duration, reconnect_grace, absl::Seconds(10),
+          "ClientOptions.reconnect_grace: how long to reconnect to a restarted sidecar (0: not)");
 ABSL_FLAG(int, gate_rank, -1, "this rank stops before submitting --gate_step ...");
 ABSL_FLAG(int, gate_step, -1, "... until the FIFO --gate_fifo is opened and closed by a writer");
 ABSL_FLAG(std::string, gate_fifo, "", "FIFO the gated rank waits on (fault tests)");
@@ -159,12 +163,14 @@ int Run() {
   const std::string expect_contains = absl::GetFlag(FLAGS_expect_error_contains);
 
   ClientOptions opts;
-  opts.socket_path = absl::GetFlag(FLAGS_socket);
+  opts.socket_path = rank == absl::GetFlag(FLAGS_proxied_rank) ? absl::GetFlag(FLAGS_proxy_socket)
+                                                               : absl::GetFlag(FLAGS_socket);
   opts.job_id = absl::GetFlag(FLAGS_job);
   opts.rank = rank;
   opts.world_size = world;
   opts.local_rank = absl::GetFlag(FLAGS_local_rank);
   opts.connect_timeout = wait;
+  opts.reconnect_grace = absl::GetFlag(FLAGS_reconnect_grace);
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(opts);
   if (!client.ok()) {
     printf("rank %d connect error %s: %s\n", rank, CodeName(client.status().code()).c_str(),
@@ -247,6 +253,7 @@ int Run() {
     }
     if (rank == absl::GetFlag(FLAGS_mismatch_rank)) spec.params[0].numel += spec.params[0].dim0;
     print_time_of(absl::StrCat("register group ", spec.group_id));
+    fflush(stdout);  // tests act once every rank sent its registration
     absl::Status s = c.RegisterGroup(spec, Policy(), absl::Now() + wait);
     if (!s.ok()) {
       print_time_of(absl::StrCat("register_error group ", spec.group_id));

@@ -71,9 +71,8 @@ bool DeadlineMonitor::FailIfNodeLost(absl::Time now, absl::Time& next, JobEffect
                    ": node \"", culprit_node->node_id, "\" (ranks ", FormatRanks(needed),
                    ") lost its connection to the coordinator and did not come back within ",
                    absl::FormatDuration(grace),
-                   " (--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
-                   "restarted or its host is unreachable, and accord clients do not reconnect "
-                   "to a restarted sidecar; restart the job"),
+                   " (--node_reconnect_grace), so its ranks cannot take part: its sidecar did "
+                   "not come back in time or its host is unreachable; restart the job"),
       job.job_id, culprit->group_id, culprit_step);
   for (int r : needed) err.add_ranks(r);
   job.Fail(culprit, culprit_step, err, fx);

@@ -59,6 +59,7 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   d->set_group_id(g.group_id);
   d->set_step(st.step);
   d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - st.first_seen));
+  d->set_local(true);
   if (g.decided.ok.has_value() && g.local.delivered == g.local.ok_bytes) {
     d->set_same_as_previous(true);  // the ranks' last decision of the group
   } else {

@@ -62,10 +62,13 @@ StepCollection::Row StepCollection::AddRow(LocalStep& st, int rank,
 
 int64_t Decided::Record(const v1::Decision& d) {
   const int64_t previous = step;
+  // An older step answered again (a resumed rank's resend) changes nothing
+  // the group's next `same_as_previous` stands for.
+  const bool newest = d.step() >= previous;
   if (d.step() > step) step = d.step();
-  if (d.has_ok()) ok = d.ok();
-  if (d.has_error()) ok.reset();
-  if (d.step() >= step) {
+  if (newest && d.has_ok()) ok = d.ok();
+  if (newest && d.has_error()) ok.reset();
+  if (newest) {
     if (d.has_error()) {
       error = d;
     } else {

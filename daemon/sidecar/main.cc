@@ -95,6 +95,10 @@ ABSL_FLAG(bool, local_decisions, true,
           "when every rank of the job is on this node, decide complete steps here and answer "
           "the ranks at once; the coordinator still gets every manifest and must decide the "
           "same (docs/ARCHITECTURE.md, \"Local decisions\")");
+ABSL_FLAG(absl::Duration, rank_reconnect_grace, absl::ZeroDuration(),
+          "a rank whose stream ends, and whose client reconnects, keeps its place this long "
+          "before it counts as gone: a dropped stream is survived, a killed rank is named this "
+          "much later (0: at once; docs/RELIABILITY.md, \"Sidecar restart\")");
 ABSL_FLAG(int, local_decision_lag, 4,
           "locally decided steps per group that may wait for the coordinator's confirming "
           "decision; past it ranks wait for the coordinator");
@@ -132,6 +136,7 @@ absl::StatusOr<SidecarOptions> OptionsFromFlags(std::string token) {
   options.require_rank_token = absl::GetFlag(FLAGS_require_rank_token);
   options.local_decisions = absl::GetFlag(FLAGS_local_decisions);
   options.local_decision_lag = absl::GetFlag(FLAGS_local_decision_lag);
+  options.rank_reconnect_grace = absl::GetFlag(FLAGS_rank_reconnect_grace);
   if (options.local_decision_lag < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--local_decision_lag must be at least 1 (got ",
                                                    options.local_decision_lag, ")"));

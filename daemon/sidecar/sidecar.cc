@@ -13,8 +13,6 @@
 namespace accord::daemon {
 namespace {
 
-constexpr char kServerVersion[] = "accord-sidecar/0.1";
-
 absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatus(e); }
 
 }  // namespace
@@ -184,6 +182,10 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
       return;
     }
   }
+  if (std::optional<v1::DecisionError> refused = CheckResumeLocked(hello)) {
+    refuse(*std::move(refused));
+    return;
+  }
   if (node_.has_job() && hello.world_size() != node_.world_size()) {
     refuse(KindedError(
         v1::WORLD_SIZE_MISMATCH,
@@ -206,8 +208,13 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
     return;
   }
   if (!node_.has_job()) {
+    // A rank that resumes a run creates this state: the sidecar was
+    // restarted under the run, so it rejoins it (RESUME) as the same node
+    // instead of starting a new run.
+    const std::string resume_run = hello.has_resume() ? hello.resume().run_id() : "";
     node_.StartJob(hello.job_id(), hello.world_size(),
-                   options_.token.empty() ? hello.token() : options_.token);
+                   options_.token.empty() ? hello.token() : options_.token, resume_run);
+    resumed_fresh_ = !resume_run.empty();
   }
   s.rank = hello.rank();
   RankState& rs = ranks_[s.rank];
@@ -216,11 +223,33 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
   rs.key_scratch = Manifest();
   rs.key_scratch.ranks = RankSet(node_.world_size());
   rs.key_scratch.ranks.Add(s.rank);
+  rs.resumed = hello.has_resume();
+  rs.reconnects = hello.reconnects();
+  detached_.erase(s.rank);
+  rs.resume_decided.clear();
+  for (const v1::GroupResume& g : hello.resume().groups()) {
+    rs.resume_decided[g.group_id()] = g.decided_step();
+  }
+  if (rs.resumed) {
+    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << s.rank << " resumed run "
+                     << hello.resume().run_id() << " (" << hello.resume().groups_size()
+                     << " groups)" << (resumed_fresh_ ? " on this restarted sidecar" : "");
+  }
   v1::RankReply welcome;
   welcome.mutable_welcome()->set_node_id(options_.node_id);
   welcome.mutable_welcome()->set_server_version(kServerVersion);
+  welcome.mutable_welcome()->set_run_id(node_.run_id());
   s.sink->Send(std::make_shared<const v1::RankReply>(std::move(welcome)));
-  node_.AnnounceRanks({s.rank});
+  if (rs.resumed && node_.announced().count(s.rank) != 0) {
+    // A resumed rank this sidecar announced before left when its stream
+    // ended: it joins again.
+    v1::RankEvent joined;
+    joined.set_rank(s.rank);
+    joined.set_joined(true);
+    node_.ForwardRankEvent(joined);
+  } else {
+    node_.AnnounceRanks({s.rank});
+  }
 }
 
 void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
@@ -259,6 +288,13 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
     g.ranks.insert(it, rank);
   }
   rs.got_result[reg.group_id()] = false;
+  if (auto d = rs.resume_decided.find(reg.group_id()); d != rs.resume_decided.end()) {
+    // What this rank holds: a `same_as_previous` is passed to it as is.
+    if (rs.delivered.size() <= static_cast<size_t>(g.index)) {
+      rs.delivered.resize(group_order_.size(), -1);
+    }
+    rs.delivered[g.index] = std::max(rs.delivered[g.index], d->second);
+  }
   v1::NodeMessage up;
   *up.mutable_registration()->mutable_registration() = reg;
   up.mutable_registration()->add_ranks(rank);
@@ -286,6 +322,7 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     HandleRankManifestLocked(rank, rs, m, epoch, errors);
   }
   if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
+  SendLateLocked();
   if (touched_.empty()) return;
   // Registration order: the same groups go up in the same order every step,
   // whichever rank completes them (what batch repeats match on).
@@ -330,6 +367,19 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     *errors.mutable_decisions()->add_decisions() = *g.decided.error;
     return;
   }
+  if (rs.resumed && m.step() == g.decided.step && g.decided.ok.has_value()) {
+    // A resumed rank resends a step this sidecar saw decided (its decision
+    // was lost with the rank's previous stream): the same decision.
+    v1::Decision* d = errors.mutable_decisions()->add_decisions();
+    d->set_group_id(g.group_id);
+    d->set_step(m.step());
+    *d->mutable_ok() = *g.decided.ok;
+    if (rs.delivered.size() <= static_cast<size_t>(g.index)) {
+      rs.delivered.resize(group_order_.size(), -1);
+    }
+    rs.delivered[g.index] = std::max(rs.delivered[g.index], m.step());
+    return;
+  }
   if (m.step() <= g.decided.step) {
     reply_error(m,
                 KindedError(v1::STEP_REGRESSION,
@@ -349,6 +399,11 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
   if (st.ranks.empty()) NoteStepStartedLocked(st);
   switch (StepCollection::AddRow(st, rank, *content)) {
     case StepCollection::Row::kAdded:
+      if (st.sent) {
+        // The step's node manifest went up without this rank (it resumed
+        // after its node-mates): its part goes up alone (SendLateLocked).
+        late_.push_back(Late{&g, m.step(), rank, *content});
+      }
       break;
     case StepCollection::Row::kSame:
       return;  // a resend of the same content: a no-op
@@ -416,7 +471,8 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
     if (st.sent || st.ranks.empty()) continue;
     bool complete = true;
     for (int r : g.ranks) {
-      if (ranks_.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r)) {
+      if (ranks_.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r) &&
+          !HoldsDecisionLocked(r, g, st.step)) {
         complete = false;
         break;
       }
@@ -497,10 +553,24 @@ void Sidecar::CloseRank(SessionId id) {
   auto rit = ranks_.find(rank);
   if (rank < 0 || rit == ranks_.end() || rit->second.session != id) return;
   const int64_t last_step = rit->second.last_step;
+  const bool detach =
+      rit->second.reconnects && options_.rank_reconnect_grace > absl::ZeroDuration();
   ranks_.erase(rit);
-  ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank << " left (last step "
-                   << last_step << ")";
-  if (ranks_.empty()) {
+  if (detach) {
+    // It may come back (RankHello.resume) within the grace; its leave goes
+    // upstream only then (ExpireDetachedLocked).
+    const absl::Time until = clock_->Now() + options_.rank_reconnect_grace;
+    detached_[rank] = Detached{until, last_step};
+    timer_.Arm(until);
+    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank
+                     << "'s stream ended (last step " << last_step << "); it has "
+                     << absl::FormatDuration(options_.rank_reconnect_grace)
+                     << " (--rank_reconnect_grace) to come back";
+  } else {
+    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank << " left (last step "
+                     << last_step << ")";
+  }
+  if (ranks_.empty() && detached_.empty()) {
     ResetJobLocked();
     return;
   }
@@ -514,6 +584,7 @@ void Sidecar::CloseRank(SessionId id) {
   }
   DeliverLocalDecisionsLocked();
   SendOutgoingLocked(outgoing_);
+  if (detach) return;
   node_.LeaveRank(rank, last_step, /*forget=*/false);
 }
 
@@ -521,9 +592,95 @@ void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
   last_job_id_ = node_.job_id();
   node_.EndJob();
+  resumed_fresh_ = false;
+  resume_refusal_.reset();
+  late_.clear();
+  detached_.clear();
   group_order_.clear();
   groups_.clear();
   if (options_.reset_when_empty) node_.sink()->Reconnect();
+}
+
+absl::Time Sidecar::ExpireDetachedLocked(absl::Time now) {
+  absl::Time next = absl::InfiniteFuture();
+  for (auto it = detached_.begin(); it != detached_.end();) {
+    if (it->second.until > now) {
+      next = std::min(next, it->second.until);
+      ++it;
+      continue;
+    }
+    ACCORD_LOG(WARNING) << "job " << node_.job_id() << ": rank " << it->first
+                        << " did not come back within "
+                        << absl::FormatDuration(options_.rank_reconnect_grace)
+                        << " (--rank_reconnect_grace); it left";
+    node_.LeaveRank(it->first, it->second.last_step, /*forget=*/false);
+    it = detached_.erase(it);
+  }
+  if (ranks_.empty() && detached_.empty() && node_.has_job()) ResetJobLocked();
+  return next;
+}
+
+std::optional<v1::DecisionError> Sidecar::CheckResumeLocked(const v1::RankHello& hello) {
+  if (resume_refusal_.has_value()) return resume_refusal_;
+  if (!hello.has_resume()) return std::nullopt;
+  const v1::RankResume& resume = hello.resume();
+  if (resume.holds_local_decisions() && (!node_.has_job() || resumed_fresh_)) {
+    // What this node decided alone died with the previous sidecar process:
+    // nobody can tell which of those decisions the coordinator confirmed,
+    // so ranks could end up with different decisions. The node's ranks all
+    // get this one error instead (docs/RELIABILITY.md, "Sidecar restart").
+    v1::DecisionError e = KindedError(
+        v1::RUN_ENDED,
+        absl::StrCat("job ", hello.job_id(), " run ", resume.run_id(), ": the sidecar of node \"",
+                     options_.node_id,
+                     "\" was restarted while it decided this single-node job's steps itself "
+                     "(--local_decisions), and its ranks hold decisions the coordinator may not "
+                     "have confirmed, so the run cannot resume without risking different "
+                     "decisions on different ranks; restart the job (run the sidecar with "
+                     "--local_decisions=false for single-node jobs that must survive a sidecar "
+                     "restart)"));
+    e.set_job_id(hello.job_id());
+    ACCORD_LOG(ERROR) << e.message();
+    resume_refusal_ = e;
+    FailRanksLocked(e);
+    return e;
+  }
+  if (!resume.run_id().empty() && !node_.run_id().empty() && resume.run_id() != node_.run_id()) {
+    return KindedError(
+        v1::RUN_ENDED,
+        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " resumes run ",
+                     resume.run_id(), " but this sidecar serves run ", node_.run_id(),
+                     " of the job (a newer launch); stop the ranks of the old run"));
+  }
+  return std::nullopt;
+}
+
+bool Sidecar::HoldsDecisionLocked(int rank, const LocalGroup& g, int64_t step) const {
+  auto it = ranks_.find(rank);
+  if (it == ranks_.end() || !it->second.resumed) return false;
+  auto d = it->second.resume_decided.find(g.group_id);
+  return d != it->second.resume_decided.end() && d->second >= step;
+}
+
+void Sidecar::SendLateLocked() {
+  if (late_.empty()) return;
+  v1::NodeMessage up;
+  for (Late& l : late_) {
+    Manifest one;
+    one.step = l.step;
+    one.dtypes = std::move(l.content);
+    one.ranks = RankSet(node_.world_size());
+    one.ranks.Add(l.rank);
+    v1::Manifest* m = up.mutable_manifests()->add_manifests();
+    wire::ManifestToProto(l.group->group_id, one, /*with_ranks=*/true, m);
+    m->set_step(l.step);
+    // The coordinator's previous manifest of the node for the group is this
+    // one now: the group's next node manifest goes in full form.
+    l.group->form.repeat.Forget();
+    ++stats_.node_manifests_full;
+  }
+  late_.clear();
+  node_.SendNewBatch(std::move(up));
 }
 
 }  // namespace accord::daemon

@@ -33,6 +33,17 @@
 //  - Upstream loss: on reconnect OnUpstreamConnected() resends the hello, the
 //    registrations and every manifest still without a decision, in full form.
 //  - A rank whose stream ends is reported upstream (RankEvent) at once.
+//  - Resume (docs/RELIABILITY.md, "Sidecar restart"): a rank whose stream
+//    ended reconnects with RankHello.resume (its run and, per group, the
+//    last step it holds a decision for) and resends its registrations and
+//    undecided manifests. A Sidecar whose job state a resuming rank created
+//    (the sidecar process was restarted) RESUMEs that run upstream; a step
+//    does not wait for a rank that holds its decision; a resent manifest of
+//    the group's last decided step is answered with that decision; a
+//    manifest for a step whose node manifest already went up goes up alone
+//    for its rank (a disjoint contribution). A rank that holds a local
+//    decision cannot resume on a restarted sidecar: the job fails on the
+//    node with one error.
 //
 // One job at a time: when its last rank leaves the state is reset and (with
 // SidecarOptions::reset_when_empty) the upstream stream restarted. Under
@@ -119,6 +130,12 @@ struct SidecarOptions {
   // When the last rank leaves, restart the upstream stream for the next job.
   // SidecarJobs turns it off: it retires the Sidecar (and its stream).
   bool reset_when_empty = true;
+  // A rank whose stream ends and whose hello said it reconnects
+  // (RankHello.reconnects) keeps its place this long before its leave goes
+  // upstream: a dropped stream is then survived, and a rank killed is named
+  // this much later. Zero: every stream end is a leave at once.
+  // --rank_reconnect_grace.
+  absl::Duration rank_reconnect_grace = absl::ZeroDuration();
 };
 
 struct SidecarStats {
@@ -137,6 +154,7 @@ struct SidecarStats {
 
 class Sidecar final : public UpstreamHandler, public RankSessionHandler {
  public:
+  static constexpr char kServerVersion[] = "accord-sidecar/0.1";
   // The checks of a RankHello that need no state (job id, --job, world
   // size, rank range, the configured token): the error to refuse it with, or
   // nullopt. SidecarJobs runs them before it gives the rank a job's Sidecar.
@@ -204,6 +222,12 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
       return static_cast<size_t>(group_index) < submitted.size() ? submitted[group_index] : -1;
     }
     absl::flat_hash_map<std::string, bool> got_result;
+    // From RankHello.resume: per group, the last step this rank holds a
+    // decision for (its manifests up to it will not come again). Empty for
+    // a rank that did not resume.
+    absl::flat_hash_map<std::string, int64_t> resume_decided;
+    bool resumed = false;
+    bool reconnects = false;  // RankHello.reconnects
     // This rank's one-rank manifest, for recomputing rank manifest keys
     // without building a world-sized rank set per manifest.
     Manifest key_scratch;
@@ -283,6 +307,20 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Sends the 16-byte record "step `step` repeats the previous batch".
   void SendBatchRepeatLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The refusal of a resuming hello (run mismatch, local decisions held on a
+  // restarted sidecar), else nullopt; may fail the node's ranks.
+  std::optional<v1::DecisionError> CheckResumeLocked(const v1::RankHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `rank` (connected) holds a decision for `step` of `g` from
+  // before it resumed: the step does not wait for its manifest.
+  bool HoldsDecisionLocked(int rank, const LocalGroup& g, int64_t step) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends each manifest a rank added to a step whose node manifest had
+  // already gone up, alone for its rank (late_).
+  void SendLateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the leave of every detached rank whose grace ended by `now`;
+  // returns when the next one ends.
+  absl::Time ExpireDetachedLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reports the steps due; returns when the next one is due.
@@ -302,6 +340,28 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // announced (every rank accepted since the job started), the stream's
   // Welcome and previous batch.
   UpstreamNode node_ ABSL_GUARDED_BY(mu_);
+  // The job's state here was created by a resuming rank: this sidecar was
+  // restarted under the run (or lost every rank's stream) and holds nothing
+  // of what was decided before.
+  bool resumed_fresh_ ABSL_GUARDED_BY(mu_) = false;
+  // Set once a rank holding local decisions resumed on a restarted sidecar:
+  // every rank of the job here gets it.
+  std::optional<v1::DecisionError> resume_refusal_ ABSL_GUARDED_BY(mu_);
+  // A rank's manifest for a step already sent upstream (SendLateLocked).
+  struct Late {
+    LocalGroup* group;
+    int64_t step;
+    int rank;
+    std::vector<DTypeMask> content;
+  };
+  std::vector<Late> late_ ABSL_GUARDED_BY(mu_);
+  // Ranks whose stream ended within their reconnect grace
+  // (SidecarOptions::rank_reconnect_grace): not connected, not yet gone.
+  struct Detached {
+    absl::Time until;
+    int64_t last_step = -1;
+  };
+  std::map<int, Detached> detached_ ABSL_GUARDED_BY(mu_);
   std::string last_job_id_ ABSL_GUARDED_BY(mu_);         // for metrics after the job ended
   std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
   // node_hash_map: LocalGroup addresses are stable (group_order_ points at them).

@@ -160,9 +160,15 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
   s.rank = hello.rank();
   s.held.assign(1, message);
   Job& job = jobs_[s.job_id];
+  // A rank that resumes the current launch's run after its stream dropped
+  // (docs/RELIABILITY.md, "Sidecar restart") goes back to that launch.
+  const bool resumes_launch = hello.has_resume() && job.held.empty() && job.launch != nullptr &&
+                              !job.launch->emptied && !hello.resume().run_id().empty() &&
+                              job.launch->sidecar->CurrentRun().run_id == hello.resume().run_id();
   const bool new_launch =
-      !job.held.empty() ||
-      (job.launch != nullptr && (job.launch->emptied || job.launch->sidecar->HadRank(s.rank)));
+      !resumes_launch &&
+      (!job.held.empty() ||
+       (job.launch != nullptr && (job.launch->emptied || job.launch->sidecar->HadRank(s.rank))));
   if (!new_launch) {
     RouteLocked(id, s, job, s.job_id);
     return;

@@ -28,11 +28,10 @@ void Sidecar::CheckPartialSteps() {
 }
 
 absl::Time Sidecar::CheckPartialStepsLocked() {
-  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) {
-    return absl::InfiniteFuture();
-  }
+  const absl::Time detached = ExpireDetachedLocked(clock_->Now());
+  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) return detached;
   const absl::Time now = clock_->Now();
-  absl::Time next = absl::InfiniteFuture();
+  absl::Time next = detached;
   for (LocalGroup* g : group_order_) {
     for (LocalStep& st : g->collect.steps) {
       if (st.sent || st.ranks.empty() || st.partial_reported) continue;
@@ -129,12 +128,26 @@ void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
 void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   accord::MutexLock l(&mu_);
   switch (message.body_case()) {
-    case v1::CoordinatorMessage::kWelcome:
+    case v1::CoordinatorMessage::kWelcome: {
+      const std::string before = node_.run_id();
       node_.OnWelcome(message.welcome());
+      if (node_.has_job() && node_.run_id() != before) {
+        // The ranks that reconnect learn their run (they name it when they
+        // resume); others never see a second Welcome.
+        v1::RankReply w;
+        w.mutable_welcome()->set_node_id(options_.node_id);
+        w.mutable_welcome()->set_server_version(kServerVersion);
+        w.mutable_welcome()->set_run_id(node_.run_id());
+        auto shared = std::make_shared<const v1::RankReply>(std::move(w));
+        for (auto& [r, rs] : ranks_) {
+          if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
+        }
+      }
       report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
       if (report_after_ > absl::ZeroDuration()) timer_.Arm(clock_->Now());
       return;
+    }
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
       ACCORD_LOG(ERROR) << "coordinator: " << e.message();
@@ -279,7 +292,7 @@ bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool lo
       if (out.expand.empty()) out.expand_ok = *g.decided.ok;
       out.expand.push_back(r);
     }
-    last = d.step();
+    last = std::max(last, d.step());
   }
   return connected == ranks_.size() && out.expand.empty();
 }

@@ -99,6 +99,7 @@ def connect(
     local_rank: Optional[int] = None,
     token: Optional[str] = None,
     connect_timeout_s: float = 30.0,
+    reconnect_grace_s: float = 10.0,
 ) -> Client:
     """Connects this rank to its node's sidecar.
 
@@ -110,6 +111,11 @@ def connect(
     TORCHELASTIC_RUN_ID, else one that rank 0 draws and shares through the
     torch.distributed store. RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets
     them (or torch.distributed's rank and world size); ACCORD_TOKEN.
+
+    reconnect_grace_s: how long the client reconnects to a restarted sidecar
+    and resumes before every call fails (docs/RELIABILITY.md, "Sidecar
+    restart"). Embedded mode does not reconnect: its sidecar dies with the
+    rank that started it, and nobody restarts it.
     """
     dist = embedded.initialized_dist()
     rank, rank_src = _param("RANK", rank, dist.get_rank() if dist else None)
@@ -164,6 +170,7 @@ def connect(
             local_rank=local_rank or 0,
             token=token,
             connect_timeout_s=connect_timeout_s,
+            reconnect_grace_s=0.0 if boot.mode == embedded.EMBEDDED else reconnect_grace_s,
         )
     except _accord.Error as e:
         if choice.mode in (embedded.ENV, embedded.DEPLOYED):

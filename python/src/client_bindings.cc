@@ -39,7 +39,8 @@ GroupSubmission SubmissionFromPy(const PySubmission& s) {
 
 std::unique_ptr<Client> ConnectOrThrow(const std::string& socket_path, const std::string& job_id,
                                        int rank, int world_size, int local_rank,
-                                       const std::string& token, double connect_timeout_s) {
+                                       const std::string& token, double connect_timeout_s,
+                                       double reconnect_grace_s) {
   ClientOptions options;
   options.socket_path = socket_path;
   options.job_id = job_id;
@@ -48,6 +49,7 @@ std::unique_ptr<Client> ConnectOrThrow(const std::string& socket_path, const std
   options.local_rank = local_rank;
   options.token = token;
   options.connect_timeout = absl::Seconds(connect_timeout_s);
+  options.reconnect_grace = absl::Seconds(reconnect_grace_s);
   absl::StatusOr<std::unique_ptr<Client>> client;
   {
     nb::gil_scoped_release release;
@@ -69,7 +71,10 @@ void BindClient(nb::module_& m) {
       .def_static("connect", &ConnectOrThrow, nb::arg("socket_path"), nb::arg("job_id"),
                   nb::arg("rank"), nb::arg("world_size"), nb::arg("local_rank") = 0,
                   nb::arg("token") = "", nb::arg("connect_timeout_s") = 30.0,
-                  "Connects to the sidecar at socket_path and joins the job.")
+                  nb::arg("reconnect_grace_s") = 10.0,
+                  "Connects to the sidecar at socket_path and joins the job. When the stream "
+                  "ends (the sidecar restarted), the client reconnects for reconnect_grace_s "
+                  "(0: not at all) and resumes.")
       .def(
           "register_group",
           [](Client& c, const std::string& group_id, const std::vector<PyParam>& params,

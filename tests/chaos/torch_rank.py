@@ -58,6 +58,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--step_delay", type=float, default=0.1)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--reconnect_grace", type=float, default=10.0,
+                    help="seconds the client reconnects to a restarted sidecar")
     a = ap.parse_args()
     faulthandler.enable()  # a crash prints every thread's Python stack to stderr
     torch.set_num_threads(1)
@@ -76,7 +78,8 @@ def main():
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        client = accord.connect(a.socket, a.job, a.rank, a.world, local_rank=a.local_rank)
+        client = accord.connect(a.socket, a.job, a.rank, a.world, local_rank=a.local_rank,
+                                reconnect_grace_s=a.reconnect_grace)
         # block 3 is skipped on some ranks at some steps: declared optional
         accord.torch.install(model, client, timeout_s=a.timeout, optional=[model.blocks[3]])
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -33,6 +33,7 @@ class ClientTest : public ::testing::Test {
     o.rank = rank;
     o.world_size = world;
     o.connect_timeout = kLong;
+    o.reconnect_grace = reconnect_grace_;
     return o;
   }
   std::vector<std::unique_ptr<Client>> ConnectAll(int world) {
@@ -58,6 +59,8 @@ class ClientTest : public ::testing::Test {
   }
 
   std::unique_ptr<testing::FakeSidecar> fake_;
+  // Most tests pin what a session without reconnects does.
+  absl::Duration reconnect_grace_ = absl::ZeroDuration();
 };
 
 TEST_F(ClientTest, ConnectToMissingSocketIsUnavailableAndNamesThePath) {
@@ -281,6 +284,71 @@ TEST_F(ClientTest, SidecarClosingTheStreamFailsPendingAndLaterWorkAsUnavailable)
       clients[0]->Wait(clients[0]->Submit({"g", 1, {DType::kFloat32, std::nullopt, std::nullopt}}),
                        absl::Now() + kLong);
   EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A dropped stream (docs/RELIABILITY.md, "Sidecar restart"): the client
+// reconnects, says what it holds (per group, the last step it has a
+// decision for) and resends its registration and its undecided manifest in
+// full form; the pending future then gets its decision.
+TEST_F(ClientTest, ADroppedStreamIsResumedAndThePendingStepDecided) {
+  reconnect_grace_ = kLong;
+  StartFake(2);
+  auto clients = ConnectAll(2);
+  ASSERT_EQ(clients.size(), 2u);
+  RegisterAll(clients, ThreeParams());
+  const GroupSubmission s0{"g", 0, {DType::kFloat32, std::nullopt, std::nullopt}};
+  std::vector<DecisionFuture> step0 = {clients[0]->Submit(s0), clients[1]->Submit(s0)};
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(clients[r]->Wait(step0[r], absl::Now() + kLong).ok());
+  const GroupSubmission s1{"g", 1, {DType::kFloat32, DType::kBFloat16, std::nullopt}};
+  DecisionFuture pending = clients[0]->Submit(s1);
+  fake_->DropSessions();
+  DecisionFuture other = clients[1]->Submit(s1);
+  absl::StatusOr<Decision> d = clients[0]->Wait(pending, absl::Now() + kLong);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->step, 1);
+  EXPECT_EQ(d->wire_dtype, DType::kFloat32);
+  ASSERT_TRUE(clients[1]->Wait(other, absl::Now() + kLong).ok());
+  // Rank 0's resume: its hello, then its registration, then step 1 in full.
+  const std::vector<v1::RankMessage> got = fake_->Received();
+  int at = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i].has_hello() && got[i].hello().rank() == 0 && got[i].hello().has_resume()) {
+      at = static_cast<int>(i);
+    }
+  }
+  ASSERT_GE(at, 0) << "no resume hello from rank 0";
+  const v1::RankResume& resume = got[at].hello().resume();
+  ASSERT_EQ(resume.groups_size(), 1);
+  EXPECT_EQ(resume.groups(0).group_id(), "g");
+  EXPECT_EQ(resume.groups(0).decided_step(), 0);
+  EXPECT_FALSE(resume.holds_local_decisions());
+  bool resent = false;
+  for (size_t i = at + 1; i < got.size(); ++i) {
+    for (const v1::Manifest& m : got[i].manifests().manifests()) {
+      if (m.step() == 1 && !m.repeat()) resent = true;
+    }
+  }
+  EXPECT_TRUE(resent) << "step 1 was not resent in full form";
+}
+
+// A sidecar that never takes the rank back: past the grace every call fails
+// with one error naming the node and the socket.
+TEST_F(ClientTest, ASidecarNotBackWithinTheGraceFailsEveryCallNamingIt) {
+  reconnect_grace_ = absl::Milliseconds(300);
+  StartFake(2);
+  auto clients = ConnectAll(2);
+  ASSERT_EQ(clients.size(), 2u);
+  RegisterAll(clients, ThreeParams());
+  DecisionFuture f = clients[0]->Submit({"g", 0, {DType::kFloat32, std::nullopt, std::nullopt}});
+  fake_->CloseSessions();
+  absl::StatusOr<Decision> d = clients[0]->Wait(f, absl::Now() + kLong);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(d.status().message(),
+            "job job: the sidecar of node \"fake-node\" at " + fake_->socket_path() +
+                " closed its ranks' connections and did not come back within 300ms (the "
+                "client's reconnect grace, ClientOptions.reconnect_grace), so this node's ranks "
+                "cannot take part: check accord-sidecar on this node (its log, --socket=" +
+                fake_->socket_path() + ") and restart the job");
 }
 
 TEST_F(ClientTest, SessionWideErrorFailsEveryPendingFuture) {

@@ -53,6 +53,11 @@ void FakeSidecar::MutateDecisions(std::function<void(v1::Decision*)> f) {
   mutate_ = std::move(f);
 }
 
+void FakeSidecar::DropSessions() {
+  accord::MutexLock lock(&mu_);
+  for (Conn* c : conns_) c->ctx->TryCancel();
+}
+
 void FakeSidecar::CloseSessions() {
   accord::MutexLock lock(&mu_);
   close_all_ = true;

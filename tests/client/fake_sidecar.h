@@ -33,8 +33,12 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
   void RejectHellos(v1::DecisionError error);
   // Transforms each outgoing decision (e.g. corrupt it).
   void MutateDecisions(std::function<void(v1::Decision*)> f);
-  // Closes every open session (the server side ends the streams).
+  // Closes every open session (the server side ends the streams); later
+  // sessions are refused.
   void CloseSessions();
+  // Ends every open session but serves new ones (a dropped stream: the
+  // client reconnects and resumes).
+  void DropSessions();
   // Sends a session-wide error to every session.
   void SendErrorToAll(const v1::DecisionError& e);
 

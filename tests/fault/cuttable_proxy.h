@@ -1,6 +1,7 @@
 // A cuttable TCP proxy for fault tests: put between a sidecar (or a relay)
 // and its upstream, it can cut every connection, drop what comes back, or
-// go half-open. Shared by fault_test.cc and relay_fault_test.cc.
+// go half-open. Shared by fault_test.cc and relay_fault_test.cc. The same
+// over Unix sockets (UnixSockets): between a rank and its sidecar.
 #ifndef ACCORD_TESTS_FAULT_CUTTABLE_PROXY_H_
 #define ACCORD_TESTS_FAULT_CUTTABLE_PROXY_H_
 
@@ -9,10 +10,12 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +41,20 @@ class CuttableProxy {
     socklen_t len = sizeof(a);
     getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
     port_ = ntohs(a.sin_port);
+    (void)!pipe2(wake_, O_CLOEXEC);
+    thread_ = std::thread([this] { Loop(); });
+  }
+  // Listens on the Unix socket `listen` and forwards to the one at `target`.
+  struct UnixSockets {
+    std::string listen;
+    std::string target;
+  };
+  explicit CuttableProxy(UnixSockets paths) : target_port_(0), target_unix_(paths.target) {
+    listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un a = UnixAddress(paths.listen);
+    unlink(paths.listen.c_str());
+    bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(listen_fd_, 16);
     (void)!pipe2(wake_, O_CLOEXEC);
     thread_ = std::thread([this] { Loop(); });
   }
@@ -95,6 +112,30 @@ class CuttableProxy {
     bool frozen = false;
   };
   void Wake() { (void)!write(wake_[1], "x", 1); }
+  static sockaddr_un UnixAddress(const std::string& path) {
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+    return a;
+  }
+  // A connection to the target (-1 when it cannot be made).
+  int ConnectUp() const {
+    if (!target_unix_.empty()) {
+      const int up = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_un a = UnixAddress(target_unix_);
+      if (connect(up, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return up;
+      close(up);
+      return -1;
+    }
+    const int up = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(target_port_));
+    if (connect(up, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return up;
+    close(up);
+    return -1;
+  }
   void CloseAll(std::vector<Conn>& conns) {
     for (Conn& c : conns) {
       close(c.down);
@@ -137,16 +178,11 @@ class CuttableProxy {
       const size_t polled = conns.size();
       if (fds[1].revents & POLLIN) {
         const int down = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        const int up = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        a.sin_port = htons(static_cast<uint16_t>(target_port_));
-        if (down >= 0 && connect(up, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+        const int up = down >= 0 ? ConnectUp() : -1;
+        if (up >= 0) {
           conns.push_back({down, up, false});
-        } else {
-          if (down >= 0) close(down);
-          close(up);
+        } else if (down >= 0) {
+          close(down);
         }
       }
       bool drop_down;
@@ -192,6 +228,7 @@ class CuttableProxy {
   }
 
   const int target_port_;
+  const std::string target_unix_;  // empty: TCP to target_port_
   int listen_fd_ = -1;
   int port_ = 0;
   int wake_[2] = {-1, -1};

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -169,7 +170,9 @@ TEST_F(FaultTest, CoordinatorKilledTwiceBeforeAnyDecision) {
 
 TEST_F(FaultTest, SidecarKilledItsRanksGetUnavailableOthersGetTheLostRanksNamed) {
   StartCluster(2, {"--deadline=3s"});
-  auto procs = StartGated(kFlags, "job", /*gated=*/4, /*step=*/1);
+  std::vector<std::string> flags = kFlags;
+  flags.push_back("--reconnect_grace=1s");  // its ranks give up on it soon
+  auto procs = StartGated(flags, "job", /*gated=*/4, /*step=*/1);
   ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
   cluster_->KillSidecar(1);
   gate_.Release();  // rank 4 then finds its sidecar gone
@@ -192,55 +195,295 @@ TEST_F(FaultTest, SidecarKilledItsRanksGetUnavailableOthersGetTheLostRanksNamed)
 }
 
 // A sidecar restarted under a live job (docs/RELIABILITY.md, "Sidecar
-// restart"): clients do not reconnect, so the job cannot go on. Its own ranks
-// get UNAVAILABLE when their socket drops; every other rank gets one
-// UNAVAILABLE naming the node within --node_reconnect_grace (not after the
-// 30 s deadline); the job then restarts cleanly under the same id.
-TEST_F(FaultTest, SidecarRestartedUnderALiveJobGivesEveryRankOneClearErrorAtOnce) {
-  constexpr absl::Duration kGrace = absl::Seconds(1);
-  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
-  StartCluster(2, {"--deadline=30s", "--node_reconnect_grace=1s"});
+// restart"): its ranks' clients reconnect with backoff, resume (run id, the
+// last step each holds a decision for), resend registrations and undecided
+// manifests; the restarted sidecar RESUMEs the run at the coordinator as the
+// same node. Every rank finishes with the digest of the undisturbed run. The
+// restart happens at a different point in each test.
+class SidecarRestartTest : public FaultTest {
+ protected:
+  // Starts the ranks with `gated` held at the gate (before `step`, or before
+  // registering); returns once the gated ranks wait there and every other
+  // rank printed `others_line` (with {rank} replaced).
+  std::vector<std::unique_ptr<ChildProcess>> StartHeld(std::vector<std::string> flags,
+                                                       const std::string& gated, int step,
+                                                       const std::string& others_line) {
+    flags.push_back("--gate_ranks=" + gated);
+    if (step < 0) {
+      flags.push_back("--gate_register");
+    } else {
+      flags.push_back(absl::StrCat("--gate_step=", step));
+    }
+    flags.push_back("--gate_fifo=" + gate_.path());
+    flags.push_back("--print_times");
+    absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+        cluster_->StartRanks(Command(flags), kWorld, "job");
+    EXPECT_TRUE(procs.ok()) << procs.status();
+    if (!procs.ok()) return {};
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    for (int r = 0; r < kWorld; ++r) {
+      const bool held = absl::StrContains(absl::StrCat(",", gated, ","), absl::StrCat(",", r, ","));
+      const std::string line =
+          held ? absl::StrCat("rank ", r, " waiting at gate")
+               : absl::StrReplaceAll(others_line, {{"{rank}", absl::StrCat(r)}});
+      absl::StatusOr<std::string> got = (*procs)[r]->WaitForLine(line, deadline);
+      EXPECT_TRUE(got.ok()) << got.status() << "\n" << (*procs)[r]->Output();
+    }
+    return *std::move(procs);
+  }
+
+  // SIGKILLs sidecar 1 and starts it again on its socket; prints how long
+  // until every rank printed `done_line` (with {rank}) after the gate opened.
+  void RestartAndFinish(std::vector<std::unique_ptr<ChildProcess>>& procs,
+                        const std::string& done_line, const std::string& digest,
+                        const std::string& what) {
+    const absl::Time killed = absl::Now();
+    cluster_->KillSidecar(1);
+    ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+    ASSERT_TRUE(gate_.Release());
+    for (int r = 0; r < kWorld; ++r) {
+      const std::string line = absl::StrReplaceAll(done_line, {{"{rank}", absl::StrCat(r)}});
+      ASSERT_TRUE(procs[r]->WaitForLine(line, absl::Now() + absl::Seconds(60)).ok())
+          << procs[r]->Output();
+    }
+    const absl::Duration took = absl::Now() - killed;
+    ExpectAllSucceededWith(Finish(procs), digest);
+    EXPECT_THAT(cluster_->SidecarOutput(1), HasSubstr("resumed"));
+    std::printf("[timing] sidecar restart %s: every rank past it %s after the kill\n", what.c_str(),
+                absl::FormatDuration(took).c_str());
+  }
+};
+
+TEST_F(SidecarRestartTest, WhileItsRanksWaitForADecisionEveryRankGetsTheUndisturbedDecisions) {
+  StartCluster(2, {"--deadline=30s"});
   std::string digest;
   ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
-  auto procs = StartGated(kFlags, "job", /*gated=*/4, /*step=*/1);
+  // Ranks 5-7 submitted step 1 to sidecar 1 (held there for rank 4), ranks
+  // 0-3 wait for its decision at the coordinator.
+  auto procs = StartHeld(kFlags, "4", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  RestartAndFinish(procs, "rank {rank} step 1 group g1:", digest,
+                   "with manifests held at the sidecar");
+}
+
+TEST_F(SidecarRestartTest, BetweenStepsEveryRankGetsTheUndisturbedDecisions) {
+  StartCluster(2, {"--deadline=30s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  // Sidecar 1's ranks hold every decision up to step 1 and nothing else;
+  // ranks 0-3 submitted step 2.
+  auto procs = StartHeld(kFlags, "4,5,6,7", 2, "rank {rank} step 2 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  RestartAndFinish(procs, "rank {rank} step 2 group g1:", digest, "between steps");
+}
+
+TEST_F(SidecarRestartTest, BeforeRegistrationCompletedEveryRankGetsTheUndisturbedDecisions) {
+  StartCluster(2, {"--deadline=30s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  // Rank 4 has not registered; every other rank sent its registration of g0
+  // and waits for the result.
+  auto procs = StartHeld(kFlags, "4", -1, "rank {rank} time register group g0");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  RestartAndFinish(procs, "rank {rank} step 0 group g1:", digest, "before registration");
+}
+
+// The coordinator decided step 1 and sent it to sidecar 1, whose connection
+// (through a proxy) dropped it; the sidecar is then killed: the decision is
+// lost with the process. The ranks resend step 1 and get the coordinator's
+// decision of step 1 again, not a new one.
+TEST_F(SidecarRestartTest, ADecisionLostWithTheSidecarIsAnsweredAgainTheSame) {
+  StartCluster(1, {"--deadline=30s"});
+  const std::string port =
+      cluster_->coordinator_address().substr(cluster_->coordinator_address().rfind(':') + 1);
+  CuttableProxy proxy(port);
+  absl::StatusOr<int> added = cluster_->AddSidecar(proxy.address());
+  ASSERT_TRUE(added.ok()) << added.status();
+  ASSERT_EQ(*added, 1);
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  auto procs = StartHeld(kFlags, "0", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  proxy.DropDownstream(true);
+  ASSERT_TRUE(gate_.Release());
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g1:"),
+                                  absl::Now() + absl::Seconds(60))
+                    .ok())
+        << procs[r]->Output();
+  }
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(1);
+  proxy.DropDownstream(false);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  for (int r = 4; r < kWorld; ++r) {
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g1:"),
+                                  absl::Now() + absl::Seconds(60))
+                    .ok())
+        << procs[r]->Output();
+  }
+  const absl::Duration took = absl::Now() - killed;
+  ExpectAllSucceededWith(Finish(procs), digest);
+  std::printf("[timing] sidecar restart with a decision lost: its ranks got it %s after the kill\n",
+              absl::FormatDuration(took).c_str());
+}
+
+// A node's ranks that differ in what they received: step 1's decision
+// reached ranks 4, 6 and 7 but not rank 5 (a proxy between rank 5 and
+// sidecar 1 drops what the sidecar sends), then sidecar 1 is killed and
+// restarted. Ranks 4, 6 and 7 say they hold step 1 (the new sidecar does not
+// wait for their manifests of it); rank 5 resends step 1 and gets the
+// coordinator's decision of it again.
+TEST_F(SidecarRestartTest, RanksThatDifferInWhatTheyReceivedGetTheSameDecisions) {
+  StartCluster(2, {"--deadline=30s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  const std::string proxied = absl::StrCat("/tmp/accord-fault-rank5d-", getpid(), ".sock");
+  CuttableProxy proxy(CuttableProxy::UnixSockets{proxied, cluster_->sidecar_sockets()[1]});
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--proxied_rank=5", "--proxy_socket=" + proxied});
+  auto procs = StartHeld(flags, "0", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  proxy.DropDownstream(true);
+  ASSERT_TRUE(gate_.Release());
+  for (int r : {0, 1, 2, 3, 4, 6, 7}) {
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g1:"),
+                                  absl::Now() + absl::Seconds(60))
+                    .ok())
+        << procs[r]->Output();
+  }
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(1);
+  proxy.DropDownstream(false);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  ASSERT_TRUE(
+      procs[5]->WaitForLine("rank 5 step 1 group g1:", absl::Now() + absl::Seconds(60)).ok())
+      << procs[5]->Output();
+  const absl::Duration took = absl::Now() - killed;
+  ExpectAllSucceededWith(Finish(procs), digest);
+  unlink(proxied.c_str());
+  std::printf(
+      "[timing] sidecar restart with ranks that differ: rank 5 got step 1 %s after the "
+      "kill\n",
+      absl::FormatDuration(took).c_str());
+}
+
+// A sidecar that does not come back: past the clients' reconnect grace its
+// own ranks get one error naming the node and socket (the same text on each),
+// and past the coordinator's --node_reconnect_grace every other rank gets
+// one error naming the node and its ranks (the same text on each).
+TEST_F(SidecarRestartTest, NotBackWithinTheGraceGivesEachSideOneClearError) {
+  constexpr absl::Duration kGrace = absl::Seconds(2);
+  constexpr absl::Duration kSlack = absl::Milliseconds(1500);  // a loaded 2-core machine
+  StartCluster(2, {"--deadline=30s", "--node_reconnect_grace=2s"});
+  std::vector<std::string> flags = kFlags;
+  flags.push_back("--reconnect_grace=2s");
+  auto procs = StartHeld(flags, "4", 1, "rank {rank} step 1 submitted");
   ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
   const absl::Time killed = absl::Now();
   cluster_->KillSidecar(1);
-  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
-  gate_.Release();  // rank 4 then finds its sidecar gone
-  ASSERT_TRUE(procs[0]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(30)).ok());
-  const absl::Duration took = absl::Now() - killed;
+  ASSERT_TRUE(gate_.Release());  // rank 4 submits into the reconnecting client
+  std::vector<absl::Duration> took(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(procs[r]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(30)).ok())
+        << procs[r]->Output();
+    took[r] = absl::Now() - killed;
+  }
   std::vector<RankResult> results = Finish(procs);
   ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
   const std::string socket = cluster_->sidecar_sockets()[1];
+  const std::string own =
+      absl::StrCat("UNAVAILABLE: job job: the sidecar of node \"node1\" at ", socket,
+                   " closed its ranks' connections and did not come back within 2s (the "
+                   "client's reconnect grace, ClientOptions.reconnect_grace), so this node's "
+                   "ranks cannot take part: check accord-sidecar on this node (its log, --socket=",
+                   socket, ") and restart the job");
+  const std::string others =
+      "UNAVAILABLE: job job group \"g0\" step 1: node \"node1\" (ranks 4-7) lost its connection "
+      "to the coordinator and did not come back within 2s (--node_reconnect_grace), so its "
+      "ranks cannot take part: its sidecar did not come back in time or its host is "
+      "unreachable; restart the job";
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_NE(results[r].exit_code, 0) << results[r].output;
-    if (r >= 4) {
-      // gRPC may add how the socket ended (": <transport message>").
-      EXPECT_THAT(FirstError(results[r]),
-                  ::testing::MatchesRegex(absl::StrCat(
-                      "UNAVAILABLE: sidecar at ", absl::StrReplaceAll(socket, {{".", "\\."}}),
-                      " closed the connection \\(job \"job\", rank ", r,
-                      "\\)(: [^;]*)?; accord clients do not reconnect, so this rank's session "
-                      "is over: restart the job")))
-          << results[r].output;
-    } else {
-      EXPECT_EQ(FirstError(results[r]),
-                "UNAVAILABLE: job job group \"g0\" step 1: node \"node1\" (ranks 4-7) lost its "
-                "connection to the coordinator and did not come back within 1s "
-                "(--node_reconnect_grace), so its ranks cannot take part: its sidecar was "
-                "restarted or its host is unreachable, and accord clients do not reconnect to a "
-                "restarted sidecar; restart the job")
-          << results[r].output;
-    }
+    EXPECT_EQ(FirstError(results[r]), r >= 4 ? own : others) << results[r].output;
+    EXPECT_LE(took[r], kGrace + kSlack) << "rank " << r;
   }
+  absl::Duration worst = absl::ZeroDuration();
+  for (absl::Duration t : took) worst = std::max(worst, t);
   std::printf(
-      "[timing] sidecar restart: the other node's ranks got UNAVAILABLE %s after the "
-      "kill (--node_reconnect_grace %s, --deadline 30s)\n",
-      absl::FormatDuration(took).c_str(), absl::FormatDuration(kGrace).c_str());
-  EXPECT_LE(took, kGrace + kSlack);
-  // The launcher restarts the job under the same id: a new run, clean.
-  ExpectAllSucceededWith(Run(kFlags, "job"), digest);
+      "[timing] sidecar not back: every rank had its error at most %s after the kill "
+      "(grace %s on both sides)\n",
+      absl::FormatDuration(worst).c_str(), absl::FormatDuration(kGrace).c_str());
+}
+
+// One rank's stream dropped while the sidecar lives (a proxy between rank 5
+// and sidecar 1 cuts it) while rank 5 waits for step 1's decision. The
+// sidecar keeps rank 5's place for --rank_reconnect_grace; the client
+// reconnects and resumes; every rank finishes as undisturbed.
+TEST_F(SidecarRestartTest, ARankStreamDroppedWhileItWaitsForADecisionIsSurvived) {
+  StartCluster(2, {"--deadline=30s"}, {"--rank_reconnect_grace=5s"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  const std::string proxied = absl::StrCat("/tmp/accord-fault-rank5-", getpid(), ".sock");
+  CuttableProxy proxy(CuttableProxy::UnixSockets{proxied, cluster_->sidecar_sockets()[1]});
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--proxied_rank=5", "--proxy_socket=" + proxied});
+  auto procs = StartHeld(flags, "4", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time cut = absl::Now();
+  EXPECT_GE(proxy.Cut(), 1);
+  ASSERT_TRUE(
+      cluster_->WaitForSidecarOutput(1, "rank 5 resumed run", 1, absl::Now() + absl::Seconds(30))
+          .ok())
+      << cluster_->SidecarOutput(1);
+  const absl::Duration resumed = absl::Now() - cut;
+  ASSERT_TRUE(gate_.Release());
+  ExpectAllSucceededWith(Finish(procs), digest);
+  unlink(proxied.c_str());
+  std::printf("[timing] rank stream dropped: rank 5 resumed %s after the cut\n",
+              absl::FormatDuration(resumed).c_str());
+}
+
+// Local decisions (docs/ARCHITECTURE.md): a single-node job's sidecar
+// decides steps itself. A restarted sidecar cannot know which of those the
+// coordinator confirmed, so the run does not resume: every rank gets the
+// same error at once. With --local_decisions=false the job survives.
+TEST_F(SidecarRestartTest, ASingleNodeJobOnLocalDecisionsGetsOneErrorAndWithoutThemSurvives) {
+  StartCluster(1, {"--deadline=30s"});
+  auto procs = StartHeld(kFlags, "3", 2, "rank {rank} step 2 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  cluster_->KillSidecar(0);
+  ASSERT_TRUE(cluster_->RestartSidecar(0).ok());
+  ASSERT_TRUE(gate_.Release());
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    EXPECT_THAT(FirstError(results[r]), ::testing::StartsWith("FAILED_PRECONDITION: job job run "))
+        << results[r].output;
+    EXPECT_THAT(FirstError(results[r]), HasSubstr("was restarted while it decided this "
+                                                  "single-node job's steps itself"))
+        << results[r].output;
+    EXPECT_EQ(FirstError(results[r]), FirstError(results[0])) << "the same error on every rank";
+  }
+}
+
+TEST_F(SidecarRestartTest, ASingleNodeJobWithoutLocalDecisionsSurvives) {
+  StartCluster(1, {"--deadline=30s"}, {"--local_decisions=false"});
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunReference(&digest));
+  auto procs = StartHeld(kFlags, "3", 2, "rank {rank} step 2 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time killed = absl::Now();
+  cluster_->KillSidecar(0);
+  ASSERT_TRUE(cluster_->RestartSidecar(0).ok());
+  ASSERT_TRUE(gate_.Release());
+  ExpectAllSucceededWith(Finish(procs), digest);
+  std::printf("[timing] single-node sidecar restart: job done %s after the kill\n",
+              absl::FormatDuration(absl::Now() - killed).c_str());
 }
 
 TEST_F(FaultTest, RankKilledMidStepIsNamedInTheErrorOfEveryOtherRank) {

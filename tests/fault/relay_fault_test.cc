@@ -205,8 +205,8 @@ TEST_F(RelayFaultTest, RelayKilledForGoodIsNamedToTheOtherRelaysRanks) {
   const std::string expected =
       "UNAVAILABLE: job lost group \"g0\" step 1: node \"relay1\" (ranks 4-7) lost its "
       "connection to the coordinator and did not come back within 1s (--node_reconnect_grace), "
-      "so its ranks cannot take part: its sidecar was restarted or its host is unreachable, and "
-      "accord clients do not reconnect to a restarted sidecar; restart the job";
+      "so its ranks cannot take part: its sidecar did not come back in time or its host is "
+      "unreachable; restart the job";
   for (int r = 0; r < 4; ++r) {
     ASSERT_TRUE(procs[r]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(30)).ok())
         << procs[r]->Output();
