@@ -39,8 +39,6 @@ import random
 import re
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -49,7 +47,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import Proc, Proxy, rss_kib  # noqa: E402
+from procs import Proc, Proxy, free_port, rss_kib  # noqa: E402
 
 DEADLINE_S = 2.0
 GRACE_S = min(1.0, DEADLINE_S / 4)  # the coordinator's progress grace, docs/RELIABILITY.md
@@ -84,14 +82,6 @@ FAULTS = {
     "restart_relay": 2, "stop_relay": 1, "kill_relay": 1,
     "cut_link": 3, "blackhole_link": 2, "delay_link": 2,
 }
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class Schedule:

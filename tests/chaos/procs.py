@@ -240,6 +240,15 @@ def _close(s):
         pass
 
 
+def free_port():
+    """A TCP port on loopback that was free a moment ago."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def rss_kib(pid):
     try:
         with open(f"/proc/{pid}/status") as f:

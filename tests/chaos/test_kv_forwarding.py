@@ -8,7 +8,6 @@ real client through the Python package staged in the build.
 """
 
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -18,19 +17,11 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from procs import Proc  # noqa: E402
+from procs import Proc, free_port  # noqa: E402
 
 BUILD = os.environ.get("ACCORD_BUILD_DIR", os.path.join(HERE, "..", "..", "build"))
 sys.path.insert(0, os.path.join(BUILD, "python", "pkg"))
 accord = pytest.importorskip("accord", reason="the Python package is not staged in the build")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture
