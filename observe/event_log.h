@@ -2,28 +2,30 @@
 // size is bounded by rotation (path -> path.1 -> ... -> path.N, oldest
 // dropped). Thread-safe.
 //
-// Write only formats the line and queues it: the file I/O (fwrite, fflush,
-// rename on rotation) runs on the log's own writer thread, so callers (the
+// Write only formats the line and queues it: the file I/O (write(2), rename
+// on rotation) runs on the log's own writer thread, so callers (the
 // coordinator's gRPC callback threads) never wait on the disk. The queue is
 // bounded (Options::max_queued lines); past it lines are dropped and counted.
-// The thread stops in the destructor after writing what was queued.
+//
+// The destructor writes what was queued, for at most Options::exit_drain: a
+// slow or stuck disk never holds the process's exit. Past it, the lines not
+// written are dropped (counted, and said on stderr) and the writer thread,
+// still blocked in the disk, is left to end with the process; it holds its
+// own reference to what it touches. Unbuffered writes, so nothing is left
+// for the C library to flush into that disk at exit.
 #ifndef ACCORD_OBSERVE_EVENT_LOG_H_
 #define ACCORD_OBSERVE_EVENT_LOG_H_
 
 #include <cstdint>
-#include <cstdio>
-#include <deque>
 #include <memory>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/sync.h"
 
 namespace accord {
 
@@ -54,9 +56,10 @@ class EventLog {
  public:
   struct Options {
     std::string path;
-    int64_t max_bytes = 64 << 20;  // rotate when the file would pass this size
-    int max_files = 3;             // rotated files kept besides the live one
-    size_t max_queued = 65536;     // lines waiting for the writer thread
+    int64_t max_bytes = 64 << 20;                  // rotate when the file would pass this size
+    int max_files = 3;                             // rotated files kept besides the live one
+    size_t max_queued = 65536;                     // lines waiting for the writer thread
+    absl::Duration exit_drain = absl::Seconds(2);  // the destructor's wait for the disk
   };
   // Opens (appends to) the file. INVALID_ARGUMENT for bad options,
   // the errno's meaning when the file cannot be opened.
@@ -73,23 +76,10 @@ class EventLog {
   void Flush();
 
  private:
-  explicit EventLog(Options options) : options_(std::move(options)) {}
-  // The writer thread's: file_ and size_ are touched only by it (and by Open
-  // before it starts and the destructor after it stopped).
-  absl::Status OpenFile();
-  void Rotate();
-  void WriteLine(const std::string& line);
-  void WriterLoop();
+  struct State;  // shared by the log and its writer thread (event_log.cc)
+  explicit EventLog(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
-  const Options options_;
-  std::FILE* file_ = nullptr;
-  int64_t size_ = 0;
-  mutable accord::Mutex mu_;
-  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;  // lines ever queued
-  int64_t lines_ ABSL_GUARDED_BY(mu_) = 0;   // lines ever written (or failed to)
-  int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<State> state_;
   std::thread writer_;
 };
 

@@ -45,7 +45,8 @@
 //     docs/ARCHITECTURE.md) and every
 //     other pending or later step gets JOB_FAILED, on every node. A rank that
 //     leaves (RankEvent) while a pending step still needs it fails the job at
-//     once. The job is failed rather than the group because a collective
+//     once, and so does a step that starts pending after a rank left before
+//     it. The job is failed rather than the group because a collective
 //     without one of its ranks cannot complete for any group. The job's state
 //     is dropped when its last node disconnects, so a restarted job can reuse
 //     the id.

@@ -302,6 +302,7 @@ void DeadlineMonitor::HandlePartialProgress(const NodeState& node, const v1::Nod
                      << " ago and others not; the deadline clock runs";
   }
   RecordProgress(node, progress, pit->second);
+  job.FailIfALeftRankMisses(g, step, pit->second, fx);
 }
 
 void DeadlineMonitor::ObserveStall(const GroupState& g, int64_t step, const PendingStep& p,

@@ -137,10 +137,8 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   if (culprit == nullptr) return;
   // Named: the ranks that left (this one at least); live ranks that had not
   // submitted the step yet are not at fault (StepFacts::AtFault).
-  v1::DecisionError err =
-      job.MissingRanksError(*culprit, culprit_step, *culprit_pending,
-                            absl::StrCat("rank ", r, " left (its stream to the sidecar on node \"",
-                                         node.node_id, "\" ended)"));
+  v1::DecisionError err = job.MissingRanksError(*culprit, culprit_step, *culprit_pending,
+                                                JobCore::LeftWhy(r, node.node_id));
   job.Fail(culprit, culprit_step, std::move(err), fx);
 }
 

@@ -184,6 +184,21 @@ v1::DecisionError JobCore::MissingRanksError(const GroupState& g, int64_t step,
   return e;
 }
 
+std::string JobCore::LeftWhy(int rank, absl::string_view node_id) {
+  return absl::StrCat("rank ", rank, " left (its stream to the sidecar on node \"", node_id,
+                      "\" ended)");
+}
+
+bool JobCore::FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p,
+                                    JobEffects& fx) {
+  if (failed()) return false;
+  const int r = members.LeftBefore(step);
+  if (r < 0) return false;
+  const NodeState* owner = members.OwnerOf(r);
+  Fail(&g, step, MissingRanksError(g, step, p, LeftWhy(r, owner ? owner->node_id : "unknown")), fx);
+  return true;
+}
+
 std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> JobCore::StartStep(
     GroupState& g, int64_t step, absl::Time first_seen) const {
   auto pit = g.pending.try_emplace(step, first_seen, options.deadline).first;

@@ -71,6 +71,17 @@ struct JobCore {
   // ranks not heard from yet (not named).
   v1::DecisionError MissingRanksError(const GroupState& g, int64_t step, const PendingStep& p,
                                       absl::string_view why) const;
+  // The words of a failure caused by `rank` leaving its sidecar on `node_id`.
+  static std::string LeftWhy(int rank, absl::string_view node_id);
+  // A rank that left before `step` never submits it, so the step, which has
+  // just started pending or gained a contribution, cannot complete: fails
+  // the job at once, named by this step, instead of at its deadline.
+  // Returns whether it failed the job. O(1) while no rank has left. (A rank
+  // leaving while a step is already pending is handled where the leave
+  // arrives, Job::HandleRankEvent; between the two, no step a departed rank
+  // misses waits for the deadline, whatever order the leave and the other
+  // ranks' manifests arrive in.)
+  bool FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p, JobEffects& fx);
   // Creates the pending (group, step) whose clock started at `first_seen`;
   // returns it and when the timer must look at it.
   std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> StartStep(

@@ -56,6 +56,7 @@ void Membership::Disconnect(NodeState& node, absl::Time now) {
 Membership::Join Membership::JoinRank(NodeState& node, int rank) {
   const NodeState* owner = owner_[rank];
   if (owner != nullptr && owner != &node && owner->connected()) return Join::kHeldElsewhere;
+  if (left_[rank]) --left_count_;
   left_[rank] = false;
   if (owner == &node) return Join::kAlreadyServed;
   TakeRank(node, rank);
@@ -71,9 +72,18 @@ bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step) {
   // A rank this node does not serve (e.g. one refused as a duplicate)
   // leaving changes nothing.
   if (owner_[rank] != &node) return false;
+  if (!left_[rank]) ++left_count_;
   left_[rank] = true;
   left_step_[rank] = std::max(left_step_[rank], last_step);
   return true;
+}
+
+int Membership::LeftBefore(int64_t step) const {
+  if (left_count_ == 0) return -1;
+  for (int r = 0; r < world_size_; ++r) {
+    if (left_[r] && left_step_[r] < step) return r;
+  }
+  return -1;
 }
 
 int64_t Membership::LastStep(int rank) const {

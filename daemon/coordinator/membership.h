@@ -80,6 +80,10 @@ class Membership {
   const NodeState* OwnerOf(int rank) const { return owner_[rank]; }
   // Whether `rank` left (RankEvent) since it joined, whatever step it left at.
   bool Left(int rank) const { return left_[rank]; }
+  // The lowest rank that left before reaching `step` (its RankEvent's last
+  // step is earlier), so it can never submit `step`; -1 when none. O(1)
+  // while no rank has left.
+  int LeftBefore(int64_t step) const;
   // Whether `rank` is gone: it left, its node's stream is down, or no node
   // ever served it. A missing rank that is gone is at fault for a step that
   // cannot complete; a missing rank that is not may only be slower.
@@ -107,6 +111,7 @@ class Membership {
   std::vector<NodeState*> owner_;   // per rank
   std::vector<int64_t> left_step_;  // per rank, from RankEvent; -1: none
   std::vector<bool> left_;          // per rank: left (RankEvent) and not joined since
+  int left_count_ = 0;              // ranks with left_ set
 };
 
 }  // namespace accord::daemon

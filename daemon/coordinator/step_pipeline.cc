@@ -118,7 +118,13 @@ bool StepPipeline::ApplyEntry(const Sender& s, const EntryRef& e, EntryResult& r
     fx.SendDecisionError(s.sink, e.m.group_id, e.m.step, std::move(r.error));
   }
   if (r.added != Added::kAdded) return false;
+  // An earlier entry of this batch failed the job; its failure answered
+  // this entry's step, which was pending then.
+  if (job.failed()) return false;
   s.node.last_step = std::max(s.node.last_step, e.m.step);
+  if (!r.complete && job.FailIfALeftRankMisses(g, e.m.step, g.pending.at(e.m.step), fx)) {
+    return true;
+  }
   if (r.complete) {
     if (ready != nullptr) {
       g.marks.ready = true;
@@ -303,6 +309,12 @@ void StepPipeline::DecideReady(JobCore& job, Ready& ready_in, absl::Time now, Jo
   if (ready_in.empty()) return;
   Ready ready = std::move(ready_in);
   ready_in.clear();
+  if (job.failed()) {
+    // The job failed while these waited (a rank that left, seen by a later
+    // entry of the batch): its failure answered them, pending steps are gone.
+    for (const ReadyStep& r : ready) r.group->marks.ready = false;
+    return;
+  }
   // The steps that need a core Decide, and what each one's merge costs.
   struct Work {
     const RegVariant* agreed;

@@ -256,6 +256,96 @@ TEST_F(JobTest, RankThatLeavesWhileAStepNeedsItFailsTheJobAtOnce) {
   EXPECT_THAT(fx_.decisions.decisions(0).error().ranks(), ::testing::ElementsAre(3));
 }
 
+// A rank that left never submits a later step: that step fails the job the
+// moment it starts, whatever arrives first (the rank's own node-mates, the
+// other node, or a partial report), never at the deadline.
+class LeftRankTest : public JobTest, public ::testing::WithParamInterface<int> {
+ protected:
+  static v1::RankEvent Left(int rank, int64_t last_step) {
+    v1::RankEvent e;
+    e.set_rank(rank);
+    e.set_joined(false);
+    e.set_last_step(last_step);
+    return e;
+  }
+  static v1::NodeProgress Partial(const std::string& group, int64_t step,
+                                  const std::vector<int>& reported) {
+    v1::NodeProgress p;
+    p.set_group_id(group);
+    p.set_step(step);
+    p.set_partial(true);
+    p.set_waited_us(1000);
+    for (int r : reported) p.add_reported(r);
+    return p;
+  }
+  void DecideStepZero() {
+    job_.HandleManifests(*a_, BatchOf({Full("g", 0, {0, 1})}), nullptr, kStart, fx_);
+    job_.HandleManifests(*b_, BatchOf({Full("g", 0, {2, 3})}), nullptr, kStart, fx_);
+    ASSERT_EQ(fx_.decisions.decisions_size(), 1);
+    ASSERT_TRUE(fx_.decisions.decisions(0).has_ok());
+  }
+};
+
+TEST_P(LeftRankTest, StepStartedAfterTheLeaveFailsTheJobAtOnceNamingTheRank) {
+  RegisterGroup("g", 2);
+  ASSERT_NO_FATAL_FAILURE(DecideStepZero());
+  // Rank 3 leaves after step 0, before anything of step 1 arrived.
+  job_.HandleRankEvent(*b_, Left(3, 0), fx_);
+  EXPECT_FALSE(job_.failed());  // no step needs it yet
+  const absl::Time t = kStart + absl::Seconds(1);
+  switch (GetParam()) {
+    case 0:  // its node-mate's step 1 (complete from the sidecar's view)
+      job_.HandleManifests(
+          *b_, BatchOf({NodeManifest("g", 1, {DType::kFloat32, DType::kFloat32}, 4, {2, 3}, {2})}),
+          nullptr, t, fx_);
+      break;
+    case 1:  // the other node's step 1
+      job_.HandleManifests(*a_, BatchOf({Full("g", 1, {0, 1})}), nullptr, t, fx_);
+      break;
+    case 2:  // the other node's partial report of step 1
+      job_.HandleProgress(*a_, Partial("g", 1, {0}), t, fx_);
+      break;
+  }
+  ASSERT_TRUE(job_.failed());
+  ASSERT_EQ(fx_.decisions.decisions_size(), 2);
+  const v1::DecisionError& e = fx_.decisions.decisions(1).error();
+  EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+  EXPECT_EQ(e.step(), 1);
+  EXPECT_THAT(e.ranks(), ::testing::ElementsAre(3));  // never a live rank
+  EXPECT_THAT(e.message(), ::testing::HasSubstr("step 1: rank 3 left (its stream to the sidecar on "
+                                                "node \"b\" ended); missing ranks 3: rank 3"));
+  EXPECT_EQ(fx_.errors.size(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(ArrivalOrders, LeftRankTest, ::testing::Values(0, 1, 2));
+
+TEST_F(LeftRankTest, StepTheRankMayHaveSubmittedOrARankThatCameBackDoesNotFail) {
+  RegisterGroup("g", 2);
+  ASSERT_NO_FATAL_FAILURE(DecideStepZero());
+  // Rank 3 left at step 1: what it submitted of step 1 may still come from
+  // its node, so step 1 waits (its deadline stays the bound).
+  job_.HandleRankEvent(*b_, Left(3, 1), fx_);
+  job_.HandleManifests(*a_, BatchOf({Full("g", 1, {0, 1})}), nullptr, kStart, fx_);
+  EXPECT_FALSE(job_.failed());
+  job_.HandleManifests(*b_, BatchOf({Full("g", 1, {2, 3})}), nullptr, kStart, fx_);
+  EXPECT_FALSE(job_.failed());
+  ASSERT_EQ(fx_.decisions.decisions_size(), 2);
+  // Rank 2 leaves at step 1 and joins again: step 2 waits for it as usual.
+  job_.HandleRankEvent(*b_, Left(2, 1), fx_);
+  v1::RankEvent joined;
+  joined.set_rank(2);
+  joined.set_joined(true);
+  job_.HandleRankEvent(*b_, joined, fx_);
+  joined.set_rank(3);
+  job_.HandleRankEvent(*b_, joined, fx_);
+  job_.HandleManifests(*a_, BatchOf({Full("g", 2, {0, 1})}), nullptr, kStart, fx_);
+  EXPECT_FALSE(job_.failed());
+  job_.HandleManifests(*b_, BatchOf({Full("g", 2, {2, 3})}), nullptr, kStart, fx_);
+  EXPECT_FALSE(job_.failed());
+  EXPECT_EQ(fx_.decisions.decisions_size(), 3);
+  EXPECT_TRUE(fx_.errors.empty());
+}
+
 TEST_F(JobTest, LastStreamToDisconnectEmptiesTheJob) {
   EXPECT_FALSE(job_.Disconnect(*a_, kStart, fx_));
   EXPECT_THAT(fx_.wakes,

@@ -1,5 +1,7 @@
 #include "observe/event_log.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -56,6 +58,31 @@ TEST(EventLog, AFullQueueDropsAndCountsLinesInsteadOfBlocking) {
   std::filesystem::remove_all(dir);
 }
 
+// A disk that takes nothing (a FIFO nobody reads) holds neither Write nor
+// the destructor: the log gives up after exit_drain and its writer thread,
+// blocked in write(2), is left to end with the process.
+TEST(EventLog, AStuckDiskDoesNotHoldTheExit) {
+  const std::string dir = TempDir();
+  const std::string path = dir + "/events.fifo";
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  const int reader = ::open(path.c_str(), O_RDONLY | O_NONBLOCK);  // opened, never read
+  ASSERT_GE(reader, 0);
+  EventLog::Options o{path, 1 << 30, 1};
+  o.exit_drain = absl::Milliseconds(200);
+  auto log = EventLog::Open(o);
+  ASSERT_TRUE(log.ok()) << log.status();
+  // Far more than a pipe holds (64 KiB): the writer blocks in write(2).
+  const std::string pad(1000, 'x');
+  for (int i = 0; i < 2000; ++i) (*log)->Write("stall", JsonObject().Add("pad", pad));
+  const absl::Time start = absl::Now();
+  log->reset();
+  // A liveness bound, far above exit_drain: without the give-up this waits
+  // for a reader that never comes.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  // `reader` stays open: the writer left behind stays blocked, not broken.
+  std::filesystem::remove_all(dir);
+}
+
 TEST(EventLog, RotatesAtTheSizeBoundAndKeepsOnlyMaxFiles) {
   const std::string dir = TempDir();
   const std::string path = dir + "/events.jsonl";
@@ -84,6 +111,9 @@ TEST(EventLog, BadOptionsAreRejected) {
   EXPECT_EQ(EventLog::Open({"", 4096, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(EventLog::Open({"/tmp/x", 10, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(EventLog::Open({"/nonexistent-dir/x/events", 4096, 1}).ok());
+  EventLog::Options negative{"/tmp/x", 4096, 1};
+  negative.exit_drain = absl::Seconds(-1);
+  EXPECT_EQ(EventLog::Open(negative).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
