@@ -16,8 +16,8 @@ key-value store and compares it with the others': ranks stuck at different
 collectives differ at a common position (a divergence); equal prefixes never
 do. On divergence every rank builds the same message from every rank's
 window and raises accord.torch.AccordDivergenceError; a rank blocked inside a
-collective gets it from the background thread, which aborts the process
-group and ends the process.
+collective gets it from the background thread, which ends the process
+with it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from accord.torch.watchdog import abort_and_exit, stop_at_exit
+from accord.torch.watchdog import end_process, stop_at_exit
 from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
                                   slot_params, slots)
 
@@ -98,7 +98,6 @@ class SequenceGuard:
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
         self.error: Optional[str] = None
-        self.process_group = None
         self._open = _Window(0)  # guarded by _mu (the stall check reads it)
         self._last_record = time.monotonic()
         self._waiting = False  # the training thread waits for a verdict
@@ -383,8 +382,8 @@ class SequenceGuard:
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a
-        collective (accord.torch.watchdog.abort_and_exit)."""
-        abort_and_exit(f"AccordDivergenceError: {message}", self.process_group)
+        collective (accord.torch.watchdog.end_process)."""
+        end_process(f"AccordDivergenceError: {message}")
 
     def close(self) -> None:
         with self._mu:

@@ -12,9 +12,9 @@ thread has made no progress (no collective issued, no release) for
 `stall_s` while inside a step submits that item early, if it has not yet:
 from then on the coordinator's deadline runs for that step, and a rank that
 never submits it is named to every rank that did, with its node and last
-step. The watch then aborts the process group so that the survivors leave
-the collective they are blocked in (and ends the process if that does not
-free it), with the coordinator's message.
+step. The watch then ends the process with the coordinator's message (exit
+status 3), unless the training thread reaches accord within a grace and
+raises it itself: a survivor blocked in a collective never returns from it.
 
 A rank that is merely slow costs nothing: the early item is the same one its
 release would have sent, and the step completes when the slow rank gets
@@ -74,7 +74,7 @@ class StepWatch:
         self.timeout_s = timeout_s
         self.stall_s = stall_s
         self.grace_s = grace_s
-        self.on_failure = on_failure or abort_and_exit
+        self.on_failure = on_failure or end_process
         self.early = 0  # steps whose item this watch submitted before the release
         self.error: Optional[str] = None
         self.where = "a step"
@@ -214,16 +214,13 @@ class StepWatch:
             self._thread.join(timeout=2 * self.stall_s + 1)
 
 
-def abort_and_exit(message: str, process_group=None, exit_code: int = 3) -> None:
-    """Aborts the process group (so blocked collectives can fail), writes the
-    message to stderr and ends the process: a blocked Gloo or NCCL call may
-    never return otherwise."""
+def end_process(message: str, exit_code: int = 3) -> None:
+    """Writes the message to stderr and ends the process at once: a blocked
+    Gloo or NCCL call may never return otherwise. Nothing runs in between:
+    aborting the process group first would let the training thread, woken
+    by the abort with the collective's own error, run Python (and report that
+    error instead) before the exit; a process that ends frees its peers and
+    its device anyway."""
     sys.stderr.write(f"{message}\n")
     sys.stderr.flush()
-    try:
-        import torch.distributed as dist
-
-        dist.distributed_c10d._abort_process_group(process_group)
-    except Exception:  # noqa: BLE001 - best effort; the exit below is what counts
-        pass
     os._exit(exit_code)
