@@ -3,6 +3,11 @@
 // holds its own mutex and condition variable and waits through
 // Clock::WaitUntil, so a FakeClock drives it in tests. Thread-safe; the
 // thread starts in Start() and stops in Stop() or the destructor.
+//
+// Not a DueTimer (daemon/common/due_timer.h), which runs its check under the
+// owner's mutex: the coordinator's check takes the coordinator's lock itself
+// and delivers what it produced after releasing it (Coordinator::Deliver),
+// so it runs with no lock held and reports its next wake time by SetNext.
 #ifndef ACCORD_DAEMON_COORDINATOR_DEADLINE_TIMER_H_
 #define ACCORD_DAEMON_COORDINATOR_DEADLINE_TIMER_H_
 

@@ -28,8 +28,9 @@ bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
   // registered the group, with one registration the coordinator accepted.
   const int world = node_.world_size();
   return options_.local_decisions && !node_.run_id().empty() && world > 0 &&
-         static_cast<int>(ranks_.size()) == world && static_cast<int>(g.ranks.size()) == world &&
-         g.registrations.size() == 1 && g.result.has_value() && !g.result->has_error();
+         static_cast<int>(ranks_.connected.size()) == world &&
+         static_cast<int>(g.ranks.size()) == world && g.registrations.size() == 1 &&
+         g.result.has_value() && !g.result->has_error();
 }
 
 void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
@@ -55,7 +56,7 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
     g.local.ok_bytes = std::make_shared<const std::string>(ok.SerializeAsString());
     g.local.content_gen = g.form.content_gen;
   }
-  v1::Decision* d = local_batch_.add_decisions();
+  v1::Decision* d = scratch_.local_batch.add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(st.step);
   d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - st.first_seen));
@@ -71,9 +72,9 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
 }
 
 void Sidecar::DeliverLocalDecisionsLocked() {
-  if (local_batch_.decisions_size() == 0) return;
-  HandleDecisionsLocked(local_batch_, &local_batch_, /*local=*/true);
-  local_batch_.Clear();
+  if (scratch_.local_batch.decisions_size() == 0) return;
+  HandleDecisionsLocked(scratch_.local_batch, &scratch_.local_batch, /*local=*/true);
+  scratch_.local_batch.Clear();
 }
 
 bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
@@ -126,7 +127,7 @@ bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
 }
 
 void Sidecar::FailRanksLocked(const v1::DecisionError& e) {
-  for (auto& [r, rs] : ranks_) {
+  for (auto& [r, rs] : ranks_.connected) {
     if (rs.sink == nullptr) continue;
     v1::RankReply reply;
     *reply.mutable_error() = e;

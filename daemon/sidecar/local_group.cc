@@ -78,4 +78,25 @@ int64_t Decided::Record(const v1::Decision& d) {
   return previous;
 }
 
+LocalGroup* LocalGroups::Find(const std::string& group_id) {
+  auto it = by_id_.find(group_id);
+  return it == by_id_.end() ? nullptr : &it->second;
+}
+
+LocalGroup& LocalGroups::FindOrAdd(const std::string& group_id) {
+  auto [it, inserted] = by_id_.try_emplace(group_id);
+  LocalGroup& g = it->second;
+  if (inserted) {
+    g.group_id = group_id;
+    g.index = static_cast<int>(order_.size());
+    order_.push_back(&g);
+  }
+  return g;
+}
+
+void LocalGroups::Clear() {
+  order_.clear();
+  by_id_.clear();
+}
+
 }  // namespace accord::daemon

@@ -3,7 +3,7 @@
 // and whether the stream upstream holds it (NodeForm), what the ranks were
 // given (Decided), and the steps decided here (LocalDecisionState, see
 // local_decisions.cc). Plain data with small methods; the Sidecar holds them
-// under its lock.
+// under its lock, all its groups in one LocalGroups.
 #ifndef ACCORD_DAEMON_SIDECAR_LOCAL_GROUP_H_
 #define ACCORD_DAEMON_SIDECAR_LOCAL_GROUP_H_
 
@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/node_hash_map.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
 #include "core/dtype.h"
@@ -122,6 +123,24 @@ struct LocalGroup {
   NodeForm form;
   Decided decided;
   LocalDecisionState local;
+};
+
+// A Sidecar's groups, by id and in registration order (LocalGroup::index).
+class LocalGroups {
+ public:
+  // The group registered as `group_id`; null when none is.
+  LocalGroup* Find(const std::string& group_id);
+  // The group `group_id`, added with the next index when new.
+  LocalGroup& FindOrAdd(const std::string& group_id);
+  // Every group, by LocalGroup::index.
+  const std::vector<LocalGroup*>& ordered() const { return order_; }
+  size_t size() const { return order_.size(); }
+  void Clear();
+
+ private:
+  // node_hash_map: LocalGroup addresses are stable (order_ points at them).
+  absl::node_hash_map<std::string, LocalGroup> by_id_;
+  std::vector<LocalGroup*> order_;
 };
 
 }  // namespace accord::daemon

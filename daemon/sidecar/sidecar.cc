@@ -43,29 +43,28 @@ Sidecar::RunStamp Sidecar::CurrentRun() {
 SidecarStats Sidecar::stats() {
   accord::MutexLock l(&mu_);
   SidecarStats s = stats_;
-  s.ranks = static_cast<int>(ranks_.size());
-  s.sessions = static_cast<int>(sessions_.size());
-  s.job_id = node_.has_job() ? node_.job_id() : last_job_id_;
+  s.ranks = static_cast<int>(ranks_.connected.size());
+  s.sessions = static_cast<int>(ranks_.sessions.size());
   return s;
 }
 
 Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
   accord::MutexLock l(&mu_);
-  const SessionId id = next_session_++;
-  sessions_[id].sink = sink;
+  const SessionId id = ranks_.next_session++;
+  ranks_.sessions[id].sink = sink;
   return id;
 }
 
 void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
-  auto it = ranks_.find(rank);
-  if (it == ranks_.end() || it->second.sink == nullptr) return;
+  auto it = ranks_.connected.find(rank);
+  if (it == ranks_.connected.end() || it->second.sink == nullptr) return;
   it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
 }
 
 void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
   accord::MutexLock l(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) return;
+  auto it = ranks_.sessions.find(id);
+  if (it == ranks_.sessions.end()) return;
   Session& s = it->second;
   if (message.has_hello()) {
     HandleHelloLocked(id, s, message.hello());
@@ -107,6 +106,20 @@ std::optional<v1::DecisionError> TokenRefusal(const v1::RankHello& hello,
   return std::nullopt;
 }
 
+// Adds to `errors` (a rank's reply to its batch) the error decision for its
+// manifest `about`.
+void AddManifestError(v1::RankReply& errors, const std::string& job_id, int rank,
+                      const v1::Manifest& about, v1::DecisionError error) {
+  v1::Decision* d = errors.mutable_decisions()->add_decisions();
+  d->set_group_id(about.group_id());
+  d->set_step(about.step());
+  *d->mutable_error() = std::move(error);
+  d->mutable_error()->set_job_id(job_id);
+  d->mutable_error()->set_group_id(about.group_id());
+  d->mutable_error()->set_step(about.step());
+  d->mutable_error()->add_ranks(rank);
+}
+
 }  // namespace
 
 std::optional<v1::DecisionError> Sidecar::CheckHello(const SidecarOptions& options,
@@ -144,69 +157,65 @@ bool Sidecar::HadRank(int rank) {
 std::vector<int> Sidecar::ConnectedRanks() {
   accord::MutexLock l(&mu_);
   std::vector<int> out;
-  for (const auto& [r, rs] : ranks_) out.push_back(r);
+  for (const auto& [r, rs] : ranks_.connected) out.push_back(r);
   return out;
 }
 
 void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
-  auto refuse = [&](v1::DecisionError error) {
+  if (std::optional<v1::DecisionError> refused = HelloRefusalLocked(s, hello)) {
     v1::RankReply reply;
-    *reply.mutable_error() = std::move(error);
+    *reply.mutable_error() = *std::move(refused);
     reply.mutable_error()->set_job_id(hello.job_id());
     reply.mutable_error()->add_ranks(hello.rank());
     s.sink->Send(std::make_shared<const v1::RankReply>(reply));
     s.sink->Close(ErrorStatus(reply.error()));
-  };
+    return;
+  }
+  AcceptRankLocked(id, s, hello);
+}
+
+std::optional<v1::DecisionError> Sidecar::HelloRefusalLocked(const Session& s,
+                                                             const v1::RankHello& hello) {
   if (s.rank >= 0) {
-    refuse(OutOfOrderError(v1::INVALID_REQUEST,
-                           absl::StrCat("rank ", s.rank, " sent a second RankHello")));
-    return;
+    return OutOfOrderError(v1::INVALID_REQUEST,
+                           absl::StrCat("rank ", s.rank, " sent a second RankHello"));
   }
-  if (std::optional<v1::DecisionError> refused = CheckHello(options_, hello)) {
-    refuse(*std::move(refused));
-    return;
-  }
+  if (std::optional<v1::DecisionError> refused = CheckHello(options_, hello)) return refused;
   if (node_.has_job() && hello.job_id() != node_.job_id()) {
     // SidecarJobs gives each job its own Sidecar; only a caller that drives
     // one Sidecar directly gets here.
-    refuse(OutOfOrderError(v1::INVALID_REQUEST,
+    return OutOfOrderError(v1::INVALID_REQUEST,
                            absl::StrCat("this Sidecar holds the state of job ", node_.job_id(),
                                         "; rank ", hello.rank(), " of job ", hello.job_id(),
-                                        " needs a Sidecar of its own (SidecarJobs)")));
-    return;
+                                        " needs a Sidecar of its own (SidecarJobs)"));
   }
   if (options_.token.empty()) {
     // The job's token upstream is then the first rank's.
-    if (auto refused = TokenRefusal(hello, node_.token(), /*required=*/false)) {
-      refuse(*std::move(refused));
-      return;
-    }
+    if (auto refused = TokenRefusal(hello, node_.token(), /*required=*/false)) return refused;
   }
-  if (std::optional<v1::DecisionError> refused = CheckResumeLocked(hello)) {
-    refuse(*std::move(refused));
-    return;
-  }
+  if (std::optional<v1::DecisionError> refused = CheckResumeLocked(hello)) return refused;
   if (node_.has_job() && hello.world_size() != node_.world_size()) {
-    refuse(KindedError(
+    return KindedError(
         v1::WORLD_SIZE_MISMATCH,
         absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
                      hello.world_size(), " but this node's other ranks say ", node_.world_size(),
-                     "; check WORLD_SIZE of the launcher")));
-    return;
+                     "; check WORLD_SIZE of the launcher"));
   }
-  if (ranks_.count(hello.rank())) {
-    refuse(
-        KindedError(v1::DUPLICATE_RANK,
-                    absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                                 " is already connected to this sidecar; check RANK of the local "
-                                 "processes")));
-    return;
+  if (ranks_.connected.count(hello.rank())) {
+    return KindedError(
+        v1::DUPLICATE_RANK,
+        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
+                     " is already connected to this sidecar; check RANK of the local processes"));
   }
-  if (static_cast<int>(ranks_.size()) >= options_.max_ranks) {
-    refuse(KindedError(v1::LIMIT_EXCEEDED, absl::StrCat("this sidecar already serves ",
-                                                        ranks_.size(), " ranks (--max_ranks)")));
-    return;
+  if (static_cast<int>(ranks_.connected.size()) >= options_.max_ranks) {
+    return KindedError(v1::LIMIT_EXCEEDED,
+                       absl::StrCat("this sidecar already serves ", ranks_.connected.size(),
+                                    " ranks (--max_ranks)"));
   }
+  return std::nullopt;
+}
+
+void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& hello) {
   if (!node_.has_job()) {
     // A rank that resumes a run creates this state: the sidecar was
     // restarted under the run, so it rejoins it (RESUME) as the same node
@@ -214,10 +223,11 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
     const std::string resume_run = hello.has_resume() ? hello.resume().run_id() : "";
     node_.StartJob(hello.job_id(), hello.world_size(),
                    options_.token.empty() ? hello.token() : options_.token, resume_run);
-    resumed_fresh_ = !resume_run.empty();
+    stats_.job_id = hello.job_id();
+    resume_.fresh = !resume_run.empty();
   }
   s.rank = hello.rank();
-  RankState& rs = ranks_[s.rank];
+  RankState& rs = ranks_.connected[s.rank];
   rs.session = id;
   rs.sink = s.sink;
   rs.key_scratch = Manifest();
@@ -225,7 +235,7 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
   rs.key_scratch.ranks.Add(s.rank);
   rs.resumed = hello.has_resume();
   rs.reconnects = hello.reconnects();
-  detached_.erase(s.rank);
+  ranks_.detached.erase(s.rank);
   rs.resume_decided.clear();
   for (const v1::GroupResume& g : hello.resume().groups()) {
     rs.resume_decided[g.group_id()] = g.decided_step();
@@ -233,7 +243,7 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
   if (rs.resumed) {
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << s.rank << " resumed run "
                      << hello.resume().run_id() << " (" << hello.resume().groups_size()
-                     << " groups)" << (resumed_fresh_ ? " on this restarted sidecar" : "");
+                     << " groups)" << (resume_.fresh ? " on this restarted sidecar" : "");
   }
   v1::RankReply welcome;
   welcome.mutable_welcome()->set_node_id(options_.node_id);
@@ -253,7 +263,7 @@ void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& h
 }
 
 void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
-  RankState& rs = ranks_[rank];
+  RankState& rs = ranks_.connected[rank];
   auto reply_error = [&](v1::DecisionError e) {
     v1::RankReply reply;
     reply.mutable_registration()->set_group_id(reg.group_id());
@@ -274,13 +284,7 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
         absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", reg.group_id(), "\": ")));
     return;
   }
-  auto [git, inserted] = groups_.try_emplace(reg.group_id());
-  LocalGroup& g = git->second;
-  if (inserted) {
-    g.group_id = reg.group_id();
-    g.index = static_cast<int>(group_order_.size());
-    group_order_.push_back(&g);
-  }
+  LocalGroup& g = groups_.FindOrAdd(reg.group_id());
   if (g.registrations.size() == 0) g.spec = *spec;
   g.registrations.Add(reg, {rank});
   if (auto it = std::lower_bound(g.ranks.begin(), g.ranks.end(), rank);
@@ -290,10 +294,8 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
   rs.got_result[reg.group_id()] = false;
   if (auto d = rs.resume_decided.find(reg.group_id()); d != rs.resume_decided.end()) {
     // What this rank holds: a `same_as_previous` is passed to it as is.
-    if (rs.delivered.size() <= static_cast<size_t>(g.index)) {
-      rs.delivered.resize(group_order_.size(), -1);
-    }
-    rs.delivered[g.index] = std::max(rs.delivered[g.index], d->second);
+    int64_t& delivered = rs.DeliveredSlot(g.index, groups_.size());
+    delivered = std::max(delivered, d->second);
   }
   v1::NodeMessage up;
   *up.mutable_registration()->mutable_registration() = reg;
@@ -302,7 +304,7 @@ void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& re
 }
 
 void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
-  RankState& rs = ranks_[rank];
+  RankState& rs = ranks_.connected[rank];
   v1::RankReply errors;
   if (batch.repeat_batch_key() != 0) {
     // Batch repeats are a sidecar -> coordinator form only.
@@ -316,51 +318,64 @@ void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
     SendToRankLocked(rank, std::move(reply));
     return;
   }
-  const uint64_t epoch = ++touch_epoch_;
-  touched_.clear();
+  const uint64_t epoch = ++scratch_.touch_epoch;
+  scratch_.touched.clear();
   for (const v1::Manifest& m : batch.manifests()) {
     HandleRankManifestLocked(rank, rs, m, epoch, errors);
   }
   if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
   SendLateLocked();
-  if (touched_.empty()) return;
+  if (scratch_.touched.empty()) return;
   // Registration order: the same groups go up in the same order every step,
   // whichever rank completes them (what batch repeats match on).
-  std::sort(touched_.begin(), touched_.end(),
+  std::sort(scratch_.touched.begin(), scratch_.touched.end(),
             [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
   // Collected as (group, step, key) first: a batch that repeats the previous
   // one goes up as a batch repeat without building its manifests.
-  for (LocalGroup* g : touched_) CollectCompleteLocked(*g, &outgoing_);
+  for (LocalGroup* g : scratch_.touched) CollectCompleteLocked(*g, &scratch_.outgoing);
   DeliverLocalDecisionsLocked();
-  SendOutgoingLocked(outgoing_);
+  SendOutgoingLocked(scratch_.outgoing);
 }
 
 // One manifest of a rank's batch: added to its group's local step (the group
-// noted in touched_ once per batch, `epoch`), or an error for the rank in
-// `errors`.
+// noted in scratch_.touched once per batch, `epoch`), or an answer for the
+// rank in `errors`.
 void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m,
                                        uint64_t epoch, v1::RankReply& errors) {
-  auto reply_error = [&](const v1::Manifest& about, v1::DecisionError error) {
-    v1::Decision* d = errors.mutable_decisions()->add_decisions();
-    d->set_group_id(about.group_id());
-    d->set_step(about.step());
-    *d->mutable_error() = std::move(error);
-    d->mutable_error()->set_job_id(node_.job_id());
-    d->mutable_error()->set_group_id(about.group_id());
-    d->mutable_error()->set_step(about.step());
-    d->mutable_error()->add_ranks(rank);
-  };
   ++stats_.rank_manifests;
-  auto git = groups_.find(m.group_id());
-  if (git == groups_.end() ||
-      !std::binary_search(git->second.ranks.begin(), git->second.ranks.end(), rank)) {
-    reply_error(
-        m, KindedError(v1::UNKNOWN_GROUP, absl::StrCat("job ", node_.job_id(), " rank ", rank,
-                                                       ": manifest for group \"", m.group_id(),
-                                                       "\" which this rank has not registered")));
+  LocalGroup* g = groups_.Find(m.group_id());
+  if (g == nullptr || !std::binary_search(g->ranks.begin(), g->ranks.end(), rank)) {
+    AddManifestError(
+        errors, node_.job_id(), rank, m,
+        KindedError(v1::UNKNOWN_GROUP,
+                    absl::StrCat("job ", node_.job_id(), " rank ", rank, ": manifest for group \"",
+                                 m.group_id(), "\" which this rank has not registered")));
     return;
   }
-  LocalGroup& g = git->second;
+  if (m.step() <= g->decided.step) {
+    AnswerDecidedStepLocked(rank, rs, *g, m, errors);
+    return;
+  }
+  uint64_t full_key = 0;
+  v1::DecisionError refused;
+  const std::vector<DTypeMask>* content = RankContentLocked(rank, rs, *g, m, &full_key, &refused);
+  if (content == nullptr) {
+    AddManifestError(errors, node_.job_id(), rank, m, std::move(refused));
+    return;
+  }
+  if (!AddRankRowLocked(rank, *g, m, *content, errors)) return;
+  if (!m.repeat()) g->collect.RememberFull(rank, full_key, *content);
+  rs.last_step = std::max(rs.last_step, m.step());
+  int64_t& submitted = rs.SubmittedSlot(g->index, groups_.size());
+  submitted = std::max(submitted, m.step());
+  if (g->collect.touched_epoch != epoch) {
+    g->collect.touched_epoch = epoch;
+    scratch_.touched.push_back(g);
+  }
+}
+
+void Sidecar::AnswerDecidedStepLocked(int rank, RankState& rs, const LocalGroup& g,
+                                      const v1::Manifest& m, v1::RankReply& errors) {
   if (m.step() == g.decided.step && g.decided.error.has_value()) {
     // The step already failed for the job (e.g. missing ranks) before this
     // rank submitted it: the same error every other rank got.
@@ -374,57 +389,42 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     d->set_group_id(g.group_id);
     d->set_step(m.step());
     *d->mutable_ok() = *g.decided.ok;
-    if (rs.delivered.size() <= static_cast<size_t>(g.index)) {
-      rs.delivered.resize(group_order_.size(), -1);
-    }
-    rs.delivered[g.index] = std::max(rs.delivered[g.index], m.step());
+    int64_t& delivered = rs.DeliveredSlot(g.index, groups_.size());
+    delivered = std::max(delivered, m.step());
     return;
   }
-  if (m.step() <= g.decided.step) {
-    reply_error(m,
-                KindedError(v1::STEP_REGRESSION,
-                            absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"",
-                                         m.group_id(), "\" step ", m.step(),
-                                         ": older than the last decided step ", g.decided.step)));
-    return;
-  }
-  uint64_t full_key = 0;
-  v1::DecisionError refused;
-  const std::vector<DTypeMask>* content = RankContentLocked(rank, rs, g, m, &full_key, &refused);
-  if (content == nullptr) {
-    reply_error(m, std::move(refused));
-    return;
-  }
+  AddManifestError(
+      errors, node_.job_id(), rank, m,
+      KindedError(v1::STEP_REGRESSION,
+                  absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", m.group_id(),
+                               "\" step ", m.step(), ": older than the last decided step ",
+                               g.decided.step)));
+}
+
+bool Sidecar::AddRankRowLocked(int rank, LocalGroup& g, const v1::Manifest& m,
+                               const std::vector<DTypeMask>& content, v1::RankReply& errors) {
   LocalStep& st = g.collect.StepFor(m.step());
   if (st.ranks.empty()) NoteStepStartedLocked(st);
-  switch (StepCollection::AddRow(st, rank, *content)) {
+  switch (StepCollection::AddRow(st, rank, content)) {
     case StepCollection::Row::kAdded:
       if (st.sent) {
         // The step's node manifest went up without this rank (it resumed
         // after its node-mates): its part goes up alone (SendLateLocked).
-        late_.push_back(Late{&g, m.step(), rank, *content});
+        late_.push_back(Late{&g, m.step(), rank, content});
       }
-      break;
+      return true;
     case StepCollection::Row::kSame:
-      return;  // a resend of the same content: a no-op
+      return false;  // a resend of the same content: a no-op
     case StepCollection::Row::kDiffers:
-      reply_error(m, OutOfOrderError(v1::INVALID_MANIFEST,
-                                     absl::StrCat("job ", node_.job_id(), " rank ", rank,
-                                                  " group \"", m.group_id(), "\" step ", m.step(),
-                                                  ": a second, different manifest for the same "
-                                                  "step")));
-      return;
+      AddManifestError(errors, node_.job_id(), rank, m,
+                       OutOfOrderError(v1::INVALID_MANIFEST,
+                                       absl::StrCat("job ", node_.job_id(), " rank ", rank,
+                                                    " group \"", m.group_id(), "\" step ", m.step(),
+                                                    ": a second, different manifest for the "
+                                                    "same step")));
+      return false;
   }
-  if (!m.repeat()) g.collect.RememberFull(rank, full_key, *content);
-  rs.last_step = std::max(rs.last_step, m.step());
-  if (rs.submitted.size() <= static_cast<size_t>(g.index)) {
-    rs.submitted.resize(group_order_.size(), -1);
-  }
-  rs.submitted[g.index] = std::max(rs.submitted[g.index], m.step());
-  if (g.collect.touched_epoch != epoch) {
-    g.collect.touched_epoch = epoch;
-    touched_.push_back(&g);
-  }
+  return false;
 }
 
 const std::vector<DTypeMask>* Sidecar::RankContentLocked(int rank, RankState& rs,
@@ -471,7 +471,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
     if (st.sent || st.ranks.empty()) continue;
     bool complete = true;
     for (int r : g.ranks) {
-      if (ranks_.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r) &&
+      if (ranks_.connected.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r) &&
           !HoldsDecisionLocked(r, g, st.step)) {
         complete = false;
         break;
@@ -481,7 +481,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
     st.sent = true;
     // Ranks whose usage differs from the node's merged usage travel as detail;
     // their (rank, used bits) pairs form the detail signature.
-    std::string& detail = detail_scratch_;
+    std::string& detail = scratch_.detail;
     detail.clear();
     for (size_t k = 0; k < st.ranks.size(); ++k) {
       const DTypeMask* row = st.rows.data() + k * num_params;
@@ -546,21 +546,21 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
 
 void Sidecar::CloseRank(SessionId id) {
   accord::MutexLock l(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) return;
+  auto it = ranks_.sessions.find(id);
+  if (it == ranks_.sessions.end()) return;
   const int rank = it->second.rank;
-  sessions_.erase(it);
-  auto rit = ranks_.find(rank);
-  if (rank < 0 || rit == ranks_.end() || rit->second.session != id) return;
+  ranks_.sessions.erase(it);
+  auto rit = ranks_.connected.find(rank);
+  if (rank < 0 || rit == ranks_.connected.end() || rit->second.session != id) return;
   const int64_t last_step = rit->second.last_step;
   const bool detach =
       rit->second.reconnects && options_.rank_reconnect_grace > absl::ZeroDuration();
-  ranks_.erase(rit);
+  ranks_.connected.erase(rit);
   if (detach) {
     // It may come back (RankHello.resume) within the grace; its leave goes
     // upstream only then (ExpireDetachedLocked).
     const absl::Time until = clock_->Now() + options_.rank_reconnect_grace;
-    detached_[rank] = Detached{until, last_step};
+    ranks_.detached[rank] = Detached{until, last_step};
     timer_.Arm(until);
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank
                      << "'s stream ended (last step " << last_step << "); it has "
@@ -570,7 +570,7 @@ void Sidecar::CloseRank(SessionId id) {
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank << " left (last step "
                      << last_step << ")";
   }
-  if (ranks_.empty() && detached_.empty()) {
+  if (ranks_.none()) {
     ResetJobLocked();
     return;
   }
@@ -578,32 +578,29 @@ void Sidecar::CloseRank(SessionId id) {
   // before the rank's leave, so that when the leave fails a step at the
   // coordinator, the node-mates that submitted it are known to have done so
   // and are not named as missing.
-  for (LocalGroup* g : group_order_) {
+  for (LocalGroup* g : groups_.ordered()) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectCompleteLocked(*g, &outgoing_);
+    CollectCompleteLocked(*g, &scratch_.outgoing);
   }
   DeliverLocalDecisionsLocked();
-  SendOutgoingLocked(outgoing_);
+  SendOutgoingLocked(scratch_.outgoing);
   if (detach) return;
   node_.LeaveRank(rank, last_step, /*forget=*/false);
 }
 
 void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
-  last_job_id_ = node_.job_id();
   node_.EndJob();
-  resumed_fresh_ = false;
-  resume_refusal_.reset();
+  resume_ = ResumeState();
   late_.clear();
-  detached_.clear();
-  group_order_.clear();
-  groups_.clear();
+  ranks_.detached.clear();
+  groups_.Clear();
   if (options_.reset_when_empty) node_.sink()->Reconnect();
 }
 
 absl::Time Sidecar::ExpireDetachedLocked(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
-  for (auto it = detached_.begin(); it != detached_.end();) {
+  for (auto it = ranks_.detached.begin(); it != ranks_.detached.end();) {
     if (it->second.until > now) {
       next = std::min(next, it->second.until);
       ++it;
@@ -614,17 +611,17 @@ absl::Time Sidecar::ExpireDetachedLocked(absl::Time now) {
                         << absl::FormatDuration(options_.rank_reconnect_grace)
                         << " (--rank_reconnect_grace); it left";
     node_.LeaveRank(it->first, it->second.last_step, /*forget=*/false);
-    it = detached_.erase(it);
+    it = ranks_.detached.erase(it);
   }
-  if (ranks_.empty() && detached_.empty() && node_.has_job()) ResetJobLocked();
+  if (ranks_.none() && node_.has_job()) ResetJobLocked();
   return next;
 }
 
 std::optional<v1::DecisionError> Sidecar::CheckResumeLocked(const v1::RankHello& hello) {
-  if (resume_refusal_.has_value()) return resume_refusal_;
+  if (resume_.refusal.has_value()) return resume_.refusal;
   if (!hello.has_resume()) return std::nullopt;
   const v1::RankResume& resume = hello.resume();
-  if (resume.holds_local_decisions() && (!node_.has_job() || resumed_fresh_)) {
+  if (resume.holds_local_decisions() && (!node_.has_job() || resume_.fresh)) {
     // What this node decided alone died with the previous sidecar process:
     // nobody can tell which of those decisions the coordinator confirmed,
     // so ranks could end up with different decisions. The node's ranks all
@@ -641,7 +638,7 @@ std::optional<v1::DecisionError> Sidecar::CheckResumeLocked(const v1::RankHello&
                      "restart)"));
     e.set_job_id(hello.job_id());
     ACCORD_LOG(ERROR) << e.message();
-    resume_refusal_ = e;
+    resume_.refusal = e;
     FailRanksLocked(e);
     return e;
   }
@@ -656,8 +653,8 @@ std::optional<v1::DecisionError> Sidecar::CheckResumeLocked(const v1::RankHello&
 }
 
 bool Sidecar::HoldsDecisionLocked(int rank, const LocalGroup& g, int64_t step) const {
-  auto it = ranks_.find(rank);
-  if (it == ranks_.end() || !it->second.resumed) return false;
+  auto it = ranks_.connected.find(rank);
+  if (it == ranks_.connected.end() || !it->second.resumed) return false;
   auto d = it->second.resume_decided.find(g.group_id);
   return d != it->second.resume_decided.end() && d->second >= step;
 }

@@ -221,6 +221,16 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     int64_t SubmittedOf(int group_index) const {
       return static_cast<size_t>(group_index) < submitted.size() ? submitted[group_index] : -1;
     }
+    // The entries of group `group_index` in `delivered` and `submitted`,
+    // which grow to `num_groups` (LocalGroups::size) when they are shorter.
+    int64_t& DeliveredSlot(int group_index, size_t num_groups) {
+      if (delivered.size() <= static_cast<size_t>(group_index)) delivered.resize(num_groups, -1);
+      return delivered[group_index];
+    }
+    int64_t& SubmittedSlot(int group_index, size_t num_groups) {
+      if (submitted.size() <= static_cast<size_t>(group_index)) submitted.resize(num_groups, -1);
+      return submitted[group_index];
+    }
     absl::flat_hash_map<std::string, bool> got_result;
     // From RankHello.resume: per group, the last step this rank holds a
     // decision for (its manifests up to it will not come again). Empty for
@@ -236,7 +246,72 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     RankSink* sink = nullptr;
     int rank = -1;  // -1 until a hello is accepted
   };
+  // A rank whose stream ended within its reconnect grace
+  // (SidecarOptions::rank_reconnect_grace): not connected, not yet gone.
+  struct Detached {
+    absl::Time until;
+    int64_t last_step = -1;
+  };
+  // The rank streams and the ranks: every open session (accepted or not
+  // yet) by id, the connected ranks, and the detached ones.
+  struct Ranks {
+    SessionId next_session = 1;
+    absl::flat_hash_map<SessionId, Session> sessions;
+    std::map<int, RankState> connected;
+    std::map<int, Detached> detached;
+    // No rank here, none coming back: the job's state may be reset.
+    bool none() const { return connected.empty() && detached.empty(); }
+  };
+  // Resume on a restarted sidecar (docs/RELIABILITY.md, "Sidecar restart").
+  struct ResumeState {
+    // The job's state here was created by a resuming rank: this sidecar was
+    // restarted under the run (or lost every rank's stream) and holds
+    // nothing of what was decided before.
+    bool fresh = false;
+    // Set once a rank holding local decisions resumed on a restarted
+    // sidecar: every rank of the job here gets it.
+    std::optional<v1::DecisionError> refusal;
+  };
+  // A rank's manifest for a step already sent upstream (SendLateLocked).
+  struct Late {
+    LocalGroup* group;
+    int64_t step;
+    int rank;
+    std::vector<DTypeMask> content;
+  };
+  // A node manifest ready to go upstream.
+  struct Outgoing {
+    const LocalGroup* group;
+    int64_t step;
+    bool repeat;
+    uint64_t key;
+    std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
+  };
+  // What one call into the Sidecar builds and sends before it returns,
+  // kept across calls for its storage, and the count that tells one rank
+  // batch from the next.
+  struct Scratch {
+    // HandleManifestsLocked: the groups one rank batch added to, each
+    // noted once (StepCollection::touched_epoch is the batch's epoch).
+    uint64_t touch_epoch = 0;
+    std::vector<LocalGroup*> touched;
+    std::vector<Outgoing> outgoing;  // collected node manifests (SendOutgoingLocked)
+    v1::DecisionBatch local_batch;   // DecideLocallyLocked's output
+    std::string detail;              // CollectCompleteLocked's detail signature
+  };
+
+  // Accepts the rank of a RankHello on session `id`, or refuses it and
+  // closes the session.
   void HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The error a RankHello on `s` is refused with (the first check it fails:
+  // CheckHello, the job, the token, CheckResumeLocked, the world size,
+  // DUPLICATE_RANK, --max_ranks), else nullopt.
+  std::optional<v1::DecisionError> HelloRefusalLocked(const Session& s, const v1::RankHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Accepts the rank of `hello` on session `id` (starting the job when it is
+  // the first), welcomes it and announces it upstream.
+  void AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& hello)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -244,6 +319,16 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
                                 v1::RankReply& errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A manifest `m` of a step `g` already decided: the step's error again,
+  // its decision again for a resumed rank, else STEP_REGRESSION, in `errors`.
+  void AnswerDecidedStepLocked(int rank, RankState& rs, const LocalGroup& g, const v1::Manifest& m,
+                               v1::RankReply& errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `rank`'s row `content` to its step `m` of `g` (noting a late one,
+  // late_); false when the step has its row already (the same: a no-op;
+  // another: an error in `errors`).
+  bool AddRankRowLocked(int rank, LocalGroup& g, const v1::Manifest& m,
+                        const std::vector<DTypeMask>& content, v1::RankReply& errors)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The dtypes a rank's manifest `m` of `g` carries: for a repeat, its
   // previous full form's; else `m` decoded into rs.key_scratch, its key in
   // `full_key`. Null, with the error for the rank in `refused`, when neither.
@@ -254,14 +339,6 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Answers the coordinator's question about a (group, step) past its
   // deadline: which local ranks submitted it, and each one's last step.
   void AnswerProgressLocked(const v1::ProgressQuery& query) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A node manifest ready to go upstream.
-  struct Outgoing {
-    const LocalGroup* group;
-    int64_t step;
-    bool repeat;
-    uint64_t key;
-    std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
-  };
   // Appends every complete local step of `g` to `out` (sidecar.cc).
   void CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -292,7 +369,7 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
                               const std::vector<RoutedDecision>& routed, bool uniform)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Local decisions (local_decisions.cc). Decides the complete step `st` of
-  // `g` here when allowed, into local_batch_ ...
+  // `g` here when allowed, into scratch_.local_batch ...
   void DecideLocallyLocked(LocalGroup& g, const LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ... which this delivers to the ranks (after the steps were collected).
   void DeliverLocalDecisionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -332,50 +409,25 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Half the coordinator's deadline (Welcome.deadline_ms) on the current
   // stream; zero: partial steps are not reported.
   absl::Duration report_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
-  SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  Ranks ranks_ ABSL_GUARDED_BY(mu_);
   // The node upstream: the job served now (none before the first rank and
   // after the last), its run and epoch (drawn at the job's first local
   // rank), the token (options_.token, else the first rank's), the ranks
   // announced (every rank accepted since the job started), the stream's
   // Welcome and previous batch.
   UpstreamNode node_ ABSL_GUARDED_BY(mu_);
-  // The job's state here was created by a resuming rank: this sidecar was
-  // restarted under the run (or lost every rank's stream) and holds nothing
-  // of what was decided before.
-  bool resumed_fresh_ ABSL_GUARDED_BY(mu_) = false;
-  // Set once a rank holding local decisions resumed on a restarted sidecar:
-  // every rank of the job here gets it.
-  std::optional<v1::DecisionError> resume_refusal_ ABSL_GUARDED_BY(mu_);
-  // A rank's manifest for a step already sent upstream (SendLateLocked).
-  struct Late {
-    LocalGroup* group;
-    int64_t step;
-    int rank;
-    std::vector<DTypeMask> content;
-  };
+  ResumeState resume_ ABSL_GUARDED_BY(mu_);
   std::vector<Late> late_ ABSL_GUARDED_BY(mu_);
-  // Ranks whose stream ended within their reconnect grace
-  // (SidecarOptions::rank_reconnect_grace): not connected, not yet gone.
-  struct Detached {
-    absl::Time until;
-    int64_t last_step = -1;
-  };
-  std::map<int, Detached> detached_ ABSL_GUARDED_BY(mu_);
-  std::string last_job_id_ ABSL_GUARDED_BY(mu_);         // for metrics after the job ended
-  std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);  // connected ranks
-  // node_hash_map: LocalGroup addresses are stable (group_order_ points at them).
-  absl::node_hash_map<std::string, LocalGroup> groups_ ABSL_GUARDED_BY(mu_);
-  std::vector<LocalGroup*> group_order_ ABSL_GUARDED_BY(mu_);  // by LocalGroup::index
-  uint64_t touch_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<LocalGroup*> touched_ ABSL_GUARDED_BY(mu_);  // reused by HandleManifestsLocked
-  std::vector<Outgoing> outgoing_ ABSL_GUARDED_BY(mu_);    // reused by SendOutgoingLocked
-  v1::DecisionBatch local_batch_ ABSL_GUARDED_BY(mu_);     // DecideLocallyLocked's output
-  std::string detail_scratch_ ABSL_GUARDED_BY(mu_);
+  LocalGroups groups_ ABSL_GUARDED_BY(mu_);
+  Scratch scratch_ ABSL_GUARDED_BY(mu_);
+  // The counters, and the job served now, else the last one (job_id, set
+  // when a job starts).
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
-  // Partial-step reports: due at the earliest time a step not yet sent or
-  // reported becomes due (armed at most once per due time, so the steady
-  // state signals the timer at most once per report_after_). Last: its
+  // Partial-step reports and detached ranks' grace: due at the earliest time
+  // a step not yet sent or reported becomes due or a grace ends (armed at
+  // most once per due time, so the steady state signals the timer at most
+  // once per report_after_). Not grouped with report_after_: the timer is
+  // not ABSL_GUARDED_BY(mu_), Start and Stop take mu_ themselves. Last: its
   // thread starts once everything above is initialised.
   DueTimer timer_;
 };

@@ -41,7 +41,7 @@ SidecarJobs::SidecarJobs(SidecarJobsOptions options, UpstreamOpener opener)
       clock_(options_.sidecar.clock != nullptr ? options_.sidecar.clock : RealClock::Get()) {
   {
     accord::MutexLock l(&mu_);
-    spare_ = OpenLaunchLocked();
+    idle_.spare = OpenLaunchLocked();
   }
   if (options_.start_thread) thread_ = std::thread([this] { Loop(); });
 }
@@ -70,13 +70,37 @@ void SidecarJobs::Stop() {
       job.held.clear();
       if (job.launch != nullptr) all.push_back(std::move(job.launch));
     }
-    for (auto& l : retired_) all.push_back(std::move(l));
-    retired_.clear();
-    if (spare_ != nullptr) all.push_back(std::move(spare_));
+    for (auto& l : idle_.retired) all.push_back(std::move(l));
+    idle_.retired.clear();
+    if (idle_.spare != nullptr) all.push_back(std::move(idle_.spare));
   }
   // Each Sidecar's timer sends upstream: stopped before its stream.
   for (auto& l : all) l->sidecar->Stop();
   for (auto& l : all) l->upstream.reset();
+}
+
+SidecarStats SidecarJobs::LaunchHistory::Start(const std::string& job_id) {
+  ++started_;
+  SidecarStats carried;
+  for (auto it = ended_.begin(); it != ended_.end(); ++it) {
+    if (it->first == job_id) {
+      carried = std::move(it->second);
+      ended_.erase(it);
+      break;
+    }
+  }
+  return carried;
+}
+
+void SidecarJobs::LaunchHistory::End(const std::string& job_id, SidecarStats final_stats) {
+  for (auto it = ended_.begin(); it != ended_.end(); ++it) {
+    if (it->first == job_id) {
+      ended_.erase(it);
+      break;
+    }
+  }
+  ended_.emplace_back(job_id, std::move(final_stats));
+  while (static_cast<int>(ended_.size()) > kEndedJobsKept) ended_.pop_front();
 }
 
 std::unique_ptr<SidecarJobs::Launch> SidecarJobs::OpenLaunchLocked() {
@@ -191,19 +215,12 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
 
 void SidecarJobs::RouteLocked(SessionId id, Session& s, Job& job, const std::string& job_id) {
   if (job.launch == nullptr) {
-    std::unique_ptr<Launch> launch = std::move(spare_);
+    std::unique_ptr<Launch> launch = std::move(idle_.spare);
     if (launch == nullptr) launch = OpenLaunchLocked();
     launch->job_id = job_id;
-    for (auto it = ended_.begin(); it != ended_.end(); ++it) {
-      if (it->first == job_id) {
-        launch->carried = it->second;
-        ended_.erase(it);
-        break;
-      }
-    }
-    ++launches_;
+    launch->carried = history_.Start(job_id);
     job.launch = std::move(launch);
-    spare_ = OpenLaunchLocked();
+    idle_.spare = OpenLaunchLocked();
   }
   Launch& launch = *job.launch;
   s.state = State::kRouted;
@@ -256,15 +273,8 @@ void SidecarJobs::LeaveLaunchLocked(Session& s) {
   final_stats.job_id = job_id;
   final_stats.ranks = 0;
   final_stats.sessions = 0;
-  for (auto it = ended_.begin(); it != ended_.end(); ++it) {
-    if (it->first == job_id) {
-      ended_.erase(it);
-      break;
-    }
-  }
-  ended_.emplace_back(job_id, final_stats);
-  while (static_cast<int>(ended_.size()) > kEndedJobsKept) ended_.pop_front();
-  retired_.push_back(std::move(job.launch));
+  history_.End(job_id, std::move(final_stats));
+  idle_.retired.push_back(std::move(job.launch));
   wake_.SignalAll();
   if (job.held.empty()) {
     jobs_.erase(jit);
@@ -358,9 +368,9 @@ void SidecarJobs::RefuseExpiredLocked(absl::Time now) {
 }
 
 void SidecarJobs::DestroyRetiredLocked() {
-  if (retired_.empty()) return;
-  std::vector<std::unique_ptr<Launch>> dead = std::move(retired_);
-  retired_.clear();
+  if (idle_.retired.empty()) return;
+  std::vector<std::unique_ptr<Launch>> dead = std::move(idle_.retired);
+  idle_.retired.clear();
   mu_.Unlock();
   // Each Sidecar's timer sends upstream: stopped before its stream.
   for (auto& l : dead) l->sidecar->Stop();
@@ -382,7 +392,7 @@ void SidecarJobs::Loop() {
     if (stopping_) return;
     const absl::Time now = clock_->Now();
     RefuseExpiredLocked(now);
-    if (!retired_.empty()) continue;
+    if (!idle_.retired.empty()) continue;
     absl::Time next = absl::InfiniteFuture();
     for (const auto& [job_id, job] : jobs_) {
       for (SessionId id : job.held) {
@@ -407,9 +417,9 @@ SidecarJobsStats SidecarJobs::stats() {
   accord::MutexLock l(&mu_);
   SidecarJobsStats out;
   out.sessions = static_cast<int>(sessions_.size());
-  out.launches = launches_;
+  out.launches = history_.started();
   for (const auto& [id, s] : sessions_) out.held += s.state == State::kHeld ? 1 : 0;
-  for (const auto& [job_id, final_stats] : ended_) {
+  for (const auto& [job_id, final_stats] : history_.ended()) {
     if (jobs_.contains(job_id) && jobs_.at(job_id).launch != nullptr) continue;
     out.jobs.push_back(final_stats);
   }

@@ -129,6 +129,31 @@ class SidecarJobs final : public RankSessionHandler {
     std::unique_ptr<Launch> launch;  // null between launches
     std::deque<SessionId> held;      // arrival order
   };
+  // Launches that serve no job: the spare, its stream opened ahead for the
+  // next job's first rank (OpenLaunchLocked), and the retired ones, whose
+  // last session closed, destroyed outside the lock (DestroyRetiredLocked).
+  struct IdleLaunches {
+    std::unique_ptr<Launch> spare;
+    std::vector<std::unique_ptr<Launch>> retired;
+  };
+  // What outlives a launch: how many launches started, and the final
+  // counters of the last kEndedJobsKept ended job ids, oldest first, which
+  // the id's next launch carries on.
+  class LaunchHistory {
+   public:
+    // A launch of `job_id` starts: counted; returns (and forgets) the final
+    // counters of the id's ended launches, zero when there are none.
+    SidecarStats Start(const std::string& job_id);
+    // A launch of `job_id` ended with `final_stats`, kept in place of any
+    // earlier ones of the id; the oldest id goes past kEndedJobsKept.
+    void End(const std::string& job_id, SidecarStats final_stats);
+    int64_t started() const { return started_; }
+    const std::deque<std::pair<std::string, SidecarStats>>& ended() const { return ended_; }
+
+   private:
+    int64_t started_ = 0;
+    std::deque<std::pair<std::string, SidecarStats>> ended_;
+  };
   enum class State { kNew, kHeld, kRouted, kRefused };
   struct Session {
     RankSink* sink = nullptr;
@@ -163,7 +188,7 @@ class SidecarJobs final : public RankSessionHandler {
   void ForgetJobIfIdleLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A Sidecar with its stream opened, no job yet.
   std::unique_ptr<Launch> OpenLaunchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Destroys `retired_` outside the lock.
+  // Destroys the retired launches outside the lock.
   void DestroyRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int RanksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Loop();
@@ -177,11 +202,8 @@ class SidecarJobs final : public RankSessionHandler {
   SessionId next_session_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Launch> spare_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Launch>> retired_ ABSL_GUARDED_BY(mu_);
-  // Final counters of the last kEndedJobsKept ended job ids, oldest first.
-  std::deque<std::pair<std::string, SidecarStats>> ended_ ABSL_GUARDED_BY(mu_);
-  int64_t launches_ ABSL_GUARDED_BY(mu_) = 0;
+  IdleLaunches idle_ ABSL_GUARDED_BY(mu_);
+  LaunchHistory history_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;  // last: started once everything above is initialised
 };
 

@@ -32,7 +32,7 @@ absl::Time Sidecar::CheckPartialStepsLocked() {
   if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) return detached;
   const absl::Time now = clock_->Now();
   absl::Time next = detached;
-  for (LocalGroup* g : group_order_) {
+  for (LocalGroup* g : groups_.ordered()) {
     for (LocalStep& st : g->collect.steps) {
       if (st.sent || st.ranks.empty() || st.partial_reported) continue;
       const absl::Time due = st.first_seen + report_after_;
@@ -46,7 +46,7 @@ absl::Time Sidecar::CheckPartialStepsLocked() {
       st.partial_reported = true;
       v1::NodeMessage up = PartialReport(g->group_id, st.step, now - st.first_seen, st.ranks);
       v1::NodeProgress* p = up.mutable_progress();
-      for (const auto& [r, rs] : ranks_) {
+      for (const auto& [r, rs] : ranks_.connected) {
         p->add_ranks(r);
         p->add_last_steps(rs.SubmittedOf(g->index));
       }
@@ -102,9 +102,9 @@ void Sidecar::OnUpstreamConnected() {
   accord::MutexLock l(&mu_);
   std::vector<v1::NodeMessage> registrations;
   v1::ManifestBatch inflight;
-  for (LocalGroup* g : group_order_) {
+  for (LocalGroup* g : groups_.ordered()) {
     g->registrations.AppendResend(
-        [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.count(r) != 0; },
+        [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.connected.count(r) != 0; },
         &registrations);
     g->inflight.AppendAll(&inflight);
     // The coordinator may have lost its cache: the next manifest goes in full.
@@ -139,7 +139,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         w.mutable_welcome()->set_server_version(kServerVersion);
         w.mutable_welcome()->set_run_id(node_.run_id());
         auto shared = std::make_shared<const v1::RankReply>(std::move(w));
-        for (auto& [r, rs] : ranks_) {
+        for (auto& [r, rs] : ranks_.connected) {
           if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
         }
       }
@@ -155,11 +155,11 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       if (e.kind() == v1::DUPLICATE_RANK && e.ranks_size() > 0) {
         targets.assign(e.ranks().begin(), e.ranks().end());
       } else {
-        for (const auto& [r, rs] : ranks_) targets.push_back(r);
+        for (const auto& [r, rs] : ranks_.connected) targets.push_back(r);
       }
       for (int r : targets) {
-        auto it = ranks_.find(r);
-        if (it == ranks_.end()) continue;
+        auto it = ranks_.connected.find(r);
+        if (it == ranks_.connected.end()) continue;
         v1::RankReply reply;
         *reply.mutable_error() = e;
         it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
@@ -169,8 +169,8 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
     }
     case v1::CoordinatorMessage::kRegistration: {
       const v1::RegistrationResult& res = message.registration();
-      auto git = groups_.find(res.group_id());
-      if (git == groups_.end()) return;
+      LocalGroup* g = groups_.Find(res.group_id());
+      if (g == nullptr) return;
       // An error about one node registration names its ranks and goes to
       // them only. The group's or the job's failure (a mismatch across ranks,
       // ranks that did not register it within the deadline, the job failed)
@@ -180,14 +180,14 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       const bool group_wide =
           kind == v1::REGISTRATION_MISMATCH || kind == v1::MISSING_RANKS || kind == v1::JOB_FAILED;
       const bool targeted = res.has_error() && !group_wide && res.error().ranks_size() > 0;
-      if (!targeted) git->second.result = res;
-      for (int r : git->second.ranks) {
+      if (!targeted) g->result = res;
+      for (int r : g->ranks) {
         if (targeted && std::find(res.error().ranks().begin(), res.error().ranks().end(), r) ==
                             res.error().ranks().end()) {
           continue;
         }
-        auto it = ranks_.find(r);
-        if (it == ranks_.end() || it->second.got_result[res.group_id()]) continue;
+        auto it = ranks_.connected.find(r);
+        if (it == ranks_.connected.end() || it->second.got_result[res.group_id()]) continue;
         it->second.got_result[res.group_id()] = true;
         v1::RankReply reply;
         *reply.mutable_registration() = res;
@@ -214,20 +214,20 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   // Each rank's last step of the asked group (-1: none, or a group not
   // registered here), never its last step of another group.
   int index = -1;
-  if (auto git = groups_.find(query.group_id()); git != groups_.end()) {
-    index = git->second.index;
-    for (const LocalStep& ls : git->second.collect.steps) {
+  if (const LocalGroup* g = groups_.Find(query.group_id()); g != nullptr) {
+    index = g->index;
+    for (const LocalStep& ls : g->collect.steps) {
       if (ls.step != query.step()) continue;
       for (int r : ls.ranks) p->add_reported(r);
     }
   }
-  for (const auto& [r, rs] : ranks_) {
+  for (const auto& [r, rs] : ranks_.connected) {
     p->add_ranks(r);
     p->add_last_steps(index < 0 ? -1 : rs.SubmittedOf(index));
   }
   ACCORD_LOG(INFO) << "coordinator asked about group \"" << query.group_id() << "\" step "
-                   << query.step() << ": " << p->reported_size() << " of " << ranks_.size()
-                   << " local ranks submitted it";
+                   << query.step() << ": " << p->reported_size() << " of "
+                   << ranks_.connected.size() << " local ranks submitted it";
   node_.Send(std::move(up));
 }
 
@@ -241,9 +241,9 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   v1::ManifestBatch resend;
   for (const v1::Decision& d : batch.decisions()) {
     if (!local) ++stats_.decisions_in;
-    auto git = groups_.find(d.group_id());
-    if (git == groups_.end()) continue;
-    LocalGroup& g = git->second;
+    LocalGroup* found = groups_.Find(d.group_id());
+    if (found == nullptr) continue;
+    LocalGroup& g = *found;
     if (d.has_error() && d.error().resend_full_form() && g.inflight.AppendStep(d.step(), &resend)) {
       // A repeat the coordinator could not resolve: resend in full form.
       g.form.repeat.Forget();
@@ -280,21 +280,17 @@ bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool lo
   if (!local) g.inflight.DropUpTo(d.step());
   size_t connected = 0;
   for (int r : g.ranks) {
-    auto rit = ranks_.find(r);
-    if (rit == ranks_.end()) continue;
+    auto rit = ranks_.connected.find(r);
+    if (rit == ranks_.connected.end()) continue;
     ++connected;
-    std::vector<int64_t>& delivered = rit->second.delivered;
-    if (delivered.size() <= static_cast<size_t>(g.index)) {
-      delivered.resize(group_order_.size(), -1);
-    }
-    int64_t& last = delivered[g.index];
+    int64_t& last = rit->second.DeliveredSlot(g.index, groups_.size());
     if (d.same_as_previous() && (last != previous || previous < 0) && g.decided.ok.has_value()) {
       if (out.expand.empty()) out.expand_ok = *g.decided.ok;
       out.expand.push_back(r);
     }
     last = std::max(last, d.step());
   }
-  return connected == ranks_.size() && out.expand.empty();
+  return connected == ranks_.connected.size() && out.expand.empty();
 }
 
 void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
@@ -311,11 +307,11 @@ void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::Decisio
       for (const RoutedDecision& x : routed) *b->add_decisions() = *x.decision;
     }
     std::shared_ptr<const v1::RankReply> shared = std::move(reply);
-    for (auto& [r, rs] : ranks_) {
+    for (auto& [r, rs] : ranks_.connected) {
       if (rs.sink != nullptr) rs.sink->Send(shared);
     }
   } else if (!routed.empty()) {
-    for (auto& [r, rs] : ranks_) {
+    for (auto& [r, rs] : ranks_.connected) {
       v1::RankReply reply;
       for (const RoutedDecision& x : routed) {
         if (!std::binary_search(x.group->ranks.begin(), x.group->ranks.end(), r)) continue;
