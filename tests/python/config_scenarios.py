@@ -444,6 +444,11 @@ def run_one(rank, name, mode, kinds, agreement):
 
             inst = accord.torch.install(model, agreement, prefix=f"{name}-{'+'.join(kinds)}",
                                         optional=optional if "drop" in kinds else ())
+            # What accord records for the guard at each release (a spy on the
+            # real installation; the guard itself still gets every entry).
+            recorded = result["recorded"] = []
+            record = inst.record_reduce
+            inst.record_reduce = lambda entry: (recorded.append(entry), record(entry))[1]
         for step in range(STEPS):
             result["failed_at"] = step
             n_before = len(wire.calls)

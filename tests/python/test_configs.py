@@ -266,6 +266,22 @@ def test_hsdp_wire_has_replica_all_reduces(four):
     assert "all-reduce" in kinds and "reduce-scatter" in kinds
 
 
+def test_the_guard_records_every_hsdp_replica_all_reduce(four):
+    """The guard's sequence holds the replica all-reduce FSDP2 issues after
+    each HSDP reduce-scatter, right after it: as many as the wire saw, on
+    every rank."""
+    for rank, r in enumerate(four):
+        res = r[("hsdp_no_sync", "accord", BOTH)]
+        issued = sum(1 for step in res["wire"] for k, *_ in step if k == "all-reduce")
+        recorded = res["recorded"]
+        ars = [i for i, e in enumerate(recorded) if e.startswith("all-reduce across replicas")]
+        assert issued > 0 and len(ars) == issued, (rank, issued, recorded)
+        for i in ars:
+            unit = recorded[i].split("'")[1]
+            assert recorded[i - 1].startswith(f"reduce-scatter of '{unit}' "), recorded[i - 1:i + 1]
+    assert len({tuple(r[("hsdp_no_sync", "accord", BOTH)]["recorded"]) for r in four}) == 1
+
+
 def test_hsdp_all_reduce_off_between_microbatches_is_refused(four):
     """set_requires_all_reduce(False) under HSDP: refused at the call (after
     install) and at install (before)."""

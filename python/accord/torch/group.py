@@ -148,6 +148,11 @@ class HookedGroup:
             numel = sum(p[2] for p, inc in zip(self.params, layout.included) if inc)
             inst.record_reduce(f"reduce-scatter of '{self.unit}' ({numel} x "
                                f"{layout.wire_dtype})")
+            if fsdp2.all_reduces(self.group) and fsdp2.all_reduce_enabled(self.group):
+                # HSDP: FSDP2 all-reduces the shard across replicas right
+                # after the reduce-scatter, in the same call below.
+                inst.record_reduce(f"all-reduce across replicas of '{self.unit}' (shard of "
+                                   f"{numel} x {layout.wire_dtype})")
         inst.releasing = self
         try:
             with fsdp2.wire_dtype(self.group, wire):
