@@ -99,6 +99,11 @@ ABSL_FLAG(absl::Duration, rank_reconnect_grace, absl::ZeroDuration(),
           "a rank whose stream ends, and whose client reconnects, keeps its place this long "
           "before it counts as gone: a dropped stream is survived, a killed rank is named this "
           "much later (0: at once; docs/RELIABILITY.md, \"Sidecar restart\")");
+ABSL_FLAG(absl::Duration, upstream_loss_limit, absl::Seconds(60),
+          "while this node serves a job, the coordinator (or relay) above may go unanswered "
+          "this long; past it every rank of the job here gets one UNAVAILABLE error instead of "
+          "waiting for its own timeout (0: wait for ever; docs/RELIABILITY.md, \"Node above "
+          "lost\")");
 ABSL_FLAG(int, local_decision_lag, 4,
           "locally decided steps per group that may wait for the coordinator's confirming "
           "decision; past it ranks wait for the coordinator");
@@ -137,6 +142,12 @@ absl::StatusOr<SidecarOptions> OptionsFromFlags(std::string token) {
   options.local_decisions = absl::GetFlag(FLAGS_local_decisions);
   options.local_decision_lag = absl::GetFlag(FLAGS_local_decision_lag);
   options.rank_reconnect_grace = absl::GetFlag(FLAGS_rank_reconnect_grace);
+  options.upstream_loss_limit = absl::GetFlag(FLAGS_upstream_loss_limit);
+  if (options.upstream_loss_limit < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--upstream_loss_limit must not be negative (got ",
+                     absl::FormatDuration(options.upstream_loss_limit), ")"));
+  }
   if (options.local_decision_lag < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--local_decision_lag must be at least 1 (got ",
                                                    options.local_decision_lag, ")"));

@@ -22,7 +22,7 @@ Sidecar::Sidecar(SidecarOptions options)
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
       node_(options_.node_id),
       timer_(&mu_, clock_,
-             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckPartialStepsLocked(); }) {
+             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckTimersLocked(); }) {
   if (options_.start_timer_thread) timer_.Start();
 }
 
@@ -225,6 +225,13 @@ void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& he
                    options_.token.empty() ? hello.token() : options_.token, resume_run);
     stats_.job_id = hello.job_id();
     resume_.fresh = !resume_run.empty();
+    if (!upstream_.welcomed) {
+      // The job's wait for the node above starts now.
+      upstream_.unanswered_since = clock_->Now();
+      if (options_.upstream_loss_limit > absl::ZeroDuration()) {
+        timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
+      }
+    }
   }
   s.rank = hello.rank();
   RankState& rs = ranks_.connected[s.rank];

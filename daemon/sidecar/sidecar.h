@@ -136,6 +136,12 @@ struct SidecarOptions {
   // this much later. Zero: every stream end is a leave at once.
   // --rank_reconnect_grace.
   absl::Duration rank_reconnect_grace = absl::ZeroDuration();
+  // While this node serves a job, the node above (the coordinator, or a
+  // relay) may go unanswered this long (no stream of it welcomed): past it
+  // every rank of the job here gets one UNAVAILABLE error and its stream
+  // closes, instead of waiting for its client's own timeout. Zero: wait for
+  // ever. --upstream_loss_limit (docs/RELIABILITY.md, "Node above lost").
+  absl::Duration upstream_loss_limit = absl::Seconds(60);
 };
 
 struct SidecarStats {
@@ -400,15 +406,32 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   absl::Time ExpireDetachedLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
   void NoteStepStartedLocked(LocalStep& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The timer's check: detached ranks' graces, the node above's loss limit,
+  // then the partial steps due; returns when the next one is due.
+  absl::Time CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reports the steps due; returns when the next one is due.
   absl::Time CheckPartialStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the job's ranks here once the node above has gone unanswered for
+  // options_.upstream_loss_limit; returns when that will be (InfiniteFuture:
+  // not counting).
+  absl::Time CheckUpstreamLossLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SidecarOptions options_;
   Clock* const clock_;
   accord::Mutex mu_;
-  // Half the coordinator's deadline (Welcome.deadline_ms) on the current
-  // stream; zero: partial steps are not reported.
-  absl::Duration report_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  // The stream to the node above, as this node sees it.
+  struct UpstreamState {
+    // Half the coordinator's deadline (Welcome.deadline_ms) on the current
+    // stream; zero: partial steps are not reported.
+    absl::Duration report_after = absl::ZeroDuration();
+    // The current stream got its Welcome: the node above answers.
+    bool welcomed = false;
+    // Since when the node above has not answered while this node served a
+    // job (InfiniteFuture: it answers, or no job): counted against
+    // SidecarOptions::upstream_loss_limit.
+    absl::Time unanswered_since = absl::InfiniteFuture();
+  };
+  UpstreamState upstream_ ABSL_GUARDED_BY(mu_);
   Ranks ranks_ ABSL_GUARDED_BY(mu_);
   // The node upstream: the job served now (none before the first rank and
   // after the last), its run and epoch (drawn at the job's first local
@@ -426,7 +449,7 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // Partial-step reports and detached ranks' grace: due at the earliest time
   // a step not yet sent or reported becomes due or a grace ends (armed at
   // most once per due time, so the steady state signals the timer at most
-  // once per report_after_). Not grouped with report_after_: the timer is
+  // once per upstream_.report_after). Not grouped with upstream_.report_after: the timer is
   // not ABSL_GUARDED_BY(mu_), Start and Stop take mu_ themselves. Last: its
   // thread starts once everything above is initialised.
   DueTimer timer_;

@@ -17,8 +17,8 @@ namespace accord::daemon {
 void Sidecar::NoteStepStartedLocked(LocalStep& st) {
   st.first_seen = clock_->Now();
   st.partial_reported = false;
-  if (report_after_ > absl::ZeroDuration() && !timer_.armed()) {
-    timer_.Arm(st.first_seen + report_after_);
+  if (upstream_.report_after > absl::ZeroDuration() && !timer_.armed()) {
+    timer_.Arm(st.first_seen + upstream_.report_after);
   }
 }
 
@@ -27,15 +27,51 @@ void Sidecar::CheckPartialSteps() {
   timer_.RunNow();
 }
 
-absl::Time Sidecar::CheckPartialStepsLocked() {
-  const absl::Time detached = ExpireDetachedLocked(clock_->Now());
-  if (report_after_ <= absl::ZeroDuration() || node_.sink() == nullptr) return detached;
+absl::Time Sidecar::CheckTimersLocked() {
   const absl::Time now = clock_->Now();
-  absl::Time next = detached;
+  const absl::Time detached = ExpireDetachedLocked(now);
+  const absl::Time lost = CheckUpstreamLossLocked(now);
+  return std::min({detached, lost, CheckPartialStepsLocked()});
+}
+
+absl::Time Sidecar::CheckUpstreamLossLocked(absl::Time now) {
+  const absl::Duration limit = options_.upstream_loss_limit;
+  if (limit <= absl::ZeroDuration() || !node_.has_job() ||
+      upstream_.unanswered_since == absl::InfiniteFuture()) {
+    return absl::InfiniteFuture();
+  }
+  const absl::Time due = upstream_.unanswered_since + limit;
+  if (due > now) return due;
+  // Every wait of the job's ranks here (registration results, decisions,
+  // keys) needs the node above; none can end another way. The words are
+  // the same on every node of the job, so ranks that lost the same
+  // coordinator end alike.
+  v1::DecisionError e;
+  e.set_kind(v1::UNAVAILABLE);
+  e.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  e.set_job_id(node_.job_id());
+  e.set_message(absl::StrCat(
+      "job ", node_.job_id(),
+      ": the coordinator (or relay) this rank's sidecar reports to has not "
+      "answered for ",
+      absl::FormatDuration(limit),
+      " (--upstream_loss_limit), so no registration result, decision or key can reach the "
+      "job's ranks; the job is failed. Check that the coordinator runs and that the nodes reach "
+      "it, and the sidecars' logs"));
+  ACCORD_LOG(ERROR) << e.message();
+  upstream_.unanswered_since = absl::InfiniteFuture();  // said once per job
+  FailRanksLocked(e);
+  return absl::InfiniteFuture();
+}
+
+absl::Time Sidecar::CheckPartialStepsLocked() {
+  absl::Time next = absl::InfiniteFuture();
+  if (upstream_.report_after <= absl::ZeroDuration() || node_.sink() == nullptr) return next;
+  const absl::Time now = clock_->Now();
   for (LocalGroup* g : groups_.ordered()) {
     for (LocalStep& st : g->collect.steps) {
       if (st.sent || st.ranks.empty() || st.partial_reported) continue;
-      const absl::Time due = st.first_seen + report_after_;
+      const absl::Time due = st.first_seen + upstream_.report_after;
       if (due > now) {
         next = std::min(next, due);
         continue;
@@ -112,7 +148,16 @@ void Sidecar::OnUpstreamConnected() {
     // ... and its pending steps: partial steps are reported again.
     for (LocalStep& st : g->collect.steps) st.partial_reported = false;
   }
-  report_after_ = absl::ZeroDuration();  // until the new stream's Welcome says
+  upstream_.report_after = absl::ZeroDuration();  // until the new stream's Welcome says
+  // A new stream: the previous one ended, or this is the first. Unanswered
+  // until its Welcome; the loss limit counts while a job is served.
+  upstream_.welcomed = false;
+  if (node_.has_job() && upstream_.unanswered_since == absl::InfiniteFuture()) {
+    upstream_.unanswered_since = clock_->Now();
+    if (options_.upstream_loss_limit > absl::ZeroDuration()) {
+      timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
+    }
+  }
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
@@ -143,9 +188,11 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
           if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
         }
       }
-      report_after_ = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
+      upstream_.welcomed = true;
+      upstream_.unanswered_since = absl::InfiniteFuture();
+      upstream_.report_after = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
-      if (report_after_ > absl::ZeroDuration()) timer_.Arm(clock_->Now());
+      if (upstream_.report_after > absl::ZeroDuration()) timer_.Arm(clock_->Now());
       return;
     }
     case v1::CoordinatorMessage::kError: {

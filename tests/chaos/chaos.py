@@ -53,6 +53,9 @@ DEADLINE_S = 2.0
 GRACE_S = min(1.0, DEADLINE_S / 4)  # the coordinator's progress grace, docs/RELIABILITY.md
 NODE_GRACE_S = 1.5  # --node_reconnect_grace
 BACKOFF_MAX_S = 0.5  # --reconnect_max_backoff of sidecars and relays
+# --upstream_loss_limit of sidecars: above the longest link fault or stop
+# (5 s) plus a reconnect, so only a node above killed for good reaches it.
+LOSS_LIMIT_S = 7.0
 KEEPALIVE_S = 1.0
 SLACK_S = 3.0
 RSS_BOUND_KIB = 256 * 1024
@@ -206,6 +209,7 @@ class Cluster:
                 f"--socket={sock}", f"--node_id=node{i}", "--metrics_port=0",
                 f"--reconnect_max_backoff={BACKOFF_MAX_S}s", "--job_handover_timeout=2s",
                 f"--keepalive_time={KEEPALIVE_S}s", f"--keepalive_timeout={KEEPALIVE_S}s",
+                f"--upstream_loss_limit={LOSS_LIMIT_S}s",
             ], work)
             self.procs[f"sidecar{i}"] = sc
             sc.start()
@@ -397,6 +401,9 @@ def run_job(bins, sched, work, job, faults, verbose=False):
     job_s = sched.job_s() + (TORCH_START_S if sched.torch else 0.0)
     bound_at = max(last, t0 + job_s) + DEADLINE_S + GRACE_S + NODE_GRACE_S + \
         2 * BACKOFF_MAX_S + 2 * KEEPALIVE_S + SLACK_S
+    if any(f["kind"] == "kill_coordinator" for f in faults):
+        # The sidecars give up on it at their loss limit.
+        bound_at = max(bound_at, last + LOSS_LIMIT_S + BACKOFF_MAX_S + SLACK_S)
     return cluster, ranks, log, t0, last, bound_at
 
 

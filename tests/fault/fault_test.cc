@@ -154,6 +154,49 @@ TEST_F(FaultTest, CoordinatorKilledMidStepAndRestartedGivesEveryRankTheSameDecis
   EXPECT_THAT(cluster_->SidecarOutput(0), HasSubstr("reconnecting"));
 }
 
+// The coordinator killed for good mid-step: no decision can come, whatever
+// the ranks wait for. Each sidecar gives its job's ranks one UNAVAILABLE
+// error once the coordinator has not answered for --upstream_loss_limit,
+// the same words on every node, long before the ranks' own timeout (30 s).
+// The gated rank, released afterwards, gets it too (its stream is closed).
+TEST_F(FaultTest, CoordinatorKilledForGoodEndsEveryRankWithOneErrorAtTheLossLimit) {
+  StartCluster(2, {}, {"--upstream_loss_limit=2s"});
+  auto procs = StartGated(kFlags, "lost", /*gated=*/2, /*step=*/1);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time killed = absl::Now();
+  cluster_->KillCoordinator();
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == 2) continue;
+    ASSERT_TRUE(procs[r]
+                    ->WaitForLine(absl::StrCat("rank ", r, " step 1 group g1: error"),
+                                  absl::Now() + absl::Seconds(20))
+                    .ok())
+        << procs[r]->Output();
+  }
+  // A liveness bound (loss limit 2 s + reconnect backoff 0.5 s + slack), far
+  // below the ranks' own 30 s wait.
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(15));
+  ASSERT_TRUE(gate_.Release());
+  ASSERT_TRUE(
+      procs[2]->WaitForLine("rank 2 step 1 group g1: error", absl::Now() + absl::Seconds(20)).ok())
+      << procs[2]->Output();
+  const std::string expected =
+      "UNAVAILABLE: job lost: the coordinator (or relay) this rank's sidecar reports to has not "
+      "answered for 2s (--upstream_loss_limit), so no registration result, decision or key can "
+      "reach the job's ranks; the job is failed. Check that the coordinator runs and that the "
+      "nodes reach it, and the sidecars' logs";
+  for (int r = 0; r < kWorld; ++r) {
+    RankResult seen;
+    seen.output = procs[r]->Output();
+    EXPECT_EQ(FirstError(seen), expected) << "rank " << r << ":\n" << seen.output;
+    // What is left of each rank is its closing key-value Set, which waits
+    // for the coordinator until its own deadline: not this test's subject.
+    kill(procs[r]->pid(), SIGKILL);
+  }
+  Finish(procs);
+  EXPECT_THAT(cluster_->SidecarOutput(0), HasSubstr("--upstream_loss_limit"));
+}
+
 TEST_F(FaultTest, CoordinatorKilledTwiceBeforeAnyDecision) {
   StartCluster(2);
   std::string digest;
