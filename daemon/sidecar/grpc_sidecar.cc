@@ -139,7 +139,9 @@ namespace {
 // wait_for_ready holds each attempt until the channel is up, and a call cut
 // mid-way (UNAVAILABLE) is sent again. Both calls are idempotent (a key is
 // write-once per run), so resending one the coordinator may have seen is
-// safe. docs/RELIABILITY.md, "Chaos".
+// safe. docs/RELIABILITY.md, "Chaos". While the node above does not answer,
+// an attempt waits at most until it counts as lost (UpstreamHealth), and the
+// call then ends with the loss's words, as the job's ranks were told.
 template <typename Request, typename Response>
 struct ForwardedCall {
   Request request;
@@ -147,22 +149,64 @@ struct ForwardedCall {
   grpc::ServerUnaryReactor* reactor = nullptr;
   absl::Time deadline;
   absl::Time wait_until = absl::InfinitePast();  // a Get's own wait ends here
-  std::unique_ptr<grpc::ClientContext> context;
+  std::shared_ptr<grpc::ClientContext> context;  // shared with Calls::live
+  std::shared_ptr<KeyValueForwarder::Calls> calls;
 };
 
 template <typename Request, typename Response, typename Start>
 void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
-  c->context = std::make_unique<grpc::ClientContext>();
-  c->context->set_deadline(absl::ToChronoTime(c->deadline));
+  KeyValueForwarder::Calls& calls = *c->calls;
+  const absl::Time now = absl::Now();
+  const absl::Time lost_at =
+      calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
+  if (now >= lost_at) {
+    c->reactor->Finish(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                     UpstreamHealth::LostMessage(c->request.job_id(), calls.health->limit())));
+    return;
+  }
+  const absl::Time attempt_deadline = std::min(c->deadline, lost_at);
+  c->context = std::make_shared<grpc::ClientContext>();
+  c->context->set_deadline(absl::ToChronoTime(attempt_deadline));
   c->context->set_wait_for_ready(true);
   if constexpr (std::is_same_v<Request, v1::KeyValueGetRequest>) {
     c->request.set_timeout_ms(
         std::max<int64_t>(0, absl::ToInt64Milliseconds(c->wait_until - absl::Now())));
   }
-  start(c->context.get(), &c->request, c->response, [c, start](grpc::Status s) {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE && absl::Now() < c->deadline) {
+  {
+    accord::MutexLock l(&calls.mu);
+    if (calls.stopping) {
+      c->reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is stopping"));
+      return;
+    }
+    calls.live.insert(c->context);
+  }
+  start(c->context.get(), &c->request, c->response, [c, start, attempt_deadline](grpc::Status s) {
+    KeyValueForwarder::Calls& calls = *c->calls;
+    bool stopping;
+    {
+      accord::MutexLock l(&calls.mu);
+      calls.live.erase(c->context);
+      stopping = calls.stopping;
+    }
+    const absl::Time now = absl::Now();
+    const bool unanswered = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                            (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                             now >= attempt_deadline && attempt_deadline < c->deadline);
+    if (calls.health != nullptr) {
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        calls.health->NoteUnanswered(now);
+      } else if (!unanswered && s.error_code() != grpc::StatusCode::CANCELLED) {
+        calls.health->NoteAnswered();
+      }
+    }
+    if (stopping) {
+      c->reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the sidecar is stopping"));
+      return;
+    }
+    if (unanswered && now < c->deadline) {
       c->response->Clear();
-      Forward(c, start);
+      Forward(c, start);  // or ends it with the loss's words
       return;
     }
     c->reactor->Finish(s);
@@ -170,6 +214,17 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
 }
 
 }  // namespace
+
+void KeyValueForwarder::Stop() {
+  std::vector<std::shared_ptr<grpc::ClientContext>> live;
+  {
+    accord::MutexLock l(&calls_->mu);
+    calls_->stopping = true;
+    live.assign(calls_->live.begin(), calls_->live.end());
+  }
+  // Outside the lock: a cancelled call's callback takes it.
+  for (const auto& ctx : live) ctx->TryCancel();
+}
 
 template <typename Request>
 void KeyValueForwarder::Stamp(Request* request) const {
@@ -201,6 +256,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
   Stamp(&call->request);
   call->response = response;
   call->reactor = reactor;
+  call->calls = calls_;
   call->deadline = absl::Now() + slack_;
   v1::KeyValueService::Stub* stub = stub_.get();
   Forward(call, [stub](grpc::ClientContext* ctx, const v1::KeyValueSetRequest* req,
@@ -229,6 +285,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
   Stamp(&call->request);
   call->response = response;
   call->reactor = reactor;
+  call->calls = calls_;
   call->wait_until = absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms()));
   call->deadline = call->wait_until + slack_;
   v1::KeyValueService::Stub* stub = stub_.get();

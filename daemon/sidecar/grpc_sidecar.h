@@ -18,6 +18,7 @@
 #include "daemon/common/write_queue_limits.h"
 #include "daemon/sidecar/sidecar.h"
 #include "daemon/sidecar/sidecar_jobs.h"
+#include "daemon/sidecar/upstream_health.h"
 #include "grpcpp/grpcpp.h"
 
 namespace accord::daemon {
@@ -65,6 +66,14 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
   // serving. Not owned.
   void SetJobs(SidecarJobs* jobs) { jobs_ = jobs; }
+  // Whether the node above answers (not owned; null: calls wait for it
+  // until their own deadline). While it does not, a call waits for it at
+  // most until it counts as lost, then ends with the loss's words.
+  void SetHealth(UpstreamHealth* health) { calls_->health = health; }
+  // Ends every call still waiting upstream (UNAVAILABLE) and refuses new
+  // ones: the sidecar stops, and must not wait for a coordinator that does
+  // not answer.
+  void Stop();
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -83,6 +92,19 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string token_;
   const absl::Duration slack_;
   SidecarJobs* jobs_ = nullptr;
+
+ public:
+  // The calls in flight upstream, shared with each call (which may end
+  // after the forwarder is gone).
+  struct Calls {
+    UpstreamHealth* health = nullptr;
+    accord::Mutex mu;
+    bool stopping ABSL_GUARDED_BY(mu) = false;
+    absl::flat_hash_set<std::shared_ptr<grpc::ClientContext>> live ABSL_GUARDED_BY(mu);
+  };
+
+ private:
+  std::shared_ptr<Calls> calls_ = std::make_shared<Calls>();
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread

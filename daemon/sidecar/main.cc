@@ -237,6 +237,8 @@ int Main(int argc, char** argv) {
   absl::StatusOr<gid_t> gid = SocketGroup();
   if (!gid.ok()) return Fail(1, gid.status());
 
+  UpstreamHealth upstream_health(options->upstream_loss_limit);
+  options->upstream_health = &upstream_health;
   SidecarJobsOptions jobs_options;
   jobs_options.sidecar = *options;
   jobs_options.handover_timeout = absl::GetFlag(FLAGS_job_handover_timeout);
@@ -258,6 +260,7 @@ int Main(int argc, char** argv) {
   KeyValueForwarder kv_service(*channel, options->job, options->token,
                                absl::GetFlag(FLAGS_deadline));
   kv_service.SetJobs(&jobs);
+  kv_service.SetHealth(&upstream_health);
   const std::string path = absl::GetFlag(FLAGS_socket);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       ServeRanks(path, *gid, {&rank_service, &kv_service});
@@ -280,6 +283,7 @@ int Main(int argc, char** argv) {
   const int sig = WaitForTerminationSignal();
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping";
   rank_service.FinishAll();
+  kv_service.Stop();  // forwarded key-value calls must not hold the stop
   (*server)->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   jobs.Stop();  // each job's timer, then its stream
   metrics_server.Stop();

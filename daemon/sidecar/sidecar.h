@@ -78,6 +78,7 @@
 #include "daemon/common/upstream.h"
 #include "daemon/common/upstream_node.h"
 #include "daemon/sidecar/local_group.h"
+#include "daemon/sidecar/upstream_health.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -142,6 +143,10 @@ struct SidecarOptions {
   // closes, instead of waiting for its client's own timeout. Zero: wait for
   // ever. --upstream_loss_limit (docs/RELIABILITY.md, "Node above lost").
   absl::Duration upstream_loss_limit = absl::Seconds(60);
+  // The process's view of whether the node above answers, which this node
+  // keeps up to date (stream attempts, Welcomes) for the key-value
+  // forwarder. Not owned; null: none.
+  UpstreamHealth* upstream_health = nullptr;
 };
 
 struct SidecarStats {

@@ -50,14 +50,7 @@ absl::Time Sidecar::CheckUpstreamLossLocked(absl::Time now) {
   e.set_kind(v1::UNAVAILABLE);
   e.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
   e.set_job_id(node_.job_id());
-  e.set_message(absl::StrCat(
-      "job ", node_.job_id(),
-      ": the coordinator (or relay) this rank's sidecar reports to has not "
-      "answered for ",
-      absl::FormatDuration(limit),
-      " (--upstream_loss_limit), so no registration result, decision or key can reach the "
-      "job's ranks; the job is failed. Check that the coordinator runs and that the nodes reach "
-      "it, and the sidecars' logs"));
+  e.set_message(UpstreamHealth::LostMessage(node_.job_id(), limit));
   ACCORD_LOG(ERROR) << e.message();
   upstream_.unanswered_since = absl::InfiniteFuture();  // said once per job
   FailRanksLocked(e);
@@ -152,6 +145,7 @@ void Sidecar::OnUpstreamConnected() {
   // A new stream: the previous one ended, or this is the first. Unanswered
   // until its Welcome; the loss limit counts while a job is served.
   upstream_.welcomed = false;
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
   if (node_.has_job() && upstream_.unanswered_since == absl::InfiniteFuture()) {
     upstream_.unanswered_since = clock_->Now();
     if (options_.upstream_loss_limit > absl::ZeroDuration()) {
@@ -189,6 +183,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         }
       }
       upstream_.welcomed = true;
+      if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
       upstream_.unanswered_since = absl::InfiniteFuture();
       upstream_.report_after = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
       // Steps that began before this stream are checked now.
