@@ -164,32 +164,35 @@ void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   HandleCoordinatorMessage(*message);
 }
 
+void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
+  const std::string before = node_.run_id();
+  node_.OnWelcome(welcome);
+  if (node_.has_job() && node_.run_id() != before) {
+    // The ranks that reconnect learn their run (they name it when they
+    // resume); others never see a second Welcome.
+    v1::RankReply w;
+    w.mutable_welcome()->set_node_id(options_.node_id);
+    w.mutable_welcome()->set_server_version(kServerVersion);
+    w.mutable_welcome()->set_run_id(node_.run_id());
+    auto shared = std::make_shared<const v1::RankReply>(std::move(w));
+    for (auto& [r, rs] : ranks_.connected) {
+      if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
+    }
+  }
+  upstream_.welcomed = true;
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
+  upstream_.unanswered_since = absl::InfiniteFuture();
+  upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
+  // Steps that began before this stream are checked now.
+  if (upstream_.report_after > absl::ZeroDuration()) timer_.Arm(clock_->Now());
+}
+
 void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
   accord::MutexLock l(&mu_);
   switch (message.body_case()) {
-    case v1::CoordinatorMessage::kWelcome: {
-      const std::string before = node_.run_id();
-      node_.OnWelcome(message.welcome());
-      if (node_.has_job() && node_.run_id() != before) {
-        // The ranks that reconnect learn their run (they name it when they
-        // resume); others never see a second Welcome.
-        v1::RankReply w;
-        w.mutable_welcome()->set_node_id(options_.node_id);
-        w.mutable_welcome()->set_server_version(kServerVersion);
-        w.mutable_welcome()->set_run_id(node_.run_id());
-        auto shared = std::make_shared<const v1::RankReply>(std::move(w));
-        for (auto& [r, rs] : ranks_.connected) {
-          if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
-        }
-      }
-      upstream_.welcomed = true;
-      if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
-      upstream_.unanswered_since = absl::InfiniteFuture();
-      upstream_.report_after = absl::Milliseconds(message.welcome().deadline_ms()) / 2;
-      // Steps that began before this stream are checked now.
-      if (upstream_.report_after > absl::ZeroDuration()) timer_.Arm(clock_->Now());
+    case v1::CoordinatorMessage::kWelcome:
+      HandleWelcomeLocked(message.welcome());
       return;
-    }
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
       ACCORD_LOG(ERROR) << "coordinator: " << e.message();
