@@ -245,3 +245,52 @@ def test_groups_without_gradient_sync_are_not_released():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+# ------------------------------------------------------------------ the step watch
+
+class RaceHandle:
+    def __init__(self):
+        self.done = False
+
+    def ready(self):
+        return self.done
+
+
+class RaceAgreement:
+    """The step's item is decided (with the coordinator's error) just as the
+    watch's local wait times out: the race CI once lost."""
+
+    COORDINATOR = ('DEADLINE_EXCEEDED: job j group "fsdp/~step" step 0: not every rank reported '
+                   'within 3s; missing ranks 1: rank 1 (last step -1, node "n1")')
+
+    def __init__(self):
+        self.handle = RaceHandle()
+
+    def submit_async(self, group_id, step, dtypes):
+        return self.handle
+
+    def wait(self, handle, timeout_s=None):
+        if timeout_s == 0 or handle.done:
+            raise RuntimeError(self.COORDINATOR)
+        handle.done = True  # arrives as the local wait gives up
+        raise RuntimeError("DEADLINE_EXCEEDED: no decision for group \"fsdp/~step\" step 0 "
+                           "before the caller's deadline")
+
+
+def test_the_step_watch_reports_the_decision_not_a_local_timeout_that_raced_it():
+    import threading
+
+    from accord.torch.watchdog import StepWatch
+
+    said, done = [], threading.Event()
+    watch = StepWatch(RaceAgreement(), "fsdp/~step", timeout_s=5.0, stall_s=0.05, grace_s=0.01,
+                      on_failure=lambda m: (said.append(m), done.set()))
+    try:
+        watch.begin_step(0)
+        assert done.wait(5.0), "the watch never reported"
+    finally:
+        watch.close()
+    (message,) = said
+    assert message.endswith(RaceAgreement.COORDINATOR), message
+    assert "caller's deadline" not in message

@@ -278,7 +278,7 @@ class SequenceGuard:
                 continue
             try:
                 decision = self.client.wait(window.handle, timeout_s=self.stall_s)
-            except Exception as e:  # noqa: BLE001 - a timeout, or the service's named error
+            except Exception:  # noqa: BLE001 - a timeout, or the service's named error
                 if self._exiting:
                     return
                 if not window.handle.ready():
@@ -291,9 +291,14 @@ class SequenceGuard:
                     if self.error is not None:
                         return
                     continue
-                self._fail(f"accord: collective-sequence guard at {window.records[-1]}: {e}",
-                           window)
-                return
+                # Decided as the wait timed out (a race): the decision is
+                # what counts, never the local timeout.
+                try:
+                    decision = self.client.wait(window.handle, timeout_s=0)
+                except Exception as said:  # noqa: BLE001 - the service's named error
+                    self._fail(f"accord: collective-sequence guard at {window.records[-1]}: "
+                               f"{said}", window)
+                    return
             message = None
             if diverged(decision.included):
                 entries = self._gather(window)

@@ -146,12 +146,26 @@ class StepWatch:
             self.early += 1
         try:
             self.agreement.wait(handle)
-        except Exception as e:  # noqa: BLE001 - the coordinator's named error, or none in time
-            if handle.ready():
+        except Exception:  # noqa: BLE001 - the coordinator's named error, or none in time
+            said = self._said(handle)
+            if said is not None:
                 self.error = (f"accord: a rank stopped or died while this rank was blocked in "
-                              f"{self.where}: {e}")
+                              f"{self.where}: {said}")
                 self._raised.set()
                 raise AccordPeerError(self.error) from failure
+
+    def _said(self, handle) -> Optional[BaseException]:
+        """The item's own error once it has one, else None (not decided yet,
+        or decided without error). A wait that timed out here may race the
+        decision's arrival: what is reported is then the decision, never the
+        local timeout."""
+        if not handle.ready():
+            return None
+        try:
+            self.agreement.wait(handle, timeout_s=0)
+        except Exception as e:  # noqa: BLE001 - the coordinator's words
+            return e
+        return None
 
     # ------------------------------------------------------------ background
 
@@ -181,14 +195,17 @@ class StepWatch:
             try:
                 self.agreement.wait(handle, timeout_s=self.stall_s)
                 return  # every rank was alive at this step: a slow step, nothing more
-            except Exception as e:  # noqa: BLE001 - a local timeout, or the coordinator's error
+            except Exception:  # noqa: BLE001 - a local timeout, or the coordinator's error
                 if not handle.ready():
                     with self._mu:
                         if not self._in_step or self._handle is not handle:
                             return  # moved on
                     continue
+                said = self._said(handle)
+                if said is None:
+                    return  # decided without error as the wait timed out: a slow step
                 self._fail(f"accord: a rank stopped or died while this rank was blocked in "
-                           f"{self.where}: {e}")
+                           f"{self.where}: {said}")
                 return
 
     def _fail(self, message: str) -> None:
