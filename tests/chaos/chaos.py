@@ -90,7 +90,7 @@ FAULTS = {
 class Schedule:
     """Everything one seed decides, before anything runs."""
 
-    def __init__(self, seed, kinds=None):
+    def __init__(self, seed, kinds=None, relay_kinds=None):
         rng = random.Random(seed)
         self.seed = seed
         self.world = rng.choice((2, 4))
@@ -106,6 +106,8 @@ class Schedule:
         self.disk = rng.choices(("file", "full", "slow"), (6, 1, 1))[0]
         job_s = self.job_s()
         start_s = TORCH_START_S if self.torch else 0.0
+        if self.relay and relay_kinds:
+            kinds = relay_kinds
         kinds = [k for k in (kinds or FAULTS) if self.relay or "relay" not in k]
         weights = [FAULTS[k] for k in kinds]
         self.faults = []
@@ -705,8 +707,8 @@ def baseline_digest(bins, sched, root):
     return BASELINES[key]
 
 
-def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None):
-    sched = Schedule(seed, kinds)
+def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None, relay_kinds=None):
+    sched = Schedule(seed, kinds, relay_kinds)
     for key, value in overrides:  # --set: one schedule by hand (debugging a finding)
         setattr(sched, key, value)
     baseline = baseline_digest(bins, sched, root)
@@ -775,10 +777,18 @@ def main():
                          "'faults=[{\"kind\": \"kill_coordinator\", \"at\": 0.5}]' or sidecars=1")
     ap.add_argument("--kinds", help="draw faults only from these kinds (comma separated; "
                                     "default: all of " + ", ".join(FAULTS) + ")")
+    ap.add_argument("--relay-kinds", help="in schedules with a relay, draw faults only from "
+                                          "these kinds instead (comma separated)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     bins = find_bins(args)
     kinds = None
+    relay_kinds = None
+    if args.relay_kinds:
+        relay_kinds = [k for k in args.relay_kinds.split(",") if k]
+        unknown = [k for k in relay_kinds if k not in FAULTS]
+        if unknown:
+            ap.error(f"unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
     if args.kinds:
         kinds = [k for k in args.kinds.split(",") if k]
         unknown = [k for k in kinds if k not in FAULTS]
@@ -805,7 +815,7 @@ def main():
     worst = (0.0, None)
     started = time.monotonic()
     for i, (seed, overrides) in enumerate(runs):
-        sched, rep = run_schedule(bins, seed, root, args.verbose, overrides, kinds)
+        sched, rep = run_schedule(bins, seed, root, args.verbose, overrides, kinds, relay_kinds)
         by_fault.update(rep["faults"])
         by_result[rep["result"]] += 1
         if rep["result"] == "error" and rep["worst_error_after_last_fault_s"] > worst[0]:
