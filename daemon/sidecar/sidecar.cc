@@ -225,13 +225,8 @@ void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& he
                    options_.token.empty() ? hello.token() : options_.token, resume_run);
     stats_.job_id = hello.job_id();
     resume_.fresh = !resume_run.empty();
-    if (!upstream_.welcomed) {
-      // The job's wait for the node above starts now.
-      upstream_.unanswered_since = clock_->Now();
-      if (options_.upstream_loss_limit > absl::ZeroDuration()) {
-        timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
-      }
-    }
+    // The job's wait for the node above starts now, unless it answers.
+    if (!upstream_.welcomed) StartUnansweredLocked();
   }
   s.rank = hello.rank();
   RankState& rs = ranks_.connected[s.rank];

@@ -419,6 +419,8 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // The node above answered this stream: its run, its deadline (partial
   // reports at half of it), and the loss limit's clock stopped.
   void HandleWelcomeLocked(const v1::Welcome& welcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's clock against options_.upstream_loss_limit starts now.
+  void StartUnansweredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the job's ranks here once the node above has gone unanswered for
   // options_.upstream_loss_limit; returns when that will be (InfiniteFuture:
   // not counting).

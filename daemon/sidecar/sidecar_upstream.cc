@@ -34,6 +34,13 @@ absl::Time Sidecar::CheckTimersLocked() {
   return std::min({detached, lost, CheckPartialStepsLocked()});
 }
 
+void Sidecar::StartUnansweredLocked() {
+  upstream_.unanswered_since = clock_->Now();
+  if (options_.upstream_loss_limit > absl::ZeroDuration()) {
+    timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
+  }
+}
+
 absl::Time Sidecar::CheckUpstreamLossLocked(absl::Time now) {
   const absl::Duration limit = options_.upstream_loss_limit;
   if (limit <= absl::ZeroDuration() || !node_.has_job() ||
@@ -147,15 +154,14 @@ void Sidecar::OnUpstreamConnected() {
   upstream_.welcomed = false;
   if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
   if (node_.has_job() && upstream_.unanswered_since == absl::InfiniteFuture()) {
-    upstream_.unanswered_since = clock_->Now();
-    if (options_.upstream_loss_limit > absl::ZeroDuration()) {
-      timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
-    }
+    StartUnansweredLocked();
   }
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
 void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  // Any message is an answer (a refused hello gets an error, not a Welcome).
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
   if (message->has_decisions()) {
     accord::MutexLock l(&mu_);
     HandleDecisionsLocked(message->decisions(), message->mutable_decisions());
@@ -180,7 +186,6 @@ void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
     }
   }
   upstream_.welcomed = true;
-  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
   upstream_.unanswered_since = absl::InfiniteFuture();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
   // Steps that began before this stream are checked now.

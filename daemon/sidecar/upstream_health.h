@@ -12,12 +12,13 @@
 #ifndef ACCORD_DAEMON_SIDECAR_UPSTREAM_HEALTH_H_
 #define ACCORD_DAEMON_SIDECAR_UPSTREAM_HEALTH_H_
 
+#include <atomic>
+#include <cstdint>
+#include <limits>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "core/sync.h"
 
 namespace accord::daemon {
 
@@ -28,26 +29,24 @@ class UpstreamHealth {
 
   absl::Duration limit() const { return limit_; }
 
+  // Called for every message from above (a relaxed load when it answers
+  // already: nothing more on the decision path).
   void NoteAnswered() {
-    accord::MutexLock l(&mu_);
-    unanswered_since_ = absl::InfiniteFuture();
+    if (since_ns_.load(std::memory_order_relaxed) != kAnswers) {
+      since_ns_.store(kAnswers, std::memory_order_relaxed);
+    }
   }
   // From `now` on, unless already unanswered since earlier.
   void NoteUnanswered(absl::Time now) {
-    accord::MutexLock l(&mu_);
-    if (unanswered_since_ == absl::InfiniteFuture()) unanswered_since_ = now;
-  }
-  // Since when the node above has not answered (InfiniteFuture: it answers).
-  absl::Time unanswered_since() const {
-    accord::MutexLock l(&mu_);
-    return unanswered_since_;
+    int64_t expected = kAnswers;
+    since_ns_.compare_exchange_strong(expected, absl::ToUnixNanos(now), std::memory_order_relaxed);
   }
   // When the node above counts as lost (InfiniteFuture: it answers, or no
   // limit).
   absl::Time LostAt() const {
-    if (limit_ <= absl::ZeroDuration()) return absl::InfiniteFuture();
-    const absl::Time since = unanswered_since();
-    return since == absl::InfiniteFuture() ? since : since + limit_;
+    const int64_t since = since_ns_.load(std::memory_order_relaxed);
+    if (limit_ <= absl::ZeroDuration() || since == kAnswers) return absl::InfiniteFuture();
+    return absl::FromUnixNanos(since) + limit_;
   }
 
   // The words a rank gets when the node above is lost; the same on every
@@ -63,9 +62,10 @@ class UpstreamHealth {
   }
 
  private:
+  static constexpr int64_t kAnswers = std::numeric_limits<int64_t>::max();
   const absl::Duration limit_;
-  mutable accord::Mutex mu_;
-  absl::Time unanswered_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  // Since when (Unix ns) the node above has not answered; kAnswers: it does.
+  std::atomic<int64_t> since_ns_{kAnswers};
 };
 
 }  // namespace accord::daemon
