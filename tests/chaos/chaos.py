@@ -707,7 +707,8 @@ def baseline_digest(bins, sched, root):
     return BASELINES[key]
 
 
-def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None, relay_kinds=None):
+def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None, relay_kinds=None,
+                 keep=False):
     sched = Schedule(seed, kinds, relay_kinds)
     for key, value in overrides:  # --set: one schedule by hand (debugging a finding)
         setattr(sched, key, value)
@@ -736,7 +737,7 @@ def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None, rela
         "bound_after_last_fault_s": round(bound_at - last, 3), "run_s": round(end_s, 2),
         "work": work,
     }
-    if not findings:
+    if not findings and not keep:
         shutil.rmtree(work, ignore_errors=True)
     return sched, report
 
@@ -815,7 +816,8 @@ def main():
     worst = (0.0, None)
     started = time.monotonic()
     for i, (seed, overrides) in enumerate(runs):
-        sched, rep = run_schedule(bins, seed, root, args.verbose, overrides, kinds, relay_kinds)
+        sched, rep = run_schedule(bins, seed, root, args.verbose, overrides, kinds, relay_kinds,
+                                   args.keep)
         by_fault.update(rep["faults"])
         by_result[rep["result"]] += 1
         if rep["result"] == "error" and rep["worst_error_after_last_fault_s"] > worst[0]:
