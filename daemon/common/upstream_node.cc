@@ -83,6 +83,7 @@ void UpstreamNode::StartJob(absl::string_view job_id, int world_size, absl::stri
                             absl::string_view resume_run_id) {
   job_.job_id = std::string(job_id);
   job_.world_size = world_size;
+  announced_set_ = RankSet(world_size);
   job_.token = std::string(token);
   job_.run_id = std::string(resume_run_id);
   // A new local incarnation of the job (NodeHello.node_epoch).
@@ -94,9 +95,12 @@ void UpstreamNode::EndJob() {
   job_ = Job();
   stream_ = Stream();
   announced_.clear();
+  announced_set_ = RankSet();
+  left_.clear();
 }
 
-v1::NodeMessage UpstreamNode::Hello() const {
+v1::NodeMessage UpstreamNode::StartStreamHello() {
+  stream_.hello_sent = true;
   v1::NodeMessage m;
   v1::NodeHello* h = m.mutable_hello();
   h->set_job_id(job_.job_id);
@@ -114,34 +118,39 @@ v1::NodeMessage UpstreamNode::Hello() const {
   return m;
 }
 
+void UpstreamNode::Announce(int rank) {
+  announced_.insert(rank);
+  left_.erase(rank);
+  announced_set_.Add(rank);
+}
+
 void UpstreamNode::AnnounceRanks(const std::vector<int>& ranks) {
   for (int r : ranks) {
-    if (!announced_.insert(r).second || !stream_.hello_sent) continue;
+    const bool news = announced_.count(r) == 0 || left_.count(r) != 0;
+    Announce(r);
+    if (!news || !stream_.hello_sent) continue;
     v1::NodeMessage join;
     join.mutable_rank_event()->set_rank(r);
     join.mutable_rank_event()->set_joined(true);
     Send(std::move(join));
   }
-  if (!stream_.hello_sent) {
-    stream_.hello_sent = true;
-    Send(Hello());
-  }
+  if (!stream_.hello_sent) Send(StartStreamHello());
 }
 
-void UpstreamNode::LeaveRank(int rank, int64_t last_step, bool forget) {
+void UpstreamNode::LeaveRank(int rank, int64_t last_step) {
   v1::NodeMessage left;
   left.mutable_rank_event()->set_rank(rank);
   left.mutable_rank_event()->set_joined(false);
   left.mutable_rank_event()->set_last_step(last_step);
   Send(std::move(left));
-  if (forget) announced_.erase(rank);
+  if (announced_.count(rank) != 0) left_.insert(rank);
 }
 
 void UpstreamNode::ForwardRankEvent(const v1::RankEvent& event) {
   if (event.joined()) {
-    announced_.insert(event.rank());
-  } else {
-    announced_.erase(event.rank());
+    Announce(event.rank());
+  } else if (announced_.count(event.rank()) != 0) {
+    left_.insert(event.rank());
   }
   v1::NodeMessage up;
   *up.mutable_rank_event() = event;
@@ -155,8 +164,7 @@ void UpstreamNode::Connected(std::vector<v1::NodeMessage> registrations,
   stream_.batch_repeat = false;  // until the new stream's Welcome offers them
   std::vector<v1::NodeMessage> messages;
   if (has_job()) {
-    messages.push_back(Hello());
-    stream_.hello_sent = true;
+    messages.push_back(StartStreamHello());
     for (v1::NodeMessage& m : registrations) messages.push_back(std::move(m));
     // The new stream's previous batch is the resend (or none).
     stream_.previous.Record(inflight);

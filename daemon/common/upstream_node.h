@@ -28,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
+#include "core/rank_set.h"
 #include "daemon/common/upstream.h"
 #include "proto/wire.h"
 
@@ -145,13 +146,25 @@ class UpstreamNode {
   void EndJob();
 
   // Announces ranks: the hello (every announced rank) when none went on this
-  // stream yet, else a RankEvent join per rank not announced before.
+  // stream yet, else a RankEvent join per rank not announced before or
+  // announced and left since.
   void AnnounceRanks(const std::vector<int>& ranks);
-  // Reports a rank's leave (RankEvent); `forget`: it is no longer announced.
-  void LeaveRank(int rank, int64_t last_step, bool forget);
-  // Forwards a RankEvent as is, announcing or forgetting its rank.
+  // Reports a rank's leave (RankEvent). The rank stays announced (below).
+  void LeaveRank(int rank, int64_t last_step);
+  // Forwards a RankEvent as is, announcing its rank or marking it left.
   void ForwardRankEvent(const v1::RankEvent& event);
+  // The ranks the receiving end attributes to this node on the current
+  // stream: the hello's and every join since. A leave does not take a rank
+  // out, at either end: the coordinator and a relay keep a rank that left as
+  // the node's, marked left. So a manifest without rank_bits, which stands
+  // for "every rank of the node", means this one set at both ends
+  // (docs/ARCHITECTURE.md, "Whose ranks a manifest covers"). A new stream's
+  // hello lists every announced rank, left or not: a receiver that saw the
+  // leave keeps it marked; announcing the rank again sends a join.
   const std::set<int>& announced() const { return announced_; }
+  // Whether `ranks` is exactly the announced set: a manifest of these ranks
+  // may leave its rank_bits out.
+  bool IsAnnounced(const RankSet& ranks) const { return ranks == announced_set_; }
 
   // A new stream is up: queues (UpstreamSink::Reset) the hello,
   // `registrations` and `inflight` (one batch, also the stream's previous
@@ -175,7 +188,10 @@ class UpstreamNode {
   void SendNewBatch(v1::NodeMessage batch);
 
  private:
-  v1::NodeMessage Hello() const;
+  // The current stream's hello (recorded as sent), which attributes the
+  // announced ranks to the node.
+  v1::NodeMessage StartStreamHello();
+  void Announce(int rank);
 
   struct Job {
     std::string job_id;
@@ -197,7 +213,9 @@ class UpstreamNode {
   UpstreamSink* sink_ = nullptr;
   Job job_;
   Stream stream_;
-  std::set<int> announced_;  // every rank announced upstream
+  std::set<int> announced_;  // announced() (ascending)
+  RankSet announced_set_;    // the same, as a set
+  std::set<int> left_;       // announced ranks whose leave went up, not back since
 };
 
 }  // namespace accord::daemon

@@ -274,12 +274,14 @@ void Relay::HandleRegistrationLocked(Node& node, const v1::NodeRegistration& nr)
 
 void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
   if (!e.joined()) {
+    // Still one of the ranks its manifests without rank_bits stand for.
     node.ranks.erase(std::remove(node.ranks.begin(), node.ranks.end(), e.rank()), node.ranks.end());
-  } else if (!std::binary_search(node.ranks.begin(), node.ranks.end(), e.rank())) {
-    node.ranks.insert(std::lower_bound(node.ranks.begin(), node.ranks.end(), e.rank()), e.rank());
+  } else {
+    if (!std::binary_search(node.ranks.begin(), node.ranks.end(), e.rank())) {
+      node.ranks.insert(std::lower_bound(node.ranks.begin(), node.ranks.end(), e.rank()), e.rank());
+    }
+    node.rank_set.Add(e.rank());
   }
-  node.rank_set = RankSet(node_.world_size());
-  for (int r : node.ranks) node.rank_set.Add(r);
   ++membership_epoch_;
   node_.ForwardRankEvent(e);
 }
@@ -292,10 +294,7 @@ std::vector<int> Relay::ContributedRanksLocked(const Group& g, int64_t step) {
   auto it = g.steps.find(step);
   if (it == g.steps.end()) return ranks;
   for (const auto& [node, covered] : it->second.contributed) {
-    auto nit = nodes_.find(node);
-    const std::vector<int>& of =
-        !covered.empty() || nit == nodes_.end() ? covered : nit->second.ranks;
-    ranks.insert(ranks.end(), of.begin(), of.end());
+    ranks.insert(ranks.end(), covered.begin(), covered.end());
   }
   std::sort(ranks.begin(), ranks.end());
   return ranks;
@@ -471,7 +470,7 @@ void Relay::DropNodeLocked(const std::string& node_id) {
   if (nit == nodes_.end()) return;
   for (int r : nit->second.ranks) {
     // Gone past the grace: a pending step that needs these ranks fails now.
-    node_.LeaveRank(r, /*last_step=*/-1, /*forget=*/true);
+    node_.LeaveRank(r, /*last_step=*/-1);
   }
   nodes_.erase(nit);
   ++membership_epoch_;

@@ -144,8 +144,13 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     std::string node_id;
     SessionId session = 0;  // 0: its stream ended (within the grace)
     NodeSink* sink = nullptr;
-    std::vector<int> ranks;  // ascending
-    RankSet rank_set;        // the same, as a set (merges OR it in)
+    // Its live ranks (ascending): those of its hello and joins, less those
+    // that left.
+    std::vector<int> ranks;
+    // The ranks its manifests without rank_bits stand for: those of its
+    // hello and joins; a leave does not take one out (UpstreamNode::
+    // announced(), as the sidecar keeps it).
+    RankSet rank_set;
     bool answers_progress = false;
     uint64_t epoch = 0;  // NodeHello.node_epoch: its ranks' incarnation
     bool welcomed = false;
@@ -157,17 +162,21 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     // (as the coordinator keeps it; docs/ARCHITECTURE.md, "Repeat waves").
     wire::StreamBatchRecord received;
   };
-  // One sidecar's contribution to a (group, step), in full form.
+  // One sidecar's contribution to a (group, step), in full form, with the
+  // ranks it covers as of its arrival (a later hello or join of the sidecar
+  // does not change what an earlier manifest stood for).
   struct Part {
     std::string node_id;
     v1::Manifest manifest;
     bool repeat = false;  // resolved from the sidecar's repeat form
+    // Its rank_bits, or the sidecar's rank_set when it has none; the error
+    // when its rank_bits do not parse.
+    absl::StatusOr<RankSet> ranks;
   };
   struct LocalStep {
     absl::Time first_seen;
     std::vector<Part> unsent;
-    // Sidecars that contributed (sent up or not), with the ranks covered
-    // when the sidecar named a subset (empty: all of its ranks).
+    // Sidecars that contributed (sent up or not), with the ranks covered.
     std::map<std::string, std::vector<int>> contributed;
     bool partial_reported = false;
   };
@@ -254,8 +263,6 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // Ranks of the sidecars that contributed (g, step).
   std::vector<int> ContributedRanksLocked(const Group& g, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The ranks a contribution covers: its rank_bits, else its sidecar's ranks.
-  absl::StatusOr<RankSet> PartRanksLocked(const Part& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records decided steps; takes out answers about the relay's own repeat
   // forms (resending those steps upstream in full form).
   void HandleDecisionsLocked(v1::DecisionBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

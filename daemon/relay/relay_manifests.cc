@@ -131,15 +131,12 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
   LocalStep& st = g.steps[step];
   if (st.contributed.empty()) st.first_seen = clock_->Now();
   if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
-  // Explicit ranks only when the sidecar named a subset; empty: all of its ranks.
-  std::vector<int> covered;
-  if (!m.rank_bits().empty()) {
-    absl::StatusOr<RankSet> set =
-        wire::RankSetFromBits(m.rank_bits(), node_.world_size(), "rank_bits");
-    if (set.ok()) covered = set->Members();
-  }
-  st.contributed[node.node_id] = std::move(covered);
-  st.unsent.push_back(Part{node.node_id, std::move(m), repeat});
+  // Explicit ranks when the sidecar named them; none: every rank it announced.
+  absl::StatusOr<RankSet> ranks =
+      m.rank_bits().empty() ? node.rank_set
+                            : wire::RankSetFromBits(m.rank_bits(), node_.world_size(), "rank_bits");
+  st.contributed[node.node_id] = ranks.ok() ? ranks->Members() : std::vector<int>();
+  st.unsent.push_back(Part{node.node_id, std::move(m), repeat, std::move(ranks)});
   if (node_.deadline_ms() > 0) {
     timer_.Arm(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
   }
@@ -234,15 +231,13 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
       return s;
     }
     for (size_t i = 0; i < g.num_params; ++i) merged.dtypes[i] |= dtypes[i];
-    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
-    if (!ranks.ok()) return ranks.status();
-    merged.ranks.Union(*ranks);
+    if (!p.ranks.ok()) return p.ranks.status();
+    merged.ranks.Union(*p.ranks);
   }
-  // Every rank merged here was announced upstream, so equal counts mean the
-  // manifest covers all of them (rank_bits may then be left out).
-  const bool all_announced = merged.ranks.Count() == static_cast<int>(node_.announced().size());
+  // Without rank_bits only when the merge covers exactly what the
+  // coordinator holds to be this relay's ranks (UpstreamNode::announced()).
   v1::Manifest out;
-  wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!all_announced, &out);
+  wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!node_.IsAnnounced(merged.ranks), &out);
   // Per-rank detail for the ranks whose usage differs from the merge: only
   // parts whose own usage differs, or that carry detail, need a look.
   const std::string used = out.used_bits();
@@ -254,9 +249,7 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
       continue;
     }
     std::map<int, std::string> usage;
-    absl::StatusOr<RankSet> ranks = PartRanksLocked(p);
-    if (!ranks.ok()) return ranks.status();
-    RankUsageOf(p.manifest, ranks->Members(), &usage);
+    RankUsageOf(p.manifest, p.ranks->Members(), &usage);
     for (const auto& [rank, bits] : usage) {
       if (bits == used) continue;
       v1::RankUsage* u = out.add_rank_detail();
@@ -267,15 +260,6 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
   std::sort(out.mutable_rank_detail()->begin(), out.mutable_rank_detail()->end(),
             [](const v1::RankUsage& a, const v1::RankUsage& b) { return a.rank() < b.rank(); });
   return out;
-}
-
-absl::StatusOr<RankSet> Relay::PartRanksLocked(const Part& p) {
-  if (!p.manifest.rank_bits().empty()) {
-    return wire::RankSetFromBits(p.manifest.rank_bits(), node_.world_size(), "rank_bits");
-  }
-  auto nit = nodes_.find(p.node_id);
-  if (nit == nodes_.end()) return RankSet(node_.world_size());
-  return nit->second.rank_set;
 }
 
 void Relay::SendBatchLocked(v1::ManifestBatch batch) {

@@ -587,7 +587,7 @@ void Sidecar::CloseRank(SessionId id) {
   DeliverLocalDecisionsLocked();
   SendOutgoingLocked(scratch_.outgoing);
   if (detach) return;
-  node_.LeaveRank(rank, last_step, /*forget=*/false);
+  node_.LeaveRank(rank, last_step);
 }
 
 void Sidecar::ResetJobLocked() {
@@ -612,7 +612,7 @@ absl::Time Sidecar::ExpireDetachedLocked(absl::Time now) {
                         << " did not come back within "
                         << absl::FormatDuration(options_.rank_reconnect_grace)
                         << " (--rank_reconnect_grace); it left";
-    node_.LeaveRank(it->first, it->second.last_step, /*forget=*/false);
+    node_.LeaveRank(it->first, it->second.last_step);
     it = ranks_.detached.erase(it);
   }
   if (ranks_.none() && node_.has_job()) ResetJobLocked();

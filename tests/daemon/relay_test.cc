@@ -52,15 +52,18 @@ GroupSpec Spec() {
 
 // A sidecar's node manifest for `ranks`, every rank using the params in
 // `used` unless `detail` gives a rank's own bits.
+// `with_ranks`: with rank_bits (a sidecar names its ranks when they are not
+// all the ranks it announced).
 v1::Manifest NodeManifest(int64_t step, const std::vector<int>& ranks, std::vector<bool> used,
-                          std::vector<std::pair<int, std::vector<bool>>> detail = {}) {
+                          std::vector<std::pair<int, std::vector<bool>>> detail = {},
+                          bool with_ranks = false) {
   Manifest m;
   m.step = step;
   m.ranks = RankSet(kWorld);
   for (int r : ranks) m.ranks.Add(r);
   for (bool u : used) m.dtypes.push_back(u ? MaskOf(DType::kFloat32) : 0);
   v1::Manifest out;
-  wire::ManifestToProto("g", m, /*with_ranks=*/false, &out);
+  wire::ManifestToProto("g", m, with_ranks, &out);
   for (auto& [r, bits] : detail) {
     v1::RankUsage* u = out.add_rank_detail();
     u->set_rank(r);
@@ -250,14 +253,15 @@ TEST_F(RelayTest, RepeatedPartsReuseTheLastMergeUntilTheRanksChange) {
   }
   // Step 0's parts were full forms with the same keys: steps 1-3 reuse it.
   EXPECT_EQ(relay_->stats().merges_reused, 3);
-  // Rank 3 leaves: the same parts now merge to other ranks, so the relay
-  // merges again and sends the new content in full form.
+  // Rank 3 leaves: node1 now names its one rank, so the relay merges again
+  // and sends the new content in full form, naming the ranks it covers.
   v1::NodeMessage leave;
   leave.mutable_rank_event()->set_rank(3);
   leave.mutable_rank_event()->set_joined(false);
   relay_->HandleMessage(b_, leave);
+  const v1::Manifest b2 = NodeManifest(4, {2}, {true, true, false}, {}, /*with_ranks=*/true);
   Submit(a_, RepeatOf(a, 4));
-  Submit(b_, RepeatOf(b, 4));
+  Submit(b_, b2);
   ASSERT_EQ(up_.manifests().size(), 5u);
   const v1::Manifest after = up_.manifests()[4];
   EXPECT_FALSE(after.repeat());
@@ -265,7 +269,7 @@ TEST_F(RelayTest, RepeatedPartsReuseTheLastMergeUntilTheRanksChange) {
   EXPECT_EQ(relay_->stats().merges_reused, 3);
   // ... and the new merge is reused from then on.
   Submit(a_, RepeatOf(a, 5));
-  Submit(b_, RepeatOf(b, 5));
+  Submit(b_, RepeatOf(b2, 5));
   ASSERT_EQ(up_.manifests().size(), 6u);
   EXPECT_TRUE(up_.manifests()[5].repeat());
   EXPECT_EQ(up_.manifests()[5].cache_key(), after.cache_key());
@@ -407,6 +411,65 @@ TEST_F(RelayTest, ProgressQueryIsAnsweredFromContributionsAndTheAskedSidecarNami
   EXPECT_THAT(p.rank_nodes(), ElementsAre("node1", "node1"));
 }
 
+// The ranks the i-th upstream manifest covers, as the coordinator reads
+// them: a repeat stands for the last full form with its key; a full form's
+// rank_bits, or without them every rank the relay announced (all four).
+std::vector<int> CoveredUpstream(const std::vector<v1::Manifest>& sent, size_t i) {
+  const v1::Manifest* m = &sent.at(i);
+  for (size_t j = i + 1; m->repeat() && j-- > 0;) {
+    if (!sent[j].repeat() && sent[j].cache_key() == m->cache_key()) m = &sent[j];
+  }
+  if (m->repeat()) return {-1};  // unresolvable
+  if (m->rank_bits().empty()) return {0, 1, 2, 3};
+  absl::StatusOr<RankSet> set = wire::RankSetFromBits(m->rank_bits(), kWorld, "rank_bits");
+  return set.ok() ? set->Members() : std::vector<int>{-1};
+}
+
+// A step some of the relay's ranks did not submit never goes up as if they
+// had, whatever came between: a rank's leave (the coordinator keeps a rank
+// that left as the relay's), a sidecar back with fewer ranks (a restart),
+// or a sidecar's join after its manifest arrived.
+TEST_F(RelayTest, AMergeStandsForTheRanksThatSubmittedItWhateverTheirSidecarsDidSince) {
+  const std::vector<bool> used{true, true, false};
+  // Rank 1 leaves node0; node0 then submits for rank 0 alone, as a sidecar
+  // does (it names the rank: its announced ranks still include rank 1).
+  v1::NodeMessage leave;
+  leave.mutable_rank_event()->set_rank(1);
+  leave.mutable_rank_event()->set_joined(false);
+  leave.mutable_rank_event()->set_last_step(-1);
+  relay_->HandleMessage(a_, leave);
+  Submit(a_, NodeManifest(0, {0}, used, {}, /*with_ranks=*/true));
+  Submit(b_, NodeManifest(0, {2, 3}, used));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_THAT(CoveredUpstream(up_.manifests(), 0), ElementsAre(0, 2, 3));
+
+  // node0's sidecar restarts and comes back with rank 0 only: its manifests
+  // without rank_bits now stand for rank 0.
+  FakeNodeSink sink_a2;
+  const Relay::SessionId a2 = Join("node0", {0}, &sink_a2);
+  Submit(a2, NodeManifest(1, {0}, used));
+  Submit(b_, NodeManifest(1, {2, 3}, used));
+  ASSERT_EQ(up_.manifests().size(), 2u);
+  EXPECT_THAT(CoveredUpstream(up_.manifests(), 1), ElementsAre(0, 2, 3));
+
+  // node0's manifest of step 2 arrives before rank 1 joins node0 again: it
+  // still stands for rank 0 alone when node1's part completes the step.
+  Submit(a2, NodeManifest(2, {0}, used));
+  v1::NodeMessage join;
+  join.mutable_rank_event()->set_rank(1);
+  join.mutable_rank_event()->set_joined(true);
+  relay_->HandleMessage(a2, join);
+  Submit(b_, NodeManifest(2, {2, 3}, used));
+  ASSERT_EQ(up_.manifests().size(), 3u);
+  EXPECT_THAT(CoveredUpstream(up_.manifests(), 2), ElementsAre(0, 2, 3));
+
+  // With every rank back and submitting, the merge covers all four again.
+  Submit(a2, NodeManifest(3, {0, 1}, used));
+  Submit(b_, NodeManifest(3, {2, 3}, used));
+  ASSERT_EQ(up_.manifests().size(), 4u);
+  EXPECT_THAT(CoveredUpstream(up_.manifests(), 3), ElementsAre(0, 1, 2, 3));
+}
+
 TEST_F(RelayTest, ASidecarGonePastTheGraceHasItsRanksReportedAsLeft) {
   relay_->CloseSession(b_);
   clock_.Advance(absl::Seconds(9));
@@ -422,9 +485,11 @@ TEST_F(RelayTest, ASidecarGonePastTheGraceHasItsRanksReportedAsLeft) {
   clock_.Advance(absl::Seconds(1));
   relay_->CheckTimers();
   EXPECT_THAT(lefts(), ElementsAre(2, 3));
-  // node0 alone now completes steps by itself.
+  // node0 alone now completes steps by itself, naming its ranks: the
+  // coordinator still counts ranks 2 and 3 as the relay's (left).
   Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
   ASSERT_EQ(up_.manifests().size(), 1u);
+  EXPECT_THAT(CoveredUpstream(up_.manifests(), 0), ElementsAre(0, 1));
 }
 
 TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedManifest) {

@@ -67,6 +67,39 @@ TEST_F(UpstreamNodeTest, TheFirstRanksGoInTheHelloLaterOnesAsJoins) {
   EXPECT_TRUE(sink_.sent[1].rank_event().joined());
 }
 
+TEST_F(UpstreamNodeTest, ALeaveKeepsTheRankAnnouncedAndAJoinAfterItGoesUp) {
+  node_.StartJob("j", 4, "");
+  node_.AnnounceRanks({0, 1, 2});
+  RankSet all(4), some(4);
+  for (int r : {0, 1, 2}) all.Add(r);
+  for (int r : {0, 2}) some.Add(r);
+  EXPECT_TRUE(node_.IsAnnounced(all));
+  // Receivers keep a rank that left as the node's: a manifest of the others
+  // must name them, whether the node saw the leave or forwarded it.
+  node_.LeaveRank(1, 5);
+  EXPECT_FALSE(node_.IsAnnounced(some));
+  EXPECT_TRUE(node_.IsAnnounced(all));
+  v1::RankEvent left;
+  left.set_rank(2);
+  left.set_joined(false);
+  node_.ForwardRankEvent(left);
+  EXPECT_TRUE(node_.IsAnnounced(all));
+  // Back again: each sends a join (the receiver marked it left).
+  const size_t before = sink_.sent.size();
+  node_.AnnounceRanks({1, 2, 0});
+  ASSERT_EQ(sink_.sent.size(), before + 2);
+  EXPECT_EQ(sink_.sent[before].rank_event().rank(), 1);
+  EXPECT_TRUE(sink_.sent[before].rank_event().joined());
+  EXPECT_EQ(sink_.sent[before + 1].rank_event().rank(), 2);
+  node_.AnnounceRanks({1});
+  EXPECT_EQ(sink_.sent.size(), before + 2) << "announced and not left: no join";
+  // A new stream's hello lists every announced rank.
+  node_.LeaveRank(2, 6);
+  node_.Connected({}, {});
+  EXPECT_THAT(sink_.reset[0].hello().ranks(), ElementsAre(0, 1, 2));
+  EXPECT_TRUE(node_.IsAnnounced(all));
+}
+
 TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResumesTheRun) {
   node_.StartJob("j", 4, "tok");
   node_.AnnounceRanks({0, 1});
