@@ -173,6 +173,12 @@ void FakeSidecar::OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* 
   auto it = groups_.find(m.group_id());
   if (it == groups_.end()) return;
   GroupState& g = it->second;
+  if (auto done = g.decided.find(m.step()); done != g.decided.end()) {
+    v1::RankReply again;
+    *again.mutable_decisions()->add_decisions() = done->second;
+    Write(c, again);
+    return;
+  }
   Manifest rank_m;
   if (m.repeat()) {
     rank_m = RankManifest(m.step(), c->rank, world_size_, {});
@@ -194,7 +200,12 @@ void FakeSidecar::OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* 
   pd->set_step(m.step());
   if (!d.ok()) {
     *pd->mutable_error() = wire::MakeError(v1::INVALID_MANIFEST, d.status());
+    g.decided[m.step()] = *pd;
   } else {
+    v1::Decision& full = g.decided[m.step()];
+    full = *pd;
+    wire::DecisionToProto(*d, full.mutable_ok());
+    if (mutate_) mutate_(&full);
     Decision cmp = *d;
     if (g.last) cmp.step = g.last->step;
     if (g.last && cmp == *g.last) {

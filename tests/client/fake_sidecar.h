@@ -68,6 +68,10 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
     std::map<int, std::vector<DTypeMask>> last_content;  // per rank, for repeat form
     std::map<int64_t, Manifest> merged;                  // open steps
     std::optional<Decision> last;
+    // Every decided step in full form: a rank that resumes after a decision
+    // was broadcast while it had no stream resends that step's manifest and
+    // gets the decision again, as from the real sidecar.
+    std::map<int64_t, v1::Decision> decided;
   };
 
   void Write(Conn* c, const v1::RankReply& r);
