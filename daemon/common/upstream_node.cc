@@ -137,11 +137,12 @@ void UpstreamNode::AnnounceRanks(const std::vector<int>& ranks) {
   if (!stream_.hello_sent) Send(StartStreamHello());
 }
 
-void UpstreamNode::LeaveRank(int rank, int64_t last_step) {
+void UpstreamNode::LeaveRank(int rank, int64_t last_step, const std::string& cause) {
   v1::NodeMessage left;
   left.mutable_rank_event()->set_rank(rank);
   left.mutable_rank_event()->set_joined(false);
   left.mutable_rank_event()->set_last_step(last_step);
+  left.mutable_rank_event()->set_cause(cause);
   Send(std::move(left));
   if (announced_.count(rank) != 0) left_.insert(rank);
 }

@@ -149,8 +149,9 @@ class UpstreamNode {
   // stream yet, else a RankEvent join per rank not announced before or
   // announced and left since.
   void AnnounceRanks(const std::vector<int>& ranks);
-  // Reports a rank's leave (RankEvent). The rank stays announced (below).
-  void LeaveRank(int rank, int64_t last_step);
+  // Reports a rank's leave (RankEvent, with `cause` when not empty). The
+  // rank stays announced (below).
+  void LeaveRank(int rank, int64_t last_step, const std::string& cause = "");
   // Forwards a RankEvent as is, announcing its rank or marking it left.
   void ForwardRankEvent(const v1::RankEvent& event);
   // The ranks the receiving end attributes to this node on the current

@@ -113,7 +113,11 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
     return;
   }
   // The rank left: any pending step that still needs it can never complete.
-  if (!job.members.LeaveRank(node, r, e.last_step())) return;
+  // Its cause goes into errors as is: bounded, so a sender cannot make them
+  // arbitrarily long.
+  constexpr size_t kMaxCause = 256;
+  std::string cause = e.cause().substr(0, kMaxCause);
+  if (!job.members.LeaveRank(node, r, e.last_step(), cause)) return;
   if (job.failed()) return;
   // The lowest (group, step) that needs it names the failure.
   GroupState* culprit = nullptr;
@@ -138,7 +142,7 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   // Named: the ranks that left (this one at least); live ranks that had not
   // submitted the step yet are not at fault (StepFacts::AtFault).
   v1::DecisionError err = job.MissingRanksError(*culprit, culprit_step, *culprit_pending,
-                                                JobCore::LeftWhy(r, node.node_id));
+                                                JobCore::LeftWhy(r, node.node_id, cause));
   job.Fail(culprit, culprit_step, std::move(err), fx);
 }
 

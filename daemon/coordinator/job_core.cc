@@ -184,7 +184,8 @@ v1::DecisionError JobCore::MissingRanksError(const GroupState& g, int64_t step,
   return e;
 }
 
-std::string JobCore::LeftWhy(int rank, absl::string_view node_id) {
+std::string JobCore::LeftWhy(int rank, absl::string_view node_id, absl::string_view cause) {
+  if (!cause.empty()) return absl::StrCat("rank ", rank, " left (", cause, ")");
   return absl::StrCat("rank ", rank, " left (its stream to the sidecar on node \"", node_id,
                       "\" ended)");
 }
@@ -195,7 +196,10 @@ bool JobCore::FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingSt
   const int r = members.LeftBefore(step);
   if (r < 0) return false;
   const NodeState* owner = members.OwnerOf(r);
-  Fail(&g, step, MissingRanksError(g, step, p, LeftWhy(r, owner ? owner->node_id : "unknown")), fx);
+  Fail(&g, step,
+       MissingRanksError(g, step, p,
+                         LeftWhy(r, owner ? owner->node_id : "unknown", members.LeftCause(r))),
+       fx);
   return true;
 }
 

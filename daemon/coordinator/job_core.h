@@ -71,8 +71,9 @@ struct JobCore {
   // ranks not heard from yet (not named).
   v1::DecisionError MissingRanksError(const GroupState& g, int64_t step, const PendingStep& p,
                                       absl::string_view why) const;
-  // The words of a failure caused by `rank` leaving its sidecar on `node_id`.
-  static std::string LeftWhy(int rank, absl::string_view node_id);
+  // The words of a failure caused by `rank` leaving its sidecar on `node_id`
+  // (`cause`: its RankEvent's, when the sender said why).
+  static std::string LeftWhy(int rank, absl::string_view node_id, absl::string_view cause);
   // A rank that left before `step` never submits it, so the step, which has
   // just started pending or gained a contribution, cannot complete: fails
   // the job at once, named by this step, instead of at its deadline.

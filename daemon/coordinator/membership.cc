@@ -11,7 +11,8 @@ Membership::Membership(int world_size)
     : world_size_(world_size),
       owner_(world_size, nullptr),
       left_step_(world_size, -1),
-      left_(world_size, false) {}
+      left_(world_size, false),
+      left_cause_(world_size) {}
 
 int Membership::HeldElsewhere(absl::string_view node_id, const std::vector<int>& ranks) const {
   for (int r : ranks) {
@@ -58,6 +59,7 @@ Membership::Join Membership::JoinRank(NodeState& node, int rank) {
   if (owner != nullptr && owner != &node && owner->connected()) return Join::kHeldElsewhere;
   if (left_[rank]) --left_count_;
   left_[rank] = false;
+  left_cause_[rank].clear();
   if (owner == &node) return Join::kAlreadyServed;
   TakeRank(node, rank);
   node.ranks.push_back(rank);
@@ -68,13 +70,14 @@ Membership::Join Membership::JoinRank(NodeState& node, int rank) {
   return Join::kJoined;
 }
 
-bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step) {
+bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step, std::string cause) {
   // A rank this node does not serve (e.g. one refused as a duplicate)
   // leaving changes nothing.
   if (owner_[rank] != &node) return false;
   if (!left_[rank]) ++left_count_;
   left_[rank] = true;
   left_step_[rank] = std::max(left_step_[rank], last_step);
+  left_cause_[rank] = std::move(cause);
   return true;
 }
 
@@ -98,6 +101,10 @@ std::string Membership::Describe(int rank) const {
   const NodeState* owner = owner_[rank];
   if (owner == nullptr)
     return absl::StrCat("rank ", rank, " (not connected: no sidecar has announced it)");
+  if (left_[rank] && !left_cause_[rank].empty()) {
+    return absl::StrCat("rank ", rank, " (node \"", owner->node_id,
+                        "\", not connected: ", left_cause_[rank], ")");
+  }
   const char* state = left_[rank] ? ", not connected: it left its sidecar"
                       : !owner->connected()
                           ? ", not connected: the node's stream to the coordinator is down"

@@ -72,14 +72,18 @@ class Membership {
   // kHeldElsewhere when a connected node serves it (nothing changes);
   // otherwise the rank no longer counts as left.
   Join JoinRank(NodeState& node, int rank);
-  // RankEvent(left): `rank` of `node` left after `last_step`. False (nothing
-  // recorded) when `node` does not serve it.
-  bool LeaveRank(const NodeState& node, int rank, int64_t last_step);
+  // RankEvent(left): `rank` of `node` left after `last_step`, for `cause`
+  // (RankEvent.cause; empty: its stream to the node's sidecar ended). False
+  // (nothing recorded) when `node` does not serve it.
+  bool LeaveRank(const NodeState& node, int rank, int64_t last_step, std::string cause = "");
 
   // The node serving `rank` (nullptr: none).
   const NodeState* OwnerOf(int rank) const { return owner_[rank]; }
   // Whether `rank` left (RankEvent) since it joined, whatever step it left at.
   bool Left(int rank) const { return left_[rank]; }
+  // Why `rank` left, as its RankEvent said ("" when it did not say, or the
+  // rank did not leave).
+  const std::string& LeftCause(int rank) const { return left_cause_[rank]; }
   // The lowest rank that left before reaching `step` (its RankEvent's last
   // step is earlier), so it can never submit `step`; -1 when none. O(1)
   // while no rank has left.
@@ -108,10 +112,11 @@ class Membership {
   const int world_size_;
   int connected_ = 0;
   absl::node_hash_map<std::string, NodeState> nodes_;
-  std::vector<NodeState*> owner_;   // per rank
-  std::vector<int64_t> left_step_;  // per rank, from RankEvent; -1: none
-  std::vector<bool> left_;          // per rank: left (RankEvent) and not joined since
-  int left_count_ = 0;              // ranks with left_ set
+  std::vector<NodeState*> owner_;        // per rank
+  std::vector<int64_t> left_step_;       // per rank, from RankEvent; -1: none
+  std::vector<bool> left_;               // per rank: left (RankEvent) and not joined since
+  std::vector<std::string> left_cause_;  // per rank: RankEvent.cause of its leave
+  int left_count_ = 0;                   // ranks with left_ set
 };
 
 }  // namespace accord::daemon

@@ -58,6 +58,11 @@ ABSL_FLAG(bool, upstream_plaintext, false, "connect to a non-loopback --coordina
 ABSL_FLAG(absl::Duration, node_reconnect_grace, absl::Seconds(10),
           "how long a sidecar whose stream ended keeps its place before its ranks are reported "
           "as left upstream; use the coordinator's value");
+ABSL_FLAG(absl::Duration, upstream_loss_limit, absl::Seconds(60),
+          "while the relay serves a job, the coordinator may go unanswered this long; past it "
+          "every sidecar of the job here gets one UNAVAILABLE error for its ranks, the words a "
+          "sidecar uses for its own node above (0: wait for ever; docs/RELIABILITY.md, \"Node "
+          "above lost\")");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(10),
           "gRPC keepalive on both sides; use the coordinator's value");
 ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
@@ -138,6 +143,7 @@ RelayOptions RelayOptionsFromFlags(const std::string& token) {
   options.token = token;
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
   options.max_world_size = absl::GetFlag(FLAGS_max_ranks);
+  options.upstream_loss_limit = absl::GetFlag(FLAGS_upstream_loss_limit);
   return options;
 }
 
@@ -214,15 +220,26 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::pair<int, int>> keepalive =
       KeepaliveMillis(absl::GetFlag(FLAGS_keepalive_time), absl::GetFlag(FLAGS_keepalive_timeout));
   absl::StatusOr<std::unique_ptr<JobTokens>> loaded = TokensFromFlags();
+  absl::Status loss_limit;
+  if (absl::GetFlag(FLAGS_upstream_loss_limit) < absl::ZeroDuration()) {
+    loss_limit = absl::InvalidArgumentError(
+        absl::StrCat("--upstream_loss_limit must not be negative (got ",
+                     absl::FormatDuration(absl::GetFlag(FLAGS_upstream_loss_limit)), ")"));
+  }
   for (const absl::Status& s : {server_creds.status(), channel.status(), token.status(),
-                                keepalive.status(), loaded.status()}) {
+                                keepalive.status(), loaded.status(), loss_limit}) {
     if (!s.ok()) {
       ACCORD_LOG(ERROR) << s.message();
       return 2;
     }
   }
   std::unique_ptr<JobTokens> tokens = *std::move(loaded);
-  Relay relay(RelayOptionsFromFlags(*token));
+  RelayOptions relay_options = RelayOptionsFromFlags(*token);
+  // One view of whether the coordinator answers, for the relay's jobs and its
+  // key-value forwarder (a call made after the loss ends with its words).
+  UpstreamHealth upstream_health(relay_options.upstream_loss_limit);
+  relay_options.upstream_health = &upstream_health;
+  Relay relay(std::move(relay_options));
   GrpcUpstream upstream(*channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
   relay.SetUpstream(&upstream);
   WriteQueueLimits queue_limits;
@@ -232,6 +249,7 @@ int Main(int argc, char** argv) {
   // Key-value requests pass through unchanged (the sidecar stamped them).
   KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
+  kv_service.SetHealth(&upstream_health);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;

@@ -178,6 +178,7 @@ void Relay::HandleHelloLocked(SessionId id, Session& s, const v1::NodeHello& hel
                    hello.run_start() == v1::NodeHello::RUN_START_RESUME ? hello.run_id() : "");
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": first node \"" << hello.node_id()
                      << "\" arrived; relaying as node \"" << options_.relay_id << "\"";
+    if (!node_.welcomed()) StartUnansweredLocked();
   }
   Node& node = PlaceNodeLocked(id, s, hello, ranks);
   // Ranks not yet announced upstream join the relay's node there.
@@ -283,7 +284,14 @@ void Relay::HandleRankEventLocked(Node& node, const v1::RankEvent& e) {
     node.rank_set.Add(e.rank());
   }
   ++membership_epoch_;
-  node_.ForwardRankEvent(e);
+  if (e.joined() || !e.cause().empty()) {
+    node_.ForwardRankEvent(e);
+    return;
+  }
+  // The coordinator knows the relay as the rank's node: name the sidecar.
+  v1::RankEvent named = e;
+  named.set_cause(absl::StrCat("its stream to the sidecar on node \"", node.node_id, "\" ended"));
+  node_.ForwardRankEvent(named);
 }
 
 // ---------------------------------------------------------------------------
@@ -386,15 +394,21 @@ void Relay::OnUpstreamConnected() {
     g.registrations.AppendResend([](int) { return true; }, &registrations);
   }
   for (auto& [gid, g] : groups_) g.inflight.AppendAll(&inflight);
+  // A new stream: unanswered until its Welcome.
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
+  if (node_.has_job()) StartUnansweredLocked();
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
 void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  // Any message is an answer (a refused hello gets an error, not a Welcome).
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
   accord::MutexLock l(&mu_);
   if (!node_.has_job()) return;
   switch (message->body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       node_.OnWelcome(message->welcome());
+      upstream_unanswered_since_ = absl::InfiniteFuture();
       for (auto& [id, node] : nodes_) WelcomeLocked(node);
       return;
     case v1::CoordinatorMessage::kDecisions:
@@ -468,9 +482,13 @@ void Relay::BroadcastLocked(std::shared_ptr<const v1::CoordinatorMessage> messag
 void Relay::DropNodeLocked(const std::string& node_id) {
   auto nit = nodes_.find(node_id);
   if (nit == nodes_.end()) return;
+  const std::string cause = absl::StrCat(
+      "its sidecar on node \"", node_id, "\" lost its stream to relay \"", options_.relay_id,
+      "\" and did not come back within ", absl::FormatDuration(options_.node_reconnect_grace),
+      " (the relay's --node_reconnect_grace)");
   for (int r : nit->second.ranks) {
     // Gone past the grace: a pending step that needs these ranks fails now.
-    node_.LeaveRank(r, /*last_step=*/-1);
+    node_.LeaveRank(r, /*last_step=*/-1, cause);
   }
   nodes_.erase(nit);
   ++membership_epoch_;
@@ -489,6 +507,8 @@ void Relay::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no node left on relay \"" << options_.relay_id
                    << "\"; its state is dropped";
   node_.EndJob();
+  upstream_unanswered_since_ = absl::InfiniteFuture();
+  upstream_loss_reported_ = false;
   ++membership_epoch_;
   nodes_.clear();
   groups_.clear();
@@ -501,9 +521,44 @@ void Relay::CheckTimers() {
   timer_.RunNow();
 }
 
+void Relay::StartUnansweredLocked() {
+  if (upstream_unanswered_since_ != absl::InfiniteFuture() || upstream_loss_reported_) return;
+  upstream_unanswered_since_ = clock_->Now();
+  if (options_.upstream_loss_limit > absl::ZeroDuration()) {
+    timer_.Arm(upstream_unanswered_since_ + options_.upstream_loss_limit);
+  }
+}
+
+absl::Time Relay::CheckUpstreamLossLocked(absl::Time now) {
+  const absl::Duration limit = options_.upstream_loss_limit;
+  if (limit <= absl::ZeroDuration() || !node_.has_job() ||
+      upstream_unanswered_since_ == absl::InfiniteFuture()) {
+    return absl::InfiniteFuture();
+  }
+  const absl::Time due = upstream_unanswered_since_ + limit;
+  if (due > now) return due;
+  // Every wait of the sidecars here needs the coordinator, and they hear
+  // from the relay, so their own limit never runs: the relay tells them,
+  // in a sidecar's words, so every rank that lost the coordinator ends alike.
+  v1::CoordinatorMessage lost;
+  v1::DecisionError* e = lost.mutable_error();
+  e->set_kind(v1::UNAVAILABLE);
+  e->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  e->set_job_id(node_.job_id());
+  e->set_message(UpstreamHealth::LostMessage(node_.job_id(), limit));
+  ACCORD_LOG(ERROR) << e->message();
+  upstream_unanswered_since_ = absl::InfiniteFuture();
+  upstream_loss_reported_ = true;  // said once per job
+  auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(lost));
+  for (auto& [id, node] : nodes_) {
+    if (node.sink != nullptr) node.sink->Send(shared);
+  }
+  return absl::InfiniteFuture();
+}
+
 absl::Time Relay::CheckTimersLocked() {
   const absl::Time now = clock_->Now();
-  absl::Time next = absl::InfiniteFuture();
+  absl::Time next = CheckUpstreamLossLocked(now);
   std::vector<std::string> lost;
   for (const auto& [id, node] : nodes_) {
     if (node.session != 0) continue;

@@ -79,6 +79,7 @@
 #include "daemon/common/node_hello.h"
 #include "daemon/common/node_session.h"
 #include "daemon/common/upstream.h"
+#include "daemon/common/upstream_health.h"
 #include "daemon/common/upstream_node.h"
 #include "proto/wire.h"
 
@@ -96,6 +97,16 @@ struct RelayOptions {
   // The largest world size a sidecar's hello may say (--max_ranks), as
   // the coordinator's CoordinatorOptions::max_world_size.
   int max_world_size = 1 << 20;
+  // While a job is served, the coordinator may go unanswered this long (no
+  // stream of it welcomed); past it every sidecar of the job gets one
+  // UNAVAILABLE error with the words a sidecar uses for its own node above
+  // (UpstreamHealth::LostMessage), so ranks behind a relay end as those of
+  // sidecars connected to the coordinator do. Zero: never
+  // (docs/RELIABILITY.md, "Node above lost").
+  absl::Duration upstream_loss_limit = absl::Seconds(60);
+  // Told of every stream attempt and every message from the coordinator;
+  // shared with the key-value forwarder. Not owned; may be null.
+  UpstreamHealth* upstream_health = nullptr;
   Clock* clock = nullptr;  // not owned; null: the real clock
   // Tests that drive CheckTimers() by hand may turn the thread off.
   bool start_timer_thread = true;
@@ -273,9 +284,16 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops the sidecars past their grace and reports the partial steps due;
-  // returns when the next one is due.
+  // Drops the sidecars past their grace, reports the partial steps due and
+  // fails the job past the upstream loss limit; returns when the next one is
+  // due.
   absl::Time CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's clock against options_.upstream_loss_limit starts now, unless
+  // it runs already.
+  void StartUnansweredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Past the limit: every sidecar of the job gets the error, once per job.
+  // Returns when it will be due (InfiniteFuture: not counting).
+  absl::Time CheckUpstreamLossLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RelayOptions options_;
   Clock* const clock_;
@@ -290,6 +308,12 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // Moves whenever a sidecar's ranks or the announced ranks change (merges
   // depend on both).
   uint64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // Since when the coordinator has gone unanswered while a job is served (a
+  // new stream until its Welcome, or the job's first sidecar before any);
+  // InfiniteFuture: it answers, or the loss was reported.
+  absl::Time upstream_unanswered_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  // The job's sidecars were told the coordinator is lost (once per job).
+  bool upstream_loss_reported_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);

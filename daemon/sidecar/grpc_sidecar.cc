@@ -142,10 +142,18 @@ namespace {
 // safe. docs/RELIABILITY.md, "Chaos". While the node above does not answer,
 // an attempt waits at most until it counts as lost (UpstreamHealth), and the
 // call then ends with the loss's words, as the job's ranks were told.
+//
+// That ending carries the trailing metadata kLostAboveKey, so a forwarder
+// one tier below (a sidecar behind a relay) takes it as the answer it is
+// and passes it on at once, instead of reading UNAVAILABLE as its own node
+// above not answering and sending the call again until its deadline.
+constexpr char kLostAboveKey[] = "accord-lost-above";
+
 template <typename Request, typename Response>
 struct ForwardedCall {
   Request request;
   Response* response = nullptr;
+  grpc::CallbackServerContext* server_context = nullptr;
   grpc::ServerUnaryReactor* reactor = nullptr;
   absl::Time deadline;
   absl::Time wait_until = absl::InfinitePast();  // a Get's own wait ends here
@@ -160,6 +168,7 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
   const absl::Time lost_at =
       calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
   if (now >= lost_at) {
+    c->server_context->AddTrailingMetadata(kLostAboveKey, "1");
     c->reactor->Finish(
         grpc::Status(grpc::StatusCode::UNAVAILABLE,
                      UpstreamHealth::LostMessage(c->request.job_id(), calls.health->limit())));
@@ -190,6 +199,14 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
       stopping = calls.stopping;
     }
     const absl::Time now = absl::Now();
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
+        c->context->GetServerTrailingMetadata().count(kLostAboveKey) != 0) {
+      // The node above answered: the coordinator above it is lost.
+      if (calls.health != nullptr) calls.health->NoteAnswered();
+      c->server_context->AddTrailingMetadata(kLostAboveKey, "1");
+      c->reactor->Finish(s);
+      return;
+    }
     const bool unanswered = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
                             (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
                              now >= attempt_deadline && attempt_deadline < c->deadline);
@@ -255,6 +272,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
   if (!token_.empty()) call->request.set_token(token_);
   Stamp(&call->request);
   call->response = response;
+  call->server_context = context;
   call->reactor = reactor;
   call->calls = calls_;
   call->deadline = absl::Now() + slack_;
@@ -284,6 +302,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Get(grpc::CallbackServerContext* co
   if (!token_.empty()) call->request.set_token(token_);
   Stamp(&call->request);
   call->response = response;
+  call->server_context = context;
   call->reactor = reactor;
   call->calls = calls_;
   call->wait_until = absl::Now() + absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms()));

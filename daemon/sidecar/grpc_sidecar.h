@@ -15,10 +15,10 @@
 #include "absl/time/time.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "core/sync.h"
+#include "daemon/common/upstream_health.h"
 #include "daemon/common/write_queue_limits.h"
 #include "daemon/sidecar/sidecar.h"
 #include "daemon/sidecar/sidecar_jobs.h"
-#include "daemon/sidecar/upstream_health.h"
 #include "grpcpp/grpcpp.h"
 
 namespace accord::daemon {

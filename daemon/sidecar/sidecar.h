@@ -76,9 +76,9 @@
 #include "daemon/common/clock.h"
 #include "daemon/common/due_timer.h"
 #include "daemon/common/upstream.h"
+#include "daemon/common/upstream_health.h"
 #include "daemon/common/upstream_node.h"
 #include "daemon/sidecar/local_group.h"
-#include "daemon/sidecar/upstream_health.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {

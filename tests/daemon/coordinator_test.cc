@@ -585,6 +585,26 @@ TEST_F(CoordinatorTest, RankLeavingFailsPendingStepsThatNeedItAtOnceNamingOnlyIt
   }
 }
 
+// A leave that says why (from a relay: the rank's node is the relay) is
+// named in those words, cut to 256 bytes.
+TEST_F(CoordinatorTest, ALeavesCauseNamesTheFailure) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 0, {kBf16}, 4, {0, 1})}));
+  v1::NodeMessage left = RankLeft(3, 7);
+  left.mutable_rank_event()->set_cause("its sidecar on node \"n7\" was lost" +
+                                       std::string(400, '.'));
+  coord_.HandleMessage(b_, left);
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const std::string message = sink_a_.decisions()[0].error().message();
+  const std::string expected_start =
+      "job job1 group \"g0\" step 0: rank 3 left (its sidecar on "
+      "node \"n7\" was lost";
+  EXPECT_EQ(message.substr(0, expected_start.size()), expected_start) << message;
+  const std::string cut = "its sidecar on node \"n7\" was lost" + std::string(400, '.');
+  EXPECT_THAT(message, ::testing::HasSubstr(cut.substr(0, 256) + "); missing ranks 3")) << message;
+}
+
 // The guard's group ("~seq") is many steps ahead of "g0": a missing rank's
 // last step is its step of "g0", and it skipped nothing.
 TEST_F(CoordinatorTest, MissingRankLastStepIsItsStepOfTheFailedGroupNotOfAnother) {

@@ -123,6 +123,22 @@ TEST(MembershipDescribeTest, ARankIsDescribedWithItsNodeAndWhetherItIsConnected)
   EXPECT_EQ(m.Describe(4), "rank 4 (not connected: no sidecar has announced it)");
 }
 
+// A leave that says why (a relay naming the rank's sidecar) is described in
+// its words until the rank joins again.
+TEST(MembershipDescribeTest, ALeavesCauseDescribesTheRankUntilItJoinsAgain) {
+  Membership m(2);
+  uint64_t replaced = 0;
+  NodeState& relay = m.Connect("relay0", {0, 1}, 1, nullptr, false, &replaced);
+  ASSERT_TRUE(m.LeaveRank(relay, 1, 3, "its stream to the sidecar on node \"n1\" ended"));
+  EXPECT_EQ(m.LeftCause(1), "its stream to the sidecar on node \"n1\" ended");
+  EXPECT_EQ(m.Describe(1),
+            "rank 1 (node \"relay0\", not connected: its stream to the sidecar on node \"n1\" "
+            "ended)");
+  EXPECT_EQ(m.JoinRank(relay, 1), Membership::Join::kAlreadyServed);
+  EXPECT_EQ(m.LeftCause(1), "");
+  EXPECT_EQ(m.Describe(1), "rank 1 (node \"relay0\", connected)");
+}
+
 TEST_F(MembershipTest, RankSetWordBoundsCoverOnlyTheNodesWords) {
   Membership wide(256);
   uint64_t replaced = 0;

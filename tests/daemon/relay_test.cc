@@ -9,6 +9,7 @@
 
 #include "core/group.h"
 #include "core/manifest.h"
+#include "daemon/common/upstream_health.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
@@ -485,11 +486,42 @@ TEST_F(RelayTest, ASidecarGonePastTheGraceHasItsRanksReportedAsLeft) {
   clock_.Advance(absl::Seconds(1));
   relay_->CheckTimers();
   EXPECT_THAT(lefts(), ElementsAre(2, 3));
+  // The coordinator knows these ranks as the relay's: the leave says which
+  // sidecar was lost, and why.
+  for (const v1::NodeMessage& m : up_.sent) {
+    if (!m.has_rank_event() || m.rank_event().joined()) continue;
+    EXPECT_EQ(m.rank_event().cause(),
+              "its sidecar on node \"node1\" lost its stream to relay \"relay0\" and did not "
+              "come back within 10s (the relay's --node_reconnect_grace)");
+  }
   // node0 alone now completes steps by itself, naming its ranks: the
   // coordinator still counts ranks 2 and 3 as the relay's (left).
   Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
   ASSERT_EQ(up_.manifests().size(), 1u);
   EXPECT_THAT(CoveredUpstream(up_.manifests(), 0), ElementsAre(0, 1));
+}
+
+// A rank that leaves its sidecar goes up as a leave whose cause names that
+// sidecar (upstream the relay is the rank's node); a cause a relay below
+// already gave is kept.
+TEST_F(RelayTest, ARanksLeaveGoesUpNamingItsSidecar) {
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(1);
+  left.mutable_rank_event()->set_joined(false);
+  left.mutable_rank_event()->set_last_step(4);
+  relay_->HandleMessage(a_, left);
+  left.mutable_rank_event()->set_rank(3);
+  left.mutable_rank_event()->set_cause("said below");
+  relay_->HandleMessage(b_, left);
+  std::vector<v1::RankEvent> events;
+  for (const v1::NodeMessage& m : up_.sent) {
+    if (m.has_rank_event() && !m.rank_event().joined()) events.push_back(m.rank_event());
+  }
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].rank(), 1);
+  EXPECT_EQ(events[0].last_step(), 4);
+  EXPECT_EQ(events[0].cause(), "its stream to the sidecar on node \"node0\" ended");
+  EXPECT_EQ(events[1].cause(), "said below");
 }
 
 TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedManifest) {
@@ -589,4 +621,88 @@ TEST(RelayHelloTest, AHelloAnnouncingARankTwiceIsRefusedWithTheCoordinatorsError
 }
 
 }  // namespace
+// The errors each sidecar got (messages with an error body).
+std::vector<v1::DecisionError> ErrorsOf(FakeNodeSink& sink) {
+  std::vector<v1::DecisionError> out;
+  for (const v1::CoordinatorMessage& m : sink.messages()) {
+    if (m.has_error()) out.push_back(m.error());
+  }
+  return out;
+}
+
+// docs/RELIABILITY.md, "Node above lost": the sidecars behind a relay hear
+// from the relay, so their own loss limit never runs; the relay counts the
+// coordinator's silence and, past its limit, gives every sidecar one error
+// in a sidecar's words. A Welcome in time stops the clock; repeated stream
+// attempts do not restart it.
+TEST_F(RelayTest, ACoordinatorUnansweredPastTheLossLimitFailsEverySidecarOnceInASidecarsWords) {
+  const absl::Duration limit = RelayOptions().upstream_loss_limit;
+  // The stream ended; a new one is tried and not welcomed for most of the
+  // limit, then welcomed.
+  relay_->OnUpstreamConnected();
+  clock_.Advance(limit - absl::Seconds(1));
+  relay_->CheckTimers();
+  Welcome(/*deadline_ms=*/2000);
+  clock_.Advance(limit);
+  relay_->CheckTimers();
+  EXPECT_THAT(ErrorsOf(sink_a_), ::testing::IsEmpty());
+  // It ends again; attempts every few seconds are one loss, counted from
+  // the first.
+  relay_->OnUpstreamConnected();
+  for (int i = 0; i < 5; ++i) {
+    clock_.Advance(limit / 6);
+    relay_->OnUpstreamConnected();
+    relay_->CheckTimers();
+  }
+  EXPECT_THAT(ErrorsOf(sink_a_), ::testing::IsEmpty());
+  clock_.Advance(limit / 6);
+  relay_->CheckTimers();
+  for (FakeNodeSink* sink : {&sink_a_, &sink_b_}) {
+    const std::vector<v1::DecisionError> errors = ErrorsOf(*sink);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].kind(), v1::UNAVAILABLE);
+    EXPECT_EQ(errors[0].job_id(), "j");
+    EXPECT_EQ(errors[0].message(), UpstreamHealth::LostMessage("j", limit));
+  }
+  // Said once per job.
+  clock_.Advance(limit * 2);
+  relay_->OnUpstreamConnected();
+  clock_.Advance(limit * 2);
+  relay_->CheckTimers();
+  EXPECT_EQ(ErrorsOf(sink_a_).size(), 1u);
+}
+
+// A job whose first sidecar arrives while the coordinator has never answered
+// counts from that sidecar's hello; a limit of zero never fails it.
+TEST(RelayLossLimitTest, CountsFromTheFirstSidecarAndZeroWaitsForEver) {
+  for (absl::Duration limit : {absl::Seconds(5), absl::ZeroDuration()}) {
+    FakeClock clock;
+    FakeUpstream up;
+    FakeNodeSink sink;
+    RelayOptions o;
+    o.relay_id = "relay0";
+    o.clock = &clock;
+    o.start_timer_thread = false;
+    o.upstream_loss_limit = limit;
+    Relay relay(o);
+    relay.SetUpstream(&up);
+    relay.OnUpstreamConnected();
+    clock.Advance(absl::Hours(1));  // no job yet: nothing counts
+    const Relay::SessionId id = relay.OpenSession(&sink);
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_job_id("j");
+    hello.mutable_hello()->set_node_id("node0");
+    hello.mutable_hello()->set_world_size(kWorld);
+    hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+    hello.mutable_hello()->add_ranks(0);
+    relay.HandleMessage(id, hello);
+    clock.Advance(absl::Seconds(4));
+    relay.CheckTimers();
+    EXPECT_THAT(ErrorsOf(sink), ::testing::IsEmpty()) << limit;
+    clock.Advance(absl::Seconds(2));
+    relay.CheckTimers();
+    EXPECT_EQ(ErrorsOf(sink).size(), limit > absl::ZeroDuration() ? 1u : 0u) << limit;
+  }
+}
+
 }  // namespace accord::daemon

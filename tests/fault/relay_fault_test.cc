@@ -4,6 +4,8 @@
 // restarted on its address resumes the job with the same decisions, and so
 // does a coordinator restarted behind relays; a relay
 // killed for good gives the other relays' ranks one UNAVAILABLE naming it;
+// a coordinator killed for good behind relays ends every rank at the relays'
+// --upstream_loss_limit with one error;
 // a relay whose upstream connection is cut (decisions lost on the way)
 // loses nothing. Ranks are held before a step at a FIFO gate; nothing waits
 // on a timer.
@@ -214,6 +216,67 @@ TEST_F(RelayFaultTest, RelayKilledForGoodIsNamedToTheOtherRelaysRanks) {
   }
   for (int r = 4; r < kWorld; ++r) kill(procs[r]->pid(), SIGKILL);
   LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(30));
+}
+
+// A sidecar behind a relay killed for good: past the relay's grace its
+// ranks go up as leaves that name it (the coordinator knows them as the
+// relay's ranks), so the error every other rank gets says which sidecar was
+// lost, not "relay0".
+TEST_F(RelayFaultTest, ASidecarLostBehindARelayIsNamedByTheErrorTheOtherRanksGet) {
+  StartCluster(2, 2, {"--deadline=30s"}, {"--node_reconnect_grace=1s"});
+  auto procs = StartGated(/*world=*/4, "lost", /*gated=*/{3}, /*step=*/1, {"--groups=1"});
+  ASSERT_EQ(procs.size(), 4u);
+  cluster_->KillSidecar(1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(procs[r]->WaitForLine(": error ", absl::Now() + absl::Seconds(20)).ok())
+        << procs[r]->Output();
+    EXPECT_THAT(FirstError(procs[r]->Output()),
+                HasSubstr("rank 2 left (its sidecar on node \"node1\" lost its stream to relay "
+                          "\"relay0\" and did not come back within 1s (the relay's "
+                          "--node_reconnect_grace))"))
+        << "rank " << r;
+  }
+  for (int r = 2; r < 4; ++r) kill(procs[r]->pid(), SIGKILL);
+  LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(30));
+}
+
+// The coordinator killed for good behind relays (docs/RELIABILITY.md, "Node
+// above lost"): the sidecars hear from their relay, so only the relay can
+// count the coordinator's silence; past its --upstream_loss_limit every rank,
+// the one held at a gate included, ends with the words a sidecar connected
+// to the coordinator would use, long before the ranks' own 30 s waits.
+TEST_F(RelayFaultTest, CoordinatorKilledForGoodBehindRelaysEndsEveryRankWithOneErrorAtTheLimit) {
+  StartCluster(4, 2, {}, {"--upstream_loss_limit=2s"});
+  auto procs = StartGated(kWorld, "lost", /*gated=*/{6}, /*step=*/1, kFlags);
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  const absl::Time killed = absl::Now();
+  cluster_->KillCoordinator();
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == 6) continue;
+    ASSERT_TRUE(procs[r]->WaitForLine("error UNAVAILABLE", absl::Now() + absl::Seconds(20)).ok())
+        << procs[r]->Output();
+  }
+  // The limit (2 s) + the relay's reconnect backoff (0.5 s) + slack.
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(15));
+  ASSERT_TRUE(gate_.Release());
+  std::vector<RankResult> results = LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(60));
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  // Each rank's closing key-value Set ends at once too: the relay's
+  // forwarder refuses it with the loss's words, and the sidecar below passes
+  // that answer on instead of sending the call again (their own waits are
+  // 30 s each).
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
+  const std::string expected =
+      "UNAVAILABLE: job lost: the coordinator (or relay) this rank's sidecar reports to has not "
+      "answered for 2s (--upstream_loss_limit), so no registration result, decision or key can "
+      "reach the job's ranks; the job is failed. Check that the coordinator runs and that the "
+      "nodes reach it, and the sidecars' logs";
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    EXPECT_EQ(FirstError(results[r].output), expected) << "rank " << r << ":\n"
+                                                       << results[r].output;
+  }
+  EXPECT_THAT(cluster_->RelayOutput(0), HasSubstr("--upstream_loss_limit"));
 }
 
 // The relay's upstream goes through a proxy. What the coordinator sends to

@@ -9,8 +9,8 @@
 // lost").
 //
 // Thread-safe.
-#ifndef ACCORD_DAEMON_SIDECAR_UPSTREAM_HEALTH_H_
-#define ACCORD_DAEMON_SIDECAR_UPSTREAM_HEALTH_H_
+#ifndef ACCORD_DAEMON_COMMON_UPSTREAM_HEALTH_H_
+#define ACCORD_DAEMON_COMMON_UPSTREAM_HEALTH_H_
 
 #include <atomic>
 #include <cstdint>
@@ -70,4 +70,4 @@ class UpstreamHealth {
 
 }  // namespace accord::daemon
 
-#endif  // ACCORD_DAEMON_SIDECAR_UPSTREAM_HEALTH_H_
+#endif  // ACCORD_DAEMON_COMMON_UPSTREAM_HEALTH_H_
