@@ -73,13 +73,19 @@ v1::Manifest NodeManifest(int64_t step, const std::vector<int>& ranks, std::vect
   return out;
 }
 
+// A relay "relay0" on `clock`, with no timer thread (CheckTimers by hand).
+RelayOptions TestOptions(FakeClock* clock) {
+  RelayOptions o;
+  o.relay_id = "relay0";
+  o.clock = clock;
+  o.start_timer_thread = false;
+  return o;
+}
+
 class RelayTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    RelayOptions o;
-    o.relay_id = "relay0";
-    o.clock = &clock_;
-    o.start_timer_thread = false;
+    RelayOptions o = TestOptions(&clock_);
     o.node_reconnect_grace = absl::Seconds(10);
     relay_ = std::make_unique<Relay>(o);
     relay_->SetUpstream(&up_);
@@ -593,11 +599,7 @@ TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
 TEST(RelayHelloTest, AHelloAnnouncingARankTwiceIsRefusedWithTheCoordinatorsError) {
   FakeClock clock;
   FakeUpstream up;
-  RelayOptions o;
-  o.relay_id = "relay0";
-  o.clock = &clock;
-  o.start_timer_thread = false;
-  Relay relay(o);
+  Relay relay(TestOptions(&clock));
   relay.SetUpstream(&up);
   relay.OnUpstreamConnected();
   FakeNodeSink twice;
@@ -679,10 +681,7 @@ TEST(RelayLossLimitTest, CountsFromTheFirstSidecarAndZeroWaitsForEver) {
     FakeClock clock;
     FakeUpstream up;
     FakeNodeSink sink;
-    RelayOptions o;
-    o.relay_id = "relay0";
-    o.clock = &clock;
-    o.start_timer_thread = false;
+    RelayOptions o = TestOptions(&clock);
     o.upstream_loss_limit = limit;
     Relay relay(o);
     relay.SetUpstream(&up);
