@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
 #include "grpcpp/client_context.h"
+#include "proto/wire.h"
 
 namespace accord {
 namespace {
@@ -80,8 +81,9 @@ class GrpcKeyValueStore : public KeyValueStore {
     while (true) {
       grpc::ClientContext ctx;
       grpc::Status s = call(ctx);
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || absl::Now() + backoff >= give_up) {
-        return s;
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || absl::Now() + backoff >= give_up ||
+          ctx.GetServerTrailingMetadata().count(wire::kLostAboveMetadataKey) != 0) {
+        return s;  // an answer (the node above the sidecar is lost), not an unreachable sidecar
       }
       absl::SleepFor(backoff);  // a retry's backoff, not a synchronisation
       backoff = std::min(backoff * 2, absl::Seconds(1));

@@ -18,6 +18,12 @@
 
 namespace accord::wire {
 
+// Trailing metadata on a key-value call's UNAVAILABLE that a daemon answered
+// because the coordinator above it is lost (--upstream_loss_limit): an
+// answer, final, never sent again by a forwarder below or by the client
+// (docs/RELIABILITY.md, "Node above lost").
+inline constexpr char kLostAboveMetadataKey[] = "accord-lost-above";
+
 // Bitsets: bit i is bit (i % 8) of byte (i / 8).
 std::string PackBits(const std::vector<bool>& bits);
 // INVALID_ARGUMENT (naming `what`) when the length is not ceil(n/8) bytes or

@@ -281,6 +281,7 @@ int Main(int argc, char** argv) {
 
   ACCORD_LOG(INFO) << "signal " << WaitForStop(tokens.get()) << ": stopping";
   node_service.FinishAll();
+  kv_service.Stop();  // forwarded key-value calls must not hold the stop
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   relay.Stop();  // its timer sends upstream
   upstream.Stop();

@@ -143,12 +143,10 @@ namespace {
 // an attempt waits at most until it counts as lost (UpstreamHealth), and the
 // call then ends with the loss's words, as the job's ranks were told.
 //
-// That ending carries the trailing metadata kLostAboveKey, so a forwarder
+// That ending carries the trailing metadata wire::kLostAboveMetadataKey, so a forwarder
 // one tier below (a sidecar behind a relay) takes it as the answer it is
 // and passes it on at once, instead of reading UNAVAILABLE as its own node
 // above not answering and sending the call again until its deadline.
-constexpr char kLostAboveKey[] = "accord-lost-above";
-
 template <typename Request, typename Response>
 struct ForwardedCall {
   Request request;
@@ -168,7 +166,7 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
   const absl::Time lost_at =
       calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
   if (now >= lost_at) {
-    c->server_context->AddTrailingMetadata(kLostAboveKey, "1");
+    c->server_context->AddTrailingMetadata(wire::kLostAboveMetadataKey, "1");
     c->reactor->Finish(
         grpc::Status(grpc::StatusCode::UNAVAILABLE,
                      UpstreamHealth::LostMessage(c->request.job_id(), calls.health->limit())));
@@ -200,10 +198,10 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
     }
     const absl::Time now = absl::Now();
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
-        c->context->GetServerTrailingMetadata().count(kLostAboveKey) != 0) {
+        c->context->GetServerTrailingMetadata().count(wire::kLostAboveMetadataKey) != 0) {
       // The node above answered: the coordinator above it is lost.
       if (calls.health != nullptr) calls.health->NoteAnswered();
-      c->server_context->AddTrailingMetadata(kLostAboveKey, "1");
+      c->server_context->AddTrailingMetadata(wire::kLostAboveMetadataKey, "1");
       c->reactor->Finish(s);
       return;
     }

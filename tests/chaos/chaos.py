@@ -53,7 +53,7 @@ DEADLINE_S = 2.0
 GRACE_S = min(1.0, DEADLINE_S / 4)  # the coordinator's progress grace, docs/RELIABILITY.md
 NODE_GRACE_S = 1.5  # --node_reconnect_grace
 BACKOFF_MAX_S = 0.5  # --reconnect_max_backoff of sidecars and relays
-# --upstream_loss_limit of sidecars: above the longest link fault or stop
+# --upstream_loss_limit of sidecars and relays: above the longest link fault or stop
 # (5 s) plus a reconnect, so only a node above killed for good reaches it.
 LOSS_LIMIT_S = 7.0
 KEEPALIVE_S = 1.0
@@ -194,6 +194,7 @@ class Cluster:
                 bins["relay"], f"--listen=127.0.0.1:{self.relay_port}", "--metrics_port=0",
                 f"--coordinator=127.0.0.1:{self.proxies['relay'].port}", "--relay_id=relay0",
                 f"--node_reconnect_grace={NODE_GRACE_S}s",
+                f"--upstream_loss_limit={LOSS_LIMIT_S}s",
                 f"--reconnect_max_backoff={BACKOFF_MAX_S}s",
                 f"--keepalive_time={KEEPALIVE_S}s", f"--keepalive_timeout={KEEPALIVE_S}s",
             ], work)
