@@ -13,10 +13,21 @@
 namespace accord {
 namespace {
 
-absl::Status FromGrpc(const grpc::Status& s, absl::string_view what, absl::string_view target) {
+// `verdict`: the error is the job's verdict (wire::kJobVerdictMetadataKey),
+// reported in the words every rank of the run gets; any other error is this
+// call's, said with the call and the sidecar it went to.
+absl::Status FromGrpc(const grpc::Status& s, bool verdict, absl::string_view what,
+                      absl::string_view target) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, " via ", target, ": ", s.error_message()));
+  const auto code = static_cast<absl::StatusCode>(s.error_code());
+  if (verdict) return absl::Status(code, s.error_message());
+  return absl::Status(code, absl::StrCat(what, " via ", target, ": ", s.error_message()));
+}
+
+bool IsJobVerdict(const grpc::ClientContext& ctx) {
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  return trailers.count(wire::kJobVerdictMetadataKey) != 0 ||
+         trailers.count(wire::kLostAboveMetadataKey) != 0;
 }
 
 class GrpcKeyValueStore : public KeyValueStore {
@@ -38,11 +49,13 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_token(token_);
     req.set_rank(rank_);
     v1::KeyValueSetResponse resp;
-    const grpc::Status s = Retried([&](grpc::ClientContext& ctx) {
+    bool verdict = false;
+    const grpc::Status s = Retried(&verdict, [&](grpc::ClientContext& ctx) {
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       return stub_->Set(&ctx, req, &resp);
     });
-    return FromGrpc(s, absl::StrCat("key-value Set(\"", key, "\") for job \"", job_id_, "\""),
+    return FromGrpc(s, verdict,
+                    absl::StrCat("key-value Set(\"", key, "\") for job \"", job_id_, "\""),
                     target_);
   }
 
@@ -55,13 +68,14 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_token(token_);
     req.set_rank(rank_);
     v1::KeyValueGetResponse resp;
-    grpc::Status s = Retried([&](grpc::ClientContext& ctx) {
+    bool verdict = false;
+    grpc::Status s = Retried(&verdict, [&](grpc::ClientContext& ctx) {
       // The server enforces `timeout`; the RPC deadline only bounds a lost server.
       ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(30));
       return stub_->Get(&ctx, req, &resp);
     });
     if (!s.ok()) {
-      return FromGrpc(s, absl::StrCat("key-value Get for job \"", job_id_, "\""), target_);
+      return FromGrpc(s, verdict, absl::StrCat("key-value Get for job \"", job_id_, "\""), target_);
     }
     if (static_cast<size_t>(resp.values_size()) != keys.size()) {
       return absl::InternalError(
@@ -73,16 +87,18 @@ class GrpcKeyValueStore : public KeyValueStore {
 
  private:
   // Runs `call` (on a fresh context each time) again while it finds the
-  // sidecar unreachable, with backoff, for at most retry_for_.
+  // sidecar unreachable, with backoff, for at most retry_for_. Sets
+  // `*verdict` when the answer is the job's verdict.
   template <typename Call>
-  grpc::Status Retried(Call call) {
+  grpc::Status Retried(bool* verdict, Call call) {
     const absl::Time give_up = absl::Now() + retry_for_;
     absl::Duration backoff = absl::Milliseconds(50);
     while (true) {
       grpc::ClientContext ctx;
       grpc::Status s = call(ctx);
+      *verdict = IsJobVerdict(ctx);
       if (s.error_code() != grpc::StatusCode::UNAVAILABLE || absl::Now() + backoff >= give_up ||
-          ctx.GetServerTrailingMetadata().count(wire::kLostAboveMetadataKey) != 0) {
+          *verdict) {
         return s;  // an answer (the node above the sidecar is lost), not an unreachable sidecar
       }
       absl::SleepFor(backoff);  // a retry's backoff, not a synchronisation

@@ -23,6 +23,14 @@ namespace accord::wire {
 // answer, final, never sent again by a forwarder below or by the client
 // (docs/RELIABILITY.md, "Node above lost").
 inline constexpr char kLostAboveMetadataKey[] = "accord-lost-above";
+// Trailing metadata on a key-value call's error whose words are the job's
+// verdict, the same for every rank that gets it: the run failed or ended, or
+// a wait reached the coordinator's --deadline. Forwarders pass it on, and the
+// client reports the words as they are, without its own prefix (its key, its
+// sidecar's socket), so every rank of a run ends with one text
+// (docs/RELIABILITY.md, "Chaos"). A call refused for kLostAboveMetadataKey is
+// one too.
+inline constexpr char kJobVerdictMetadataKey[] = "accord-job-verdict";
 
 // Bitsets: bit i is bit (i % 8) of byte (i / 8).
 std::string PackBits(const std::vector<bool>& bits);

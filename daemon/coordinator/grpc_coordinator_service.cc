@@ -116,6 +116,18 @@ void CoordinatorGrpcService::FinishAll() {
   for (NodeSessionReactor* r : live_) r->FinishSoon();
 }
 
+namespace {
+
+// Ends a key-value call, marking a job verdict for the forwarders and the
+// client (wire::kJobVerdictMetadataKey).
+void FinishKeyValue(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                    const absl::Status& s) {
+  if (IsJobVerdict(s)) context->AddTrailingMetadata(wire::kJobVerdictMetadataKey, "1");
+  reactor->Finish(ToGrpcStatus(s));
+}
+
+}  // namespace
+
 template <typename Request>
 absl::StatusOr<std::string> KeyValueGrpcService::RunOf(const Request& request) {
   if (runs_ == nullptr || request.job_id().empty()) return std::string();
@@ -141,12 +153,13 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Set(grpc::CallbackServerContext* 
   }
   absl::StatusOr<std::string> run = RunOf(*request);
   if (!run.ok()) {
-    reactor->Finish(ToGrpcStatus(run.status()));
+    // The run this call belongs to ended or failed: the run's own words.
+    FinishKeyValue(context, reactor, AsJobVerdict(run.status()));
     return reactor;
   }
-  reactor->Finish(
-      ToGrpcStatus(kv_->Set(request->job_id(), *run, request->key(), request->value(),
-                            request->has_rank() ? request->rank() : KvStore::kUnknownRank)));
+  FinishKeyValue(context, reactor,
+                 kv_->Set(request->job_id(), *run, request->key(), request->value(),
+                          request->has_rank() ? request->rank() : KvStore::kUnknownRank));
   return reactor;
 }
 
@@ -169,17 +182,18 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
   }
   absl::StatusOr<std::string> run = RunOf(*request);
   if (!run.ok()) {
-    reactor->Finish(ToGrpcStatus(run.status()));
+    // The run this call belongs to ended or failed: the run's own words.
+    FinishKeyValue(context, reactor, AsJobVerdict(run.status()));
     return reactor;
   }
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
   kv_->Get(
       request->job_id(), *run, std::move(keys), absl::Milliseconds(request->timeout_ms()),
-      [reactor, response](absl::StatusOr<std::vector<std::string>> values) {
+      [context, reactor, response](absl::StatusOr<std::vector<std::string>> values) {
         if (values.ok()) {
           for (std::string& v : *values) response->add_values(std::move(v));
         }
-        reactor->Finish(ToGrpcStatus(values.status()));
+        FinishKeyValue(context, reactor, values.status());
       },
       request->has_rank() ? request->rank() : KvStore::kUnknownRank);
   return reactor;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/rank_set.h"
@@ -23,7 +24,16 @@ std::vector<int> Sorted(const absl::flat_hash_set<int>& ranks) {
   return out;
 }
 
+constexpr char kJobVerdictPayload[] = "type.accord.dev/job-verdict";
+
 }  // namespace
+
+absl::Status AsJobVerdict(absl::Status s) {
+  if (!s.ok()) s.SetPayload(kJobVerdictPayload, absl::Cord("1"));
+  return s;
+}
+
+bool IsJobVerdict(const absl::Status& s) { return s.GetPayload(kJobVerdictPayload).has_value(); }
 
 KvStore::KvStore(KvOptions options, Clock* clock) : options_(options), clock_(clock) {
   timer_ = std::thread([this] { TimerLoop(); });
@@ -286,7 +296,7 @@ void KvStore::DropRun(const std::string& job_id, const std::string& run_id, cons
         continue;
       }
       if (successor.empty()) {
-        ready.emplace_back(std::move(it->done), why);
+        ready.emplace_back(std::move(it->done), AsJobVerdict(why));
         it = waiters_.erase(it);
         continue;
       }
@@ -337,7 +347,11 @@ void KvStore::TimerLoop() {
       // The errors ask the rank directory, which takes the coordinator's
       // lock: never with this one held.
       mu_.Unlock();
-      for (Unset& u : ended) u.done(UnsetKeysError(u));
+      // A wait cut at the coordinator's --deadline ends the rendezvous for
+      // every rank alike; one that ends at its own shorter timeout does not.
+      for (Unset& u : ended) {
+        u.done(u.bounded ? AsJobVerdict(UnsetKeysError(u)) : UnsetKeysError(u));
+      }
       mu_.Lock();
       continue;
     }

@@ -47,6 +47,12 @@
 
 namespace accord::daemon {
 
+// A key-value error that is the job's verdict rather than one call's
+// (wire::kJobVerdictMetadataKey): carried as a status payload from where it
+// is made to the service that answers the call.
+absl::Status AsJobVerdict(absl::Status s);
+bool IsJobVerdict(const absl::Status& s);
+
 struct KvOptions {
   // Runs holding keys at once (the coordinator's --max_jobs): runs are
   // dropped when they end, so this bounds live runs, not ids ever seen.

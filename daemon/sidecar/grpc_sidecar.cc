@@ -146,7 +146,9 @@ namespace {
 // That ending carries the trailing metadata wire::kLostAboveMetadataKey, so a forwarder
 // one tier below (a sidecar behind a relay) takes it as the answer it is
 // and passes it on at once, instead of reading UNAVAILABLE as its own node
-// above not answering and sending the call again until its deadline.
+// above not answering and sending the call again until its deadline. The
+// loss's words, and an upstream error marked wire::kJobVerdictMetadataKey,
+// go down marked as the job's verdict, which the client reports unprefixed.
 template <typename Request, typename Response>
 struct ForwardedCall {
   Request request;
@@ -167,6 +169,7 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
       calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
   if (now >= lost_at) {
     c->server_context->AddTrailingMetadata(wire::kLostAboveMetadataKey, "1");
+    c->server_context->AddTrailingMetadata(wire::kJobVerdictMetadataKey, "1");
     c->reactor->Finish(
         grpc::Status(grpc::StatusCode::UNAVAILABLE,
                      UpstreamHealth::LostMessage(c->request.job_id(), calls.health->limit())));
@@ -202,6 +205,7 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
       // The node above answered: the coordinator above it is lost.
       if (calls.health != nullptr) calls.health->NoteAnswered();
       c->server_context->AddTrailingMetadata(wire::kLostAboveMetadataKey, "1");
+      c->server_context->AddTrailingMetadata(wire::kJobVerdictMetadataKey, "1");
       c->reactor->Finish(s);
       return;
     }
@@ -223,6 +227,9 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
       c->response->Clear();
       Forward(c, start);  // or ends it with the loss's words
       return;
+    }
+    if (c->context->GetServerTrailingMetadata().count(wire::kJobVerdictMetadataKey) != 0) {
+      c->server_context->AddTrailingMetadata(wire::kJobVerdictMetadataKey, "1");
     }
     c->reactor->Finish(s);
   });

@@ -193,6 +193,9 @@ TEST_F(FaultTest, CoordinatorKilledForGoodEndsEveryRankWithOneErrorAtTheLossLimi
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_NE(results[r].exit_code, 0) << results[r].output;
     EXPECT_EQ(FirstError(results[r]), expected) << "rank " << r << ":\n" << results[r].output;
+    // The same words, not behind the rank's own key and sidecar.
+    EXPECT_THAT(results[r].output,
+                HasSubstr(absl::StrCat("rank ", r, " done key refused ", expected, "\n")));
   }
   EXPECT_THAT(cluster_->SidecarOutput(0), HasSubstr("--upstream_loss_limit"));
 }

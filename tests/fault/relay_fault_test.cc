@@ -275,6 +275,9 @@ TEST_F(RelayFaultTest, CoordinatorKilledForGoodBehindRelaysEndsEveryRankWithOneE
     EXPECT_NE(results[r].exit_code, 0) << results[r].output;
     EXPECT_EQ(FirstError(results[r].output), expected) << "rank " << r << ":\n"
                                                        << results[r].output;
+    // Through the relay and the sidecar: the same words, unprefixed.
+    EXPECT_THAT(results[r].output,
+                HasSubstr(absl::StrCat("rank ", r, " done key refused ", expected, "\n")));
   }
   EXPECT_THAT(cluster_->RelayOutput(0), HasSubstr("--upstream_loss_limit"));
 }

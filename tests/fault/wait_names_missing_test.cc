@@ -169,18 +169,18 @@ class WaitNamesMissingTest : public ::testing::Test {
         "is failed");
   }
 
-  // The key-value error rank `r` gets (through its own sidecar).
-  std::string KeyValueError(int r, const std::string& job, const std::string& keys,
-                            const std::string& prefix, const std::string& missing,
-                            const std::string& who, const std::string& set_and_asked) const {
-    return absl::StrCat(
-        "DEADLINE_EXCEEDED: key-value Get for job \"", job, "\" via the sidecar at ", Socket(r),
-        ": job ", job, ": keys still not set after ", absl::FormatDuration(kDeadline),
-        " (the coordinator's --deadline): ", keys, "; missing ranks ", missing,
-        " (neither set a key under \"", prefix, "\" nor asked for one): ", who, "; ", set_and_asked,
-        ". Check the missing ranks' processes and their sidecars' logs: the rank "
-        "that publishes these keys is among them; a rank only slower than the "
-        "wait can ask again");
+  // The key-value error every waiting rank gets: the coordinator's verdict,
+  // the same text on every rank (no rank's client adds its own sidecar).
+  static std::string KeyValueError(const std::string& job, const std::string& keys,
+                                   const std::string& prefix, const std::string& missing,
+                                   const std::string& who, const std::string& set_and_asked) {
+    return absl::StrCat("DEADLINE_EXCEEDED: job ", job, ": keys still not set after ",
+                        absl::FormatDuration(kDeadline), " (the coordinator's --deadline): ", keys,
+                        "; missing ranks ", missing, " (neither set a key under \"", prefix,
+                        "\" nor asked for one): ", who, "; ", set_and_asked,
+                        ". Check the missing ranks' processes and their sidecars' logs: the rank "
+                        "that publishes these keys is among them; a rank only slower than the "
+                        "wait can ask again");
   }
 
   Gate gate_;
@@ -232,13 +232,12 @@ TEST_F(WaitNamesMissingTest, AKeyItsPublisherNeverSetsNamesThePublisherToEveryWa
             {0, 1, 2});
   ExpectLine(*procs[0], "rank 0 waiting at gate kv");
   for (int r : {1, 2}) ExpectLine(*procs[r], absl::StrCat("rank ", r, " kv waiting"));
-  Report(
-      "a key its publisher never sets",
-      ExpectNamedInTime(procs, {1, 2}, "kv_wait", "kv_error", /*per_rank_clock=*/true, [&](int r) {
-        return KeyValueError(r, "kvone", "boot/nccl_id", "boot/", "0",
-                             "rank 0 (node \"node0\", connected)",
-                             "no rank set one, ranks 1-2 asked for one");
-      }));
+  Report("a key its publisher never sets",
+         ExpectNamedInTime(procs, {1, 2}, "kv_wait", "kv_error", /*per_rank_clock=*/true, [&](int) {
+           return KeyValueError("kvone", "boot/nccl_id", "boot/", "0",
+                                "rank 0 (node \"node0\", connected)",
+                                "no rank set one, ranks 1-2 asked for one");
+         }));
   ASSERT_TRUE(gate_.Release());
   std::vector<RankResult> results = LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(60));
   ASSERT_EQ(results.size(), 3u);
@@ -252,13 +251,12 @@ TEST_F(WaitNamesMissingTest, AKeyUnderAPrefixEveryRankSetsNamesTheRankThatDidNot
   auto procs = Start(Command("kvall", {"--kv_gather=gather", "--kv_withhold_rank=2"}), {0, 1, 2});
   ExpectLine(*procs[2], "rank 2 waiting at gate kv");
   for (int r : {0, 1}) ExpectLine(*procs[r], absl::StrCat("rank ", r, " kv waiting"));
-  Report(
-      "a rank that never sets its key under a prefix",
-      ExpectNamedInTime(procs, {0, 1}, "kv_wait", "kv_error", /*per_rank_clock=*/true, [&](int r) {
-        return KeyValueError(r, "kvall", "gather/2", "gather/", "2",
-                             "rank 2 (node \"node1\", connected)",
-                             "ranks 0-1 set one, ranks 0-1 asked for one");
-      }));
+  Report("a rank that never sets its key under a prefix",
+         ExpectNamedInTime(procs, {0, 1}, "kv_wait", "kv_error", /*per_rank_clock=*/true, [&](int) {
+           return KeyValueError("kvall", "gather/2", "gather/", "2",
+                                "rank 2 (node \"node1\", connected)",
+                                "ranks 0-1 set one, ranks 0-1 asked for one");
+         }));
   ASSERT_TRUE(gate_.Release());
   std::vector<RankResult> results = LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(60));
   ASSERT_EQ(results.size(), 3u);
