@@ -228,6 +228,9 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
       Forward(c, start);  // or ends it with the loss's words
       return;
     }
+    if constexpr (std::is_same_v<Request, v1::KeyValueSetRequest>) {
+      if (s.ok()) calls.ledger.Note(c->request);  // to set again at a restarted coordinator
+    }
     if (c->context->GetServerTrailingMetadata().count(wire::kJobVerdictMetadataKey) != 0) {
       c->server_context->AddTrailingMetadata(wire::kJobVerdictMetadataKey, "1");
     }
@@ -236,6 +239,97 @@ void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
 }
 
 }  // namespace
+
+KeyValueForwarder::KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator,
+                                     std::string only_job, std::string token, absl::Duration slack)
+    : channel_(std::move(coordinator)),
+      stub_(v1::KeyValueService::NewStub(channel_)),
+      only_job_(std::move(only_job)),
+      token_(std::move(token)),
+      slack_(slack) {
+  watcher_ = std::thread([this] { WatchUpstream(); });
+}
+
+KeyValueForwarder::~KeyValueForwarder() {
+  Stop();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+bool KeyValueForwarder::Live(const std::string& job_id, const std::string& run_id) const {
+  if (jobs_ == nullptr) return true;  // a relay: runs end upstream, the bound ends them here
+  const Sidecar::RunStamp run = jobs_->CurrentRun(job_id);
+  return run.job_id == job_id && (run_id.empty() || run.run_id == run_id);
+}
+
+// The channel is the one the node's stream uses, so a coordinator that
+// restarted (or a link that was cut) shows as the channel leaving READY;
+// when it is READY again the kept Sets go up again, wait_for_ready, until
+// their deadline. Sets are idempotent: a coordinator that kept its keys
+// accepts the same value again. docs/RELIABILITY.md, "Keys across a
+// coordinator restart".
+void KeyValueForwarder::WatchUpstream() {
+  grpc_connectivity_state last = channel_->GetState(/*try_to_connect=*/false);
+  bool lost = false;  // left READY since the last time the Sets went up
+  while (true) {
+    {
+      accord::MutexLock l(&calls_->mu);
+      if (calls_->stopping) return;
+    }
+    const bool changed = channel_->WaitForStateChange(
+        last, absl::ToChronoTime(absl::Now() + absl::Milliseconds(250)));
+    if (!changed) continue;
+    // A reconnect may be READY again by the time the state is read.
+    if (last == GRPC_CHANNEL_READY) lost = true;
+    last = channel_->GetState(/*try_to_connect=*/false);
+    if (last == GRPC_CHANNEL_READY && lost) {
+      lost = false;
+      SetAgain();
+    }
+  }
+}
+
+void KeyValueForwarder::SetAgain() {
+  calls_->ledger.Prune(
+      [this](const std::string& job, const std::string& run) { return Live(job, run); });
+  std::vector<v1::KeyValueSetRequest> sets = calls_->ledger.All();
+  if (sets.empty()) return;
+  ACCORD_LOG(INFO) << "the coordinator's connection is back: setting " << sets.size()
+                   << " key(s) of " << calls_->ledger.scopes()
+                   << " run(s) again, in case it restarted and lost them";
+  struct Again {
+    v1::KeyValueSetRequest request;
+    v1::KeyValueSetResponse response;
+    std::shared_ptr<grpc::ClientContext> context = std::make_shared<grpc::ClientContext>();
+  };
+  for (v1::KeyValueSetRequest& request : sets) {
+    auto again = std::make_shared<Again>();
+    again->request = std::move(request);
+    again->context->set_deadline(absl::ToChronoTime(absl::Now() + slack_));
+    again->context->set_wait_for_ready(true);
+    {
+      accord::MutexLock l(&calls_->mu);
+      if (calls_->stopping) return;
+      calls_->live.insert(again->context);
+    }
+    std::shared_ptr<Calls> calls = calls_;
+    stub_->async()->Set(
+        again->context.get(), &again->request, &again->response, [again, calls](grpc::Status s) {
+          {
+            accord::MutexLock l(&calls->mu);
+            calls->live.erase(again->context);
+          }
+          if (again->context->GetServerTrailingMetadata().count(wire::kJobVerdictMetadataKey) !=
+              0) {
+            // The run is over: nothing of it to keep.
+            calls->ledger.Forget(again->request.job_id(), again->request.run_id());
+          } else if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) {
+            ACCORD_LOG(WARNING) << "setting key \"" << again->request.key() << "\" of job "
+                                << again->request.job_id()
+                                << " again failed: " << s.error_message();
+          }
+        });
+  }
+}
 
 void KeyValueForwarder::Stop() {
   std::vector<std::shared_ptr<grpc::ClientContext>> live;
@@ -271,6 +365,9 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
     reactor->Finish(s);
     return reactor;
   }
+  // Keeps only the runs still served here (their keys may be set again).
+  calls_->ledger.Prune(
+      [this](const std::string& job, const std::string& run) { return Live(job, run); });
   // The upstream request owns a copy carrying the sidecar's token.
   auto call = std::make_shared<ForwardedCall<v1::KeyValueSetRequest, v1::KeyValueSetResponse>>();
   call->request = *request;

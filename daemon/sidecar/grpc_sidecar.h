@@ -17,6 +17,7 @@
 #include "core/sync.h"
 #include "daemon/common/upstream_health.h"
 #include "daemon/common/write_queue_limits.h"
+#include "daemon/sidecar/key_ledger.h"
 #include "daemon/sidecar/sidecar.h"
 #include "daemon/sidecar/sidecar_jobs.h"
 #include "grpcpp/grpcpp.h"
@@ -56,12 +57,12 @@ class RankGrpcService final : public v1::RankService::CallbackService {
 class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
  public:
   // `slack`: how long a forwarded request may take beyond its own wait.
+  // Watches `coordinator`'s connection from a thread of its own: when it is
+  // ready again after it was lost, the Sets kept in the KeyLedger go up again
+  // (a restarted coordinator has lost its keys).
   KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator, std::string only_job,
-                    std::string token = "", absl::Duration slack = absl::Seconds(30))
-      : stub_(v1::KeyValueService::NewStub(coordinator)),
-        only_job_(std::move(only_job)),
-        token_(std::move(token)),
-        slack_(slack) {}
+                    std::string token = "", absl::Duration slack = absl::Seconds(30));
+  ~KeyValueForwarder() override;
   // Requests of a job served here go upstream stamped with its current
   // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
   // serving. Not owned.
@@ -74,6 +75,8 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // ones: the sidecar stops, and must not wait for a coordinator that does
   // not answer.
   void Stop();
+  // The Sets kept to be sent again (for tests and metrics).
+  const KeyLedger& ledger() const { return calls_->ledger; }
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -87,6 +90,13 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // OK, or PERMISSION_DENIED for a request token that is not the sidecar's.
   grpc::Status CheckToken(const std::string& job_id, const std::string& token) const;
 
+  // Sends the kept Sets again after the connection came back.
+  void WatchUpstream();
+  void SetAgain();
+  // Whether a kept run scope is still this sidecar's (always, at a relay).
+  bool Live(const std::string& job_id, const std::string& run_id) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KeyValueService::Stub> stub_;
   const std::string only_job_;
   const std::string token_;
@@ -101,10 +111,12 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
     accord::Mutex mu;
     bool stopping ABSL_GUARDED_BY(mu) = false;
     absl::flat_hash_set<std::shared_ptr<grpc::ClientContext>> live ABSL_GUARDED_BY(mu);
+    KeyLedger ledger;
   };
 
  private:
   std::shared_ptr<Calls> calls_ = std::make_shared<Calls>();
+  std::thread watcher_;
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread

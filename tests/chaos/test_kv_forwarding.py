@@ -93,3 +93,28 @@ def test_a_get_waiting_when_the_coordinator_restarts_is_sent_again_and_answered(
     waiter.join(timeout=20)
     assert not waiter.is_alive(), "the Get never returned"
     assert got.get("value") == [b"v"], f"the Get ended with {got}"
+
+
+def test_keys_set_before_the_coordinator_restarts_are_there_after_it(daemons):
+    """Keys live in the coordinator's memory; the sidecar keeps the Sets it
+    passed up and sends them again when the connection is back (docs/
+    RELIABILITY.md, "Keys across a coordinator restart"). A rendezvous in
+    progress across the restart completes: the reader gets the keys set
+    before the restart, and one set after it."""
+    coord, sock = daemons
+    a = accord.connect(sock, "kv-job3", 0, 2, local_rank=0)
+    b = accord.connect(sock, "kv-job3", 1, 2, local_rank=1)
+    for i in range(5):
+        a.kv_set(f"boot/{i}", f"id-{i}".encode())
+    a.kv_set("big", bytes(range(256)) * 1024)  # 256 KiB
+    coord.kill()
+    restart_after(coord, 0.5).join()
+    coord.wait_line("accord-coordinator listening on", 20)
+    b.kv_set("boot/5", b"id-5")
+    wanted = [f"boot/{i}" for i in range(6)] + ["big"]
+    got = b.kv_get(wanted, timeout_s=10)
+    assert got == [f"id-{i}".encode() for i in range(6)] + [bytes(range(256)) * 1024]
+    # Set again by the same sidecar: the same value is accepted, another is not.
+    a.kv_set("boot/0", b"id-0")
+    with pytest.raises(Exception, match="already set in this run with another value"):
+        a.kv_set("boot/0", b"other")
