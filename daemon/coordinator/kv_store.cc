@@ -189,6 +189,7 @@ KvStore::Unset KvStore::UnsetLocked(Waiter& w) {
   u.rank = w.rank;
   u.waited = w.waits;
   u.bounded = w.bounded;
+  if (auto fit = failed_.find(w.scope); fit != failed_.end()) u.failed = fit->second;
   std::vector<std::string> values;
   Lookup(w.scope, w.keys, &values, &u.missing);
   for (const std::string& k : u.missing) {
@@ -289,6 +290,8 @@ void KvStore::DropRun(const std::string& job_id, const std::string& run_id, cons
       data_.erase(it);
     }
     prefixes_.erase(scope);
+    failed_.erase(scope);
+    if (!successor.empty()) failed_[Scope(job_id, successor)] = why;
     std::vector<std::string> values, missing;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->scope != scope) {
@@ -349,8 +352,14 @@ void KvStore::TimerLoop() {
       mu_.Unlock();
       // A wait cut at the coordinator's --deadline ends the rendezvous for
       // every rank alike; one that ends at its own shorter timeout does not.
+      // In a failed run the keys are missing because the run failed: the
+      // wait ends with that failure, as the run's other ranks were told.
       for (Unset& u : ended) {
-        u.done(u.bounded ? AsJobVerdict(UnsetKeysError(u)) : UnsetKeysError(u));
+        if (!u.failed.ok()) {
+          u.done(AsJobVerdict(u.failed));
+        } else {
+          u.done(u.bounded ? AsJobVerdict(UnsetKeysError(u)) : UnsetKeysError(u));
+        }
       }
       mu_.Lock();
       continue;

@@ -94,7 +94,9 @@ class KvStore {
   void Get(const std::string& job_id, const std::string& run_id, std::vector<std::string> keys,
            absl::Duration timeout, GetCallback done, int rank = kUnknownRank);
   // Deletes the run's keys; its waiting Gets get `why` (a RUN_ENDED status),
-  // or, with a `successor` scope (a failed run's fresh scope), wait there.
+  // or, with a `successor` scope (a failed run's fresh scope), wait there. A
+  // wait in that scope that ends without its keys ends with `why` (the run's
+  // failure, which every rank was told), not with the keys it lacks.
   void DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
                const std::string& successor = "");
   // Number of Get calls waiting (for tests).
@@ -135,6 +137,7 @@ class KvStore {
     bool bounded = false;
     std::vector<int> set;    // set a key under every prefix (ascending)
     std::vector<int> asked;  // asked for a key under one of them (ascending)
+    absl::Status failed;     // the run's failure, when the wait was in a failed run
   };
   // The facts of waiter `w` at its end; its callback is moved into them.
   Unset UnsetLocked(Waiter& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -164,6 +167,8 @@ class KvStore {
   absl::flat_hash_map<Scope, Prefixes> prefixes_ ABSL_GUARDED_BY(mu_);
   int64_t num_keys_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  // A failed run's fresh scope -> the run's failure (until the run ends).
+  absl::flat_hash_map<Scope, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
   std::thread timer_;
 };
 

@@ -250,6 +250,9 @@ int Main(int argc, char** argv) {
   KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
   kv_service.SetHealth(&upstream_health);
+  kv_service.SetLive([&relay](const std::string& job_id, const std::string& run_id) {
+    return relay.ServesRun(job_id, run_id);
+  });
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;

@@ -36,6 +36,12 @@ void Relay::SetUpstream(UpstreamSink* upstream) {
   node_.SetSink(upstream);
 }
 
+bool Relay::ServesRun(const std::string& job_id, const std::string& run_id) {
+  accord::MutexLock l(&mu_);
+  return node_.has_job() && node_.job_id() == job_id &&
+         (run_id.empty() || node_.run_id().empty() || node_.run_id() == run_id);
+}
+
 RelayStats Relay::stats() {
   accord::MutexLock l(&mu_);
   RelayStats s = stats_;

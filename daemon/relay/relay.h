@@ -148,6 +148,10 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   void CheckTimers();
 
   RelayStats stats();
+  // Whether the run a key-value request was stamped with is this relay's
+  // current one (an unstamped run: its job is). The key-value forwarder keeps
+  // only those runs' keys to set again.
+  bool ServesRun(const std::string& job_id, const std::string& run_id);
 
  private:
   // One sidecar of the job.

@@ -256,7 +256,7 @@ KeyValueForwarder::~KeyValueForwarder() {
 }
 
 bool KeyValueForwarder::Live(const std::string& job_id, const std::string& run_id) const {
-  if (jobs_ == nullptr) return true;  // a relay: runs end upstream, the bound ends them here
+  if (jobs_ == nullptr) return live_ == nullptr || live_(job_id, run_id);
   const Sidecar::RunStamp run = jobs_->CurrentRun(job_id);
   return run.job_id == job_id && (run_id.empty() || run.run_id == run_id);
 }
@@ -269,33 +269,66 @@ bool KeyValueForwarder::Live(const std::string& job_id, const std::string& run_i
 // coordinator restart".
 void KeyValueForwarder::WatchUpstream() {
   grpc_connectivity_state last = channel_->GetState(/*try_to_connect=*/false);
-  bool lost = false;  // left READY since the last time the Sets went up
+  bool lost = false;                            // left READY since the last time the Sets went up
+  std::vector<v1::KeyValueSetRequest> waiting;  // to go up once their run is known
+  absl::Time waiting_until = absl::InfinitePast();
   while (true) {
     {
       accord::MutexLock l(&calls_->mu);
       if (calls_->stopping) return;
     }
-    const bool changed = channel_->WaitForStateChange(
-        last, absl::ToChronoTime(absl::Now() + absl::Milliseconds(250)));
-    if (!changed) continue;
-    // A reconnect may be READY again by the time the state is read.
-    if (last == GRPC_CHANNEL_READY) lost = true;
-    last = channel_->GetState(/*try_to_connect=*/false);
-    if (last == GRPC_CHANNEL_READY && lost) {
-      lost = false;
-      SetAgain();
+    const absl::Duration tick = waiting.empty() ? absl::Milliseconds(250) : absl::Milliseconds(50);
+    const bool changed = channel_->WaitForStateChange(last, absl::ToChronoTime(absl::Now() + tick));
+    if (changed) {
+      // A reconnect may be READY again by the time the state is read.
+      if (last == GRPC_CHANNEL_READY) lost = true;
+      last = channel_->GetState(/*try_to_connect=*/false);
+      if (last == GRPC_CHANNEL_READY && lost) {
+        lost = false;
+        calls_->ledger.Prune(
+            [this](const std::string& job, const std::string& run) { return Live(job, run); });
+        waiting = calls_->ledger.All();
+        waiting_until = absl::Now() + slack_;
+        if (!waiting.empty()) {
+          ACCORD_LOG(INFO) << "the coordinator's connection is back: setting " << waiting.size()
+                           << " key(s) of " << calls_->ledger.scopes()
+                           << " run(s) again, in case it restarted and lost them";
+        }
+      }
     }
+    if (waiting.empty()) continue;
+    if (absl::Now() >= waiting_until) {
+      ACCORD_LOG(WARNING) << waiting.size() << " key(s) not set again: their run was still not "
+                          << "known " << absl::FormatDuration(slack_) << " after the connection "
+                          << "came back";
+      waiting.clear();
+      continue;
+    }
+    SetAgain(&waiting);
   }
 }
 
-void KeyValueForwarder::SetAgain() {
-  calls_->ledger.Prune(
-      [this](const std::string& job, const std::string& run) { return Live(job, run); });
-  std::vector<v1::KeyValueSetRequest> sets = calls_->ledger.All();
-  if (sets.empty()) return;
-  ACCORD_LOG(INFO) << "the coordinator's connection is back: setting " << sets.size()
-                   << " key(s) of " << calls_->ledger.scopes()
-                   << " run(s) again, in case it restarted and lost them";
+// A kept Set goes up naming its run, which the node's hello has named
+// already, so it joins that run as the hello did. One made before its node
+// learned its run waits here until the run is known (a sidecar stamps it
+// then): sent without it, it would start a run of its own at a coordinator
+// that restarted before the node's hello came back (chaos seeds 3006, 3177,
+// 3250). A relay cannot stamp, and drops such a Set.
+void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
+  std::vector<v1::KeyValueSetRequest> sets;
+  for (auto it = waiting->begin(); it != waiting->end();) {
+    if (!Live(it->job_id(), it->run_id())) {
+      it = waiting->erase(it);
+      continue;
+    }
+    if (it->run_id().empty()) Stamp(&*it);
+    if (it->run_id().empty() && jobs_ != nullptr) {
+      ++it;  // its run is not known yet
+      continue;
+    }
+    if (!it->run_id().empty()) sets.push_back(std::move(*it));
+    it = waiting->erase(it);
+  }
   struct Again {
     v1::KeyValueSetRequest request;
     v1::KeyValueSetResponse response;

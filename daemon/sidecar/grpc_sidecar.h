@@ -5,6 +5,7 @@
 #define ACCORD_DAEMON_SIDECAR_GRPC_SIDECAR_H_
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -67,6 +68,12 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
   // serving. Not owned.
   void SetJobs(SidecarJobs* jobs) { jobs_ = jobs; }
+  // Without SidecarJobs (a relay): which kept runs are still served here
+  // (docs/RELIABILITY.md, "Keys across a coordinator restart"); unset, all
+  // are, until the bound. Set before serving; must outlive the forwarder.
+  void SetLive(std::function<bool(const std::string& job_id, const std::string& run_id)> live) {
+    live_ = std::move(live);
+  }
   // Whether the node above answers (not owned; null: calls wait for it
   // until their own deadline). While it does not, a call waits for it at
   // most until it counts as lost, then ends with the loss's words.
@@ -92,7 +99,9 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
 
   // Sends the kept Sets again after the connection came back.
   void WatchUpstream();
-  void SetAgain();
+  // Sends those of `waiting` whose run is known, and drops those no longer
+  // served here; leaves the others.
+  void SetAgain(std::vector<v1::KeyValueSetRequest>* waiting);
   // Whether a kept run scope is still this sidecar's (always, at a relay).
   bool Live(const std::string& job_id, const std::string& run_id) const;
 
@@ -102,6 +111,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string token_;
   const absl::Duration slack_;
   SidecarJobs* jobs_ = nullptr;
+  std::function<bool(const std::string&, const std::string&)> live_;
 
  public:
   // The calls in flight upstream, shared with each call (which may end

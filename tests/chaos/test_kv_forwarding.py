@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(BUILD, "python", "pkg"))
 accord = pytest.importorskip("accord", reason="the Python package is not staged in the build")
 
 
-@pytest.fixture
-def daemons():
+def start_daemons(via_relay):
+    """A coordinator and a sidecar, the sidecar behind a relay or not."""
     work = tempfile.mkdtemp(prefix="accord-kv-")
     port = free_port()
     coord = Proc("coordinator", [
@@ -33,16 +33,42 @@ def daemons():
         f"--listen=127.0.0.1:{port}", "--metrics_port=-1", "--deadline=30s"], work)
     coord.start()
     coord.wait_line("accord-coordinator listening on", 20)
+    procs = [coord]
+    upstream = port
+    if via_relay:
+        upstream = free_port()
+        relay = Proc("relay", [
+            os.path.join(BUILD, "daemon/relay/accord-relay"), f"--listen=127.0.0.1:{upstream}",
+            "--metrics_port=-1", f"--coordinator=127.0.0.1:{port}", "--relay_id=relay0",
+            "--reconnect_max_backoff=0.2s"], work)
+        relay.start()
+        relay.wait_line("accord-relay listening on", 20)
+        procs.append(relay)
     sock = os.path.join(work, "sidecar.sock")
     sidecar = Proc("sidecar", [
-        os.path.join(BUILD, "daemon/sidecar/accord-sidecar"), f"--coordinator=127.0.0.1:{port}",
-        f"--socket={sock}", "--metrics_port=-1", "--reconnect_max_backoff=0.2s",
-        "--deadline=20s"], work)
+        os.path.join(BUILD, "daemon/sidecar/accord-sidecar"),
+        f"--coordinator=127.0.0.1:{upstream}", f"--socket={sock}", "--metrics_port=-1",
+        "--reconnect_max_backoff=0.2s", "--deadline=20s"], work)
     sidecar.start()
     sidecar.wait_line("accord-sidecar serving", 20)
+    procs.append(sidecar)
+    return coord, sock, procs
+
+
+@pytest.fixture
+def daemons():
+    coord, sock, procs = start_daemons(via_relay=False)
     yield coord, sock
-    sidecar.kill()
-    coord.kill()
+    for p in reversed(procs):
+        p.kill()
+
+
+@pytest.fixture(params=[False, True], ids=["sidecar", "relay"])
+def daemons_any_tier(request):
+    coord, sock, procs = start_daemons(via_relay=request.param)
+    yield coord, sock
+    for p in reversed(procs):
+        p.kill()
 
 
 def restart_after(proc, down_s):
@@ -95,13 +121,14 @@ def test_a_get_waiting_when_the_coordinator_restarts_is_sent_again_and_answered(
     assert got.get("value") == [b"v"], f"the Get ended with {got}"
 
 
-def test_keys_set_before_the_coordinator_restarts_are_there_after_it(daemons):
+def test_keys_set_before_the_coordinator_restarts_are_there_after_it(daemons_any_tier):
     """Keys live in the coordinator's memory; the sidecar keeps the Sets it
     passed up and sends them again when the connection is back (docs/
     RELIABILITY.md, "Keys across a coordinator restart"). A rendezvous in
     progress across the restart completes: the reader gets the keys set
-    before the restart, and one set after it."""
-    coord, sock = daemons
+    before the restart, and one set after it. Behind a relay, the relay's
+    forwarder is the one whose connection broke, and it sets them again."""
+    coord, sock = daemons_any_tier
     a = accord.connect(sock, "kv-job3", 0, 2, local_rank=0)
     b = accord.connect(sock, "kv-job3", 1, 2, local_rank=1)
     for i in range(5):

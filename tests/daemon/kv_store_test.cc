@@ -159,6 +159,40 @@ TEST(KvStoreTest, AFailedRunsWaitersMoveToItsFreshScope) {
   EXPECT_EQ((*waiting.value)[0], "1");
 }
 
+// A wait in a failed run that ends without its keys (a rank still at the
+// run's rendezvous when the run failed, or asking after it) ends with the
+// run's failure, the words every rank of the run got, marked as the job's
+// verdict; a wait its keys complete still gets them.
+TEST(KvStoreTest, AWaitInAFailedRunEndsWithTheRunsFailure) {
+  FakeClock clock;
+  KvStore kv(KvOptions(), &clock);
+  ASSERT_TRUE(kv.Set("j", "r1", "boot/0", "x").ok());
+  Result before, after, completed;
+  kv.Get("j", "r1", {"boot/0", "boot/1"}, absl::Seconds(5), before.Callback());
+  const absl::Status why = absl::DeadlineExceededError("job j group g: rank 1 is missing");
+  kv.DropRun("j", "r1", why, "r1/after-failure");
+  kv.Get("j", "r1/after-failure", {"boot/1"}, absl::Seconds(5), after.Callback());
+  kv.Get("j", "r1/after-failure", {"done/0"}, absl::Seconds(5), completed.Callback());
+  ASSERT_TRUE(kv.Set("j", "r1/after-failure", "done/0", "1").ok());
+  ASSERT_TRUE(completed.done.HasBeenNotified());
+  EXPECT_TRUE(completed.value.ok()) << completed.value.status();
+  clock.Advance(absl::Seconds(6));
+  for (Result* r : {&before, &after}) {
+    r->done.WaitForNotification();
+    EXPECT_EQ(r->value.status().code(), why.code());
+    EXPECT_EQ(r->value.status().message(), why.message());
+    EXPECT_TRUE(IsJobVerdict(r->value.status()));
+  }
+  // When the run ends, its fresh scope goes, and so does what it recalled.
+  kv.DropRun("j", "r1/after-failure", absl::FailedPreconditionError("ended"));
+  Result later;
+  kv.Get("j", "r1/after-failure", {"x"}, absl::Seconds(1), later.Callback());
+  clock.Advance(absl::Seconds(2));
+  later.done.WaitForNotification();
+  EXPECT_EQ(later.value.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(IsJobVerdict(later.value.status()));
+}
+
 // A job of `world` ranks, each on node "n<rank / 2>", all connected.
 class FakeRankDirectory : public RankDirectory {
  public:
