@@ -250,9 +250,7 @@ int Main(int argc, char** argv) {
   KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
   kv_service.SetHealth(&upstream_health);
-  kv_service.SetLive([&relay](const std::string& job_id, const std::string& run_id) {
-    return relay.ServesRun(job_id, run_id);
-  });
+  kv_service.SetRunOf([&relay](const std::string& job_id) { return relay.CurrentRun(job_id); });
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;

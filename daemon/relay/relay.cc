@@ -36,10 +36,10 @@ void Relay::SetUpstream(UpstreamSink* upstream) {
   node_.SetSink(upstream);
 }
 
-bool Relay::ServesRun(const std::string& job_id, const std::string& run_id) {
+std::optional<std::string> Relay::CurrentRun(const std::string& job_id) {
   accord::MutexLock l(&mu_);
-  return node_.has_job() && node_.job_id() == job_id &&
-         (run_id.empty() || node_.run_id().empty() || node_.run_id() == run_id);
+  if (!node_.has_job() || node_.job_id() != job_id) return std::nullopt;
+  return node_.run_id();
 }
 
 RelayStats Relay::stats() {

@@ -148,10 +148,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   void CheckTimers();
 
   RelayStats stats();
-  // Whether the run a key-value request was stamped with is this relay's
-  // current one (an unstamped run: its job is). The key-value forwarder keeps
-  // only those runs' keys to set again.
-  bool ServesRun(const std::string& job_id, const std::string& run_id);
+  // The run of `job_id` this relay serves ("" while the coordinator has not
+  // said it), or nullopt when it serves no such job: the key-value forwarder
+  // keeps only that run's keys to set again, and names it on those it sets
+  // again.
+  std::optional<std::string> CurrentRun(const std::string& job_id);
 
  private:
   // One sidecar of the job.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -246,9 +247,7 @@ KeyValueForwarder::KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator,
       stub_(v1::KeyValueService::NewStub(channel_)),
       only_job_(std::move(only_job)),
       token_(std::move(token)),
-      slack_(slack) {
-  watcher_ = std::thread([this] { WatchUpstream(); });
-}
+      slack_(slack) {}
 
 KeyValueForwarder::~KeyValueForwarder() {
   Stop();
@@ -256,7 +255,11 @@ KeyValueForwarder::~KeyValueForwarder() {
 }
 
 bool KeyValueForwarder::Live(const std::string& job_id, const std::string& run_id) const {
-  if (jobs_ == nullptr) return live_ == nullptr || live_(job_id, run_id);
+  if (jobs_ == nullptr) {
+    if (run_of_ == nullptr) return true;
+    const std::optional<std::string> run = run_of_(job_id);
+    return run.has_value() && (run_id.empty() || run->empty() || *run == run_id);
+  }
   const Sidecar::RunStamp run = jobs_->CurrentRun(job_id);
   return run.job_id == job_id && (run_id.empty() || run.run_id == run_id);
 }
@@ -313,7 +316,7 @@ void KeyValueForwarder::WatchUpstream() {
 // learned its run waits here until the run is known (a sidecar stamps it
 // then): sent without it, it would start a run of its own at a coordinator
 // that restarted before the node's hello came back (chaos seeds 3006, 3177,
-// 3250). A relay cannot stamp, and drops such a Set.
+// 3250). A relay names its own run, which is its sidecars' run.
 void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
   std::vector<v1::KeyValueSetRequest> sets;
   for (auto it = waiting->begin(); it != waiting->end();) {
@@ -321,12 +324,18 @@ void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
       it = waiting->erase(it);
       continue;
     }
-    if (it->run_id().empty()) Stamp(&*it);
-    if (it->run_id().empty() && jobs_ != nullptr) {
+    if (it->run_id().empty()) {
+      if (jobs_ != nullptr) {
+        Stamp(&*it);
+      } else if (run_of_ != nullptr) {
+        it->set_run_id(run_of_(it->job_id()).value_or(""));
+      }
+    }
+    if (it->run_id().empty() && (jobs_ != nullptr || run_of_ != nullptr)) {
       ++it;  // its run is not known yet
       continue;
     }
-    if (!it->run_id().empty()) sets.push_back(std::move(*it));
+    sets.push_back(std::move(*it));
     it = waiting->erase(it);
   }
   struct Again {
@@ -398,6 +407,8 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
     reactor->Finish(s);
     return reactor;
   }
+  // The watcher starts with the first Set, once SetJobs/SetLive are done.
+  std::call_once(watch_once_, [this] { watcher_ = std::thread([this] { WatchUpstream(); }); });
   // Keeps only the runs still served here (their keys may be set again).
   calls_->ledger.Prune(
       [this](const std::string& job, const std::string& run) { return Live(job, run); });

@@ -7,6 +7,8 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,9 +60,9 @@ class RankGrpcService final : public v1::RankService::CallbackService {
 class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
  public:
   // `slack`: how long a forwarded request may take beyond its own wait.
-  // Watches `coordinator`'s connection from a thread of its own: when it is
-  // ready again after it was lost, the Sets kept in the KeyLedger go up again
-  // (a restarted coordinator has lost its keys).
+  // From the first Set on, watches `coordinator`'s connection from a thread
+  // of its own: when it is ready again after it was lost, the Sets kept in the KeyLedger go up
+  // again (a restarted coordinator has lost its keys).
   KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator, std::string only_job,
                     std::string token = "", absl::Duration slack = absl::Seconds(30));
   ~KeyValueForwarder() override;
@@ -68,11 +70,13 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
   // serving. Not owned.
   void SetJobs(SidecarJobs* jobs) { jobs_ = jobs; }
-  // Without SidecarJobs (a relay): which kept runs are still served here
-  // (docs/RELIABILITY.md, "Keys across a coordinator restart"); unset, all
-  // are, until the bound. Set before serving; must outlive the forwarder.
-  void SetLive(std::function<bool(const std::string& job_id, const std::string& run_id)> live) {
-    live_ = std::move(live);
+  // Without SidecarJobs (a relay): the run of a job served here ("" while
+  // not known yet; nullopt: the job is not served here). Kept Sets of other
+  // runs are dropped, and those made before their run was known go up naming
+  // it (docs/RELIABILITY.md, "Keys across a coordinator restart"). Unset, all
+  // are kept, until the bound. Set before serving; must outlive the forwarder.
+  void SetRunOf(std::function<std::optional<std::string>(const std::string& job_id)> run_of) {
+    run_of_ = std::move(run_of);
   }
   // Whether the node above answers (not owned; null: calls wait for it
   // until their own deadline). While it does not, a call waits for it at
@@ -111,7 +115,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   const std::string token_;
   const absl::Duration slack_;
   SidecarJobs* jobs_ = nullptr;
-  std::function<bool(const std::string&, const std::string&)> live_;
+  std::function<std::optional<std::string>(const std::string&)> run_of_;
 
  public:
   // The calls in flight upstream, shared with each call (which may end
@@ -126,7 +130,8 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
 
  private:
   std::shared_ptr<Calls> calls_ = std::make_shared<Calls>();
-  std::thread watcher_;
+  std::once_flag watch_once_;
+  std::thread watcher_;  // from the first Set on
 };
 
 // The long-lived CoordinatorService.Session stream. Owns a reader thread

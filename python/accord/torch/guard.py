@@ -28,8 +28,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from accord.torch.watchdog import end_process, stop_at_exit
-from accord.torch.windows import (describe, diverged, first_difference, hash64, repairable_units,
-                                  slot_params, slots)
+from accord.torch.windows import (Window, describe, diverged, first_difference, hash64,
+                                  repairable_units, slot_params, slots)
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
 END = "end of step"
@@ -37,27 +37,6 @@ END = "end of step"
 
 class AccordDivergenceError(RuntimeError):
     """The ranks issued different FSDP collectives; same text on every rank."""
-
-
-class _Window:
-    """Records of one window; closed by the training thread."""
-
-    __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
-                 "checked", "repair", "closed_at", "hashed", "group", "group_step")
-
-    def __init__(self, index: int):
-        self.index = index  # windows closed before this one, on this rank
-        self.records: List[str] = []  # "step s position p: entry"
-        self.hashed: List[str] = []  # "position p: entry" (the same every steady step)
-        self.group: Optional[str] = None  # where it was submitted, and at which step
-        self.group_step = 0
-        self.waiting = False  # closed at a new collective: the training thread waits
-        self.unit: Optional[str] = None  # of the last record
-        self.forward_all_gather = False  # the last record is a forward all-gather
-        self.handle = None
-        self.checked = threading.Event()
-        self.repair: Optional[List[str]] = None
-        self.closed_at = 0.0
 
 
 class SequenceGuard:
@@ -98,15 +77,15 @@ class SequenceGuard:
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
         self.error: Optional[str] = None
-        self._open = _Window(0)  # guarded by _mu (the stall check reads it)
+        self._open = Window(0)  # guarded by _mu (the stall check reads it)
         self._last_record = time.monotonic()
         self._waiting = False  # the training thread waits for a verdict
         self._raised = threading.Event()  # the training thread has seen the error
         self._registered = False
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
-        self._queue: List[_Window] = []  # closed, not yet submitted
-        self._inflight: List[_Window] = []  # submitted, not yet checked
+        self._queue: List[Window] = []  # closed, not yet submitted
+        self._inflight: List[Window] = []  # submitted, not yet checked
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self._exiting = False
@@ -180,7 +159,7 @@ class SequenceGuard:
         w = self._open
         w.closed_at = time.monotonic()
         self._queue.append(w)
-        self._open = _Window(w.index + 1)
+        self._open = Window(w.index + 1)
         # Submitted here rather than at the background thread's next turn, so
         # that a closed window never waits for it.
         self._submit_locked()
@@ -196,10 +175,10 @@ class SequenceGuard:
             w = self._open
             w.group, w.group_step = self.step_group_id, step
             w.closed_at = time.monotonic()
-            self._open = _Window(w.index + 1)
+            self._open = Window(w.index + 1)
         return (w.group, step, slots(hash64("\n".join(w.hashed)))), w
 
-    def release_handle(self, window: "_Window", handle) -> None:
+    def release_handle(self, window: "Window", handle) -> None:
         """The handle of the window's manifest, submitted with the batch."""
         if self._thread is None:
             self._register()
@@ -312,7 +291,7 @@ class SequenceGuard:
                 return
             window.checked.set()
 
-    def _fail(self, message: str, window: Optional[_Window], raise_here: bool = False) -> None:
+    def _fail(self, message: str, window: Optional[Window], raise_here: bool = False) -> None:
         self.error = message
         with self._mu:
             pending = ([window] if window else []) + self._inflight + self._queue
@@ -327,7 +306,7 @@ class SequenceGuard:
             return
         self.on_divergence(message)
 
-    def _gather(self, window: _Window) -> Dict[int, dict]:
+    def _gather(self, window: Window) -> Dict[int, dict]:
         """Every rank's window at this index, through the key-value store (each
         rank writes its own, then reads all): the same on every rank."""
         key = f"{self.group_id}/diverged/{window.index}"

@@ -6,6 +6,7 @@ same divergence from every rank's records. No I/O; unit-tested directly."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Dict, List, Optional
 
 GUARD_BITS = 64
@@ -85,3 +86,25 @@ def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List
                for e in entries.values()):
         return None
     return sorted({e["unit"] for e in entries.values()})
+
+
+class Window:
+    """Records of one guard window; closed by the training thread, checked by
+    the guard's thread (its `checked` event)."""
+
+    __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
+                 "checked", "repair", "closed_at", "hashed", "group", "group_step")
+
+    def __init__(self, index: int):
+        self.index = index  # windows closed before this one, on this rank
+        self.records: List[str] = []  # "step s position p: entry"
+        self.hashed: List[str] = []  # "position p: entry" (the same every steady step)
+        self.group: Optional[str] = None  # where it was submitted, and at which step
+        self.group_step = 0
+        self.waiting = False  # closed at a new collective: the training thread waits
+        self.unit: Optional[str] = None  # of the last record
+        self.forward_all_gather = False  # the last record is a forward all-gather
+        self.handle = None
+        self.checked = threading.Event()
+        self.repair: Optional[List[str]] = None
+        self.closed_at = 0.0
