@@ -24,10 +24,10 @@ absl::Status FromGrpc(const grpc::Status& s, bool verdict, absl::string_view wha
   return absl::Status(code, absl::StrCat(what, " via ", target, ": ", s.error_message()));
 }
 
+// A call refused for the lost coordinator (wire::kLostAboveMetadataKey) is
+// marked a verdict too, by the daemon that refuses it.
 bool IsJobVerdict(const grpc::ClientContext& ctx) {
-  const auto& trailers = ctx.GetServerTrailingMetadata();
-  return trailers.count(wire::kJobVerdictMetadataKey) != 0 ||
-         trailers.count(wire::kLostAboveMetadataKey) != 0;
+  return ctx.GetServerTrailingMetadata().count(wire::kJobVerdictMetadataKey) != 0;
 }
 
 class GrpcKeyValueStore : public KeyValueStore {

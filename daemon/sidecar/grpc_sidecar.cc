@@ -254,14 +254,19 @@ KeyValueForwarder::~KeyValueForwarder() {
   if (watcher_.joinable()) watcher_.join();
 }
 
+void KeyValueForwarder::SetJobs(SidecarJobs* jobs) {
+  jobs_ = jobs;
+  SetRunOf([jobs](const std::string& job_id) -> std::optional<std::string> {
+    Sidecar::RunStamp run = jobs->CurrentRun(job_id);
+    if (run.job_id != job_id) return std::nullopt;
+    return std::move(run.run_id);
+  });
+}
+
 bool KeyValueForwarder::Live(const std::string& job_id, const std::string& run_id) const {
-  if (jobs_ == nullptr) {
-    if (run_of_ == nullptr) return true;
-    const std::optional<std::string> run = run_of_(job_id);
-    return run.has_value() && (run_id.empty() || run->empty() || *run == run_id);
-  }
-  const Sidecar::RunStamp run = jobs_->CurrentRun(job_id);
-  return run.job_id == job_id && (run_id.empty() || run.run_id == run_id);
+  if (run_of_ == nullptr) return true;
+  const std::optional<std::string> run = run_of_(job_id);
+  return run.has_value() && (run_id.empty() || run->empty() || *run == run_id);
 }
 
 // The channel is the one the node's stream uses, so a coordinator that
@@ -313,10 +318,11 @@ void KeyValueForwarder::WatchUpstream() {
 
 // A kept Set goes up naming its run, which the node's hello has named
 // already, so it joins that run as the hello did. One made before its node
-// learned its run waits here until the run is known (a sidecar stamps it
-// then): sent without it, it would start a run of its own at a coordinator
-// that restarted before the node's hello came back (chaos seeds 3006, 3177,
-// 3250). A relay names its own run, which is its sidecars' run.
+// learned its run waits here until the run is known (and names it
+// then; its node and epoch it carries from when it was made): sent without
+// it, it would start a run of its own at a coordinator that restarted
+// before the node's hello came back (chaos seeds 3006, 3177, 3250). A relay
+// names its own run, which is its sidecars' run.
 void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
   std::vector<v1::KeyValueSetRequest> sets;
   for (auto it = waiting->begin(); it != waiting->end();) {
@@ -324,16 +330,12 @@ void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
       it = waiting->erase(it);
       continue;
     }
-    if (it->run_id().empty()) {
-      if (jobs_ != nullptr) {
-        Stamp(&*it);
-      } else if (run_of_ != nullptr) {
-        it->set_run_id(run_of_(it->job_id()).value_or(""));
+    if (it->run_id().empty() && run_of_ != nullptr) {
+      it->set_run_id(run_of_(it->job_id()).value_or(""));
+      if (it->run_id().empty()) {
+        ++it;  // its run is not known yet
+        continue;
       }
-    }
-    if (it->run_id().empty() && (jobs_ != nullptr || run_of_ != nullptr)) {
-      ++it;  // its run is not known yet
-      continue;
     }
     sets.push_back(std::move(*it));
     it = waiting->erase(it);
@@ -407,7 +409,7 @@ grpc::ServerUnaryReactor* KeyValueForwarder::Set(grpc::CallbackServerContext* co
     reactor->Finish(s);
     return reactor;
   }
-  // The watcher starts with the first Set, once SetJobs/SetLive are done.
+  // The watcher starts with the first Set, once SetJobs/SetRunOf are done.
   std::call_once(watch_once_, [this] { watcher_ = std::thread([this] { WatchUpstream(); }); });
   // Keeps only the runs still served here (their keys may be set again).
   calls_->ledger.Prune(

@@ -69,11 +69,12 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // Requests of a job served here go upstream stamped with its current
   // launch's run, node and epoch (SidecarJobs::CurrentRun); set before
   // serving. Not owned.
-  void SetJobs(SidecarJobs* jobs) { jobs_ = jobs; }
-  // Without SidecarJobs (a relay): the run of a job served here ("" while
-  // not known yet; nullopt: the job is not served here). Kept Sets of other
-  // runs are dropped, and those made before their run was known go up naming
-  // it (docs/RELIABILITY.md, "Keys across a coordinator restart"). Unset, all
+  // Also says which kept runs are still served here (a job's current run).
+  void SetJobs(SidecarJobs* jobs);
+  // The run of a job served here ("" while not known yet; nullopt: the job
+  // is not served here): a relay's own, or SetJobs's. Kept Sets of other runs
+  // are dropped, and those made before their run was known go up naming it
+  // (docs/RELIABILITY.md, "Keys across a coordinator restart"). Unset, all
   // are kept, until the bound. Set before serving; must outlive the forwarder.
   void SetRunOf(std::function<std::optional<std::string>(const std::string& job_id)> run_of) {
     run_of_ = std::move(run_of);
@@ -86,8 +87,6 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // ones: the sidecar stops, and must not wait for a coordinator that does
   // not answer.
   void Stop();
-  // The Sets kept to be sent again (for tests and metrics).
-  const KeyLedger& ledger() const { return calls_->ledger; }
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KeyValueSetRequest* request,
                                 v1::KeyValueSetResponse* response) override;
@@ -106,7 +105,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // Sends those of `waiting` whose run is known, and drops those no longer
   // served here; leaves the others.
   void SetAgain(std::vector<v1::KeyValueSetRequest>* waiting);
-  // Whether a kept run scope is still this sidecar's (always, at a relay).
+  // Whether a kept run is still served here (run_of_; all, without one).
   bool Live(const std::string& job_id, const std::string& run_id) const;
 
   std::shared_ptr<grpc::Channel> channel_;

@@ -15,24 +15,20 @@ void KeyLedger::Note(const v1::KeyValueSetRequest& request) {
     if (s.job_id == request.job_id() && s.run_id == request.run_id()) scope = &s;
   }
   if (scope == nullptr) {
-    scopes_.push_back(Scope{request.job_id(), request.run_id(), {}, 0});
+    scopes_.push_back(Scope{request.job_id(), request.run_id(), {}, {}, 0});
     scope = &scopes_.back();
   }
   const int64_t size = SizeOf(request);
-  bool replaced = false;
-  for (v1::KeyValueSetRequest& kept : scope->sets) {
-    if (kept.key() != request.key()) continue;
-    scope->bytes += size - SizeOf(kept);
-    bytes_ += size - SizeOf(kept);
-    kept = request;
-    replaced = true;
-    break;
-  }
-  if (!replaced) {
+  auto [at, added] = scope->by_key.try_emplace(request.key(), scope->sets.size());
+  if (added) {
     scope->sets.push_back(request);
-    scope->bytes += size;
-    bytes_ += size;
+  } else {
+    scope->bytes -= SizeOf(scope->sets[at->second]);
+    bytes_ -= SizeOf(scope->sets[at->second]);
+    scope->sets[at->second] = request;
   }
+  scope->bytes += size;
+  bytes_ += size;
   // The newest scope stays even alone past the bound: it is the one a
   // rendezvous in progress needs.
   while (bytes_ > max_bytes_ && scopes_.size() > 1) {

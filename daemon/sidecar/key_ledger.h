@@ -45,7 +45,8 @@ class KeyLedger {
   struct Scope {
     std::string job_id;
     std::string run_id;
-    std::vector<v1::KeyValueSetRequest> sets;  // first-set order
+    std::vector<v1::KeyValueSetRequest> sets;         // first-set order
+    absl::flat_hash_map<std::string, size_t> by_key;  // key -> its index in `sets`
     int64_t bytes = 0;
   };
   static int64_t SizeOf(const v1::KeyValueSetRequest& r);
