@@ -77,6 +77,14 @@ struct GroupSubmission {
   std::vector<std::optional<DType>> grad_dtypes;
 };
 
+// What a framework adapter counts (accord.torch: speculative reduce-scatters
+// and their repairs), for the sidecar's metrics.
+struct AdapterCounts {
+  int64_t speculated = 0;
+  int64_t repaired = 0;
+  int64_t redone = 0;
+};
+
 class Client {
  public:
   virtual ~Client() = default;
@@ -116,6 +124,12 @@ class Client {
   // The job-scoped key-value rendezvous (served by the coordinator, reached
   // through the sidecar), for collective bootstrap.
   virtual KeyValueStore& kv() = 0;
+
+  // Adds `more` to the adapter's counts (every adapter of this process adds
+  // to one tally) and sends the totals to the sidecar; never blocks; the
+  // totals are sent again on a resumed stream. INVALID_ARGUMENT unless
+  // 0 <= redone <= repaired <= speculated in `more`.
+  virtual absl::Status AddAdapterCounts(const AdapterCounts& more) = 0;
 
   virtual const ClientOptions& options() const = 0;
   // The spec registered for a group, or NOT_FOUND.

@@ -98,6 +98,17 @@ bool DecisionFuture::Ready() const {
 namespace {
 
 constexpr char kClientVersion[] = "accord-client/0.1.0";
+// How long closing the client waits for what it queued to be written.
+constexpr absl::Duration kCloseFlush = absl::Seconds(1);
+
+v1::RankMessage AdapterCountsMessage(const AdapterCounts& counts) {
+  v1::RankMessage msg;
+  v1::AdapterCounts* c = msg.mutable_adapter_counts();
+  c->set_speculated(counts.speculated);
+  c->set_repaired(counts.repaired);
+  c->set_redone(counts.redone);
+  return msg;
+}
 
 bool SamePolicy(const Policy& a, const Policy& b) {
   return a.reduce_dtype == b.reduce_dtype && a.reduce_dtype_exact == b.reduce_dtype_exact &&
@@ -133,6 +144,12 @@ class GrpcClient : public Client {
   ~GrpcClient() override {
     {
       accord::MutexLock lock(&mu_);
+      // What is queued (an adapter's last counts) is written first, within
+      // a bound.
+      auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return (outbox_.empty() && !writing_) || !welcomed_ || read_ended_ || closed_;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&written), kCloseFlush);
       stopping_ = true;
       if (ctx_ != nullptr) ctx_->TryCancel();
     }
@@ -279,6 +296,22 @@ class GrpcClient : public Client {
   }
 
   KeyValueStore& kv() override { return *kv_; }
+
+  absl::Status AddAdapterCounts(const AdapterCounts& more) override {
+    if (more.redone < 0 || more.redone > more.repaired || more.repaired > more.speculated) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "adapter counts must hold 0 <= redone <= repaired <= speculated; got speculated=",
+          more.speculated, " repaired=", more.repaired, " redone=", more.redone));
+    }
+    accord::MutexLock lock(&mu_);
+    if (absl::Status s = ClosedStatus(); !s.ok()) return s;
+    AdapterCounts& total = adapter_counts_.emplace(adapter_counts_.value_or(AdapterCounts{}));
+    total.speculated += more.speculated;
+    total.repaired += more.repaired;
+    total.redone += more.redone;
+    EnqueueLocked(AdapterCountsMessage(total));
+    return absl::OkStatus();
+  }
   const ClientOptions& options() const override { return options_; }
 
   absl::StatusOr<GroupSpec> Group(absl::string_view group_id) const override {
@@ -509,6 +542,7 @@ class GrpcClient : public Client {
       g.last_key.reset();
       for (const Pending& p : g.pending) resend.push_back(Resend{p.step, i, &group_order_[i], &p});
     }
+    if (adapter_counts_.has_value()) outbox_.push_back(AdapterCountsMessage(*adapter_counts_));
     if (resend.empty()) return;
     std::sort(resend.begin(), resend.end(), [](const Resend& a, const Resend& b) {
       return a.step != b.step ? a.step < b.step : a.order < b.order;
@@ -814,6 +848,8 @@ class GrpcClient : public Client {
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
   // A decision made by the sidecar alone was received (Decision.local).
   bool holds_local_decisions_ ABSL_GUARDED_BY(mu_) = false;
+  // The totals of AddAdapterCounts, sent again on a resumed stream.
+  std::optional<AdapterCounts> adapter_counts_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;

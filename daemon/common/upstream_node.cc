@@ -4,6 +4,8 @@
 #include <random>
 #include <utility>
 
+#include "proto/wire.h"
+
 namespace accord::daemon {
 
 void GroupRegistrations::Add(const v1::GroupRegistration& registration,
@@ -18,10 +20,23 @@ void GroupRegistrations::Add(const v1::GroupRegistration& registration,
   it->ranks.insert(ranks.begin(), ranks.end());
 }
 
-void InflightManifests::Add(int64_t step, std::shared_ptr<const v1::Manifest> full) {
+void InflightManifests::Add(int64_t step, std::shared_ptr<const v1::Manifest> full,
+                            size_t announced) {
   auto at = std::upper_bound(entries_.begin(), entries_.end(), step,
                              [](int64_t s, const Entry& e) { return s < e.step; });
-  entries_.insert(at, Entry{step, std::move(full)});
+  entries_.insert(at, Entry{step, std::move(full), announced});
+}
+
+void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
+                                    v1::ManifestBatch* out) {
+  v1::Manifest* m = out->add_manifests();
+  *m = *e.full;
+  m->set_step(e.step);
+  // Without rank_bits a manifest stands for the node's announced ranks as
+  // the receiver reads it: those of its build, unless more came since.
+  if (m->rank_bits().empty() && e.announced != node.announced().size()) {
+    m->set_rank_bits(wire::RankSetToBits(node.FirstAnnounced(e.announced)));
+  }
 }
 
 void InflightManifests::DropUpTo(int64_t step) {
@@ -30,25 +45,20 @@ void InflightManifests::DropUpTo(int64_t step) {
   entries_.erase(entries_.begin(), entries_.begin() + n);
 }
 
-bool InflightManifests::AppendStep(int64_t step, v1::ManifestBatch* out) const {
+bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node,
+                                   v1::ManifestBatch* out) const {
   auto it = std::lower_bound(entries_.begin(), entries_.end(), step,
                              [](const Entry& e, int64_t s) { return e.step < s; });
   bool any = false;
   for (; it != entries_.end() && it->step == step; ++it) {
-    v1::Manifest* m = out->add_manifests();
-    *m = *it->full;
-    m->set_step(step);
+    AppendEntry(*it, node, out);
     any = true;
   }
   return any;
 }
 
-void InflightManifests::AppendAll(v1::ManifestBatch* out) const {
-  for (const Entry& e : entries_) {
-    v1::Manifest* m = out->add_manifests();
-    *m = *e.full;
-    m->set_step(e.step);
-  }
+void InflightManifests::AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const {
+  for (const Entry& e : entries_) AppendEntry(e, node, out);
 }
 
 size_t InflightManifests::CountBefore(int64_t step) const {
@@ -96,6 +106,7 @@ void UpstreamNode::EndJob() {
   stream_ = Stream();
   announced_.clear();
   announced_set_ = RankSet();
+  announce_order_.clear();
   left_.clear();
 }
 
@@ -118,8 +129,14 @@ v1::NodeMessage UpstreamNode::StartStreamHello() {
   return m;
 }
 
+RankSet UpstreamNode::FirstAnnounced(size_t n) const {
+  RankSet out(job_.world_size);
+  for (size_t i = 0; i < n && i < announce_order_.size(); ++i) out.Add(announce_order_[i]);
+  return out;
+}
+
 void UpstreamNode::Announce(int rank) {
-  announced_.insert(rank);
+  if (announced_.insert(rank).second) announce_order_.push_back(rank);
   left_.erase(rank);
   announced_set_.Add(rank);
 }

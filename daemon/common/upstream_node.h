@@ -68,6 +68,8 @@ class GroupRegistrations {
   std::vector<Variant> variants_;
 };
 
+class UpstreamNode;
+
 // One group's manifests sent upstream and not yet decided, in full form, so
 // that a new stream (or a receiver that cannot resolve a repeat) gets them
 // again. Several may share a step (a relay's late contribution goes up
@@ -75,13 +77,18 @@ class GroupRegistrations {
 class InflightManifests {
  public:
   // `full`: the manifest in full form, its step cleared (shared with the
-  // owner's last full form).
-  void Add(int64_t step, std::shared_ptr<const v1::Manifest> full);
+  // owner's last full form); `announced`: how many ranks the node had
+  // announced when it was built (UpstreamNode::announced), which is what a
+  // manifest without rank_bits stands for.
+  void Add(int64_t step, std::shared_ptr<const v1::Manifest> full, size_t announced);
   // Forgets every manifest of a step <= `step` (decided).
   void DropUpTo(int64_t step);
-  // Appends those of `step`, with their step set; whether there was one.
-  bool AppendStep(int64_t step, v1::ManifestBatch* out) const;
-  void AppendAll(v1::ManifestBatch* out) const;
+  // Appends those of `step`, with their step set, as they read on `node`'s
+  // stream now: one without rank_bits built when fewer ranks were announced
+  // gets the bits of those ranks (docs/ARCHITECTURE.md, "Whose ranks a
+  // manifest covers"). Whether there was one.
+  bool AppendStep(int64_t step, const UpstreamNode& node, v1::ManifestBatch* out) const;
+  void AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const;
   // How many are of a step before `step`.
   size_t CountBefore(int64_t step) const;
 
@@ -89,7 +96,9 @@ class InflightManifests {
   struct Entry {
     int64_t step = 0;
     std::shared_ptr<const v1::Manifest> full;
+    size_t announced = 0;
   };
+  static void AppendEntry(const Entry& e, const UpstreamNode& node, v1::ManifestBatch* out);
   std::vector<Entry> entries_;  // ascending step, arrival order within one
 };
 
@@ -166,6 +175,9 @@ class UpstreamNode {
   // Whether `ranks` is exactly the announced set: a manifest of these ranks
   // may leave its rank_bits out.
   bool IsAnnounced(const RankSet& ranks) const { return ranks == announced_set_; }
+  // The first `n` ranks announced, in announce order (the announced set
+  // only grows while a job is served, so a count names a set of the past).
+  RankSet FirstAnnounced(size_t n) const;
 
   // A new stream is up: queues (UpstreamSink::Reset) the hello,
   // `registrations` and `inflight` (one batch, also the stream's previous
@@ -214,9 +226,10 @@ class UpstreamNode {
   UpstreamSink* sink_ = nullptr;
   Job job_;
   Stream stream_;
-  std::set<int> announced_;  // announced() (ascending)
-  RankSet announced_set_;    // the same, as a set
-  std::set<int> left_;       // announced ranks whose leave went up, not back since
+  std::set<int> announced_;          // announced() (ascending)
+  RankSet announced_set_;            // the same, as a set
+  std::vector<int> announce_order_;  // the same, in announce order
+  std::set<int> left_;               // announced ranks whose leave went up, not back since
 };
 
 }  // namespace accord::daemon

@@ -58,6 +58,7 @@ std::vector<GroupState*> GroupsInOrder(JobCore& job, Pick pick) {
 void JobCore::Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError error,
                    JobEffects& fx) {
   ACCORD_LOG(ERROR) << error.message();
+  error.set_job_failed(true);
   state = JobState::kFailed;
   failure = error;
   fx.NoteError(error);

@@ -399,7 +399,7 @@ void Relay::OnUpstreamConnected() {
     g.repeat.Forget();  // a new stream holds no previous manifest
     g.registrations.AppendResend([](int) { return true; }, &registrations);
   }
-  for (auto& [gid, g] : groups_) g.inflight.AppendAll(&inflight);
+  for (auto& [gid, g] : groups_) g.inflight.AppendAll(node_, &inflight);
   // A new stream: unanswered until its Welcome.
   if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
   if (node_.has_job()) StartUnansweredLocked();
@@ -454,7 +454,7 @@ void Relay::HandleDecisionsLocked(v1::DecisionBatch* batch) {
                               auto git = groups_.find(d.group_id());
                               if (git == groups_.end()) return true;
                               git->second.repeat.Forget();
-                              git->second.inflight.AppendStep(d.step(), &resend);
+                              git->second.inflight.AppendStep(d.step(), node_, &resend);
                               return true;
                             });
   batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());

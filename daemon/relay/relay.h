@@ -220,6 +220,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     // all repeats with the same signature merges to the same manifest.
     uint64_t last_parts_signature = 0;
     std::shared_ptr<const v1::Manifest> last_merged;
+    size_t last_merged_announced = 0;  // UpstreamNode::announced() at its build
   };
   struct Session {
     NodeSink* sink = nullptr;

@@ -161,7 +161,7 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   if (all_repeat && signature != 0 && g.repeat.held() && signature == g.last_parts_signature) {
     // The steady state: every sidecar repeated the content of the last merge,
     // and the ranks are the same, so the merge would be the last one again.
-    g.inflight.Add(step, g.last_merged);
+    g.inflight.Add(step, g.last_merged, g.last_merged_announced);
     v1::Manifest* r = out->add_manifests();
     r->set_group_id(g.group_id);
     r->set_step(step);
@@ -184,7 +184,8 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   auto full = std::make_shared<v1::Manifest>(*merged);
   full->clear_step();
   g.last_merged = full;
-  g.inflight.Add(step, std::move(full));
+  g.last_merged_announced = node_.announced().size();
+  g.inflight.Add(step, std::move(full), g.last_merged_announced);
   const std::string shape = ShapeOf(*merged);
   if (g.repeat.Repeats(merged->cache_key(), shape)) {
     v1::Manifest* r = out->add_manifests();

@@ -17,6 +17,17 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
       "Steps decided by this sidecar for a single-node job (--local_decisions), by outcome: "
       "made, confirmed by the coordinator, or mismatched (the job failed).",
       {"job", "outcome"});
+  speculated_ = &registry->AddCounter(
+      "accord_speculated_reduces_total",
+      "Group reduce-scatters this node's ranks issued on a speculative decision (reported by "
+      "accord.torch; summed over the node's ranks).",
+      {"job"});
+  repairs_ = &registry->AddCounter(
+      "accord_repairs_total",
+      "Speculative reduce-scatters whose real decision differed, repaired exactly on every "
+      "rank, by kind: trim (parameters used nowhere set back) or redo (reduce-scattered again); "
+      "summed over the node's ranks.",
+      {"job", "kind"});
   rank_streams_ =
       &registry->AddGauge("accord_sidecar_rank_streams", "Rank streams open on this sidecar.");
 }
@@ -38,6 +49,10 @@ void SidecarMetrics::Refresh(const SidecarJobsStats& stats) {
         .SetTotal(static_cast<double>(j.local_confirmed));
     local_decisions_->WithLabels({job, "mismatched"})
         .SetTotal(static_cast<double>(j.local_mismatches));
+    speculated_->WithLabels({job}).SetTotal(static_cast<double>(j.adapter_speculated));
+    repairs_->WithLabels({job, "trim"})
+        .SetTotal(static_cast<double>(j.adapter_repaired - j.adapter_redone));
+    repairs_->WithLabels({job, "redo"}).SetTotal(static_cast<double>(j.adapter_redone));
   }
   for (const std::string& old : jobs_) {
     if (shown.count(old)) continue;
@@ -46,6 +61,8 @@ void SidecarMetrics::Refresh(const SidecarJobsStats& stats) {
     node_manifests_->RemoveByFirstLabel(old);
     decisions_->RemoveByFirstLabel(old);
     local_decisions_->RemoveByFirstLabel(old);
+    speculated_->RemoveByFirstLabel(old);
+    repairs_->RemoveByFirstLabel(old);
   }
   jobs_ = std::move(shown);
   rank_streams_->Get().Set(stats.sessions);

@@ -32,6 +32,8 @@ class SidecarMetrics {
   Family<Counter>* node_manifests_;
   Family<Counter>* decisions_;
   Family<Counter>* local_decisions_;
+  Family<Counter>* speculated_;
+  Family<Counter>* repairs_;
   Family<Gauge>* rank_streams_;
   accord::Mutex mu_;
   std::set<std::string> jobs_ ABSL_GUARDED_BY(mu_);  // with series

@@ -81,7 +81,29 @@ void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
     HandleRegistrationLocked(s.rank, message.registration());
   } else if (message.has_manifests()) {
     HandleManifestsLocked(s.rank, message.manifests());
+  } else if (message.has_adapter_counts()) {
+    HandleAdapterCountsLocked(s.rank, message.adapter_counts());
   }
+}
+
+void Sidecar::HandleAdapterCountsLocked(int rank, const v1::AdapterCounts& counts) {
+  if (counts.redone() < 0 || counts.redone() > counts.repaired() ||
+      counts.repaired() > counts.speculated()) {
+    ACCORD_LOG(WARNING) << "job " << node_.job_id() << " rank " << rank
+                        << ": ignored adapter counts that do not hold 0 <= redone <= repaired "
+                           "<= speculated ("
+                        << counts.ShortDebugString() << ")";
+    return;
+  }
+  v1::AdapterCounts& last = adapter_last_[rank];
+  const bool same_process = counts.speculated() >= last.speculated() &&
+                            counts.repaired() >= last.repaired() &&
+                            counts.redone() >= last.redone();
+  if (!same_process) last.Clear();
+  stats_.adapter_speculated += counts.speculated() - last.speculated();
+  stats_.adapter_repaired += counts.repaired() - last.repaired();
+  stats_.adapter_redone += counts.redone() - last.redone();
+  last = counts;
 }
 
 namespace {
@@ -358,6 +380,10 @@ void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manife
     AnswerDecidedStepLocked(rank, rs, *g, m, errors);
     return;
   }
+  if (job_failure_.has_value()) {
+    *errors.mutable_decisions()->add_decisions() = JobFailureAt(*g, m.step());
+    return;
+  }
   uint64_t full_key = 0;
   v1::DecisionError refused;
   const std::vector<DTypeMask>* content = RankContentLocked(rank, rs, *g, m, &full_key, &refused);
@@ -533,7 +559,7 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       g.form.full = std::move(full);
       ++g.form.content_gen;
     }
-    g.inflight.Add(st.step, g.form.full);
+    g.inflight.Add(st.step, g.form.full, node_.announced().size());
     if (g.form.repeat.Repeats(g.form.key, detail)) {
       out->push_back(Outgoing{&g, st.step, /*repeat=*/true, g.form.key, nullptr});
       ++stats_.node_manifests_repeat;
@@ -594,8 +620,10 @@ void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
   node_.EndJob();
   resume_ = ResumeState();
+  job_failure_.reset();
   late_.clear();
   ranks_.detached.clear();
+  adapter_last_.clear();  // the next ranks are new processes
   groups_.Clear();
   if (options_.reset_when_empty) node_.sink()->Reconnect();
 }
@@ -672,6 +700,10 @@ void Sidecar::SendLateLocked() {
     one.ranks.Add(l.rank);
     v1::Manifest* m = up.mutable_manifests()->add_manifests();
     wire::ManifestToProto(l.group->group_id, one, /*with_ranks=*/true, m);
+    // Kept until decided, like the node's manifests: a new stream sends it
+    // again.
+    auto kept = std::make_shared<v1::Manifest>(*m);
+    l.group->inflight.Add(l.step, std::move(kept), node_.announced().size());
     m->set_step(l.step);
     // The coordinator's previous manifest of the node for the group is this
     // one now: the group's next node manifest goes in full form.

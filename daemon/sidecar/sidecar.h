@@ -158,6 +158,11 @@ struct SidecarStats {
   int64_t local_decisions = 0;   // decided here (single-node job), see SidecarOptions
   int64_t local_confirmed = 0;   // ... and later confirmed by the coordinator
   int64_t local_mismatches = 0;  // ... where the coordinator decided otherwise (job failed)
+  // What the ranks' framework adapter reported (RankMessage.adapter_counts),
+  // summed over this node's ranks and their processes.
+  int64_t adapter_speculated = 0;
+  int64_t adapter_repaired = 0;
+  int64_t adapter_redone = 0;
   int ranks = 0;
   int sessions = 0;    // open rank streams (accepted or not yet)
   std::string job_id;  // the job served now, else the last one ("" before the first)
@@ -328,6 +333,10 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleManifestsLocked(int rank, const v1::ManifestBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds what `counts` (rank's cumulative report) adds to its last report
+  // to stats_; a count that went down is a new process: added whole.
+  void HandleAdapterCountsLocked(int rank, const v1::AdapterCounts& counts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
                                 v1::RankReply& errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A manifest `m` of a step `g` already decided: the step's error again,
@@ -361,6 +370,15 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // `local`: decisions made here (local_decisions.cc), not the coordinator's.
   void HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
                              bool local = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The coordinator said the job is failed (DecisionError.job_failed):
+  // every step the ranks here submitted and no decision answered yet, of
+  // every group, is answered with `verdict`, and so is every later manifest
+  // (docs/RELIABILITY.md, "A failed job's verdict reaches every waiting
+  // rank").
+  void NoteJobFailedLocked(const v1::DecisionError& verdict) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The verdict as the answer for `step` of `g`.
+  v1::Decision JobFailureAt(const LocalGroup& g, int64_t step) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A decision for the ranks, and which of them get the full body instead
   // of `same_as_previous` (they missed the group's previous decision).
   struct RoutedDecision {
@@ -456,6 +474,11 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // The counters, and the job served now, else the last one (job_id, set
   // when a job starts).
   SidecarStats stats_ ABSL_GUARDED_BY(mu_);
+  // Each rank's last AdapterCounts (kept when its stream ends: a resumed
+  // rank reports the same totals again).
+  absl::flat_hash_map<int, v1::AdapterCounts> adapter_last_ ABSL_GUARDED_BY(mu_);
+  // The job's verdict, once the coordinator failed it (NoteJobFailedLocked).
+  std::optional<v1::DecisionError> job_failure_ ABSL_GUARDED_BY(mu_);
   // Partial-step reports and detached ranks' grace: due at the earliest time
   // a step not yet sent or reported becomes due or a grace ends (armed at
   // most once per due time, so the steady state signals the timer at most

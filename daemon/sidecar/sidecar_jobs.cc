@@ -21,6 +21,9 @@ void AddCounters(const SidecarStats& from, SidecarStats* into) {
   into->local_decisions += from.local_decisions;
   into->local_confirmed += from.local_confirmed;
   into->local_mismatches += from.local_mismatches;
+  into->adapter_speculated += from.adapter_speculated;
+  into->adapter_repaired += from.adapter_repaired;
+  into->adapter_redone += from.adapter_redone;
 }
 
 void Refuse(RankSink* sink, const std::string& job_id, int rank, v1::DecisionError error) {

@@ -142,7 +142,7 @@ void Sidecar::OnUpstreamConnected() {
     g->registrations.AppendResend(
         [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.connected.count(r) != 0; },
         &registrations);
-    g->inflight.AppendAll(&inflight);
+    g->inflight.AppendAll(node_, &inflight);
     // The coordinator may have lost its cache: the next manifest goes in full.
     g->form.repeat.Forget();
     // ... and its pending steps: partial steps are reported again.
@@ -285,6 +285,16 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
                                     bool local) {
   // Pass 1: group state, and per decision which ranks need the full body
   // instead of the coordinator's `same_as_previous`.
+  // The job's verdict, read before the batch may be moved out below.
+  std::optional<v1::DecisionError> verdict;
+  if (!local && !job_failure_.has_value()) {
+    for (const v1::Decision& d : batch.decisions()) {
+      if (d.has_error() && d.error().job_failed()) {
+        verdict = d.error();
+        break;
+      }
+    }
+  }
   std::vector<RoutedDecision> routed;
   routed.reserve(batch.decisions_size());
   bool uniform = true;  // every connected rank gets every routed decision as is
@@ -294,7 +304,8 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
     LocalGroup* found = groups_.Find(d.group_id());
     if (found == nullptr) continue;
     LocalGroup& g = *found;
-    if (d.has_error() && d.error().resend_full_form() && g.inflight.AppendStep(d.step(), &resend)) {
+    if (d.has_error() && d.error().resend_full_form() &&
+        g.inflight.AppendStep(d.step(), node_, &resend)) {
       // A repeat the coordinator could not resolve: resend in full form.
       g.form.repeat.Forget();
       continue;
@@ -319,6 +330,35 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
   if (!local && node_.SendBatch(std::move(resend))) ++stats_.node_batch_repeats;
+  if (verdict.has_value()) NoteJobFailedLocked(*verdict);
+}
+
+void Sidecar::NoteJobFailedLocked(const v1::DecisionError& verdict) {
+  job_failure_ = verdict;
+  // The coordinator answered the steps it held; a step it never saw (its
+  // node manifest waits here for a rank, or is on its way) is answered here,
+  // the same for every rank that waits for it.
+  v1::DecisionBatch answers;
+  for (LocalGroup* g : groups_.ordered()) {
+    for (const LocalStep& st : g->collect.steps) {
+      if (st.step > g->decided.step && !st.ranks.empty()) {
+        *answers.add_decisions() = JobFailureAt(*g, st.step);
+      }
+    }
+  }
+  if (answers.decisions_size() > 0) HandleDecisionsLocked(answers, &answers, /*local=*/true);
+}
+
+v1::Decision Sidecar::JobFailureAt(const LocalGroup& g, int64_t step) const {
+  v1::Decision d;
+  d.set_group_id(g.group_id);
+  d.set_step(step);
+  v1::DecisionError* e = d.mutable_error();
+  *e = *job_failure_;
+  e->set_kind(v1::JOB_FAILED);
+  e->set_group_id(g.group_id);
+  e->set_step(step);
+  return d;
 }
 
 bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool local,

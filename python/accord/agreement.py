@@ -79,6 +79,12 @@ class ClientAgreement:
         """Submits many (group_id, step, dtypes) as one message; handles in order."""
         return self.client.submit_batch([(g, s, list(d)) for g, s, d in items])
 
+    def report(self, speculated: int, repaired: int, redone: int) -> None:
+        """Adds accord.torch's speculation and repair counts since its last
+        report to the rank's tally at the sidecar, which exports them
+        (accord_speculated_reduces_total, accord_repairs_total); never blocks."""
+        self.client.add_adapter_counts(speculated, repaired, redone)
+
     def register_all(self, registrations):
         """Registers many groups with one round trip where the client can."""
         batch = getattr(self.client, "register_groups", None)

@@ -156,6 +156,14 @@ void BindClient(nb::module_& m) {
           nb::arg("future"), nb::arg("timeout_s") = 300.0,
           "Waits for the decision; Error (DEADLINE_EXCEEDED, ...) otherwise.")
       .def(
+          "add_adapter_counts",
+          [](Client& c, int64_t speculated, int64_t repaired, int64_t redone) {
+            ThrowIfError(c.AddAdapterCounts(AdapterCounts{speculated, repaired, redone}));
+          },
+          nb::arg("speculated"), nb::arg("repaired"), nb::arg("redone"),
+          "Adds to this process's adapter counts and sends the totals to the sidecar, for "
+          "its metrics (accord_speculated_reduces_total, accord_repairs_total); never blocks.")
+      .def(
           "kv_set",
           [](Client& c, const std::string& key, nb::bytes value) {
             std::string v(value.c_str(), value.size());

@@ -331,6 +331,44 @@ TEST_F(ClientTest, ADroppedStreamIsResumedAndThePendingStepDecided) {
   EXPECT_TRUE(resent) << "step 1 was not resent in full form";
 }
 
+// The adapter's counts add up in the client, which sends the totals; a
+// resumed stream gets the totals again after the hello; counts that cannot
+// be are refused without sending anything.
+TEST_F(ClientTest, AdapterCountsGoUpAsTotalsAndAgainOnAResumedStream) {
+  reconnect_grace_ = kLong;
+  StartFake(1);
+  auto clients = ConnectAll(1);
+  ASSERT_EQ(clients.size(), 1u);
+  auto counts_received = [&] {
+    std::vector<v1::AdapterCounts> out;
+    for (const v1::RankMessage& m : fake_->Received()) {
+      if (m.has_adapter_counts()) out.push_back(m.adapter_counts());
+    }
+    return out;
+  };
+  auto wait_for = [&](size_t n) {
+    const absl::Time until = absl::Now() + kLong;
+    while (counts_received().size() < n && absl::Now() < until)
+      absl::SleepFor(absl::Milliseconds(5));
+    return counts_received();
+  };
+  ASSERT_TRUE(clients[0]->AddAdapterCounts({16, 2, 1}).ok());
+  ASSERT_TRUE(clients[0]->AddAdapterCounts({16, 1, 0}).ok());
+  absl::Status bad = clients[0]->AddAdapterCounts({1, 2, 0});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), ::testing::HasSubstr("redone <= repaired <= speculated"));
+  std::vector<v1::AdapterCounts> got = wait_for(2);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[1].speculated(), 32);
+  EXPECT_EQ(got[1].repaired(), 3);
+  EXPECT_EQ(got[1].redone(), 1);
+  fake_->DropSessions();
+  got = wait_for(3);
+  ASSERT_EQ(got.size(), 3u) << "the totals again on the resumed stream";
+  EXPECT_EQ(got[2].speculated(), 32);
+  EXPECT_EQ(got[2].repaired(), 3);
+}
+
 // A sidecar that never takes the rank back: past the grace every call fails
 // with one error naming the node and the socket.
 TEST_F(ClientTest, ASidecarNotBackWithinTheGraceFailsEveryCallNamingIt) {

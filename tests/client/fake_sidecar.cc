@@ -133,6 +133,7 @@ grpc::Status FakeSidecar::Session(
         }
         break;
       }
+      case v1::RankMessage::kAdapterCounts:  // recorded in received_ only
       case v1::RankMessage::BODY_NOT_SET:
         break;
     }

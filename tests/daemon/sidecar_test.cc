@@ -465,5 +465,71 @@ TEST_F(SidecarTest, RepeatedBatchGoesUpAsABatchRepeatOnlyWhenTheCoordinatorAccep
   EXPECT_EQ(sidecar_.stats().node_batch_repeats, 2);
 }
 
+// The coordinator failed the job while rank 0's step 0 waited here for
+// rank 1 (the coordinator never saw the step): the verdict answers it at
+// once, for both ranks, and every later manifest too.
+TEST_F(SidecarTest, AFailedJobsVerdictAnswersEveryStepItsRanksWaitFor) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  ASSERT_TRUE(up_.manifests().empty()) << "the step waits for rank 1";
+  v1::CoordinatorMessage failed;
+  v1::Decision* d = failed.mutable_decisions()->add_decisions();
+  d->set_group_id("other");  // a group pending at the coordinator
+  d->set_step(3);
+  d->mutable_error()->set_kind(v1::MISSING_RANKS);
+  d->mutable_error()->set_code(4);
+  d->mutable_error()->set_message("job j: rank 3 left; the job is failed");
+  d->mutable_error()->set_job_failed(true);
+  sidecar_.HandleCoordinatorMessage(failed);
+  for (FakeRankSink* r : {&r0_, &r1_}) {
+    ASSERT_EQ(r->decisions().size(), 1u);
+    const v1::Decision got = r->decisions()[0];
+    EXPECT_EQ(got.group_id(), "g");
+    EXPECT_EQ(got.step(), 0);
+    EXPECT_EQ(got.error().kind(), v1::JOB_FAILED);
+    EXPECT_EQ(got.error().message(), "job j: rank 3 left; the job is failed");
+    EXPECT_EQ(got.error().code(), 4);
+  }
+  // Rank 1's manifest of step 0, and rank 0's of step 1, come after it.
+  sidecar_.HandleRankMessage(s1_, Man(0, {DType::kBFloat16, std::nullopt}));
+  sidecar_.HandleRankMessage(s0_, Man(1, {DType::kBFloat16, std::nullopt}));
+  ASSERT_EQ(r1_.decisions().size(), 2u);
+  EXPECT_EQ(r1_.decisions()[1].step(), 0);
+  EXPECT_EQ(r1_.decisions()[1].error().message(), "job j: rank 3 left; the job is failed");
+  ASSERT_EQ(r0_.decisions().size(), 2u);
+  EXPECT_EQ(r0_.decisions()[1].step(), 1);
+  EXPECT_EQ(r0_.decisions()[1].error().kind(), v1::JOB_FAILED);
+  EXPECT_EQ(r0_.decisions()[1].error().message(), "job j: rank 3 left; the job is failed");
+}
+
+v1::RankMessage Counts(int64_t speculated, int64_t repaired, int64_t redone) {
+  v1::RankMessage m;
+  m.mutable_adapter_counts()->set_speculated(speculated);
+  m.mutable_adapter_counts()->set_repaired(repaired);
+  m.mutable_adapter_counts()->set_redone(redone);
+  return m;
+}
+
+TEST_F(SidecarTest, AdapterCountsAddUpOverRanksAndOverARanksNewProcess) {
+  sidecar_.HandleRankMessage(s0_, Counts(10, 2, 1));
+  sidecar_.HandleRankMessage(s1_, Counts(10, 2, 1));
+  sidecar_.HandleRankMessage(s0_, Counts(16, 3, 1));  // rank 0's totals grew
+  SidecarStats s = sidecar_.stats();
+  EXPECT_EQ(s.adapter_speculated, 26);
+  EXPECT_EQ(s.adapter_repaired, 5);
+  EXPECT_EQ(s.adapter_redone, 2);
+  // Smaller totals: a new process of rank 1, added whole.
+  sidecar_.HandleRankMessage(s1_, Counts(4, 1, 1));
+  // Counts that cannot be (more repaired than speculated) are ignored.
+  sidecar_.HandleRankMessage(s0_, Counts(1, 2, 0));
+  sidecar_.HandleRankMessage(s0_, Counts(20, 3, -1));
+  s = sidecar_.stats();
+  EXPECT_EQ(s.adapter_speculated, 30);
+  EXPECT_EQ(s.adapter_repaired, 6);
+  EXPECT_EQ(s.adapter_redone, 3);
+  EXPECT_FALSE(r0_.closed.has_value()) << "counts never end a rank's stream";
+}
+
 }  // namespace
 }  // namespace accord::daemon

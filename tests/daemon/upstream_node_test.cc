@@ -8,6 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/wire.h"
 
 namespace accord::daemon {
 namespace {
@@ -113,13 +114,13 @@ TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResume
   regs.Add(spec, {1});
   regs.Add(spec, {0});
   InflightManifests inflight;
-  inflight.Add(5, std::make_shared<const v1::Manifest>(Full("g", 7)));
-  inflight.Add(6, std::make_shared<const v1::Manifest>(Full("g", 7)));
+  inflight.Add(5, std::make_shared<const v1::Manifest>(Full("g", 7)), 2);
+  inflight.Add(6, std::make_shared<const v1::Manifest>(Full("g", 7)), 2);
   inflight.DropUpTo(5);
   std::vector<v1::NodeMessage> resend_regs;
   regs.AppendResend([](int r) { return r == 0; }, &resend_regs);
   v1::ManifestBatch resend;
-  inflight.AppendAll(&resend);
+  inflight.AppendAll(node_, &resend);
   node_.Connected(std::move(resend_regs), std::move(resend));
   ASSERT_EQ(sink_.reset.size(), 3u);
   EXPECT_EQ(sink_.reset[0].hello().run_start(), v1::NodeHello::RUN_START_RESUME);
@@ -128,6 +129,30 @@ TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResume
   ASSERT_EQ(sink_.reset[2].manifests().manifests_size(), 1);
   EXPECT_EQ(sink_.reset[2].manifests().manifests(0).step(), 6);
   EXPECT_FALSE(node_.batch_repeat()) << "until the new stream's Welcome offers them";
+}
+
+// A manifest without rank_bits stands for the ranks announced when it was
+// built. Resent after more ranks were announced (a rank resumed on a
+// restarted sidecar while the stream was down), it must still say those
+// ranks, not the larger set the new stream's hello lists.
+TEST_F(UpstreamNodeTest, AResentManifestKeepsTheRanksItWasBuiltFor) {
+  node_.StartJob("j", 8, "");
+  node_.AnnounceRanks({5});
+  InflightManifests inflight;
+  inflight.Add(1, std::make_shared<const v1::Manifest>(Full("g", 7)), node_.announced().size());
+  node_.AnnounceRanks({4});
+  inflight.Add(2, std::make_shared<const v1::Manifest>(Full("g", 8)), node_.announced().size());
+  v1::ManifestBatch resend;
+  inflight.AppendAll(node_, &resend);
+  ASSERT_EQ(resend.manifests_size(), 2);
+  RankSet five(8);
+  five.Add(5);
+  EXPECT_EQ(resend.manifests(0).rank_bits(), wire::RankSetToBits(five));
+  EXPECT_TRUE(resend.manifests(1).rank_bits().empty()) << "built for every rank announced now";
+  v1::ManifestBatch one;
+  ASSERT_TRUE(inflight.AppendStep(1, node_, &one));
+  EXPECT_EQ(one.manifests(0).rank_bits(), wire::RankSetToBits(five));
+  EXPECT_EQ(one.manifests(0).step(), 1);
 }
 
 TEST_F(UpstreamNodeTest, ABatchGoesAsABatchRepeatOnlyWhenOfferedAndTheSameAsThePrevious) {

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -59,6 +60,26 @@ def check_zoo(results):
                 assert torch.equal(got, first["grads"][step][name]), (rank, step, name)
     # Frozen parameters never get a gradient.
     assert all(g["lora.base.weight"] is None for g in first["grads"])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port, job):
+    """{(metric, kind): value} of the sidecar's repair series for `job`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith(("accord_speculated_reduces_total{", "accord_repairs_total{")):
+            continue
+        if f'job="{job}"' not in line:
+            continue
+        kind = line.split('kind="', 1)[1].split('"', 1)[0] if 'kind="' in line else None
+        out[(line.split("{", 1)[0], kind)] = float(line.split()[-1])
+    return out
 
 
 @pytest.mark.parametrize("world_size,guard,speculate", [
@@ -109,6 +130,29 @@ def test_a_wire_dtype_that_widens_mid_run_is_repaired_exactly(cluster):
     assert on[0]["wire"][0] == off[0]["wire"][0]
 
 
+def test_repairs_reach_the_sidecars_metrics():
+    """Each rank adds its speculation and repair counts to its sidecar's
+    tally (AdapterCounts), which exports them per job: the sums over the
+    node's ranks of what installation.timing counted."""
+    port = _free_port()
+    with accord.LocalCluster(num_sidecars=1, sidecar_flags=[f"--metrics_port={port}"]) as c:
+        info = cluster_info(c, 2, "repairs")
+        on = check_results(run_ranks(osc.widening, 2, TIMEOUT_S, cluster=info, speculate=True))
+        want = {
+            ("accord_speculated_reduces_total", None): sum(r["timing"]["speculated"] for r in on),
+            ("accord_repairs_total", "redo"): sum(r["timing"]["redone"] for r in on),
+            ("accord_repairs_total", "trim"): sum(r["timing"]["repairs"] - r["timing"]["redone"]
+                                                  for r in on),
+        }
+        assert want[("accord_repairs_total", "redo")] == 2, on[0]["timing"]  # one per rank
+        deadline = time.monotonic() + 10
+        got = _scrape(port, info["job_id"])
+        while got != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            got = _scrape(port, info["job_id"])
+        assert got == want
+
+
 def test_plain_fsdp2_fails_on_the_same_job():
     """The job is a real instance of the class: without accord it fails or
     hangs (bounded here)."""
@@ -155,9 +199,7 @@ def test_steady_steps_reach_the_coordinator_as_repeat_waves():
     step, the same as the step before (groups, the guard's window, the step
     watch's item, all at one step), so the coordinator decides those steps as
     repeat waves (docs/ARCHITECTURE.md, "Repeat waves")."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     with accord.LocalCluster(num_sidecars=2, coordinator_flags=[f"--metrics_port={port}"]) as c:
         steps = 6
         check_results(run_ranks(osc.zoo, 2, TIMEOUT_S, cluster=cluster_info(c, 2, "waves"),

@@ -26,9 +26,15 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+import accord
 from accord.torch import fsdp2
 from accord.torch.group import GroupStats, Held, HookedGroup
 from accord.torch.plan import NONE, REDO, TRIM, Layout, plan_repair, speculates
+
+
+# Releases between reports of the speculation counts when nothing was
+# repaired (a repair is reported at once).
+REPORT_EVERY = 16
 
 
 @dataclasses.dataclass
@@ -76,6 +82,7 @@ class Installation:
         self._handles: list = []
         self._patched_states: list = []
         self._lock = threading.Lock()
+        self._reported = (0, 0, 0)  # (speculated, repairs, redone) sent by _report
 
     # The name of the previous design's switch: overlapping the decision wait.
     @property
@@ -227,6 +234,20 @@ class Installation:
                 self.timing.repairs += 1
                 h.stats.repaired += 1
             self._settle(h, s, decision, repaired=repair.kind != NONE)
+        self._report(force=False)
+
+    def _report(self, force: bool) -> None:
+        """Sends the counts added since the last report to the sidecar's
+        metrics (an agreement that can): at once after a repair, else every
+        REPORT_EVERY releases, and at uninstall."""
+        report = getattr(self.agreement, "report", None)
+        t, last = self.timing, self._reported
+        more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
+        if report is None or more == (0, 0, 0):
+            return
+        if force or more[1] or self.release_index % REPORT_EVERY == 0:
+            report(*more)
+            self._reported = (t.speculated, t.repairs, t.redone)
 
     @staticmethod
     def _settle(h: HookedGroup, s: Held, decision, repaired: bool) -> None:
@@ -248,6 +269,10 @@ class Installation:
         with self._lock:
             from accord.torch import guarding
 
+            try:
+                self._report(force=True)
+            except accord.Error:
+                pass  # the client is closed: its sidecar keeps what it was sent
             guarding.detach(self)
             if self.units is not None:
                 self.units.remove()
