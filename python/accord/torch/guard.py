@@ -28,7 +28,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from accord.torch.watchdog import end_process, stop_at_exit
-from accord.torch.windows import (Window, describe, diverged, first_difference, hash64,
+from accord.torch.windows import (Window, describe, diverged, first_difference,
                                   repairable_units, slot_params, slots)
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
@@ -113,24 +113,8 @@ class SequenceGuard:
         self._check_error()
         if self._thread is None:
             self._register()
-        self.reports += 1
-        transition = (self.prefix, entry)
-        new = transition not in self.known
-        with self._mu:
-            w = self._open
-            w.records.append(f"step {self.step} position {self.position}: {entry}")
-            w.hashed.append(f"position {self.position}: {entry}")
-            w.unit, w.forward_all_gather = unit, forward_all_gather
-            self.position += 1
-            self.prefix = hash64(f"{self.prefix}|{entry}")
-            self._last_record = time.monotonic()
-            if new:
-                w.waiting = True
-                w.group, w.group_step = self.group_id, self._new_windows
-                self._new_windows += 1
-                self._close_locked()
-                self._wake.notify()
-        if not new:
+        transition, w = self.note(entry, unit, forward_all_gather)
+        if w is None:
             return False
         t0 = time.perf_counter()
         self._waiting = True
@@ -155,6 +139,33 @@ class SequenceGuard:
         self.known.add(transition)
         return False
 
+    def note(self, entry: str, unit: Optional[str] = None, forward_all_gather: bool = False):
+        """The per-collective bookkeeping of record(): appends the collective to
+        the open window; returns (transition, window), the window closed for a
+        verdict when the transition is new, else None. Only a tuple append and
+        a process-local hash per collective: the window's text and its digest
+        are built once per window."""
+        self.reports += 1
+        transition = (self.prefix, entry)
+        new = transition not in self.known
+        with self._mu:
+            w = self._open
+            w.entries.append((self.step, self.position, entry))
+            w.unit, w.forward_all_gather = unit, forward_all_gather
+            self.position += 1
+            # Which transitions this rank saw agreed is local state: Python's
+            # hash (the same within the process) serves.
+            self.prefix = hash(transition)
+            self._last_record = time.monotonic()
+            if not new:
+                return transition, None
+            w.waiting = True
+            w.group, w.group_step = self.group_id, self._new_windows
+            self._new_windows += 1
+            self._close_locked()
+            self._wake.notify()
+        return transition, w
+
     def _close_locked(self) -> None:
         w = self._open
         w.closed_at = time.monotonic()
@@ -176,7 +187,7 @@ class SequenceGuard:
             w.group, w.group_step = self.step_group_id, step
             w.closed_at = time.monotonic()
             self._open = Window(w.index + 1)
-        return (w.group, step, slots(hash64("\n".join(w.hashed)))), w
+        return (w.group, step, slots(w.digest())), w
 
     def release_handle(self, window: "Window", handle) -> None:
         """The handle of the window's manifest, submitted with the batch."""
@@ -236,8 +247,7 @@ class SequenceGuard:
 
     def _submit_locked(self) -> None:
         for w in self._queue:
-            h = hash64("\n".join(w.hashed))
-            w.handle = self.client.submit(w.group, w.group_step, slots(h))
+            w.handle = self.client.submit(w.group, w.group_step, slots(w.digest()))
             self._inflight.append(w)
         self._queue.clear()
 
@@ -249,7 +259,7 @@ class SequenceGuard:
                     if self._stop:
                         return
                     self._wake.wait(self.stall_s / 2)
-                    stalled = bool(self._open.records) and (
+                    stalled = bool(self._open.entries) and (
                         time.monotonic() - self._last_record > self.stall_s)
             if window is None:
                 if stalled and self.error is None:

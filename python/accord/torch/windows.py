@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 GUARD_BITS = 64
 
@@ -92,13 +92,14 @@ class Window:
     """Records of one guard window; closed by the training thread, checked by
     the guard's thread (its `checked` event)."""
 
-    __slots__ = ("index", "records", "waiting", "unit", "forward_all_gather", "handle",
-                 "checked", "repair", "closed_at", "hashed", "group", "group_step")
+    __slots__ = ("index", "entries", "waiting", "unit", "forward_all_gather", "handle",
+                 "checked", "repair", "closed_at", "group", "group_step")
 
     def __init__(self, index: int):
         self.index = index  # windows closed before this one, on this rank
-        self.records: List[str] = []  # "step s position p: entry"
-        self.hashed: List[str] = []  # "position p: entry" (the same every steady step)
+        # (step, position, entry) per collective: the per-collective path only
+        # appends; the text below is built per window, when it is needed.
+        self.entries: List[Tuple[int, int, str]] = []
         self.group: Optional[str] = None  # where it was submitted, and at which step
         self.group_step = 0
         self.waiting = False  # closed at a new collective: the training thread waits
@@ -108,3 +109,13 @@ class Window:
         self.checked = threading.Event()
         self.repair: Optional[List[str]] = None
         self.closed_at = 0.0
+
+    @property
+    def records(self) -> List[str]:
+        """"step s position p: entry" per collective (what ranks compare)."""
+        return [f"step {s} position {p}: {e}" for s, p, e in self.entries]
+
+    def digest(self) -> int:
+        """The hash of "position p: entry" lines (the same every steady step),
+        what the window's manifest carries."""
+        return hash64("\n".join(f"position {p}: {e}" for _, p, e in self.entries))
