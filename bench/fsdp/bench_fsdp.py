@@ -27,6 +27,11 @@ training thread's CPU time (time.thread_time), the CPU of the rank's other
 threads (the accord client's, the guard's, Gloo's), and the daemons' CPU
 (coordinator and sidecar, from /proc), so the overhead is attributed.
 
+Costs near the machine's noise are read from the paired per-round
+differences (speculative vs unguarded: the guard; speculative vs plain),
+printed as a mean with a 95% interval; --modes runs a subset (e.g.
+`--modes unguarded` times the guard alone, with more rounds in the time).
+
 --latency-ms adds that many milliseconds per direction between the sidecar
 and the coordinator (a TCP proxy in this script), standing for a coordinator
 in another rack.
@@ -47,10 +52,12 @@ ends (exit status 1) instead of hanging.
 import argparse
 import asyncio
 import copy
+import math
 import multiprocessing as mp
 import os
 import queue
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -82,7 +89,11 @@ def other_threads_cpu():
 
 
 def modes(args):
-    return MODES + (("optional",) if args.model == "vlm" else ())
+    chosen = MODES + (("optional",) if args.model == "vlm" else ())
+    if args.modes:
+        wanted = set(args.modes.split(",")) | {"speculative"}
+        chosen = tuple(m for m in chosen if m in wanted)
+    return chosen
 
 
 def make_model(args):
@@ -188,6 +199,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
         waits = {n: 0 for n in insts}
         cpu = {n: [0.0, 0.0, 0.0] for n in modes(args)}  # training thread, others, daemons
         repairs = {n: 0 for n in insts}
+        per_round = {n: [] for n in modes(args)}  # seconds of each round (paired stats)
         for _ in range(args.rounds):
             for name in modes(args):
                 dist.barrier()
@@ -201,6 +213,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                 c1 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
                 dist.barrier()
                 totals[name] += time.perf_counter() - t0
+                per_round[name].append(time.perf_counter() - t0)
                 for i in range(3):
                     cpu[name][i] += c1[i] - c0[i]
                 if name in insts:
@@ -208,7 +221,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                     waits[name] += insts[name].timing.blocked - waits_before
                     repairs[name] += insts[name].timing.repairs - repairs_before
         groups = len(insts["speculative"].groups)
-        q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs)))
+        q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs, per_round)))
         dist.barrier()
     except BaseException as e:  # reported to the parent, which fails the run
         import traceback
@@ -335,6 +348,9 @@ def main():
                     help="let the sidecar decide this single-node job (its default); "
                          "off: the coordinator path every multi-node job takes")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--modes", default="",
+                    help="comma-separated subset of plain,blocking,speculative,unguarded"
+                         "(,optional); speculative is always run")
     args = ap.parse_args()
 
     import accord
@@ -378,7 +394,7 @@ def main():
         if proxy is not None:
             proxy.kill()
     # All ranks finish each round together (barriers); take rank 0's clock.
-    totals, exposed, groups, waits, cpu, repairs = results[0]
+    totals, exposed, groups, waits, cpu, repairs, per_round = results[0]
     n = args.rounds * args.steps
     rate = {m: n / totals[m] for m in modes(args)}
     shape = {"mlp": f"{args.blocks}x Linear({args.width})",
@@ -394,13 +410,16 @@ def main():
           f"{'blocked/step':>12s} {'repairs/step':>12s} {'train CPU ms':>12s} "
           f"{'other thr ms':>12s} {'daemons ms':>10s}  (CPU per step, rank 0)")
     for m in modes(args):
-        over = 100.0 * (rate["plain"] - rate[m]) / rate["plain"]
+        over = 100.0 * (rate["plain"] - rate[m]) / rate["plain"] if "plain" in rate else 0.0
         exp = f"{1000.0 * exposed[m] / n:16.3f}" if m in exposed else f"{'-':>16s}"
         wps = f"{waits[m] / n:12.2f}" if m in waits else f"{'-':>12s}"
         rps = f"{repairs[m] / n:12.2f}" if m in repairs else f"{'-':>12s}"
         tc, oc, dc = (1000.0 * x / n for x in cpu[m])
         print(f"  {m:11s} {rate[m]:9.2f} {over:+8.2f}% {exp} {wps} {rps} {tc:12.1f} "
               f"{oc:12.1f} {dc:10.1f}")
+    if "plain" not in rate:
+        print_paired(per_round, "speculative", "unguarded", "guard cost")
+        return
     added = 1000.0 * (cpu["speculative"][0] - cpu["plain"][0]) / n
     print(f"  training-thread CPU accord adds per step (speculative vs plain): {added:+.1f} ms "
           f"= {100.0 * added / (1000.0 * totals['plain'] / n):+.2f}% of a plain step "
@@ -411,6 +430,22 @@ def main():
               f"step-time overhead target <= 2% at 32 groups, 1 ms")
     guard = 100.0 * (rate["unguarded"] - rate["speculative"]) / rate["unguarded"]
     print(f"  guard cost (speculative vs unguarded): {guard:+.2f}% step time (target <= 1%)")
+    print_paired(per_round, "speculative", "unguarded", "guard cost")
+    print_paired(per_round, "speculative", "plain", "speculative vs plain")
+
+
+def print_paired(per_round, mode, base, what):
+    """The per-round paired difference of `mode` against `base` (adjacent
+    rounds share the machine's state): mean and a 95% interval."""
+    if mode not in per_round or base not in per_round:
+        return
+    d = [100.0 * (a - b) / b for a, b in zip(per_round[mode], per_round[base])]
+    if len(d) < 2:
+        return
+    mean = statistics.mean(d)
+    half = 1.96 * statistics.stdev(d) / math.sqrt(len(d))
+    print(f"  {what} ({mode} vs {base}), paired over {len(d)} rounds: {mean:+.2f}% "
+          f"step time, 95% interval [{mean - half:+.2f}%, {mean + half:+.2f}%]")
 
 
 if __name__ == "__main__":

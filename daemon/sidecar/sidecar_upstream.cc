@@ -283,8 +283,6 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
 
 void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
                                     bool local) {
-  // Pass 1: group state, and per decision which ranks need the full body
-  // instead of the coordinator's `same_as_previous`.
   // The job's verdict, read before the batch may be moved out below.
   std::optional<v1::DecisionError> verdict;
   if (!local && !job_failure_.has_value()) {
@@ -295,6 +293,8 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
       }
     }
   }
+  // Pass 1: group state, and per decision which ranks need the full body
+  // instead of the coordinator's `same_as_previous`.
   std::vector<RoutedDecision> routed;
   routed.reserve(batch.decisions_size());
   bool uniform = true;  // every connected rank gets every routed decision as is

@@ -36,5 +36,9 @@ if __name__ == "__main__":
         data_collator=lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]})
     out = trainer.train()
     s = callback.installation.stats["fsdp/<root>"]
-    print(f"hf rank {rank}: loss {out.training_loss:.6f} reductions {s.reductions} "
-          f"zero_filled {s.zero_filled} skipped {s.skipped}", flush=True)
+    line = (f"hf rank {rank}: loss {out.training_loss:.6f} reductions {s.reductions} "
+            f"zero_filled {s.zero_filled} skipped {s.skipped}\n")
+    # One write of the whole line: both ranks share torchrun's stdout, and
+    # print() writes the text and its newline apart when unbuffered.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
