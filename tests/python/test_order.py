@@ -130,21 +130,28 @@ def test_a_wire_dtype_that_widens_mid_run_is_repaired_exactly(cluster):
     assert on[0]["wire"][0] == off[0]["wire"][0]
 
 
-def test_repairs_reach_the_sidecars_metrics():
+@pytest.mark.parametrize("scenario,world_size,kwargs", [
+    ("widening", 2, {}),  # one redo per rank (a wider wire dtype)
+    ("zoo", 3, {"steps": 4, "seed": 7}),  # usage redrawn every step: trims and redos
+])
+def test_repairs_reach_the_sidecars_metrics(scenario, world_size, kwargs):
     """Each rank adds its speculation and repair counts to its sidecar's
     tally (AdapterCounts), which exports them per job: the sums over the
     node's ranks of what installation.timing counted."""
     port = _free_port()
     with accord.LocalCluster(num_sidecars=1, sidecar_flags=[f"--metrics_port={port}"]) as c:
-        info = cluster_info(c, 2, "repairs")
-        on = check_results(run_ranks(osc.widening, 2, TIMEOUT_S, cluster=info, speculate=True))
+        info = cluster_info(c, world_size, "repairs")
+        on = check_results(run_ranks(getattr(osc, scenario), world_size, TIMEOUT_S, cluster=info,
+                                     speculate=True, **kwargs))
         want = {
             ("accord_speculated_reduces_total", None): sum(r["timing"]["speculated"] for r in on),
             ("accord_repairs_total", "redo"): sum(r["timing"]["redone"] for r in on),
             ("accord_repairs_total", "trim"): sum(r["timing"]["repairs"] - r["timing"]["redone"]
                                                   for r in on),
         }
-        assert want[("accord_repairs_total", "redo")] == 2, on[0]["timing"]  # one per rank
+        if scenario == "widening":
+            assert want[("accord_repairs_total", "redo")] == world_size, on[0]["timing"]
+        assert sum(r["timing"]["repairs"] for r in on) > 0, [r["timing"] for r in on]
         deadline = time.monotonic() + 10
         got = _scrape(port, info["job_id"])
         while got != want and time.monotonic() < deadline:

@@ -32,11 +32,6 @@ from accord.torch.group import GroupStats, Held, HookedGroup
 from accord.torch.plan import NONE, REDO, TRIM, Layout, plan_repair, speculates
 
 
-# Releases between reports of the speculation counts when nothing was
-# repaired (a repair is reported at once).
-REPORT_EVERY = 16
-
-
 @dataclasses.dataclass
 class NegotiationTiming:
     """Where this rank waited for decisions (for benchmarks and dashboards)."""
@@ -234,20 +229,20 @@ class Installation:
                 self.timing.repairs += 1
                 h.stats.repaired += 1
             self._settle(h, s, decision, repaired=repair.kind != NONE)
-        self._report(force=False)
+        self._report()
 
-    def _report(self, force: bool) -> None:
+    def _report(self) -> None:
         """Sends the counts added since the last report to the sidecar's
-        metrics (an agreement that can): at once after a repair, else every
-        REPORT_EVERY releases, and at uninstall."""
+        metrics (an agreement that can), after each release that speculated
+        and at uninstall: one small message, queued without waiting (a
+        report held back for later is lost when the process exits first)."""
         report = getattr(self.agreement, "report", None)
         t, last = self.timing, self._reported
         more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
         if report is None or more == (0, 0, 0):
             return
-        if force or more[1] or self.release_index % REPORT_EVERY == 0:
-            report(*more)
-            self._reported = (t.speculated, t.repairs, t.redone)
+        report(*more)
+        self._reported = (t.speculated, t.repairs, t.redone)
 
     @staticmethod
     def _settle(h: HookedGroup, s: Held, decision, repaired: bool) -> None:
@@ -270,7 +265,7 @@ class Installation:
             from accord.torch import guarding
 
             try:
-                self._report(force=True)
+                self._report()
             except accord.Error:
                 pass  # the client is closed: its sidecar keeps what it was sent
             guarding.detach(self)
