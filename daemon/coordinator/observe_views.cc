@@ -143,7 +143,13 @@ void Coordinator::RetireJobLocked(Job& job_engine) {
   JobCore& job = job_engine.core();
   if (options_.retired_jobs <= 0) return;  // RemoveJobLocked uncounts the windows
   RetiredJob r;
-  r.status = JobStatusOf(StatusSnapshotOf(job));
+  StatusSnapshot snap = StatusSnapshotOf(job);
+  // A retired run holds no stream, whatever its nodes held when it ended (a
+  // run superseded by a restart, or failed, ends with nodes still connected;
+  // their streams are detached from it): nothing of it is connected.
+  for (StatusSnapshot::Node& node : snap.nodes) node.connected = false;
+  snap.rank_connected.assign(snap.rank_connected.size(), false);
+  r.status = JobStatusOf(snap);
   for (auto& [id, g] : job.groups) {
     if (g.registration.empty()) continue;
     RetiredGroup& rg = r.groups[id];
