@@ -67,7 +67,7 @@ GROUPS = 2
 PARAMS = 4
 TORCH_SHARE = 0.1  # share of schedules that run the accord.torch job
 TORCH_STEPS = 8
-TORCH_START_S = 6.0  # a torch rank's start (import, Gloo, FSDP2, install) on this machine
+TORCH_READY_S = 60.0  # at most this long for a torch rank's start (import, Gloo, FSDP2, install)
 
 # Gradient rules of the job (RANK:PARAM:STEP:DTYPE, rank_scenario_main.cc):
 # one of these per schedule, so the undisturbed digests are few and cached.
@@ -105,15 +105,18 @@ class Schedule:
         self.relay = self.sidecars == 2 and topo > 0.65
         self.disk = rng.choices(("file", "full", "slow"), (6, 1, 1))[0]
         job_s = self.job_s()
-        start_s = TORCH_START_S if self.torch else 0.0
         if self.relay and relay_kinds:
             kinds = relay_kinds
         kinds = [k for k in (kinds or FAULTS) if self.relay or "relay" not in k]
+        if self.torch:
+            # A restarted torch rank cannot rejoin its peers' process group
+            # (restarting a rank is restarting the job: the launcher's part).
+            kinds = [k for k in kinds if k != "restart_rank"]
         weights = [FAULTS[k] for k in kinds]
         self.faults = []
         for _ in range(rng.choice((1, 1, 2, 2, 3))):
             kind = rng.choices(kinds, weights)[0]
-            at = round(start_s + rng.uniform(0.0, job_s), 3)
+            at = round(rng.uniform(0.0, job_s), 3)
             f = {"kind": kind, "at": at}
             if kind.endswith("_rank"):
                 f["target"] = rng.randrange(self.world)
@@ -379,9 +382,20 @@ def run_job(bins, sched, work, job, faults, verbose=False):
         p = Proc(f"rank{r}", args, work, env=bins["env"] if sched.torch else None)
         cluster.procs[p.name] = p
         ranks.append(p)
-    t0 = time.monotonic()
     for p in ranks:
         p.start()
+    if sched.torch:
+        # Fault times count from the moment every torch rank is installed
+        # (its start takes seconds, and varies): a fault is drawn inside the
+        # job's steps, not inside torch's own start, whose rendezvous accord
+        # does not serve.
+        for r, p in enumerate(ranks):
+            try:
+                p.wait_line(f"rank {r} ready", TORCH_READY_S)
+            except RuntimeError as e:  # the oracle reports the rank's own end
+                print(f"  {e}", flush=True)
+                break
+    t0 = time.monotonic()
     log = []
     events = []
     for f in faults:
@@ -401,7 +415,7 @@ def run_job(bins, sched, work, job, faults, verbose=False):
         last = time.monotonic()
         if verbose:
             print(f"  t={now - t0:6.3f}s {what}", flush=True)
-    job_s = sched.job_s() + (TORCH_START_S if sched.torch else 0.0)
+    job_s = sched.job_s()
     bound_at = max(last, t0 + job_s) + DEADLINE_S + GRACE_S + NODE_GRACE_S + \
         2 * BACKOFF_MAX_S + 2 * KEEPALIVE_S + SLACK_S
     if any(f["kind"] == "kill_coordinator" for f in faults):
