@@ -323,6 +323,11 @@ def watch_error(p):
     if not lines:
         return None
     at = time.monotonic() - (time.time() - os.path.getmtime(path))
+    # The job's verdict ends as a traceback would: `AccordJobError: <words>`
+    # (accord.torch.errors), the same line the rank raising it prints.
+    m = re.match(r"^(Accord[A-Za-z]*Error): (.*)$", lines[-1])
+    if m:
+        return (at, m.group(1), m.group(2))
     return (at, "StepWatch", lines[-1])
 
 

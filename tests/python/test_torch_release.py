@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+import accord
+import accord.torch
 from accord.torch import windows
 from accord.torch.installation import Installation
 from accord.torch.plan import NONE, REDO, TRIM, History, Layout, fits, plan_repair, speculates
@@ -294,3 +296,60 @@ def test_the_step_watch_reports_the_decision_not_a_local_timeout_that_raced_it()
     (message,) = said
     assert message.endswith(RaceAgreement.COORDINATOR), message
     assert "caller's deadline" not in message
+
+
+def test_the_step_watch_ends_with_the_verdicts_words_alone_on_the_last_line():
+    """Where this rank was blocked is its own (a line before); the last line
+    is `AccordJobError: <the coordinator's words>`, as the rank that raises
+    the verdict prints it (accord.torch.errors)."""
+    import threading
+
+    from accord.torch.watchdog import StepWatch
+
+    said, done = [], threading.Event()
+    watch = StepWatch(RaceAgreement(), "fsdp/~step", timeout_s=5.0, stall_s=0.05, grace_s=0.01,
+                      on_failure=lambda m: (said.append(m), done.set()))
+    try:
+        watch.begin_step(0)
+        watch.progress("all-gather of 'blocks.2'")
+        assert done.wait(5.0), "the watch never reported"
+        # The training thread reaching accord afterwards raises the same verdict.
+        with pytest.raises(accord.torch.AccordJobError) as raised:
+            watch.check()
+    finally:
+        watch.close()
+    (message,) = said
+    lines = message.splitlines()
+    assert lines[-1] == f"AccordJobError: {RaceAgreement.COORDINATOR}", lines
+    assert lines[:-1] == ["accord.torch: a rank stopped or died while this rank was blocked in "
+                          "all-gather of 'blocks.2'"], lines
+    assert str(raised.value) == RaceAgreement.COORDINATOR
+    assert isinstance(raised.value, accord.torch.AccordPeerError)  # what the watch raised before
+    assert isinstance(raised.value, accord.Error)
+
+
+class DecidedAgreement:
+    """A handle decided with an error (`decided`), or a wait that gave up here."""
+
+    def __init__(self, decided: bool):
+        self.decided = decided
+
+    def ready(self, handle):
+        return self.decided
+
+    def wait(self, handle, timeout_s=None):
+        raise accord.Error(RaceAgreement.COORDINATOR if self.decided else
+                           "DEADLINE_EXCEEDED: no decision before the caller's deadline")
+
+
+def test_a_decided_error_is_the_jobs_verdict_and_a_local_one_stays_as_it_came():
+    from accord.torch.errors import waited
+
+    with pytest.raises(accord.torch.AccordJobError) as verdict:
+        waited(DecidedAgreement(True), object(), "accord.torch: learned in a release")
+    assert str(verdict.value) == RaceAgreement.COORDINATOR
+    assert getattr(verdict.value, "__notes__", None) == ["accord.torch: learned in a release"]
+    with pytest.raises(accord.Error) as local:
+        waited(DecidedAgreement(False), object(), "accord.torch: learned in a release")
+    assert not isinstance(local.value, accord.torch.AccordJobError)
+    assert "caller's deadline" in str(local.value)

@@ -40,7 +40,9 @@ by every rank at one fixed point and kept unsharded for the step
 (accord.torch.optional); the collective-sequence guard (accord.torch.guard)
 names any other divergence on every rank, and learns optional units that
 diverge from their first step; the step watch (accord.torch.watchdog) names a
-rank that stops or dies mid-step.
+rank that stops or dies mid-step. However a rank learns the job's verdict,
+it raises (or, blocked in a collective, ends with) an ``AccordJobError``
+holding the coordinator's words, the same on every rank (accord.torch.errors).
 
 Costs and limits: every group's unsharded gradient is kept until the end of
 the backward (FSDP2 without accord frees each after its reduce-scatter), and
@@ -55,16 +57,15 @@ from accord.torch.fsdp2 import (  # noqa: F401
     check_torch_version,
     torch_version,
 )
+from accord.torch.errors import AccordDivergenceError, AccordJobError, AccordPeerError  # noqa: F401
 from accord.torch.group import AccordFSDPError, GroupStats, dtype_name, torch_dtype  # noqa: F401
-from accord.torch.guard import AccordDivergenceError  # noqa: F401
 from accord.torch.install import fix_transformers_output_capture, install  # noqa: F401
 from accord.torch.installation import Installation, NegotiationTiming  # noqa: F401
 from accord.torch.optional import UnitParticipation  # noqa: F401
-from accord.torch.watchdog import AccordPeerError  # noqa: F401
 
 __all__ = [
-    "AccordDivergenceError", "AccordFSDPError", "AccordPeerError", "GroupStats", "Installation",
-    "NegotiationTiming", "SUPPORTED_TORCH", "UnitParticipation", "UnsupportedTorchError",
-    "check_torch_version", "dtype_name", "fix_transformers_output_capture", "install",
+    "AccordDivergenceError", "AccordFSDPError", "AccordJobError", "AccordPeerError", "GroupStats",
+    "Installation", "NegotiationTiming", "SUPPORTED_TORCH", "UnitParticipation",
+    "UnsupportedTorchError", "check_torch_version", "dtype_name", "fix_transformers_output_capture", "install",
     "torch_dtype", "torch_version",
 ]

@@ -27,16 +27,13 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from accord.torch.errors import AccordDivergenceError, again, last_words, verdict
 from accord.torch.watchdog import end_process, stop_at_exit
 from accord.torch.windows import (Window, describe, diverged, first_difference,
                                   repairable_units, slot_params, slots)
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
 END = "end of step"
-
-
-class AccordDivergenceError(RuntimeError):
-    """The ranks issued different FSDP collectives; same text on every rank."""
 
 
 class SequenceGuard:
@@ -77,6 +74,9 @@ class SequenceGuard:
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
         self.error: Optional[str] = None
+        # The error raised for it: the guard's own finding, or the job's
+        # verdict learned through a window (accord.torch.errors).
+        self._failure: Optional[BaseException] = None
         self._open = Window(0)  # guarded by _mu (the stall check reads it)
         self._last_record = time.monotonic()
         self._waiting = False  # the training thread waits for a verdict
@@ -199,9 +199,9 @@ class SequenceGuard:
             self._wake.notify()
 
     def _check_error(self) -> None:
-        if self.error is not None:
+        if self._failure is not None:
             self._raised.set()
-            raise AccordDivergenceError(self.error)
+            raise again(self._failure)
 
     def explain(self, failure: BaseException, wait_s: float = 30.0) -> None:
         """A collective failed (a peer stopped or died): if the guard finds a
@@ -218,9 +218,9 @@ class SequenceGuard:
             if not outstanding:
                 break
             outstanding[0].checked.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-        if self.error is not None:
+        if self._failure is not None:
             self._raised.set()
-            raise AccordDivergenceError(self.error) from failure
+            raise again(self._failure) from failure
 
     def registrations(self) -> List[tuple]:
         """The guard's groups (windows closed at new collectives; windows
@@ -284,9 +284,9 @@ class SequenceGuard:
                 # what counts, never the local timeout.
                 try:
                     decision = self.client.wait(window.handle, timeout_s=0)
-                except Exception as said:  # noqa: BLE001 - the service's named error
-                    self._fail(f"accord: collective-sequence guard at {window.records[-1]}: "
-                               f"{said}", window)
+                except Exception as said:  # noqa: BLE001 - the job's verdict
+                    self._fail(verdict(said, f"accord.torch: learned by the collective-sequence "
+                                             f"guard at {window.records[-1]}"), window)
                     return
             message = None
             if diverged(decision.included):
@@ -301,8 +301,12 @@ class SequenceGuard:
                 return
             window.checked.set()
 
-    def _fail(self, message: str, window: Optional[Window], raise_here: bool = False) -> None:
-        self.error = message
+    def _fail(self, failure, window: Optional[Window], raise_here: bool = False) -> None:
+        """`failure`: the guard's own finding (its text), or the job's verdict."""
+        if isinstance(failure, str):
+            failure = AccordDivergenceError(failure)
+        self._failure = failure
+        self.error = message = str(failure)
         with self._mu:
             pending = ([window] if window else []) + self._inflight + self._queue
         for w in pending:
@@ -377,7 +381,8 @@ class SequenceGuard:
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a
         collective (accord.torch.watchdog.end_process)."""
-        end_process(f"AccordDivergenceError: {message}")
+        end_process(last_words(self._failure) if self._failure is not None
+                    else f"AccordDivergenceError: {message}")
 
     def close(self) -> None:
         with self._mu:

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 import accord
 from accord.torch import fsdp2
+from accord.torch.errors import waited
 from accord.torch.group import GroupStats, Held, HookedGroup
 from accord.torch.plan import NONE, REDO, TRIM, Layout, plan_repair, speculates
 
@@ -132,7 +133,8 @@ class Installation:
             ready = getattr(self.agreement, "ready", None)
             if ready is None or not ready(handle):
                 self.timing.blocked += 1
-            decision = self.agreement.wait(handle)
+            decision = waited(self.agreement, handle,
+                              "accord.torch: learned in this rank's release (a group's decision)")
         self.timing.exposed_s += time.perf_counter() - t0
         self.timing.waits += 1
         return decision

@@ -17,6 +17,7 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from accord.torch import fsdp2
+from accord.torch.errors import waited
 
 
 @dataclasses.dataclass
@@ -55,7 +56,8 @@ class ParticipationReporter:
         """The batch item of this step (submitted with the release's batch);
         the previous step's decision, long since there, is collected first."""
         if self.previous is not None:
-            self.agreement.wait(self.previous)
+            waited(self.agreement, self.previous,
+                   "accord.torch: learned from the optional units' decision of the previous step")
             self.previous = None
         return (self.group_id, step, self.manifest(calls))
 

@@ -15,6 +15,9 @@ never submits it is named to every rank that did, with its node and last
 step. The watch then ends the process with the coordinator's message (exit
 status 3), unless the training thread reaches accord within a grace and
 raises it itself: a survivor blocked in a collective never returns from it.
+Either way the rank reports the job's verdict as every rank does
+(accord.torch.errors): an `AccordJobError` with the coordinator's words,
+where the rank was blocked in a note.
 
 A rank that is merely slow costs nothing: the early item is the same one its
 release would have sent, and the step completes when the slow rank gets
@@ -30,6 +33,8 @@ import threading
 import time
 import weakref
 from typing import Callable, Optional
+
+from accord.torch.errors import AccordPeerError, again, last_words, verdict  # noqa: F401
 
 STALL_S = 1.0  # no progress this long inside a step starts the coordinator's clock
 
@@ -58,10 +63,6 @@ def _stop_threads() -> None:
 MANIFEST = ["float32"]
 
 
-class AccordPeerError(RuntimeError):
-    """A rank stopped or died mid-step; the message names it (the same on every rank)."""
-
-
 class StepWatch:
     """One rank's step watch. The training thread calls begin_step(),
     progress(), item()/handed() at each release and end_step(); a background
@@ -76,7 +77,8 @@ class StepWatch:
         self.grace_s = grace_s
         self.on_failure = on_failure or end_process
         self.early = 0  # steps whose item this watch submitted before the release
-        self.error: Optional[str] = None
+        self.error: Optional[str] = None  # the verdict's text, once there is one
+        self._failure: Optional[BaseException] = None  # ... and the error raised for it
         self.where = "a step"
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
@@ -128,9 +130,9 @@ class StepWatch:
             self._in_step = False
 
     def check(self) -> None:
-        if self.error is not None:
+        if self._failure is not None:
             self._raised.set()
-            raise AccordPeerError(self.error)
+            raise again(self._failure)
 
     def explain(self, failure: BaseException) -> None:
         """A collective failed (Gloo saw a peer's connection reset): the step's
@@ -149,10 +151,9 @@ class StepWatch:
         except Exception:  # noqa: BLE001 - the coordinator's named error, or none in time
             said = self._said(handle)
             if said is not None:
-                self.error = (f"accord: a rank stopped or died while this rank was blocked in "
-                              f"{self.where}: {said}")
+                self._keep(said)
                 self._raised.set()
-                raise AccordPeerError(self.error) from failure
+                raise again(self._failure) from failure
 
     def _said(self, handle) -> Optional[BaseException]:
         """The item's own error once it has one, else None (not decided yet,
@@ -204,17 +205,21 @@ class StepWatch:
                 said = self._said(handle)
                 if said is None:
                     return  # decided without error as the wait timed out: a slow step
-                self._fail(f"accord: a rank stopped or died while this rank was blocked in "
-                           f"{self.where}: {said}")
+                self._fail(said)
                 return
 
-    def _fail(self, message: str) -> None:
-        self.error = message
+    def _keep(self, said: BaseException) -> None:
+        self._failure = verdict(said, f"accord.torch: a rank stopped or died while this rank "
+                                      f"was blocked in {self.where}")
+        self.error = str(self._failure)
+
+    def _fail(self, said: BaseException) -> None:
+        self._keep(said)
         # The training thread raises it itself if it reaches accord within the
         # grace; one blocked inside a collective never will.
         if self._raised.wait(self.grace_s):
             return
-        self.on_failure(message)
+        self.on_failure(last_words(self._failure))
 
     def close(self) -> None:
         with self._mu:
