@@ -98,7 +98,14 @@ void Coordinator::CloseSession(SessionId id) {
       FlushLocked(out);
       sessions_.erase(it);
       --stats_.sessions;
-      if (s.stream != nullptr && s.job->Disconnect(*s.stream, now, fx)) RemoveJobLocked(s.job);
+      if (s.stream != nullptr && s.job->Disconnect(*s.stream, now, fx)) {
+        const JobCore& core = s.job->core();
+        if (const Run* run = runs_.Find(core.job_id);
+            run != nullptr && run->run_id == core.run_id && run->state != RunState::kFailed) {
+          runs_.NoteLastNodeGone(core.job_id, core.run_id, now, options_.node_reconnect_grace);
+        }
+        RemoveJobLocked(s.job);
+      }
     }
   }
   Deliver();
@@ -301,10 +308,17 @@ void Coordinator::RemoveJobLocked(Job* job) {
   // A failed run is never resumed (its late requests get RUN_ENDED); a
   // healthy one whose last node only lost its connection may be (its
   // sidecar's RESUME takes it over, as after a coordinator restart).
-  if (run->state == RunState::kFailed) runs_.Remember(job_id, run_id, run->failure);
-  runs_.End(job_id, run_id,
-            wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
-                                                        " ended: its last node left")));
+  // The end of a failed run drops its fresh key scope: a wait still there
+  // (a rank that reached the run late) ends with the run's failure, the
+  // words its other ranks got, not with the end.
+  if (run->state == RunState::kFailed) {
+    runs_.Remember(job_id, run_id, run->failure);
+    runs_.End(job_id, run_id, wire::ErrorToStatus(run->failure));
+  } else {
+    runs_.End(job_id, run_id,
+              wire::KindError(v1::RUN_ENDED, absl::StrCat("job ", job_id, " run ", run_id,
+                                                          " ended: its last node left")));
+  }
   stats_.runs = static_cast<int64_t>(runs_.size());
 }
 

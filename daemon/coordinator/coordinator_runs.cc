@@ -94,7 +94,24 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
     return &run;
   }
-  if (current == nullptr) return start_run(run_id);
+  if (current == nullptr) {
+    if (start == v1::NodeHello::RUN_START_NEW) {
+      // The run's last node went moments ago: this node may be of the same
+      // launch and never have got its Welcome (it reached a relay or this
+      // coordinator only after the others' streams ended). It takes that
+      // run's id, as a RESUME of it would, rather than splitting the launch
+      // in two runs; a new launch loses nothing by it (the run held no
+      // state any more, and its ranks were gone).
+      if (std::string revived = runs_.Revivable(job_id, timer_.Now()); !revived.empty()) {
+        ACCORD_LOG(INFO) << "job " << job_id << ": node \"" << node_id << "\" joins run " << revived
+                         << ", whose last node left less than "
+                         << absl::FormatDuration(options_.node_reconnect_grace)
+                         << " (--node_reconnect_grace) ago";
+        return start_run(revived);
+      }
+    }
+    return start_run(run_id);
+  }
   Run& run = *current;
   if (start == v1::NodeHello::RUN_START_NEW) {
     auto nit = run.node_epochs.find(node_id);

@@ -30,6 +30,7 @@ Run& RunRegistry::Start(const std::string& job_id, std::string run_id, absl::Tim
     run_id = absl::StrCat(
         "r", absl::Hex(Mix(n) ^ Mix(Mix(n) + 0x9e3779b97f4a7c15ull), absl::kZeroPad16));
   }
+  gone_.erase(job_id);  // a run of the job is current again
   Run& run = runs_[job_id];
   run = Run();
   run.run_id = std::move(run_id);
@@ -56,6 +57,26 @@ void RunRegistry::Fail(const std::string& job_id, const std::string& run_id,
   const std::string scope = KeyScopeOf(*run);
   run->SetFailed(error);
   ended_.push_back(EndedRun{job_id, scope, wire::ErrorToStatus(error), KeyScopeOf(*run)});
+}
+
+void RunRegistry::NoteLastNodeGone(const std::string& job_id, const std::string& run_id,
+                                   absl::Time at, absl::Duration grace) {
+  const uint64_t note = ++gone_notes_;
+  gone_[job_id] = Gone{run_id, at + grace, note};
+  gone_order_.emplace_back(job_id, note);
+  while (gone_order_.size() > kRemembered) {
+    const auto& [oldest, its_note] = gone_order_.front();
+    // A later note of the same job replaced it: that one stays.
+    auto it = gone_.find(oldest);
+    if (it != gone_.end() && it->second.note == its_note) gone_.erase(it);
+    gone_order_.pop_front();
+  }
+}
+
+std::string RunRegistry::Revivable(const std::string& job_id, absl::Time now) const {
+  auto it = gone_.find(job_id);
+  if (it == gone_.end() || now >= it->second.until) return "";
+  return it->second.run_id;
 }
 
 void RunRegistry::Remember(const std::string& job_id, const std::string& run_id,

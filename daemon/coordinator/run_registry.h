@@ -101,6 +101,17 @@ class RunRegistry {
   // The queued ends, oldest first; the queue is left empty.
   std::vector<EndedRun> TakeEnded();
 
+  // The job's run `run_id`, healthy, ended at `at` because its last node's
+  // stream ended. Until `grace` later, a NEW that finds no current run takes
+  // that id again (Revivable): the node may be one of the same launch that
+  // never got its Welcome (docs/ARCHITECTURE.md, "Runs"). The last
+  // kRemembered such ends are kept.
+  void NoteLastNodeGone(const std::string& job_id, const std::string& run_id, absl::Time at,
+                        absl::Duration grace);
+  // The id a NEW of the job takes at `now`: a run whose last node went less
+  // than its grace ago; "" when none.
+  std::string Revivable(const std::string& job_id, absl::Time now) const;
+
   // The key-value scope of a run: its id, or after its failure a fresh one
   // (the failure dropped the run's keys).
   static std::string KeyScopeOf(const Run& run);
@@ -111,6 +122,14 @@ class RunRegistry {
   std::vector<EndedRun> ended_;
   std::deque<std::pair<std::string, std::string>> remembered_;
   absl::flat_hash_map<std::pair<std::string, std::string>, v1::DecisionError> remembered_why_;
+  struct Gone {
+    std::string run_id;
+    absl::Time until;
+    uint64_t note = 0;  // which NoteLastNodeGone made it
+  };
+  absl::flat_hash_map<std::string, Gone> gone_;              // by job id
+  std::deque<std::pair<std::string, uint64_t>> gone_order_;  // (job id, note), oldest first
+  uint64_t gone_notes_ = 0;
 };
 
 }  // namespace accord::daemon

@@ -998,6 +998,87 @@ TEST_F(CoordinatorRunTest, NodesOfOneLaunchShareARunAndItEndsWithItsLastNode) {
   EXPECT_EQ(coord_.stats().runs, 0);
 }
 
+// A node of a launch that never got its Welcome (it reached a relay, or this
+// coordinator, only after the run's other streams had ended) says NEW. Moments
+// after the run's last node left, that NEW takes the run's id again instead
+// of starting a second run of the launch (chaos seed 3048: the two halves of
+// one launch each failed naming the other). Past the node grace, or after a
+// failed run, a NEW starts a new run as before.
+TEST_F(CoordinatorRunTest, ANewMomentsAfterTheRunsLastNodeLeftTakesThatRunsId) {
+  const absl::Duration grace = CoordinatorOptions().node_reconnect_grace;
+  ASSERT_GT(grace, absl::ZeroDuration());
+  FakeNodeSink a, b, a_back;
+  const auto sa = coord_.OpenSession(&a);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  const std::string run = WelcomeRun(a);
+  ASSERT_FALSE(run.empty());
+  coord_.CloseSession(sa);  // its stream ends (cut, or the node stopped)
+  EXPECT_EQ(coord_.CurrentRun("job"), "");
+  clock_.Advance(grace / 2);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  EXPECT_EQ(WelcomeRun(b), run);
+  // Node a comes back and resumes the run it was welcomed to: the same one.
+  const auto sab = coord_.OpenSession(&a_back);
+  v1::NodeMessage resume = NewHello("a", {0}, 11);
+  resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  resume.mutable_hello()->set_run_id(run);
+  coord_.HandleMessage(sab, resume);
+  EXPECT_EQ(WelcomeRun(a_back), run);
+  EXPECT_EQ(coord_.CurrentRun("job"), run);
+  coord_.CloseSession(sab);
+  coord_.CloseSession(sb);
+
+  // Past the grace: a new run.
+  clock_.Advance(grace);
+  FakeNodeSink c;
+  const auto sc = coord_.OpenSession(&c);
+  coord_.HandleMessage(sc, NewHello("c", {0}, 33));
+  const std::string later = WelcomeRun(c);
+  ASSERT_FALSE(later.empty());
+  EXPECT_NE(later, run);
+
+  // A failed run is never taken again: its late nodes get its failure.
+  v1::NodeMessage d = NewHello("d", {1}, 44);
+  FakeNodeSink dsink;
+  const auto sd = coord_.OpenSession(&dsink);
+  coord_.HandleMessage(sd, d);
+  coord_.HandleMessage(sc, testing::Registration(testing::MakeSpec("g", 2), {0}));
+  clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
+  coord_.CheckDeadlines();
+  coord_.CloseSession(sc);
+  coord_.CloseSession(sd);
+  FakeNodeSink e;
+  const auto se = coord_.OpenSession(&e);
+  coord_.HandleMessage(se, NewHello("e", {0}, 55));
+  const std::string after_failure = WelcomeRun(e);
+  ASSERT_FALSE(after_failure.empty());
+  EXPECT_NE(after_failure, later);
+}
+
+// A failed run's end drops its fresh key scope with the run's failure: a
+// rank that reached the run late and waits there for keys ends with the
+// words the run's other ranks got, not with "its last node left" (chaos
+// seed 3048).
+TEST_F(CoordinatorRunTest, AFailedRunEndsWithItsFailuresWords) {
+  FakeNodeSink a, b;
+  const auto sa = coord_.OpenSession(&a);
+  const auto sb = coord_.OpenSession(&b);
+  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
+  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
+  const std::string run = WelcomeRun(a);
+  coord_.HandleMessage(sa, testing::Registration(testing::MakeSpec("g", 2), {0}));
+  clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
+  coord_.CheckDeadlines();       // rank 1 never registered g: the run fails
+  ASSERT_EQ(ended_.size(), 1u);  // its keys are dropped at the failure
+  const std::string failure = ended_[0].substr(ended_[0].find(": ") + 2);
+  EXPECT_THAT(failure, ::testing::HasSubstr("not every rank registered the group"));
+  coord_.CloseSession(sa);
+  coord_.CloseSession(sb);
+  ASSERT_EQ(ended_.size(), 2u);
+  EXPECT_EQ(ended_[1], absl::StrCat("job/", run, "/after-failure: ", failure));
+}
+
 TEST_F(CoordinatorRunTest, ANodeWhoseRanksRestartedSupersedesTheRunEvenWithAStaleStream) {
   FakeNodeSink a_old, b, a_new;
   const auto sa_old = coord_.OpenSession(&a_old);

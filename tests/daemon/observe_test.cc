@@ -268,22 +268,22 @@ TEST_F(ObserveTest, EndedJobStaysVisibleWithDisconnectedNodes) {
   EXPECT_THAT(log, HasSubstr(R"("event":"node_disconnected")"));
 }
 
-// A run can end while its nodes are still connected: here node b's ranks
-// were restarted (a NEW hello under another epoch) while node a still held
+// A run can end while its nodes are still connected: here node a's ranks
+// were restarted (a NEW hello under another epoch) while node b still held
 // its stream. The ended run is listed with nothing connected: its streams
 // were detached from it, and no later disconnect reaches it (chaos seed 3021
 // found a node and a rank listed as connected for good).
 TEST_F(ObserveTest, ARunEndedWhileItsNodesWereConnectedIsListedWithNothingConnected) {
   RunScenario();
-  FakeNodeSink b_new;
-  const Coordinator::SessionId b2 = coord_->OpenSession(&b_new);
-  v1::NodeMessage restarted = Hello("job1", "b", 4, {2, 3});
+  FakeNodeSink a_new;
+  const Coordinator::SessionId a2 = coord_->OpenSession(&a_new);
+  v1::NodeMessage restarted = Hello("job1", "a", 4, {0, 1});
   restarted.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
   restarted.mutable_hello()->set_node_epoch(99);
-  coord_->HandleMessage(b2, restarted);
-  ASSERT_TRUE(sink_a_.messages().back().has_error());
-  EXPECT_EQ(sink_a_.messages().back().error().kind(), v1::RUN_ENDED);
-  coord_->CloseSession(b2);  // the new run's only node leaves; node a's stream stays open
+  coord_->HandleMessage(a2, restarted);
+  ASSERT_TRUE(sink_b_.messages().back().has_error());
+  EXPECT_EQ(sink_b_.messages().back().error().kind(), v1::RUN_ENDED);
+  coord_->CloseSession(a2);  // the new run's only node leaves; node b's stream stays open
   absl::StatusOr<v1::StatusResponse> s = coord_->ObserveStatus("job1");
   ASSERT_TRUE(s.ok()) << s.status();
   ASSERT_EQ(s->jobs_size(), 1);
