@@ -353,3 +353,49 @@ def test_a_decided_error_is_the_jobs_verdict_and_a_local_one_stays_as_it_came():
         waited(DecidedAgreement(False), object(), "accord.torch: learned in a release")
     assert not isinstance(local.value, accord.torch.AccordJobError)
     assert "caller's deadline" in str(local.value)
+
+
+def test_the_all_gather_and_its_copy_out_are_patched_and_restored():
+    from accord.torch import fsdp2
+
+    pg = fsdp2._import().pg_module
+    before = (pg.foreach_all_gather, pg.foreach_all_gather_copy_out)
+
+    def wrap(f):
+        return lambda *a, **k: f(*a, **k)
+
+    fsdp2.patch_all_gather(wrap, wrap)
+    try:
+        assert pg.foreach_all_gather is not before[0]
+        assert pg.foreach_all_gather_copy_out is not before[1]
+    finally:
+        fsdp2.unpatch_all_gather()
+    assert (pg.foreach_all_gather, pg.foreach_all_gather_copy_out) == before
+
+
+def test_an_all_gather_that_fails_in_its_copy_out_is_explained():
+    """FSDP2 waits for its asynchronous all-gathers in the copy-out: a peer's
+    death shows there, and the installation's explain() (the job's verdict,
+    if accord has one) replaces Gloo's error."""
+    from accord.torch import guarding
+
+    class Explained(Exception):
+        pass
+
+    class Inst:
+        def explain(self, failure):
+            raise Explained(str(failure))
+
+    fp = object()
+    guarding._GUARDED[id(fp)] = (Inst(), "blocks.2", None)
+    try:
+        def gloo_copy_out(result, fsdp_params, group):
+            raise RuntimeError("Connection closed by peer")
+
+        with pytest.raises(Explained, match="Connection closed by peer"):
+            guarding._route_copy_out(gloo_copy_out)(None, [fp], None)
+        # Not accord's unit: Gloo's error as it came.
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            guarding._route_copy_out(gloo_copy_out)(None, [object()], None)
+    finally:
+        del guarding._GUARDED[id(fp)]

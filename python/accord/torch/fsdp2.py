@@ -61,7 +61,7 @@ _NAMES = {
                   "orig_dtype"),
     "FSDPState": ("_root_post_backward_final_callback", "_is_root", "_state_ctx",
                   "is_last_backward"),
-    "module _fsdp_param_group": ("foreach_all_gather",),
+    "module _fsdp_param_group": ("foreach_all_gather", "foreach_all_gather_copy_out"),
     "TrainingState": ("FORWARD", "POST_BACKWARD", "PRE_BACKWARD", "IDLE"),
 }
 
@@ -326,16 +326,21 @@ def take_grad(fp) -> Optional[tuple]:
 
 # ------------------------------------------------------------------ all-gathers
 
-_ALL_GATHER = {"original": None, "users": 0}
+_ALL_GATHER = {"original": None, "copy_out": None, "users": 0}
 
 
-def patch_all_gather(make: Callable[[Callable], Callable]) -> None:
-    """Routes FSDP2's all-gathers through make(original); reference-counted
-    with unpatch_all_gather()."""
+def patch_all_gather(make: Callable[[Callable], Callable],
+                     make_copy_out: Callable[[Callable], Callable]) -> None:
+    """Routes FSDP2's all-gathers through make(original), and the waits for
+    their results (the copy-out, where an asynchronous all-gather's failure
+    surfaces) through make_copy_out(original); reference-counted with
+    unpatch_all_gather()."""
     pg = _import().pg_module
     if _ALL_GATHER["users"] == 0:
         _ALL_GATHER["original"] = pg.foreach_all_gather
+        _ALL_GATHER["copy_out"] = pg.foreach_all_gather_copy_out
         pg.foreach_all_gather = make(pg.foreach_all_gather)
+        pg.foreach_all_gather_copy_out = make_copy_out(pg.foreach_all_gather_copy_out)
     _ALL_GATHER["users"] += 1
 
 
@@ -344,6 +349,8 @@ def unpatch_all_gather() -> None:
         return
     _ALL_GATHER["users"] -= 1
     if _ALL_GATHER["users"] == 0:
-        _import().pg_module.foreach_all_gather = _ALL_GATHER["original"]
-        _ALL_GATHER["original"] = None
+        pg = _import().pg_module
+        pg.foreach_all_gather = _ALL_GATHER["original"]
+        pg.foreach_all_gather_copy_out = _ALL_GATHER["copy_out"]
+        _ALL_GATHER["original"] = _ALL_GATHER["copy_out"] = None
 

@@ -51,13 +51,28 @@ def _route(original):
     return all_gather
 
 
+def _route_copy_out(original):
+    # FSDP2 issues its all-gathers asynchronously and waits for them in the
+    # copy-out: a peer that stopped or died shows there, not in the call above.
+    def copy_out(all_gather_result, fsdp_params, *args, **kwargs):
+        try:
+            return original(all_gather_result, fsdp_params, *args, **kwargs)
+        except RuntimeError as e:  # a peer stopped: say why, if accord knows
+            found = _guard_of(fsdp_params)
+            if found is not None:
+                found[0].explain(e)
+            raise
+
+    return copy_out
+
+
 def attach(installation) -> None:
     """Routes the installation's all-gathers; its guard and watch (either may
     be None) hear of each step's start first (a prepended root pre-forward)."""
     for h in installation.groups.values():
         for fp in h.group.fsdp_params:
             _GUARDED[id(fp)] = (installation, h.unit, h.group)
-    fsdp2.patch_all_gather(_route)
+    fsdp2.patch_all_gather(_route, _route_copy_out)
 
     def begin_step(module, args):
         if not fsdp2.in_backward():
