@@ -972,6 +972,15 @@ class CoordinatorRunTest : public ::testing::Test {
     }
     return "";
   }
+  // A new stream of `node` saying NEW: its session, and the run it was
+  // welcomed to in `run` ("" when refused).
+  Coordinator::SessionId JoinNew(FakeNodeSink& sink, const std::string& node,
+                                 std::vector<int> ranks, uint64_t epoch, std::string* run) {
+    const Coordinator::SessionId s = coord_.OpenSession(&sink);
+    coord_.HandleMessage(s, NewHello(node, std::move(ranks), epoch));
+    *run = WelcomeRun(sink);
+    return s;
+  }
 
   FakeClock clock_;
   std::vector<std::string> ended_;
@@ -1008,16 +1017,13 @@ TEST_F(CoordinatorRunTest, ANewMomentsAfterTheRunsLastNodeLeftTakesThatRunsId) {
   const absl::Duration grace = CoordinatorOptions().node_reconnect_grace;
   ASSERT_GT(grace, absl::ZeroDuration());
   FakeNodeSink a, b, a_back;
-  const auto sa = coord_.OpenSession(&a);
-  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
-  const std::string run = WelcomeRun(a);
+  std::string run, b_run;
+  coord_.CloseSession(JoinNew(a, "a", {0}, 11, &run));  // its stream ends (cut, or stopped)
   ASSERT_FALSE(run.empty());
-  coord_.CloseSession(sa);  // its stream ends (cut, or the node stopped)
   EXPECT_EQ(coord_.CurrentRun("job"), "");
   clock_.Advance(grace / 2);
-  const auto sb = coord_.OpenSession(&b);
-  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
-  EXPECT_EQ(WelcomeRun(b), run);
+  const auto sb = JoinNew(b, "b", {1}, 22, &b_run);
+  EXPECT_EQ(b_run, run);
   // Node a comes back and resumes the run it was welcomed to: the same one.
   const auto sab = coord_.OpenSession(&a_back);
   v1::NodeMessage resume = NewHello("a", {0}, 11);
@@ -1031,27 +1037,20 @@ TEST_F(CoordinatorRunTest, ANewMomentsAfterTheRunsLastNodeLeftTakesThatRunsId) {
 
   // Past the grace: a new run.
   clock_.Advance(grace);
-  FakeNodeSink c;
-  const auto sc = coord_.OpenSession(&c);
-  coord_.HandleMessage(sc, NewHello("c", {0}, 33));
-  const std::string later = WelcomeRun(c);
+  FakeNodeSink c, d, e;
+  std::string later, d_run, after_failure;
+  const auto sc = JoinNew(c, "c", {0}, 33, &later);
   ASSERT_FALSE(later.empty());
   EXPECT_NE(later, run);
 
-  // A failed run is never taken again: its late nodes get its failure.
-  v1::NodeMessage d = NewHello("d", {1}, 44);
-  FakeNodeSink dsink;
-  const auto sd = coord_.OpenSession(&dsink);
-  coord_.HandleMessage(sd, d);
+  // A failed run's id is never taken again, however soon a NEW comes.
+  const auto sd = JoinNew(d, "d", {1}, 44, &d_run);
   coord_.HandleMessage(sc, testing::Registration(testing::MakeSpec("g", 2), {0}));
   clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
-  coord_.CheckDeadlines();
+  coord_.CheckDeadlines();  // rank 1 never registered g: the run fails
   coord_.CloseSession(sc);
   coord_.CloseSession(sd);
-  FakeNodeSink e;
-  const auto se = coord_.OpenSession(&e);
-  coord_.HandleMessage(se, NewHello("e", {0}, 55));
-  const std::string after_failure = WelcomeRun(e);
+  JoinNew(e, "e", {0}, 55, &after_failure);
   ASSERT_FALSE(after_failure.empty());
   EXPECT_NE(after_failure, later);
 }
@@ -1062,11 +1061,9 @@ TEST_F(CoordinatorRunTest, ANewMomentsAfterTheRunsLastNodeLeftTakesThatRunsId) {
 // seed 3048).
 TEST_F(CoordinatorRunTest, AFailedRunEndsWithItsFailuresWords) {
   FakeNodeSink a, b;
-  const auto sa = coord_.OpenSession(&a);
-  const auto sb = coord_.OpenSession(&b);
-  coord_.HandleMessage(sa, NewHello("a", {0}, 11));
-  coord_.HandleMessage(sb, NewHello("b", {1}, 22));
-  const std::string run = WelcomeRun(a);
+  std::string run, b_run;
+  const auto sa = JoinNew(a, "a", {0}, 11, &run);
+  const auto sb = JoinNew(b, "b", {1}, 22, &b_run);
   coord_.HandleMessage(sa, testing::Registration(testing::MakeSpec("g", 2), {0}));
   clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
   coord_.CheckDeadlines();       // rank 1 never registered g: the run fails
