@@ -72,6 +72,6 @@ def waited(agreement, handle, where: str, **kwargs):
         return agreement.wait(handle, **kwargs)
     except accord.Error as e:
         ready = getattr(agreement, "ready", None)
-        if isinstance(e, AccordJobError) or ready is None or not ready(handle):
+        if ready is None or not ready(handle):
             raise
         raise verdict(e, where) from None

@@ -73,10 +73,7 @@ class SequenceGuard:
         self.blocked_s = 0.0
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
-        self.error: Optional[str] = None
-        # The error raised for it: the guard's own finding, or the job's
-        # verdict learned through a window (accord.torch.errors).
-        self._failure: Optional[BaseException] = None
+        self._failure: Optional[BaseException] = None  # its finding, or the job's verdict
         self._open = Window(0)  # guarded by _mu (the stall check reads it)
         self._last_record = time.monotonic()
         self._waiting = False  # the training thread waits for a verdict
@@ -198,6 +195,10 @@ class SequenceGuard:
             self._inflight.append(window)
             self._wake.notify()
 
+    @property
+    def error(self) -> Optional[str]:  # the failure's text, once there is one
+        return None if self._failure is None else str(self._failure)
+
     def _check_error(self) -> None:
         if self._failure is not None:
             self._raised.set()
@@ -306,7 +307,7 @@ class SequenceGuard:
         if isinstance(failure, str):
             failure = AccordDivergenceError(failure)
         self._failure = failure
-        self.error = message = str(failure)
+        message = str(failure)
         with self._mu:
             pending = ([window] if window else []) + self._inflight + self._queue
         for w in pending:

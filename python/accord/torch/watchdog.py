@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from accord.torch.errors import AccordPeerError, again, last_words, verdict  # noqa: F401
+from accord.torch.errors import again, last_words, verdict
 
 STALL_S = 1.0  # no progress this long inside a step starts the coordinator's clock
 
@@ -77,8 +77,7 @@ class StepWatch:
         self.grace_s = grace_s
         self.on_failure = on_failure or end_process
         self.early = 0  # steps whose item this watch submitted before the release
-        self.error: Optional[str] = None  # the verdict's text, once there is one
-        self._failure: Optional[BaseException] = None  # ... and the error raised for it
+        self._failure: Optional[BaseException] = None  # the verdict, raised as this
         self.where = "a step"
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
@@ -128,6 +127,11 @@ class StepWatch:
     def end_step(self) -> None:
         with self._mu:
             self._in_step = False
+
+    @property
+    def error(self) -> Optional[str]:
+        """The verdict's text, once there is one."""
+        return None if self._failure is None else str(self._failure)
 
     def check(self) -> None:
         if self._failure is not None:
@@ -211,7 +215,6 @@ class StepWatch:
     def _keep(self, said: BaseException) -> None:
         self._failure = verdict(said, f"accord.torch: a rank stopped or died while this rank "
                                       f"was blocked in {self.where}")
-        self.error = str(self._failure)
 
     def _fail(self, said: BaseException) -> None:
         self._keep(said)
