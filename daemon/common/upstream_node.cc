@@ -42,6 +42,13 @@ void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
 void InflightManifests::DropUpTo(int64_t step) {
   size_t n = 0;
   while (n < entries_.size() && entries_[n].step <= step) ++n;
+  if (step > decided_step_) {
+    decided_step_ = step;
+    decided_.clear();
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (entries_[i].step == decided_step_) decided_.push_back(std::move(entries_[i]));
+  }
   entries_.erase(entries_.begin(), entries_.begin() + n);
 }
 
@@ -58,6 +65,10 @@ bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node,
 }
 
 void InflightManifests::AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const {
+  for (const Entry& e : decided_) {
+    AppendEntry(e, node, out);
+    out->mutable_manifests()->rbegin()->set_decided(true);
+  }
   for (const Entry& e : entries_) AppendEntry(e, node, out);
 }
 

@@ -73,7 +73,10 @@ class UpstreamNode;
 // One group's manifests sent upstream and not yet decided, in full form, so
 // that a new stream (or a receiver that cannot resolve a repeat) gets them
 // again. Several may share a step (a relay's late contribution goes up
-// alone).
+// alone). Those of the group's last decided step are kept too: a new stream
+// gets them again flagged `decided`, for a coordinator that lost the run's
+// state while some other node's copy of that decision was lost with its
+// stream (docs/ARCHITECTURE.md, "Decisions across a coordinator restart").
 class InflightManifests {
  public:
   // `full`: the manifest in full form, its step cleared (shared with the
@@ -81,14 +84,19 @@ class InflightManifests {
   // announced when it was built (UpstreamNode::announced), which is what a
   // manifest without rank_bits stands for.
   void Add(int64_t step, std::shared_ptr<const v1::Manifest> full, size_t announced);
-  // Forgets every manifest of a step <= `step` (decided).
+  // `step` was decided: forgets every manifest of an earlier step, and keeps
+  // those of `step` as the last decided step's (an older step answered again
+  // changes nothing).
   void DropUpTo(int64_t step);
   // Appends those of `step`, with their step set, as they read on `node`'s
   // stream now: one without rank_bits built when fewer ranks were announced
   // gets the bits of those ranks (docs/ARCHITECTURE.md, "Whose ranks a
   // manifest covers"). Whether there was one.
   bool AppendStep(int64_t step, const UpstreamNode& node, v1::ManifestBatch* out) const;
+  // Appends the last decided step's, flagged `decided`, then every undecided
+  // one (AppendStep's form; ascending step).
   void AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const;
+  int64_t decided_step() const { return decided_step_; }
   // How many are of a step before `step`.
   size_t CountBefore(int64_t step) const;
 
@@ -100,6 +108,8 @@ class InflightManifests {
   };
   static void AppendEntry(const Entry& e, const UpstreamNode& node, v1::ManifestBatch* out);
   std::vector<Entry> entries_;  // ascending step, arrival order within one
+  int64_t decided_step_ = -1;   // the last decided step, and its manifests
+  std::vector<Entry> decided_;
 };
 
 // Whether the stream holds a group's previous manifest, so that the next one

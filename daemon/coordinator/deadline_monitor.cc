@@ -47,6 +47,7 @@ bool DeadlineMonitor::FailIfNodeLost(absl::Time now, absl::Time& next, JobEffect
     if (culprit != nullptr && g.group_id > culprit->group_id) continue;
     for (auto& [step, p] : g.pending) {
       if (culprit == &g && step >= culprit_step) break;
+      if (!p.clock.started()) continue;  // nobody waits for it
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
       for (const NodeState* node : lost) {
@@ -119,8 +120,10 @@ bool DeadlineMonitor::CheckGroups(absl::Time now, absl::Time& next, JobEffects& 
       if (CheckStep(*g, step, p, now, next, fx)) {
         // The group's oldest waiting step names the failure: a later step
         // is due first only when it arrived first, e.g. after a restart
-        // where a rank skipped the older one (named "past this step").
-        auto oldest = g->pending.begin();
+        // where a rank skipped the older one (named "past this step"). A
+        // step whose clock never started has nobody waiting for it.
+        auto oldest = std::find_if(g->pending.begin(), g->pending.end(),
+                                   [](const auto& e) { return e.second.clock.started(); });
         FailStep(*g, oldest->first, oldest->second, now, fx);
         return true;
       }
@@ -288,11 +291,14 @@ void DeadlineMonitor::HandlePartialProgress(const NodeState& node, const v1::Nod
   // Decided already (the decision is on its way) or nonsense: nothing to time.
   if (step < 0 || step <= g.last_decided_step()) return;
   auto pit = g.pending.find(step);
-  if (pit == g.pending.end()) {
+  // The step began when the node's first rank submitted it, not now.
+  const absl::Duration waited = std::clamp(absl::Microseconds(progress.waited_us()),
+                                           absl::ZeroDuration(), job.options.deadline);
+  if (pit != g.pending.end() && !pit->second.clock.started()) {
+    // Only `decided` manifests spoke for it; a rank of this node waits.
+    fx.WakeAt(job.StartClock(pit->second, now - waited));
+  } else if (pit == g.pending.end()) {
     if (static_cast<int>(g.pending.size()) >= job.options.max_pending_steps) return;
-    // The step began when the node's first rank submitted it, not now.
-    const absl::Duration waited = std::clamp(absl::Microseconds(progress.waited_us()),
-                                             absl::ZeroDuration(), job.options.deadline);
     absl::Time wake;
     std::tie(pit, wake) = job.StartStep(g, step, now - waited);
     fx.WakeAt(wake);

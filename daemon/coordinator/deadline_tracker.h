@@ -37,6 +37,10 @@ class StepDeadline {
 
   StepDeadline(absl::Time first_seen, absl::Duration deadline)
       : first_seen_(first_seen), deadline_(first_seen + deadline), half_(deadline / 2) {}
+  // Whether the clock runs: one built with first_seen InfiniteFuture never
+  // has anything due (a step only `decided` manifests speak for;
+  // docs/ARCHITECTURE.md, "Decisions across a coordinator restart").
+  bool started() const { return first_seen_ != absl::InfiniteFuture(); }
 
   // What is due at `now` (see Due); lowers `next` to when the step needs
   // the next check. `stalls`: whether stall reports are wanted.

@@ -1,5 +1,7 @@
 #include "daemon/coordinator/group_state.h"
 
+#include <iterator>
+
 namespace accord::daemon {
 
 std::shared_ptr<const Content> Contribution::Owner() const {
@@ -15,6 +17,13 @@ uint64_t MixKey(uint64_t k) {
 
 void GroupState::RecordDecision(int64_t step, const v1::Decision& d, uint64_t combined_key) {
   last_decided_step_ = step;
+  // Earlier steps only `decided` manifests spoke for can never be wanted now
+  // (every node that sent one holds that decision; docs/ARCHITECTURE.md,
+  // "Decisions across a coordinator restart"). Their contents are released
+  // with the decided steps' (ContentCache::Prune).
+  for (auto it = pending.begin(); it != pending.end() && it->first < step;) {
+    it = it->second.clock.started() ? std::next(it) : pending.erase(it);
+  }
   last_.wait_us = d.wait_us();
   if (d.same_as_previous()) return;
   last_.ok = d.has_ok();

@@ -75,7 +75,8 @@ class GroupState {
   // PendingStep::combined_key (unused for same_as_previous). The only writer
   // of the last_* facts below: a same_as_previous decision keeps the stored
   // full decision, which stands for this step too (resends patch the step
-  // and the wait; no copy per repeated decision).
+  // and the wait; no copy per repeated decision). Drops the earlier pending
+  // steps whose clock never started.
   void RecordDecision(int64_t step, const v1::Decision& d, uint64_t combined_key);
 
   int64_t last_decided_step() const { return last_decided_step_; }

@@ -126,6 +126,7 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   for (auto& [gid, g] : job.groups) {
     if (culprit != nullptr && g.group_id > culprit->group_id) continue;
     for (auto& [step, p] : g.pending) {
+      if (!p.clock.started()) continue;  // nobody waits for it
       RankSet covered(job.world_size);
       for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
       for (int x : p.clock.reported()) {
@@ -333,6 +334,7 @@ void Job::BroadcastRegistration(GroupState& g, JobEffects& fx) {
   // Pending steps of the group can never be decided.
   v1::DecisionBatch& batch = fx.Decisions();
   for (auto& [step, p] : g.pending) {
+    if (!p.clock.started()) continue;  // its nodes hold its decision
     v1::Decision* d = batch.add_decisions();
     d->set_group_id(g.group_id);
     d->set_step(step);

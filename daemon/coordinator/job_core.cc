@@ -71,6 +71,7 @@ void JobCore::Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError 
   for (GroupState* g :
        GroupsInOrder(*this, [](const GroupState& g) { return !g.pending.empty(); })) {
     for (auto& [step, p] : g->pending) {
+      if (!p.clock.started()) continue;  // its nodes hold its decision
       v1::Decision* d = batch.add_decisions();
       d->set_group_id(g->group_id);
       d->set_step(step);
@@ -193,7 +194,7 @@ std::string JobCore::LeftWhy(int rank, absl::string_view node_id, absl::string_v
 
 bool JobCore::FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p,
                                     JobEffects& fx) {
-  if (failed()) return false;
+  if (failed() || !p.clock.started()) return false;  // not started: nobody waits for it
   const int r = members.LeftBefore(step);
   if (r < 0) return false;
   const NodeState* owner = members.OwnerOf(r);
@@ -209,6 +210,12 @@ std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> JobCore::StartSt
   auto pit = g.pending.try_emplace(step, first_seen, options.deadline).first;
   PendingStep& p = pit->second;
   p.contributions.reserve(members.connected());
+  if (!p.clock.started()) return {pit, absl::InfiniteFuture()};
+  return {pit, StartClock(p, first_seen)};
+}
+
+absl::Time JobCore::StartClock(PendingStep& p, absl::Time first_seen) const {
+  p.clock = StepDeadline(first_seen, options.deadline);
   // With an observer the timer also wakes at half the deadline (stall event).
   absl::Time wake = observing() ? p.clock.stall_at() : p.clock.deadline();
   // A node gone (sidecar restarted?) may already be past its grace.
@@ -217,7 +224,7 @@ std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> JobCore::StartSt
       if (node.lost()) wake = std::min(wake, node.disconnected_at + options.node_reconnect_grace);
     }
   }
-  return {pit, wake};
+  return wake;
 }
 
 void JobCore::PruneContributions(const GroupState& g, NodeGroupState& ng, JobEffects& fx) {

@@ -83,10 +83,14 @@ struct JobCore {
   // misses waits for the deadline, whatever order the leave and the other
   // ranks' manifests arrive in.)
   bool FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p, JobEffects& fx);
-  // Creates the pending (group, step) whose clock started at `first_seen`;
-  // returns it and when the timer must look at it.
+  // Creates the pending (group, step) whose clock started at `first_seen`
+  // (InfiniteFuture: not started); returns it and when the timer must look
+  // at it.
   std::pair<std::map<int64_t, PendingStep>::iterator, absl::Time> StartStep(
       GroupState& g, int64_t step, absl::Time first_seen) const;
+  // Starts the clock of a pending step that has none yet (only `decided`
+  // manifests spoke for it); returns when the timer must look at it.
+  absl::Time StartClock(PendingStep& p, absl::Time first_seen) const;
   // Forgets the node's contributions to steps decided since, and the
   // retained contents only those named.
   void PruneContributions(const GroupState& g, NodeGroupState& ng, JobEffects& fx);

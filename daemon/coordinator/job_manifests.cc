@@ -47,7 +47,7 @@ void Job::HandleManifests(NodeStream& s, const v1::ManifestBatch& batch,
     PredecodedContent* pre =
         predecoded != nullptr && predecoded->size() == n ? &(*predecoded)[i] : nullptr;
     refs.push_back(EntryRef{ManifestRef{m.group_id(), m.step(), m.repeat(), m.cache_key(),
-                                        m.repeat() ? nullptr : &m, pre},
+                                        m.repeat() ? nullptr : &m, pre, m.decided()},
                             e.group, e.node_group});
   }
   record.key = hasher.Finish();

@@ -313,6 +313,7 @@ StallsSnapshot StallsSnapshotOf(const JobCore& job) {
             [](const GroupState* a, const GroupState* b) { return a->group_id < b->group_id; });
   for (const GroupState* g : groups) {
     for (const auto& [step, p] : g->pending) {
+      if (!p.clock.started()) continue;  // nobody waits for it
       StallsSnapshot::Step& s = snap.steps.emplace_back();
       s.group_id = g->group_id;
       s.step = step;

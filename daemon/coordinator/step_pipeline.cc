@@ -99,7 +99,9 @@ bool StepPipeline::ApplyEntry(const Sender& s, const EntryRef& e, EntryResult& r
   CoordinatorStats& stats = fx.stats();
   ++stats.manifests;
   if (r.answer) {
-    AnswerWithoutContent(s, e.m, e.g, e.ng, fx);
+    // A step the node holds the decision of needs no answer: one that was
+    // decided here (or a later one), or one that cannot be taken.
+    if (!e.m.decided) AnswerWithoutContent(s, e.m, e.g, e.ng, fx);
     return false;
   }
   JobCore& job = s.job;
@@ -240,7 +242,14 @@ const Content* StepPipeline::ResolveContent(const JobCore& job, const NodeState&
 PendingStep* StepPipeline::PendingStepFor(const JobCore& job, GroupState& g, const ManifestRef& m,
                                           absl::Time start, EntryResult& r) const {
   auto pit = g.pending.find(m.step);
-  if (pit != g.pending.end()) return &pit->second;
+  if (pit != g.pending.end()) {
+    // The first manifest of a node that waits for the step starts the clock
+    // of a step only `decided` manifests spoke for.
+    if (!m.decided && !pit->second.clock.started()) {
+      r.wake = std::min(r.wake, job.StartClock(pit->second, start));
+    }
+    return &pit->second;
+  }
   if (static_cast<int>(g.pending.size()) >= options_.max_pending_steps) {
     r.error = Error(v1::LIMIT_EXCEEDED,
                     absl::StrCat("job ", job.job_id, " group \"", m.group_id, "\" step ", m.step,
@@ -250,7 +259,7 @@ PendingStep* StepPipeline::PendingStepFor(const JobCore& job, GroupState& g, con
                     job.job_id, m.group_id, m.step);
     return nullptr;
   }
-  auto [it, wake] = job.StartStep(g, m.step, start);
+  auto [it, wake] = job.StartStep(g, m.step, m.decided ? absl::InfiniteFuture() : start);
   r.wake = std::min(r.wake, wake);
   return &it->second;
 }
@@ -362,7 +371,7 @@ void StepPipeline::DecideStep(JobCore& job, GroupState& g, int64_t step,
   v1::Decision* d = fx.Decisions().add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(step);
-  d->set_wait_us(absl::ToInt64Microseconds(now - p.clock.first_seen()));
+  d->set_wait_us(p.clock.started() ? absl::ToInt64Microseconds(now - p.clock.first_seen()) : 0);
   ++stats.decisions;
   // The step's contents, handed to the usage window when it needs them.
   auto contents = [&p] {

@@ -37,6 +37,8 @@ struct ManifestRef {
   uint64_t cache_key = 0;
   const v1::Manifest* full = nullptr;
   PredecodedContent* predecoded = nullptr;  // full form: what was decoded before the lock
+  // The node holds this step's decision already (Manifest.decided).
+  bool decided = false;
 };
 
 // A manifest of a batch with its resolved group states (nullptr: unknown).

@@ -464,7 +464,10 @@ void Relay::HandleDecisionsLocked(v1::DecisionBatch* batch) {
     if (git == groups_.end()) continue;
     Group& g = git->second;
     const int64_t step = d.step();
-    if (step > g.last_decided) g.last_decided = step;
+    // An older step decided again (a coordinator that lost the run's state
+    // decides what some node had not got) changes nothing kept here.
+    if (step < g.last_decided) continue;
+    g.last_decided = step;
     if (d.has_ok() || d.has_error()) {
       g.last_decision = d;
     } else if (d.same_as_previous() && g.last_decision.has_value()) {

@@ -108,6 +108,11 @@ void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
       remembered.clear_step();
       node.last_full[g.group_id] = std::move(remembered);
     }
+    // A step its sidecar already holds the decision of (a new stream's
+    // resend): its content is the sidecar's previous manifest (kept above),
+    // but it goes no further; the relay sends its own (docs/ARCHITECTURE.md,
+    // "Decisions across a coordinator restart").
+    if (m.decided()) continue;
     ++stats_.node_manifests_in;
     AddManifestLocked(node, g, std::move(full), m.repeat(), &out);
   }

@@ -715,7 +715,10 @@ def baseline_digest(bins, sched, root):
     digests = {parse_rank(p.output())[2] for p in ranks}
     cluster.close()
     if len(digests) != 1 or None in digests:
-        raise RuntimeError(f"the undisturbed job failed (codes {codes}); see {work}")
+        said = "; ".join(f"rank {r}: {err[1]}: {err[2]}" if err else f"rank {r}: no error line"
+                         for r, err in ((r, parse_rank(p.output())[1])
+                                        for r, p in enumerate(ranks)))
+        raise RuntimeError(f"the undisturbed job failed (codes {codes}; {said}); see {work}")
     if any(c != 0 for c in codes.values()):
         # Every rank finished with the same digest; an exit status after it
         # is reported by the oracle of the runs that see it, not here.

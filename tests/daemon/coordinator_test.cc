@@ -24,6 +24,7 @@ using testing::Repeat;
 
 constexpr auto kBf16 = DType::kBFloat16;
 constexpr auto kFp16 = DType::kFloat16;
+constexpr auto kFp32 = DType::kFloat32;
 constexpr std::nullopt_t kNone = std::nullopt;
 
 // Two nodes of a world of 4: node "a" serves ranks 0,1 and node "b" ranks 2,3.
@@ -265,6 +266,95 @@ TEST_F(CoordinatorTest, StepOlderThanLastDecidedIsARegression) {
   EXPECT_EQ(sink_b_.decisions()[0].error().kind(), v1::STEP_REGRESSION);
   EXPECT_TRUE(absl::StrContains(sink_b_.decisions()[0].error().message(), "last decided step 5"));
   EXPECT_TRUE(sink_a_.decisions().empty());
+}
+
+// Decisions across a coordinator restart (docs/ARCHITECTURE.md): node b got
+// step 3's decision, node a's copy was lost with its stream, and the
+// coordinator lost the run's state. A fresh coordinator (this fixture's)
+// gets a's step 3 as it was and b's flagged `decided`: it decides the step
+// again, for a.
+v1::Manifest Decided(v1::Manifest m) {
+  m.set_decided(true);
+  return m;
+}
+
+TEST_F(CoordinatorTest, AStepDecidedBeforeARestartIsDecidedAgainWithTheDecidedNodesManifest) {
+  Join();
+  RegisterAll(MakeSpec("g0", 2));
+  coord_.HandleMessage(b_, Batch({Decided(NodeManifest("g0", 3, {kFp32, kBf16}, 4, {2, 3}))}));
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  EXPECT_TRUE(sink_b_.decisions().empty());
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 3, {kBf16, kNone}, 4, {0, 1})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const v1::Decision d = sink_a_.decisions()[0];
+  EXPECT_EQ(d.step(), 3);
+  ASSERT_TRUE(d.has_ok()) << d.DebugString();
+  EXPECT_EQ(d.ok().wire_dtype(), v1::FLOAT32) << "b's fp32 gradient counts";
+  // The same decision, as a node that did not lose it already had it.
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 4, {kBf16, kNone}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 4, {kFp32, kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_b_.decisions().size(), 2u);
+  EXPECT_EQ(sink_b_.decisions()[1].step(), 4);
+  EXPECT_TRUE(sink_b_.decisions()[1].has_ok());
+}
+
+// Every node already holds the decision: the steps only flagged manifests
+// speak for wait without a deadline (nobody waits for them), and a missing
+// node is not named for them; the next step goes on as usual.
+TEST_F(CoordinatorTest, AStepOnlyDecidedManifestsSpeakForHasNoDeadline) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({Decided(NodeManifest("g0", 3, {kBf16}, 4, {0, 1}))}));
+  clock_.Advance(absl::Seconds(120));
+  coord_.CheckDeadlines();
+  EXPECT_TRUE(sink_a_.decisions().empty());
+  EXPECT_TRUE(sink_b_.decisions().empty());
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 4, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 4, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  EXPECT_EQ(sink_a_.decisions()[0].step(), 4);
+  EXPECT_TRUE(sink_a_.decisions()[0].has_ok());
+}
+
+// A node that waits for a step only flagged manifests spoke for starts its
+// clock: the deadline counts from that node's manifest, and names the rest.
+TEST_F(CoordinatorTest, AWaitingNodesManifestStartsTheClockOfAStepOnlyDecidedOnesSpokeFor) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({Decided(NodeManifest("g0", 3, {kBf16}, 4, {0, 1}))}));
+  clock_.Advance(absl::Seconds(30));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 3, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({Decided(NodeManifest("g0", 2, {kBf16}, 4, {2, 3}))}));
+  clock_.Advance(absl::Seconds(59));
+  coord_.CheckDeadlines();
+  EXPECT_TRUE(sink_a_.decisions().empty()) << "the clock started 59 s ago, not 89";
+  clock_.Advance(absl::Seconds(2));
+  coord_.CheckDeadlines();
+  ASSERT_EQ(sink_a_.decisions().size(), 1u);
+  const v1::DecisionError e = sink_a_.decisions()[0].error();
+  EXPECT_EQ(e.kind(), v1::MISSING_RANKS) << e.DebugString();
+  EXPECT_EQ(e.step(), 3) << "not b's step 2, which nobody waits for";
+  EXPECT_THAT(e.ranks(), ::testing::ElementsAre(2, 3));
+}
+
+// A coordinator that kept the run's state ignores a flagged manifest of a
+// step it decided or of an earlier one, without an answer (an unflagged one
+// gets the decision again, or STEP_REGRESSION).
+TEST_F(CoordinatorTest, ADecidedManifestOfAStepDecidedHereGetsNoAnswer) {
+  Join();
+  RegisterAll(MakeSpec("g0", 1));
+  coord_.HandleMessage(a_, Batch({NodeManifest("g0", 5, {kBf16}, 4, {0, 1})}));
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 5, {kBf16}, 4, {2, 3})}));
+  sink_a_.Clear();
+  sink_b_.Clear();
+  coord_.HandleMessage(b_, Batch({Decided(NodeManifest("g0", 5, {kBf16}, 4, {2, 3})),
+                                  Decided(NodeManifest("g0", 4, {kBf16}, 4, {2, 3}))}));
+  EXPECT_TRUE(sink_b_.messages().empty());
+  coord_.HandleMessage(b_, Batch({Decided(NodeManifest("g9", 5, {kBf16}, 4, {2, 3}))}));
+  EXPECT_TRUE(sink_b_.messages().empty()) << "a group the node did not register";
+  coord_.HandleMessage(b_, Batch({NodeManifest("g0", 5, {kBf16}, 4, {2, 3})}));
+  ASSERT_EQ(sink_b_.decisions().size(), 1u);
+  EXPECT_TRUE(sink_b_.decisions()[0].has_ok());
 }
 
 TEST_F(CoordinatorTest, DuplicateRankIsRefusedToTheOffender) {

@@ -551,6 +551,39 @@ TEST_F(RelayTest, AReconnectResendsOneRegistrationPerSpecAndTheUndecidedMergedMa
   EXPECT_EQ(resent[0].SerializeAsString(), up_.manifests()[0].SerializeAsString());
 }
 
+// Decisions across a coordinator restart (docs/ARCHITECTURE.md): a relay
+// resends its own last decided merge flagged `decided`, and never forwards a
+// sidecar's flagged part (which stands for ranks its own merge covers).
+TEST_F(RelayTest, AReconnectResendsTheLastDecidedMergeFlaggedAndASidecarsFlaggedPartStaysHere) {
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, false}));
+  Submit(b_, NodeManifest(0, {2, 3}, {true, false, false}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  const v1::Manifest merged = up_.manifests()[0];
+  v1::CoordinatorMessage decided;
+  v1::Decision* d = decided.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(0);
+  d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
+  relay_->HandleCoordinatorMessage(&decided);
+  sink_a_.Clear();
+  // A sidecar's new stream to the relay resends its step 0 flagged.
+  v1::Manifest part = NodeManifest(0, {0, 1}, {true, true, false});
+  part.set_decided(true);
+  up_.sent.clear();
+  Submit(a_, part);
+  EXPECT_TRUE(up_.manifests().empty()) << "a sidecar's flagged part goes no further";
+  EXPECT_TRUE(sink_a_.decisions().empty()) << "and gets no answer";
+  relay_->OnUpstreamConnected();
+  std::vector<v1::Manifest> resent;
+  for (const v1::NodeMessage& m : up_.reset) {
+    for (const v1::Manifest& x : m.manifests().manifests()) resent.push_back(x);
+  }
+  ASSERT_EQ(resent.size(), 1u);
+  EXPECT_TRUE(resent[0].decided());
+  resent[0].set_decided(false);
+  EXPECT_EQ(resent[0].SerializeAsString(), merged.SerializeAsString());
+}
+
 TEST_F(RelayTest, ASidecarWhoseRanksRestartedEndsTheRunForEveryOtherSidecar) {
   // node0 joined under epoch 7; it comes back NEW under epoch 8.
   FakeNodeSink again;

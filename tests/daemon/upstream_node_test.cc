@@ -126,9 +126,49 @@ TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResume
   EXPECT_EQ(sink_.reset[0].hello().run_start(), v1::NodeHello::RUN_START_RESUME);
   EXPECT_EQ(sink_.reset[0].hello().run_id(), "r1");
   EXPECT_THAT(sink_.reset[1].registration().ranks(), ElementsAre(0));
-  ASSERT_EQ(sink_.reset[2].manifests().manifests_size(), 1);
-  EXPECT_EQ(sink_.reset[2].manifests().manifests(0).step(), 6);
+  // The last decided step's manifest first, flagged (docs/ARCHITECTURE.md,
+  // "Decisions across a coordinator restart"), then the undecided one.
+  ASSERT_EQ(sink_.reset[2].manifests().manifests_size(), 2);
+  EXPECT_EQ(sink_.reset[2].manifests().manifests(0).step(), 5);
+  EXPECT_TRUE(sink_.reset[2].manifests().manifests(0).decided());
+  EXPECT_EQ(sink_.reset[2].manifests().manifests(1).step(), 6);
+  EXPECT_FALSE(sink_.reset[2].manifests().manifests(1).decided());
   EXPECT_FALSE(node_.batch_repeat()) << "until the new stream's Welcome offers them";
+}
+
+// Only the last decided step is kept (one per group: a node can be at most
+// one decided step ahead of a node whose copy of the decision was lost,
+// since the next step needs that node's manifest); an older step answered
+// again changes nothing.
+TEST_F(UpstreamNodeTest, InflightKeepsTheLastDecidedStepOnly) {
+  node_.StartJob("j", 2, "");
+  node_.AnnounceRanks({0, 1});
+  InflightManifests inflight;
+  for (int64_t step : {3, 4, 4, 5}) {
+    inflight.Add(step, std::make_shared<const v1::Manifest>(Full("g", 7)), 2);
+  }
+  auto steps = [&] {
+    v1::ManifestBatch out;
+    inflight.AppendAll(node_, &out);
+    std::vector<std::pair<int64_t, bool>> v;
+    for (const v1::Manifest& m : out.manifests()) v.emplace_back(m.step(), m.decided());
+    return v;
+  };
+  EXPECT_THAT(steps(), ElementsAre(std::pair<int64_t, bool>{3, false},
+                                   std::pair<int64_t, bool>{4, false},
+                                   std::pair<int64_t, bool>{4, false},
+                                   std::pair<int64_t, bool>{5, false}));
+  inflight.DropUpTo(3);
+  inflight.DropUpTo(4);
+  EXPECT_EQ(inflight.decided_step(), 4);
+  EXPECT_THAT(steps(), ElementsAre(std::pair<int64_t, bool>{4, true},
+                                   std::pair<int64_t, bool>{4, true},
+                                   std::pair<int64_t, bool>{5, false}));
+  inflight.DropUpTo(2);  // an older step answered again
+  EXPECT_EQ(steps().size(), 3u);
+  inflight.DropUpTo(7);  // decided without this node's manifest: nothing of it kept
+  EXPECT_TRUE(steps().empty());
+  EXPECT_EQ(inflight.decided_step(), 7);
 }
 
 // A manifest without rank_bits stands for the ranks announced when it was
