@@ -312,7 +312,7 @@ void Coordinator::RemoveJobLocked(Job* job) {
   // (a rank that reached the run late) ends with the run's failure, the
   // words its other ranks got, not with the end.
   if (run->state == RunState::kFailed) {
-    runs_.Remember(job_id, run_id, run->failure);
+    runs_.Remember(job_id, *run, run->failure);
     runs_.End(job_id, run_id, wire::ErrorToStatus(run->failure));
   } else {
     runs_.End(job_id, run_id,

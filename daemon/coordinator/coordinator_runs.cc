@@ -18,8 +18,9 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
                                const v1::DecisionError* error, Outbox& out) {
   const Run* run = runs_.Find(job_id);
   if (run == nullptr) return;
-  const std::string run_id = run->run_id;
-  const std::string scope = RunRegistry::KeyScopeOf(*run);
+  const Run ended = *run;  // as it was: ids and aliases, remembered below
+  const std::string& run_id = ended.run_id;
+  const std::string scope = RunRegistry::KeyScopeOf(ended);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {
     Job& job = jit->second;
     Effects fx(*this, out, &job);
@@ -37,7 +38,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
     runs_.SetLastEndReason(scope, why);  // the end RemoveJobLocked queued
   }
   // A superseded run is never resumed: its late requests get RUN_ENDED.
-  if (error != nullptr) runs_.Remember(job_id, run_id, *error);
+  if (error != nullptr) runs_.Remember(job_id, ended, *error);
 }
 
 absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
@@ -46,7 +47,7 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
                                                 const std::string& node_id, uint64_t node_epoch,
                                                 Outbox& out) {
   Run* current = runs_.Find(job_id);
-  auto start_run = [&](std::string id) -> absl::StatusOr<Run*> {
+  auto start_run = [&](std::string id, bool taken_over = false) -> absl::StatusOr<Run*> {
     if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
       return wire::KindError(
           v1::LIMIT_EXCEEDED,
@@ -59,6 +60,7 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     // Until a node joins, the run ends at run_start_timeout (the timer).
     if (!jobs_.contains(job_id)) timer_.WakeAt(run.started + options_.run_start_timeout);
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
+    run.taken_over = taken_over;
     return &run;
   };
   if (start == v1::NodeHello::RUN_START_RESUME) {
@@ -68,7 +70,7 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     // superseded gets the very error the run's other nodes got, so every
     // rank of the run ends with one error (docs/RELIABILITY.md, "Chaos").
     if (const v1::DecisionError* why = runs_.RememberedError(job_id, run_id)) {
-      if (current == nullptr || current->run_id != run_id) {
+      if (current == nullptr || !current->Names(run_id)) {
         return wire::KindError(why->kind(), why->message());
       }
     }
@@ -81,10 +83,17 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
                          "restart superseded it); node \"",
                          node_id, "\" still speaks for it: stop its ranks"));
       }
-      return start_run(run_id);
+      return start_run(run_id, /*taken_over=*/true);
     }
     Run& run = *current;
-    if (run.run_id != run_id) {
+    if (!run.Names(run_id) && AdoptsLocked(job_id, run, run_id, node_id)) {
+      ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " adopts run " << run_id
+                       << ", which node \"" << node_id
+                       << "\" resumes: both are this launch's (the first died with the previous "
+                          "coordinator before every node was welcomed)";
+      run.aliases.push_back(run_id);
+    }
+    if (!run.Names(run_id)) {
       return wire::KindError(
           v1::RUN_ENDED,
           absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",
@@ -131,6 +140,26 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     run.node_epochs[node_id] = node_epoch;
   }
   return &run;
+}
+
+bool Coordinator::AdoptsLocked(const std::string& job_id, const Run& run,
+                               const std::string& run_id, const std::string& node_id) const {
+  // A run this coordinator drew (not one a RESUME took over: two runs both
+  // resumed were both welcomed, so are two launches), healthy, that has
+  // decided nothing (a launch's decisions need every rank, so a run whose
+  // other half never joined has none), and that the resuming node is not
+  // already in (a node of the run asking for another one is stale).
+  if (run.taken_over || run.state == RunState::kFailed ||
+      run.aliases.size() >= Run::kMaxAliases || runs_.Remembered(job_id, run_id) ||
+      run.node_epochs.contains(node_id)) {
+    return false;
+  }
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return true;
+  for (const auto& [group_id, g] : jit->second.core().groups) {
+    if (g.last_decided_step() >= 0) return false;
+  }
+  return true;
 }
 
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {

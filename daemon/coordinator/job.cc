@@ -57,7 +57,13 @@ NodeStream& Job::Connect(StreamId id, NodeSink* sink, const v1::NodeHello& hello
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(core_.options.deadline));
-  reply.mutable_welcome()->set_run_id(core_.run_id);
+  // A RESUME names the run, or an id the run adopted (docs/ARCHITECTURE.md,
+  // "Runs"): the node keeps the id it has, so what it stamped with it stays
+  // its run's.
+  reply.mutable_welcome()->set_run_id(hello.run_start() == v1::NodeHello::RUN_START_RESUME &&
+                                              !hello.run_id().empty()
+                                          ? hello.run_id()
+                                          : core_.run_id);
   fx.Send(sink, std::move(reply));
   if (core_.failed()) {
     v1::CoordinatorMessage fail;

@@ -90,6 +90,12 @@ void RunRegistry::Remember(const std::string& job_id, const std::string& run_id,
   }
 }
 
+void RunRegistry::Remember(const std::string& job_id, const Run& run,
+                           const v1::DecisionError& why) {
+  Remember(job_id, run.run_id, why);
+  for (const std::string& alias : run.aliases) Remember(job_id, alias, why);
+}
+
 std::vector<std::string> RunRegistry::StartingPast(absl::Time now, absl::Duration timeout,
                                                    absl::Time& next) const {
   std::vector<std::string> expired;

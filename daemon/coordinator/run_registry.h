@@ -3,6 +3,7 @@
 #ifndef ACCORD_DAEMON_COORDINATOR_RUN_REGISTRY_H_
 #define ACCORD_DAEMON_COORDINATOR_RUN_REGISTRY_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <string>
@@ -37,6 +38,19 @@ struct Run {
   absl::flat_hash_map<std::string, uint64_t> node_epochs;
   RunState state = RunState::kStarting;
   v1::DecisionError failure;  // set in kFailed
+  // Started by a RESUME that named it (taken over after a restart), not
+  // drawn here.
+  bool taken_over = false;
+  // Ids of runs this coordinator never saw that nodes RESUMEd while this run
+  // was current and had decided nothing: the same launch, whose first run
+  // died with the previous coordinator before some of its nodes were
+  // welcomed (docs/ARCHITECTURE.md, "Runs"). A RESUME or key-value request
+  // naming one is placed in this run. At most kMaxAliases.
+  std::vector<std::string> aliases;
+  static constexpr size_t kMaxAliases = 8;
+  bool Names(const std::string& id) const {
+    return id == run_id || std::find(aliases.begin(), aliases.end(), id) != aliases.end();
+  }
   void SetRunning() {
     if (state == RunState::kStarting) state = RunState::kRunning;
   }
@@ -84,6 +98,8 @@ class RunRegistry {
   // Remembers that `run_id` of `job_id` ended here with `why`, the error its
   // ranks were sent (bounded, oldest first out).
   void Remember(const std::string& job_id, const std::string& run_id, v1::DecisionError why);
+  // The same for `run` under each id it answers to (its own and its aliases).
+  void Remember(const std::string& job_id, const Run& run, const v1::DecisionError& why);
   bool Remembered(const std::string& job_id, const std::string& run_id) const {
     return remembered_why_.contains(std::make_pair(job_id, run_id));
   }

@@ -1315,6 +1315,85 @@ TEST_F(CoordinatorRunTest, ALateRequestOfAFailedRunThatEndedIsRefusedNotRevived)
   EXPECT_EQ(coord_.stats().runs, 0);
 }
 
+// A coordinator that restarts before every node of a launch was welcomed
+// sees that launch's nodes arrive two ways: a node (or a key-value request)
+// that never got its Welcome says NEW and starts a run here; a node that was
+// welcomed RESUMEs the id the previous coordinator drew. While the run drawn
+// here has decided nothing, it adopts that id: both halves are one run, and
+// each node keeps the id it has (chaos seed 3013: the halves split, one
+// ended with "run ... has ended", the other at the key-value deadline).
+// Once it has decided, or for a run taken over by a RESUME, another id is a
+// run that ended, as before; and a run that fails remembers its failure
+// under every id it answered to.
+TEST_F(CoordinatorRunTest, ARunDrawnHereAdoptsTheIdAWelcomedNodeResumesUntilItDecides) {
+  // Node b's key-value request, made before any Welcome, starts the run.
+  absl::StatusOr<std::string> scope = coord_.RunForKeyValue("job", {"", "b", 22});
+  ASSERT_TRUE(scope.ok()) << scope.status();
+  const std::string run = coord_.CurrentRun("job");
+  ASSERT_FALSE(run.empty());
+  FakeNodeSink a, b;
+  const auto sa = coord_.OpenSession(&a);
+  v1::NodeMessage resume = NewHello("a", {0}, 11);
+  resume.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  resume.mutable_hello()->set_run_id("r-before");
+  coord_.HandleMessage(sa, resume);
+  EXPECT_EQ(WelcomeRun(a), "r-before");  // the id it has
+  EXPECT_EQ(coord_.CurrentRun("job"), run);
+  // Its key-value requests, stamped with that id, share the run's keys.
+  absl::StatusOr<std::string> a_scope = coord_.RunForKeyValue("job", {"r-before", "a", 11});
+  ASSERT_TRUE(a_scope.ok()) << a_scope.status();
+  EXPECT_EQ(*a_scope, *scope);
+  std::string b_run;
+  const auto sb = JoinNew(b, "b", {1}, 22, &b_run);
+  EXPECT_EQ(b_run, run);
+  // One job: the step is decided for both nodes.
+  const GroupSpec spec = testing::MakeSpec("g", 2);
+  coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+  coord_.HandleMessage(sb, testing::Registration(spec, {1}));
+  coord_.HandleMessage(sa, testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, std::nullopt}, 2, {0})}));
+  coord_.HandleMessage(sb, testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, DType::kFloat32}, 2, {1})}));
+  for (FakeNodeSink* s : {&a, &b}) {
+    ASSERT_EQ(s->decisions().size(), 1u);
+    EXPECT_FALSE(s->decisions()[0].has_error());
+  }
+  // A run that has decided adopts no other id.
+  absl::StatusOr<std::string> other = coord_.RunForKeyValue("job", {"r-other", "c", 33});
+  EXPECT_EQ(wire::KindOf(other.status()), v1::RUN_ENDED);
+
+  // A run taken over by a RESUME adopts none: two resumed ids are two launches.
+  FakeNodeSink c;
+  const auto sc = coord_.OpenSession(&c);
+  v1::NodeMessage taken = NewHello("c", {0}, 33);
+  taken.mutable_hello()->set_job_id("job2");
+  taken.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+  taken.mutable_hello()->set_run_id("r-x");
+  coord_.HandleMessage(sc, taken);
+  EXPECT_EQ(WelcomeRun(c), "r-x");
+  EXPECT_EQ(wire::KindOf(coord_.RunForKeyValue("job2", {"r-y", "d", 44}).status()),
+            v1::RUN_ENDED);
+
+  // A run that adopted an id and then failed: a late RESUME of either id
+  // gets the failure's words.
+  FakeNodeSink e;
+  std::string e_run;
+  v1::NodeMessage e_hello = NewHello("e", {0}, 55);
+  e_hello.mutable_hello()->set_job_id("job3");
+  const auto se = coord_.OpenSession(&e);
+  coord_.HandleMessage(se, e_hello);
+  e_run = WelcomeRun(e);
+  ASSERT_TRUE(coord_.RunForKeyValue("job3", {"r-adopted", "f", 66}).ok());
+  coord_.HandleMessage(se, testing::Registration(spec, {0}));
+  clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
+  coord_.CheckDeadlines();  // rank 1 never registered g: the run fails
+  coord_.CloseSession(se);
+  for (const std::string& id : {e_run, std::string("r-adopted")}) {
+    absl::StatusOr<std::string> late = coord_.RunForKeyValue("job3", {id, "f", 66});
+    EXPECT_THAT(std::string(late.status().message()),
+                ::testing::HasSubstr("not every rank registered the group"))
+        << id;
+  }
+}
+
 TEST_F(CoordinatorRunTest, ARunNoNodeJoinsEndsAfterTheStartTimeout) {
   ASSERT_TRUE(coord_.RunForKeyValue("job", {}).ok());
   EXPECT_EQ(coord_.stats().runs, 1);
