@@ -261,10 +261,6 @@ class Coordinator : public NodeSessionHandler, public RankDirectory {
                                      const std::string& run_id, const std::string& node_id,
                                      uint64_t node_epoch, Outbox& out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether the current `run` takes `run_id`, unknown here, as another id of
-  // itself when `node_id` RESUMEs it (docs/ARCHITECTURE.md, "Runs").
-  bool AdoptsLocked(const std::string& job_id, const Run& run, const std::string& run_id,
-                    const std::string& node_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the job's run: every connected node of it gets `error` (when set)
   // and loses its job, the job's state is dropped, the run's end is queued
   // for on_run_ended.

@@ -14,6 +14,32 @@ namespace accord::daemon {
 
 using located::Error;
 
+namespace {
+
+// Whether the job's current `run` takes `run_id`, unknown here, as another id
+// of itself when `node_id` RESUMEs it (docs/ARCHITECTURE.md, "Runs"): a run
+// this coordinator drew (not one a RESUME took over: two runs both resumed
+// were both welcomed, so are two launches), healthy, that has decided
+// nothing (a launch's decisions need every rank, so a run whose other half
+// never joined has none), and that the resuming node is not already in (a
+// node of the run asking for another one is stale). `job`: the run's job,
+// nullptr before a node joined.
+bool Adopts(const RunRegistry& runs, const Job* job, const std::string& job_id, const Run& run,
+            const std::string& run_id, const std::string& node_id) {
+  if (run.taken_over || run.state == RunState::kFailed ||
+      run.aliases.size() >= Run::kMaxAliases || runs.Remembered(job_id, run_id) ||
+      run.node_epochs.contains(node_id)) {
+    return false;
+  }
+  if (job == nullptr) return true;
+  for (const auto& [group_id, g] : job->core().groups) {
+    if (g.last_decided_step() >= 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
                                const v1::DecisionError* error, Outbox& out) {
   const Run* run = runs_.Find(job_id);
@@ -86,7 +112,9 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
       return start_run(run_id, /*taken_over=*/true);
     }
     Run& run = *current;
-    if (!run.Names(run_id) && AdoptsLocked(job_id, run, run_id, node_id)) {
+    auto jit = jobs_.find(job_id);
+    if (!run.Names(run_id) &&
+        Adopts(runs_, jit == jobs_.end() ? nullptr : &jit->second, job_id, run, run_id, node_id)) {
       ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " adopts run " << run_id
                        << ", which node \"" << node_id
                        << "\" resumes: both are this launch's (the first died with the previous "
@@ -140,26 +168,6 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     run.node_epochs[node_id] = node_epoch;
   }
   return &run;
-}
-
-bool Coordinator::AdoptsLocked(const std::string& job_id, const Run& run,
-                               const std::string& run_id, const std::string& node_id) const {
-  // A run this coordinator drew (not one a RESUME took over: two runs both
-  // resumed were both welcomed, so are two launches), healthy, that has
-  // decided nothing (a launch's decisions need every rank, so a run whose
-  // other half never joined has none), and that the resuming node is not
-  // already in (a node of the run asking for another one is stale).
-  if (run.taken_over || run.state == RunState::kFailed ||
-      run.aliases.size() >= Run::kMaxAliases || runs_.Remembered(job_id, run_id) ||
-      run.node_epochs.contains(node_id)) {
-    return false;
-  }
-  auto jit = jobs_.find(job_id);
-  if (jit == jobs_.end()) return true;
-  for (const auto& [group_id, g] : jit->second.core().groups) {
-    if (g.last_decided_step() >= 0) return false;
-  }
-  return true;
 }
 
 absl::Time Coordinator::ExpireStartingRunsLocked(absl::Time now) {
