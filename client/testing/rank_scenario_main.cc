@@ -69,6 +69,9 @@ ABSL_FLAG(std::string, kv_gather, "",
 ABSL_FLAG(int, kv_withhold_rank, -1,
           "in the --kv_key/--kv_gather phase this rank sets nothing: it waits at the gate "
           "(--gate_fifo) instead, then exits");
+ABSL_FLAG(int, kv_late_rank, -1,
+          "this rank waits at the gate (--gate_fifo) before the --kv_key/--kv_gather phase, then "
+          "takes part in it");
 ABSL_FLAG(int, skip_rank, -1, "this rank does not submit --skip_step (goes on with the next)");
 ABSL_FLAG(int, skip_step, -1, "the step --skip_rank skips");
 ABSL_FLAG(absl::Duration, step_delay, absl::ZeroDuration(),
@@ -217,6 +220,7 @@ int Run() {
       WaitAtGate(rank, "kv");
       return 0;
     }
+    if (rank == absl::GetFlag(FLAGS_kv_late_rank)) WaitAtGate(rank, "kv");
     std::vector<std::string> wanted;
     absl::Status s;
     if (!kv_key.empty()) {

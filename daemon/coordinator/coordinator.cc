@@ -99,6 +99,7 @@ void Coordinator::CloseSession(SessionId id) {
       sessions_.erase(it);
       --stats_.sessions;
       if (s.stream != nullptr && s.job->Disconnect(*s.stream, now, fx)) {
+        s.job->FailForAWaitGivenUp(/*leaving=*/-1, /*all_gone=*/true, now, fx);
         const JobCore& core = s.job->core();
         if (const Run* run = runs_.Find(core.job_id);
             run != nullptr && run->run_id == core.run_id && run->state != RunState::kFailed) {
@@ -164,6 +165,11 @@ void Coordinator::DispatchLocked(SessionId id, Session& s, const v1::NodeMessage
       } else if (message.has_registration()) {
         s.job->HandleRegistration(*s.stream, message.registration(), now, fx);
       } else if (message.has_rank_event()) {
+        // A leave after a cut key-value wait fails the job with that wait's
+        // words before any step the rank misses names it.
+        if (!message.rank_event().joined()) {
+          s.job->FailForAWaitGivenUp(message.rank_event().rank(), false, now, fx);
+        }
         s.job->HandleRankEvent(*s.stream, message.rank_event(), fx);
       } else if (message.has_progress()) {
         s.job->HandleProgress(*s.stream, message.progress(), now, fx);
@@ -347,6 +353,9 @@ void Coordinator::CheckDeadlines() {
     absl::Time next = absl::InfiniteFuture();
     for (auto& [job_id, job] : jobs_) {
       Effects fx(*this, out, &job);
+      // A node lost past its grace after its rank's key-value wait was cut:
+      // that verdict came first.
+      job.FailForAWaitGivenUp(/*leaving=*/-1, /*all_gone=*/false, now, fx);
       next = std::min(next, job.CheckDeadlines(now, fx));
     }
     next = std::min(next, ExpireStartingRunsLocked(now));

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -44,6 +46,15 @@ struct CoordinatorOptions {
   std::function<void(const std::string& job_id, const std::string& run_id, const absl::Status&,
                      const std::string& successor)>
       on_run_ended;
+  // The ranks of a run's key scope whose last key-value request was a Get cut
+  // at the deadline, each with the error it got (KvStore::WaitsCut; the
+  // coordinator passes the run's id as the scope). A job such a rank leaves
+  // fails with those words (docs/ARCHITECTURE.md, "Every wait names who is
+  // missing"). Called with the coordinator's lock held: must not call back
+  // into the Coordinator. Unset: no key-value store.
+  std::function<std::vector<std::pair<int, absl::Status>>(const std::string& job_id,
+                                                          const std::string& scope)>
+      waits_cut;
   // A node whose stream ended (its sidecar died or restarted, or its host is
   // unreachable) while a pending step still needs its ranks fails the job,
   // on every node, once it has not come back for this long (a sidecar that

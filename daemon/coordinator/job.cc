@@ -153,6 +153,28 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   job.Fail(culprit, culprit_step, std::move(err), fx);
 }
 
+bool Job::FailForAWaitGivenUp(int leaving, bool all_gone, absl::Time now, JobEffects& fx) {
+  JobCore& job = core_;
+  if (job.failed() || !job.options.waits_cut) return false;
+  if (leaving < 0 && !all_gone && job.members.all_connected() && job.members.left_count() == 0) {
+    return false;  // nobody is gone
+  }
+  for (const auto& [r, words] : job.options.waits_cut(job.job_id, job.run_id)) {
+    if (r < 0 || r >= job.world_size) continue;
+    const NodeState* owner = job.members.OwnerOf(r);
+    const bool gone = all_gone || r == leaving || job.members.Left(r) ||
+                      (owner != nullptr && owner->lost() &&
+                       now >= owner->disconnected_at + job.options.node_reconnect_grace);
+    if (!gone) continue;
+    ACCORD_LOG(WARNING) << "job " << job.job_id << ": rank " << r
+                        << " is gone after its key-value wait was cut at the deadline; the run "
+                           "fails with the words that wait ended with";
+    job.Fail(nullptr, -1, wire::MakeError(v1::MISSING_RANKS, words), fx);
+    return true;
+  }
+  return false;
+}
+
 void Job::HandleProgress(NodeStream& s, const v1::NodeProgress& progress, absl::Time now,
                          JobEffects& fx) {
   DeadlineMonitor deadlines(core_);

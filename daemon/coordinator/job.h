@@ -77,6 +77,13 @@ class Job {
   void HandleManifests(NodeStream& s, const v1::ManifestBatch& batch,
                        std::vector<PredecodedContent>* predecoded, absl::Time now, JobEffects& fx);
   void HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx);
+  // A rank whose last key-value request was a Get cut at the deadline
+  // (CoordinatorOptions::waits_cut) and that is now gone (`leaving`, left,
+  // on a node lost past its grace, or `all_gone`) ended the rendezvous for
+  // every rank: fails the job with the words its wait ended with, so a rank
+  // that reaches the run later gets them too (docs/ARCHITECTURE.md, "Every
+  // wait names who is missing"). Returns whether it failed the job.
+  bool FailForAWaitGivenUp(int leaving, bool all_gone, absl::Time now, JobEffects& fx);
   void HandleProgress(NodeStream& s, const v1::NodeProgress& progress, absl::Time now,
                       JobEffects& fx);
 

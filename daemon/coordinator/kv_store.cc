@@ -118,6 +118,7 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
     }
     job.emplace(key, std::move(value));
     ++num_keys_;
+    ClearCutLocked(scope, rank, {key});
     // One entry per key at most: bounded like the keys.
     NoteRankLocked(scope, key, rank, /*asked=*/false);
     std::vector<std::string> values, missing;
@@ -153,6 +154,7 @@ void KvStore::Get(const std::string& job_id, const std::string& run_id,
       return;
     }
     Scope scope(job_id, run_id);
+    ClearCutLocked(scope, rank, keys);
     if (!Lookup(scope, keys, &values, &missing) && timeout > absl::ZeroDuration()) {
       const absl::Duration asked = std::min(timeout, options_.max_timeout);
       const absl::Duration waits = std::min(asked, options_.wait_bound);
@@ -182,8 +184,37 @@ void KvStore::NoteRankLocked(const Scope& scope, const std::string& key, int ran
   if ((asked ? ranks.asked : ranks.set).insert(rank).second) ++prefixes.records;
 }
 
+void KvStore::ClearCutLocked(const Scope& scope, int rank, const std::vector<std::string>& keys) {
+  if (rank < 0) return;
+  auto pit = prefixes_.find(scope);
+  if (pit == prefixes_.end()) return;
+  auto cit = pit->second.cut.find(rank);
+  if (cit == pit->second.cut.end()) return;
+  const std::vector<std::string>& missed = cit->second.prefixes;
+  for (const std::string& k : keys) {
+    if (std::find(missed.begin(), missed.end(), PrefixOf(k)) != missed.end()) {
+      pit->second.cut.erase(cit);
+      --pit->second.records;
+      return;
+    }
+  }
+}
+
+std::vector<std::pair<int, absl::Status>> KvStore::WaitsCut(const std::string& job_id,
+                                                            const std::string& run_id) {
+  std::vector<std::pair<int, absl::Status>> out;
+  accord::MutexLock l(&mu_);
+  auto pit = prefixes_.find(Scope(job_id, run_id));
+  if (pit == prefixes_.end() || pit->second.cut.empty()) return out;
+  for (const auto& [rank, wait] : pit->second.cut) out.emplace_back(rank, wait.words);
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
 KvStore::Unset KvStore::UnsetLocked(Waiter& w) {
   Unset u;
+  u.scope = w.scope;
   u.done = std::move(w.done);
   u.job_id = w.scope.first;
   u.rank = w.rank;
@@ -357,8 +388,20 @@ void KvStore::TimerLoop() {
       for (Unset& u : ended) {
         if (!u.failed.ok()) {
           u.done(AsJobVerdict(u.failed));
+        } else if (!u.bounded) {
+          u.done(UnsetKeysError(u));
         } else {
-          u.done(u.bounded ? AsJobVerdict(UnsetKeysError(u)) : UnsetKeysError(u));
+          absl::Status cut = UnsetKeysError(u);
+          if (u.rank >= 0) {
+            mu_.Lock();
+            auto pit = prefixes_.find(u.scope);  // gone: the run ended meanwhile
+            if (pit != prefixes_.end() && pit->second.records < options_.max_rank_records &&
+                pit->second.cut.insert_or_assign(u.rank, CutWait{cut, u.prefixes}).second) {
+              ++pit->second.records;
+            }
+            mu_.Unlock();
+          }
+          u.done(AsJobVerdict(std::move(cut)));
         }
       }
       mu_.Lock();

@@ -99,6 +99,14 @@ class KvStore {
   // failure, which every rank was told), not with the keys it lacks.
   void DropRun(const std::string& job_id, const std::string& run_id, const absl::Status& why,
                const std::string& successor = "");
+  // The ranks of the run whose Get was cut at wait_bound (the coordinator's
+  // --deadline) and that have not asked again since (a Get or Set of a key
+  // under a prefix the cut Get missed), each with the error it ended with,
+  // ascending. A rank that then leaves has ended the rendezvous for every
+  // rank: the coordinator fails the run with those words
+  // (docs/ARCHITECTURE.md, "Every wait names who is missing").
+  std::vector<std::pair<int, absl::Status>> WaitsCut(const std::string& job_id,
+                                                     const std::string& run_id);
   // Number of Get calls waiting (for tests).
   int NumWaiting();
   // Runs holding keys, and keys held in all (for the churn soak and metrics).
@@ -122,9 +130,20 @@ class KvStore {
     absl::flat_hash_set<int> set;
     absl::flat_hash_set<int> asked;
   };
+  // A Get cut at wait_bound: the error it ended with, and the prefixes of the
+  // keys it missed (a later request of the rank under one of them is the
+  // rank asking again; one under another prefix, e.g. a key announcing that
+  // it is done, is not).
+  struct CutWait {
+    absl::Status words;
+    std::vector<std::string> prefixes;
+  };
   struct Prefixes {
     absl::flat_hash_map<std::string, PrefixRanks> by_prefix;
-    int64_t records = 0;  // ranks recorded under every prefix (max_rank_records)
+    // Ranks whose Get was cut at wait_bound and that have not asked since for
+    // a key under the prefixes it missed (WaitsCut).
+    absl::flat_hash_map<int, CutWait> cut;
+    int64_t records = 0;  // ranks recorded under every prefix and in `cut` (max_rank_records)
   };
   // A Get that ended without its keys: what its error says (UnsetKeysError).
   struct Unset {
@@ -138,6 +157,7 @@ class KvStore {
     std::vector<int> set;    // set a key under every prefix (ascending)
     std::vector<int> asked;  // asked for a key under one of them (ascending)
     absl::Status failed;     // the run's failure, when the wait was in a failed run
+    Scope scope;
   };
   // The facts of waiter `w` at its end; its callback is moved into them.
   Unset UnsetLocked(Waiter& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -147,6 +167,10 @@ class KvStore {
   // max_rank_records per run nothing more is recorded (the names may then
   // miss a rank, the store does not grow).
   void NoteRankLocked(const Scope& scope, const std::string& key, int rank, bool asked)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `rank` asked for (or set) `keys` in `scope`: a cut wait of its under one
+  // of their prefixes is not its last word.
+  void ClearCutLocked(const Scope& scope, int rank, const std::vector<std::string>& keys)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   using Ready = std::vector<std::pair<GetCallback, absl::StatusOr<std::vector<std::string>>>>;
   // Values of all keys, or the missing ones in `missing`.

@@ -224,6 +224,9 @@ CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, Kv
                               const absl::Status& why, const std::string& successor) {
     kv->DropRun(job_id, run_id, why, successor);
   };
+  options.waits_cut = [kv](const std::string& job_id, const std::string& scope) {
+    return kv->WaitsCut(job_id, scope);
+  };
   options.run_start_timeout = absl::GetFlag(FLAGS_run_start_timeout);
   options.node_reconnect_grace = absl::GetFlag(FLAGS_node_reconnect_grace);
   options.usage_window_steps = absl::GetFlag(FLAGS_usage_window_steps);

@@ -81,6 +81,7 @@ class Membership {
   const NodeState* OwnerOf(int rank) const { return owner_[rank]; }
   // Whether `rank` left (RankEvent) since it joined, whatever step it left at.
   bool Left(int rank) const { return left_[rank]; }
+  int left_count() const { return left_count_; }
   // Why `rank` left, as its RankEvent said ("" when it did not say, or the
   // rank did not leave).
   const std::string& LeftCause(int rank) const { return left_cause_[rank]; }

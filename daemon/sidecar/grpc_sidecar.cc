@@ -166,6 +166,16 @@ template <typename Request, typename Response, typename Start>
 void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
   KeyValueForwarder::Calls& calls = *c->calls;
   const absl::Time now = absl::Now();
+  if (calls.health != nullptr && calls.channel != nullptr &&
+      calls.channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+    // Nothing above answers right now (restarting, killed, cut): this
+    // attempt, which waits for the channel, must end when the node above
+    // counts as lost, not at the call's own deadline (chaos seed 5619: a
+    // Get that started as the coordinator was killed for good waited past
+    // the loss limit the job's other ranks were ended at). Any answer from
+    // above clears it.
+    calls.health->NoteUnanswered(now);
+  }
   const absl::Time lost_at =
       calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
   if (now >= lost_at) {
@@ -247,7 +257,9 @@ KeyValueForwarder::KeyValueForwarder(std::shared_ptr<grpc::Channel> coordinator,
       stub_(v1::KeyValueService::NewStub(channel_)),
       only_job_(std::move(only_job)),
       token_(std::move(token)),
-      slack_(slack) {}
+      slack_(slack) {
+  calls_->channel = channel_;
+}
 
 KeyValueForwarder::~KeyValueForwarder() {
   Stop();

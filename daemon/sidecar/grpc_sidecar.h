@@ -121,6 +121,9 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
   // after the forwarder is gone).
   struct Calls {
     UpstreamHealth* health = nullptr;
+    // The channel to the node above (the node's stream's), whose state an
+    // attempt reads as it starts.
+    std::shared_ptr<grpc::Channel> channel;
     accord::Mutex mu;
     bool stopping ABSL_GUARDED_BY(mu) = false;
     absl::flat_hash_set<std::shared_ptr<grpc::ClientContext>> live ABSL_GUARDED_BY(mu);

@@ -343,21 +343,45 @@ def rank_list(text):
     return out
 
 
-def split_runs(outcomes):
+def run_starts(work, job):
+    """How many times a run of `job` started at one coordinator process (the
+    most over its incarnations): a run that ended and started again (a new
+    run, or one that took the id of a run whose last node had just left)
+    begins without the first one's keys and registrations."""
+    most = 0
+    for name in os.listdir(work):
+        if name.startswith("coordinator.") and name.endswith(".log"):
+            with open(os.path.join(work, name), errors="replace") as f:
+                most = max(most, sum(1 for line in f if f"job {job}: run " in line and
+                                     line.rstrip().endswith(" started")))
+    return most
+
+
+def split_runs(outcomes, starts):
     """Whether differing errors are those of ranks that ended up in different
     runs of the job: a node that reaches the coordinator only after the run
     its ranks belonged to failed and ended starts a new run (its hello is
     NEW, which the coordinator cannot tell from a restart: docs/ARCHITECTURE.md,
-    "Runs"); each run then fails at its registration deadline naming exactly
-    the ranks that are not in it. Allowed when every error is such a
+    "Runs"); each run then fails at its registration or key-value deadline
+    naming exactly the ranks that are not in it (or, a key-value wait in a
+    run no node had joined yet, naming nobody). Allowed when a run of the
+    job started again at a coordinator (`starts` > 1), every error is such a
     deadline and no error names one of the ranks that got it."""
+    if starts < 2:
+        return False
     receivers = collections.defaultdict(set)
     for r, (kind, text) in outcomes.items():
         if kind == "error":
             receivers[text].add(r)
     for text, ranks in receivers.items():
-        m = re.search(r"missing ranks ([0-9,\-]+):", text)
-        if "not every rank registered the group" not in text or not m:
+        deadline = ("not every rank registered the group" in text or
+                    "keys still not set after" in text)
+        if not deadline:
+            return False
+        if "who should set them is not named: no sidecar of job" in text:
+            continue  # a run of which no node was there yet: it names nobody
+        m = re.search(r"missing ranks ([0-9,\-]+)[: ]", text)
+        if not m:
             return False
         if rank_list(m.group(1)) & ranks:
             return False
@@ -500,6 +524,52 @@ def touched_ranks(sched, faults):
     return out
 
 
+# A node whose path to the coordinator is out (its link or the relay's cut or
+# blackholed, the relay or the coordinator stopped or down for a restart,
+# the sidecar itself stopped) for longer than its sidecar's loss limit cannot
+# hear the job's verdict while it lasts: its ranks end with their sidecar's
+# loss words at the limit, while the others may get the coordinator's words
+# naming that node (docs/RELIABILITY.md, "Node above lost"). Outages closer
+# than a reconnect (backoff + keepalive) count as one: the sidecar has no time
+# to get an answer between them. The last answer may come up to a keepalive
+# before an outage starts, so one of LOSS_LIMIT_S - KEEPALIVE_S counts.
+LOSS_WORDS = "--upstream_loss_limit"
+RESTART_S = 0.5  # a restarted daemon's own start, on top of its time down
+
+
+def outages_of(sched, node):
+    """(start, end) of each fault that leaves `node` with no answer from above;
+    faults that end for good (kill_*) are not counted: every node loses the
+    coordinator then, and all ranks end with the same loss words."""
+    out = []
+    for f in sched.faults:
+        kind, target, at = f["kind"], f.get("target"), f["at"]
+        if kind in ("cut_link", "blackhole_link") and target in (node, "relay"):
+            out.append((at, at + f["for"]))
+        elif kind == "stop_sidecar" and target == node:
+            out.append((at, at + f["for"]))
+        elif kind in ("stop_coordinator", "stop_relay"):
+            out.append((at, at + f["for"]))
+        elif kind in ("restart_coordinator", "restart_relay"):
+            out.append((at, at + f["down"] + RESTART_S))
+    return sorted(out)
+
+
+def cut_off_ranks(sched):
+    """Ranks whose node was cut off from the coordinator past its loss limit."""
+    out = set()
+    for node in range(sched.sidecars):
+        merged = []
+        for start, end in outages_of(sched, node):
+            if merged and start - merged[-1][1] < BACKOFF_MAX_S + KEEPALIVE_S:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        if any(end - start >= LOSS_LIMIT_S - KEEPALIVE_S for start, end in merged):
+            out.update(r for r in range(sched.world) if sidecar_of(sched, r) == node)
+    return out
+
+
 def save_stacks(p):
     """Every thread's stack of a hung process, beside its logs (needs gdb)."""
     gdb = shutil.which("gdb")
@@ -635,7 +705,7 @@ def stop_daemons(cluster):
     return found
 
 
-def oracle(sched, ranks, codes, baseline, t0, last, bound_at):
+def oracle(sched, ranks, codes, baseline, t0, last, bound_at, starts=1):
     """Findings (empty when the run is clean) and a summary of the outcome."""
     findings = []
     touched = touched_ranks(sched, sched.faults)
@@ -682,9 +752,16 @@ def oracle(sched, ranks, codes, baseline, t0, last, bound_at):
             tail = [line for _, line in p.output(p.incarnation)[-2:]]
             outcomes[r] = ("exit", codes[r])
             findings.append(f"rank {r} exited {codes[r]} without a digest or an error: {tail}")
+    # Ranks cut off past their loss limit that ended with its words: their
+    # own outcome (they could not hear the job's); any other outcome of
+    # theirs is held to the job's one.
+    cut_off = {r for r in cut_off_ranks(sched) & set(outcomes)
+               if outcomes[r][0] == "error" and LOSS_WORDS in outcomes[r][1]}
+    for r in cut_off:
+        del outcomes[r]
     kinds = collections.Counter(o[0] for o in outcomes.values())
     errors = {o[1] for o in outcomes.values() if o[0] == "error"}
-    if len(errors) > 1 and split_runs(outcomes):
+    if len(errors) > 1 and split_runs(outcomes, starts):
         errors = {"(split runs) " + e for e in errors}
     elif len(errors) > 1:
         findings.append("ranks ended with different errors: " +
@@ -693,7 +770,9 @@ def oracle(sched, ranks, codes, baseline, t0, last, bound_at):
     if kinds["ok"] and kinds["error"]:
         findings.append("some ranks finished while others failed: " +
                         ", ".join(f"rank {r} {o[0]}" for r, o in sorted(outcomes.items())))
-    if kinds["error"]:
+    if cut_off:
+        result = "cut off"
+    elif kinds["error"]:
         result = "error"
     elif kinds["ok"] == len(outcomes):
         result = "finished"
@@ -750,7 +829,8 @@ def run_schedule(bins, seed, root, verbose=False, overrides=(), kinds=None, rela
         cluster, ranks, log, t0, last, bound_at = run_job(bins, sched, work, job, sched.faults,
                                                          verbose)
         codes = wait_ranks(ranks, bound_at)
-        findings, result, error, worst = oracle(sched, ranks, codes, baseline, t0, last, bound_at)
+        findings, result, error, worst = oracle(sched, ranks, codes, baseline, t0, last, bound_at,
+                                                run_starts(work, job))
         end_s = time.monotonic() - t0
         if not any(f.startswith("hang") for f in findings):
             findings += leaks(cluster, job, bins)
@@ -848,7 +928,7 @@ def main():
                                    args.keep)
         by_fault.update(rep["faults"])
         by_result[rep["result"]] += 1
-        if rep["result"] == "error" and rep["worst_error_after_last_fault_s"] > worst[0]:
+        if rep["result"] in ("error", "cut off") and rep["worst_error_after_last_fault_s"] > worst[0]:
             worst = (rep["worst_error_after_last_fault_s"], seed)
         status = "CLEAN" if not rep["findings"] else "FAILED"
         print(f"[{i + 1}/{len(runs)}] seed {seed}: {status} {rep['result']} "
@@ -876,6 +956,7 @@ def main():
     total = time.monotonic() - started
     print(f"chaos: {len(runs)} schedules in {total:.0f}s: "
           f"{by_result['finished']} finished, {by_result['error']} failed with a named error, "
+          f"{by_result['cut off']} failed with a node cut off past its loss limit, "
           f"{by_result['other']} other; {len(failed)} with findings")
     print("chaos: faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(by_fault.items())))
     if worst[1] is not None:

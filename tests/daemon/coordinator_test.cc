@@ -1,5 +1,6 @@
 #include "daemon/coordinator/coordinator.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -1048,6 +1049,13 @@ class CoordinatorRunTest : public ::testing::Test {
                             const std::string& successor) {
       ended_.push_back(absl::StrCat(job, "/", run, ": ", why.message()));
     };
+    o.waits_cut = [this](const std::string& job, const std::string& scope) {
+      std::vector<std::pair<int, absl::Status>> out;
+      for (const auto& [key, words] : cut_) {
+        if (key.first == absl::StrCat(job, "/", scope)) out.emplace_back(key.second, words);
+      }
+      return out;
+    };
     return o;
   }
   static v1::NodeMessage NewHello(const std::string& node, std::vector<int> ranks, uint64_t epoch) {
@@ -1074,6 +1082,9 @@ class CoordinatorRunTest : public ::testing::Test {
 
   FakeClock clock_;
   std::vector<std::string> ended_;
+  // (job/scope, rank) -> the words of its key-value wait cut at the deadline
+  // (what KvStore::WaitsCut answers).
+  std::map<std::pair<std::string, int>, absl::Status> cut_;
   Coordinator coord_;
 };
 
@@ -1391,6 +1402,95 @@ TEST_F(CoordinatorRunTest, ARunDrawnHereAdoptsTheIdAWelcomedNodeResumesUntilItDe
     EXPECT_THAT(std::string(late.status().message()),
                 ::testing::HasSubstr("not every rank registered the group"))
         << id;
+  }
+}
+
+// A rank whose key-value wait was cut at the deadline and that then leaves
+// without asking again has ended the rendezvous for every rank: the run
+// fails with the words its wait ended with, so a rank that reaches the run
+// later (it was stopped, or slow) gets those words too, not its own wait's
+// words naming the rank that left (chaos seed 3048). Gone means: its leave,
+// its node lost past the node grace, or the run's last node leaving. A cut
+// rank still here fails nothing: it may ask again.
+TEST_F(CoordinatorRunTest, ARankThatLeavesAfterItsKeyWaitWasCutFailsTheRunWithThoseWords) {
+  const absl::Status words = absl::DeadlineExceededError(
+      "job job: keys still not set after 2s (the coordinator's --deadline): boot/0; missing "
+      "ranks 0 ...");
+  const absl::Duration grace = CoordinatorOptions().node_reconnect_grace;
+  const GroupSpec spec = testing::MakeSpec("g", 2);
+  auto registration_error = [](FakeNodeSink& sink) {
+    for (const v1::CoordinatorMessage& m : sink.messages()) {
+      if (m.has_registration() && m.registration().has_error()) return m.registration().error();
+    }
+    return v1::DecisionError();
+  };
+  {  // its leave (node b keeps another rank, so the leave goes up as such)
+    FakeNodeSink a, b;
+    std::string run, b_run;
+    const auto sa = JoinNew(a, "a", {0}, 11, &run);
+    const auto sb = JoinNew(b, "b", {1}, 22, &b_run);
+    coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+    cut_[{absl::StrCat("job/", run), 1}] = words;
+    coord_.CheckDeadlines();  // still here: nothing fails
+    EXPECT_TRUE(registration_error(a).message().empty());
+    v1::NodeMessage leave;
+    leave.mutable_rank_event()->set_rank(1);
+    leave.mutable_rank_event()->set_joined(false);
+    coord_.HandleMessage(sb, leave);
+    const v1::DecisionError e = registration_error(a);
+    EXPECT_EQ(e.message(), words.message());
+    EXPECT_EQ(e.code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+    coord_.CloseSession(sa);
+    coord_.CloseSession(sb);
+    // A rank of the run that comes back late gets those very words.
+    absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "a", 11});
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(late.status().message(), words.message());
+    cut_.clear();
+  }
+  {  // its node lost past the grace
+    FakeNodeSink a, b;
+    std::string run, b_run;
+    v1::NodeMessage ha = NewHello("a", {0}, 33), hb = NewHello("b", {1}, 44);
+    ha.mutable_hello()->set_job_id("job2");
+    hb.mutable_hello()->set_job_id("job2");
+    const auto sa = coord_.OpenSession(&a);
+    const auto sb = coord_.OpenSession(&b);
+    coord_.HandleMessage(sa, ha);
+    coord_.HandleMessage(sb, hb);
+    run = WelcomeRun(a);
+    coord_.HandleMessage(sa, testing::Registration(spec, {0}));
+    cut_[{absl::StrCat("job2/", run), 1}] = words;
+    coord_.CloseSession(sb);
+    clock_.Advance(grace / 2);
+    coord_.CheckDeadlines();
+    EXPECT_TRUE(registration_error(a).message().empty());  // it may come back
+    clock_.Advance(grace);
+    coord_.CheckDeadlines();
+    EXPECT_EQ(registration_error(a).message(), words.message());
+    coord_.CloseSession(sa);
+    cut_.clear();
+  }
+  {  // the run's last node leaves: the run ends failed, with those words
+    FakeNodeSink a;
+    std::string run;
+    v1::NodeMessage ha = NewHello("a", {0, 1}, 55);
+    ha.mutable_hello()->set_job_id("job3");
+    const auto sa = coord_.OpenSession(&a);
+    coord_.HandleMessage(sa, ha);
+    run = WelcomeRun(a);
+    cut_[{absl::StrCat("job3/", run), 0}] = words;
+    coord_.CloseSession(sa);
+    absl::StatusOr<std::string> late = coord_.RunForKeyValue("job3", {run, "a", 55});
+    EXPECT_EQ(late.status().message(), words.message());
+    // Not revived by a NEW either: a failed run's id is never taken again.
+    FakeNodeSink b;
+    std::string b_run;
+    v1::NodeMessage hb = NewHello("b", {1}, 66);
+    hb.mutable_hello()->set_job_id("job3");
+    const auto sb = coord_.OpenSession(&b);
+    coord_.HandleMessage(sb, hb);
+    EXPECT_NE(WelcomeRun(b), run);
   }
 }
 

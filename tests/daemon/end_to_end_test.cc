@@ -8,7 +8,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/upstream_health.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/grpc_coordinator_service.h"
 #include "daemon/coordinator/kv_store.h"
@@ -125,6 +128,47 @@ class EndToEndTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> sidecar_server_;
   std::shared_ptr<grpc::Channel> rank_channel_;
 };
+
+// A key-value call forwarded while nothing above answers (the coordinator
+// just died, and the node's stream has not tried again yet, so nothing has
+// marked the node above unanswered) waits for a channel that may never come
+// up. It ends with the loss words once the node above counts as lost, not at
+// the call's own deadline (chaos seeds 5182, 5619: ranks blocked in a Get
+// past the bound their peers had ended at).
+TEST(KeyValueForwarderTest, ACallForwardedWhileNothingAboveAnswersEndsAtTheLossLimit) {
+  char dir[] = "/tmp/accord-kvf-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string socket = absl::StrCat("unix:", dir, "/sidecar.sock");
+  UpstreamHealth health(absl::Seconds(1));  // fresh: as if it had just answered
+  // Nothing listens at the node above.
+  KeyValueForwarder forwarder(grpc::CreateChannel(absl::StrCat("unix:", dir, "/nobody.sock"),
+                                                  grpc::InsecureChannelCredentials()),
+                              "");
+  forwarder.SetHealth(&health);
+  grpc::ServerBuilder sb;
+  sb.AddListeningPort(socket, grpc::InsecureServerCredentials());
+  sb.RegisterService(&forwarder);
+  std::unique_ptr<grpc::Server> server = sb.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::KeyValueService::NewStub(
+      grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
+  v1::KeyValueGetRequest request;
+  request.set_job_id("j");
+  request.add_keys("boot/0");
+  request.set_timeout_ms(30000);
+  v1::KeyValueGetResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const absl::Time start = absl::Now();
+  grpc::Status s = stub->Get(&context, request, &response);
+  // A liveness bound: the loss limit (1 s) and slack, far below the call's 30 s.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_EQ(s.error_message(), UpstreamHealth::LostMessage("j", absl::Seconds(1)));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
 
 TEST_F(EndToEndTest, TwoRanksRegisterAgreeAndGetSameAsPreviousOnRepeat) {
   auto r0 = Connect(0, 2);

@@ -323,6 +323,54 @@ TEST(KvStoreTest, AWaitThatCannotNameRanksSaysWhy) {
 }
 
 // The prefixes' records go with the run, like its keys.
+// A Get cut at the bound is the asking rank's last word in the run until it
+// asks (or sets) again: the coordinator fails the run with it if the rank
+// then leaves (docs/ARCHITECTURE.md, "Every wait names who is missing"). A
+// Get that ends at its own shorter timeout is not recorded, nor is one that
+// did not say its rank.
+TEST(KvStoreTest, AGetCutAtTheBoundIsTheRanksLastWordUntilItAsksAgain) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(3);
+  kv.SetRankDirectory(&ranks);
+  Result cut, own_timeout, unsaid;
+  kv.Get("j", "r1", {"gather/0"}, absl::Seconds(30), cut.Callback(), 1);
+  kv.Get("j", "r1", {"gather/0"}, absl::Seconds(1), own_timeout.Callback(), 2);
+  kv.Get("j", "r1", {"gather/0"}, absl::Seconds(30), unsaid.Callback());
+  EXPECT_TRUE(kv.WaitsCut("j", "r1").empty());
+  clock.Advance(absl::Seconds(2));
+  for (Result* r : {&cut, &own_timeout, &unsaid}) r->done.WaitForNotification();
+  std::vector<std::pair<int, absl::Status>> waits = kv.WaitsCut("j", "r1");
+  ASSERT_EQ(waits.size(), 1u);
+  EXPECT_EQ(waits[0].first, 1);
+  EXPECT_EQ(waits[0].second.code(), cut.value.status().code());
+  EXPECT_EQ(waits[0].second.message(), cut.value.status().message());
+  EXPECT_TRUE(kv.WaitsCut("j", "r2").empty());  // another run
+  // Rank 1 asks again: the cut is no longer its last word.
+  Result again;
+  kv.Get("j", "r1", {"gather/0"}, absl::ZeroDuration(), again.Callback(), 1);
+  again.done.WaitForNotification();
+  EXPECT_TRUE(kv.WaitsCut("j", "r1").empty());
+  // Cut again: a key under another prefix (saying it is done) is not asking
+  // again; a Set under the prefix it missed is. The run's drop forgets it.
+  Result cut2;
+  kv.Get("j", "r1", {"gather/0"}, absl::Seconds(30), cut2.Callback(), 1);
+  clock.Advance(absl::Seconds(2));
+  cut2.done.WaitForNotification();
+  ASSERT_EQ(kv.WaitsCut("j", "r1").size(), 1u);
+  ASSERT_TRUE(kv.Set("j", "r1", "done/1", "1", 1).ok());
+  ASSERT_EQ(kv.WaitsCut("j", "r1").size(), 1u);
+  ASSERT_TRUE(kv.Set("j", "r1", "gather/1", "x", 1).ok());
+  EXPECT_TRUE(kv.WaitsCut("j", "r1").empty());
+  Result cut3;
+  kv.Get("j", "r1", {"gather/0"}, absl::Seconds(30), cut3.Callback(), 1);
+  clock.Advance(absl::Seconds(2));
+  cut3.done.WaitForNotification();
+  ASSERT_EQ(kv.WaitsCut("j", "r1").size(), 1u);
+  kv.DropRun("j", "r1", absl::FailedPreconditionError("ended"));
+  EXPECT_TRUE(kv.WaitsCut("j", "r1").empty());
+}
+
 TEST(KvStoreTest, DropRunForgetsWhoSetAndAskedUnderEachPrefix) {
   FakeClock clock;
   KvStore kv(Bounded(), &clock);

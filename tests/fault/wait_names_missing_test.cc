@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -261,6 +262,38 @@ TEST_F(WaitNamesMissingTest, AKeyUnderAPrefixEveryRankSetsNamesTheRankThatDidNot
   std::vector<RankResult> results = LocalCluster::WaitRanks(procs, absl::Now() + absl::Seconds(60));
   ASSERT_EQ(results.size(), 3u);
   EXPECT_EQ(results[2].exit_code, 0) << results[2].output;
+}
+
+// The same rendezvous, but rank 2 only comes late: ranks 0 and 1 give up at
+// the deadline and exit (as accord-rank-scenario does on a key-value error)
+// before rank 2 is released and sets its key and waits for theirs. Their leave fails the run with the words their waits ended
+// with, so rank 2, arriving late, ends with those very words rather than
+// completing a rendezvous whose other ranks are gone, or naming them
+// (docs/ARCHITECTURE.md, "Every wait names who is missing"; chaos seed 3048).
+TEST_F(WaitNamesMissingTest, ARankThatComesAfterTheOthersGaveUpOnTheirKeysGetsTheirWords) {
+  auto procs = Start(Command("kvlate", {"--kv_gather=gather", "--kv_late_rank=2"}), {0, 1, 2});
+  ExpectLine(*procs[2], "rank 2 waiting at gate kv");
+  const std::string words = KeyValueError("kvlate", "gather/2", "gather/", "2",
+                                          "rank 2 (node \"node1\", connected)",
+                                          "ranks 0-1 set one, ranks 0-1 asked for one");
+  ExpectNamedInTime(procs, {0, 1}, "kv_wait", "kv_error", /*per_rank_clock=*/true,
+                    [&](int) { return words; });
+  for (int r : {0, 1}) {
+    absl::StatusOr<int> code = procs[r]->Wait(absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_NE(*code, 0) << procs[r]->Output();
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains(cluster_->CoordinatorOutput(), "is gone after its key-value wait")) {
+    ASSERT_LT(absl::Now(), give_up) << "the coordinator never saw rank 0 or 1 leave:\n"
+                                    << cluster_->CoordinatorOutput();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(gate_.Release());
+  absl::StatusOr<int> late = procs[2]->Wait(absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_NE(*late, 0) << procs[2]->Output();
+  EXPECT_EQ(FirstError(procs[2]->Output()), words) << procs[2]->Output();
 }
 
 }  // namespace
