@@ -24,17 +24,24 @@ namespace {
 // never joined has none), and that the resuming node is not already in (a
 // node of the run asking for another one is stale). `job`: the run's job,
 // nullptr before a node joined.
-bool Adopts(const RunRegistry& runs, const Job* job, const std::string& job_id, const Run& run,
-            const std::string& run_id, const std::string& node_id) {
+// Returns whether it adopted `run_id` (then `run` answers to it).
+bool Adopt(const RunRegistry& runs, const Job* job, const std::string& job_id, Run& run,
+           const std::string& run_id, const std::string& node_id) {
   if (run.taken_over || run.state == RunState::kFailed ||
       run.aliases.size() >= Run::kMaxAliases || runs.Remembered(job_id, run_id) ||
       run.node_epochs.contains(node_id)) {
     return false;
   }
-  if (job == nullptr) return true;
-  for (const auto& [group_id, g] : job->core().groups) {
-    if (g.last_decided_step() >= 0) return false;
+  if (job != nullptr) {
+    for (const auto& [group_id, g] : job->core().groups) {
+      if (g.last_decided_step() >= 0) return false;
+    }
   }
+  ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " adopts run " << run_id
+                   << ", which node \"" << node_id
+                   << "\" resumes: both are this launch's (the first died with the previous "
+                      "coordinator before every node was welcomed)";
+  run.aliases.push_back(run_id);
   return true;
 }
 
@@ -114,14 +121,7 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
     Run& run = *current;
     auto jit = jobs_.find(job_id);
     if (!run.Names(run_id) &&
-        Adopts(runs_, jit == jobs_.end() ? nullptr : &jit->second, job_id, run, run_id, node_id)) {
-      ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " adopts run " << run_id
-                       << ", which node \"" << node_id
-                       << "\" resumes: both are this launch's (the first died with the previous "
-                          "coordinator before every node was welcomed)";
-      run.aliases.push_back(run_id);
-    }
-    if (!run.Names(run_id)) {
+        !Adopt(runs_, jit == jobs_.end() ? nullptr : &jit->second, job_id, run, run_id, node_id)) {
       return wire::KindError(
           v1::RUN_ENDED,
           absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",

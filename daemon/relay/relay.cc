@@ -249,7 +249,9 @@ RankHeldElsewhere Relay::HeldElsewhereLocked(const std::string& node_id,
 bool Relay::RanksRestartedLocked(const v1::NodeHello& hello) const {
   if (hello.run_start() != v1::NodeHello::RUN_START_NEW || hello.node_epoch() == 0) return false;
   auto nit = nodes_.find(hello.node_id());
-  return nit != nodes_.end() && nit->second.epoch != 0 && nit->second.epoch != hello.node_epoch();
+  if (nit != nodes_.end()) return nit->second.epoch != 0 && nit->second.epoch != hello.node_epoch();
+  auto dit = dropped_epochs_.find(hello.node_id());
+  return dit != dropped_epochs_.end() && dit->second != 0 && dit->second != hello.node_epoch();
 }
 
 void Relay::WelcomeLocked(Node& node) {
@@ -414,7 +416,7 @@ void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   switch (message->body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       node_.OnWelcome(message->welcome());
-      upstream_unanswered_since_ = absl::InfiniteFuture();
+      upstream_loss_.unanswered_since = absl::InfiniteFuture();
       for (auto& [id, node] : nodes_) WelcomeLocked(node);
       return;
     case v1::CoordinatorMessage::kDecisions:
@@ -499,6 +501,9 @@ void Relay::DropNodeLocked(const std::string& node_id) {
     // Gone past the grace: a pending step that needs these ranks fails now.
     node_.LeaveRank(r, /*last_step=*/-1, cause);
   }
+  // Bounded by the sidecars that ever joined the job, which the job's world
+  // bounds in practice; cleared with the job.
+  dropped_epochs_[node_id] = nit->second.epoch;
   nodes_.erase(nit);
   ++membership_epoch_;
   v1::ManifestBatch out;
@@ -516,8 +521,9 @@ void Relay::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no node left on relay \"" << options_.relay_id
                    << "\"; its state is dropped";
   node_.EndJob();
-  upstream_unanswered_since_ = absl::InfiniteFuture();
-  upstream_loss_reported_ = false;
+  dropped_epochs_.clear();
+  upstream_loss_.unanswered_since = absl::InfiniteFuture();
+  upstream_loss_.reported = false;
   ++membership_epoch_;
   nodes_.clear();
   groups_.clear();
@@ -531,20 +537,20 @@ void Relay::CheckTimers() {
 }
 
 void Relay::StartUnansweredLocked() {
-  if (upstream_unanswered_since_ != absl::InfiniteFuture() || upstream_loss_reported_) return;
-  upstream_unanswered_since_ = clock_->Now();
+  if (upstream_loss_.unanswered_since != absl::InfiniteFuture() || upstream_loss_.reported) return;
+  upstream_loss_.unanswered_since = clock_->Now();
   if (options_.upstream_loss_limit > absl::ZeroDuration()) {
-    timer_.Arm(upstream_unanswered_since_ + options_.upstream_loss_limit);
+    timer_.Arm(upstream_loss_.unanswered_since + options_.upstream_loss_limit);
   }
 }
 
 absl::Time Relay::CheckUpstreamLossLocked(absl::Time now) {
   const absl::Duration limit = options_.upstream_loss_limit;
   if (limit <= absl::ZeroDuration() || !node_.has_job() ||
-      upstream_unanswered_since_ == absl::InfiniteFuture()) {
+      upstream_loss_.unanswered_since == absl::InfiniteFuture()) {
     return absl::InfiniteFuture();
   }
-  const absl::Time due = upstream_unanswered_since_ + limit;
+  const absl::Time due = upstream_loss_.unanswered_since + limit;
   if (due > now) return due;
   // Every wait of the sidecars here needs the coordinator, and they hear
   // from the relay, so their own limit never runs: the relay tells them,
@@ -556,8 +562,8 @@ absl::Time Relay::CheckUpstreamLossLocked(absl::Time now) {
   e->set_job_id(node_.job_id());
   e->set_message(UpstreamHealth::LostMessage(node_.job_id(), limit));
   ACCORD_LOG(ERROR) << e->message();
-  upstream_unanswered_since_ = absl::InfiniteFuture();
-  upstream_loss_reported_ = true;  // said once per job
+  upstream_loss_.unanswered_since = absl::InfiniteFuture();
+  upstream_loss_.reported = true;  // said once per job
   auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(lost));
   for (auto& [id, node] : nodes_) {
     if (node.sink != nullptr) node.sink->Send(shared);

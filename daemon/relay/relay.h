@@ -314,13 +314,21 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // Moves whenever a sidecar's ranks or the announced ranks change (merges
   // depend on both).
   uint64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  // Since when the coordinator has gone unanswered while a job is served (a
-  // new stream until its Welcome, or the job's first sidecar before any);
-  // InfiniteFuture: it answers, or the loss was reported.
-  absl::Time upstream_unanswered_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  // The job's sidecars were told the coordinator is lost (once per job).
-  bool upstream_loss_reported_ ABSL_GUARDED_BY(mu_) = false;
+  struct UpstreamLoss {
+    // Since when the coordinator has gone unanswered while a job is served (a
+    // new stream until its Welcome, or the job's first sidecar before any);
+    // InfiniteFuture: it answers, or the loss was reported.
+    absl::Time unanswered_since = absl::InfiniteFuture();
+    // The job's sidecars were told the coordinator is lost (once per job).
+    bool reported = false;
+  };
+  UpstreamLoss upstream_loss_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  // The epoch of each sidecar of the job dropped past its grace: one that
+  // comes back NEW under another epoch had its ranks restarted
+  // (RanksRestartedLocked), as when its entry is still here. Cleared with
+  // the job.
+  absl::flat_hash_map<std::string, uint64_t> dropped_epochs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   RelayStats stats_ ABSL_GUARDED_BY(mu_);
   DueTimer timer_;  // last: its thread starts once everything above is initialised

@@ -162,20 +162,25 @@ struct ForwardedCall {
   std::shared_ptr<KeyValueForwarder::Calls> calls;
 };
 
+// Nothing above answers while the channel is not up (restarting, killed,
+// cut), even before the node's stream, which retries after its backoff, says
+// so: an attempt that starts then, and waits for the channel, must end when
+// the node above counts as lost, not at the call's own deadline (chaos seeds
+// 5182, 5619: a Get that started just after the coordinator was killed for
+// good waited past the loss limit the job's other ranks were ended at). Any
+// answer from above clears it.
+void NoteUnansweredIfChannelDown(KeyValueForwarder::Calls& calls, absl::Time now) {
+  if (calls.health != nullptr && calls.channel != nullptr &&
+      calls.channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+    calls.health->NoteUnanswered(now);
+  }
+}
+
 template <typename Request, typename Response, typename Start>
 void Forward(std::shared_ptr<ForwardedCall<Request, Response>> c, Start start) {
   KeyValueForwarder::Calls& calls = *c->calls;
   const absl::Time now = absl::Now();
-  if (calls.health != nullptr && calls.channel != nullptr &&
-      calls.channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
-    // Nothing above answers right now (restarting, killed, cut): this
-    // attempt, which waits for the channel, must end when the node above
-    // counts as lost, not at the call's own deadline (chaos seed 5619: a
-    // Get that started as the coordinator was killed for good waited past
-    // the loss limit the job's other ranks were ended at). Any answer from
-    // above clears it.
-    calls.health->NoteUnanswered(now);
-  }
+  NoteUnansweredIfChannelDown(calls, now);
   const absl::Time lost_at =
       calls.health != nullptr ? calls.health->LostAt() : absl::InfiniteFuture();
   if (now >= lost_at) {

@@ -52,7 +52,7 @@ std::unique_ptr<Client> ConnectOrThrow(const std::string& socket_path, const std
   options.reconnect_grace = absl::Seconds(reconnect_grace_s);
   absl::StatusOr<std::unique_ptr<Client>> client;
   {
-    nb::gil_scoped_release release;
+    GilReleased release;
     client = Client::Connect(options);
   }
   return ValueOrThrow(std::move(client));
@@ -88,7 +88,7 @@ void BindClient(nb::module_& m) {
             GroupSpec spec = SpecFromPy(group_id, params);
             absl::Status status;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               status = c.RegisterGroup(spec, policy, DeadlineIn(timeout_s));
             }
             ThrowIfError(status);
@@ -112,7 +112,7 @@ void BindClient(nb::module_& m) {
             }
             absl::Status status;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               status = c.RegisterGroups(specs, DeadlineIn(timeout_s));
             }
             ThrowIfError(status);
@@ -128,7 +128,7 @@ void BindClient(nb::module_& m) {
             s.group_id = group_id;
             s.step = step;
             s.grad_dtypes = GradDTypesFromPy(dtypes);
-            nb::gil_scoped_release release;
+            GilReleased release;
             return c.Submit(s);
           },
           nb::arg("group_id"), nb::arg("step"), nb::arg("dtypes"),
@@ -139,7 +139,7 @@ void BindClient(nb::module_& m) {
             std::vector<GroupSubmission> subs;
             subs.reserve(batch.size());
             for (const auto& s : batch) subs.push_back(SubmissionFromPy(s));
-            nb::gil_scoped_release release;
+            GilReleased release;
             return c.SubmitBatch(subs);
           },
           nb::arg("batch"), "Submits many (group_id, step, dtypes) in one message.")
@@ -148,7 +148,7 @@ void BindClient(nb::module_& m) {
           [](Client& c, const DecisionFuture& f, double timeout_s) {
             absl::StatusOr<Decision> d;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               d = c.Wait(f, DeadlineIn(timeout_s));
             }
             return ValueOrThrow(std::move(d));
@@ -169,7 +169,7 @@ void BindClient(nb::module_& m) {
             std::string v(value.c_str(), value.size());
             absl::Status status;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               status = c.kv().Set(key, v);
             }
             ThrowIfError(status);
@@ -180,7 +180,7 @@ void BindClient(nb::module_& m) {
           [](Client& c, const std::vector<std::string>& keys, double timeout_s) {
             absl::StatusOr<std::vector<std::string>> values;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               values = c.kv().Get(
                   keys, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
             }

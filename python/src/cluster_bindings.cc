@@ -39,7 +39,7 @@ class PyLocalCluster {
     options.echo = echo;
     absl::StatusOr<std::unique_ptr<testing::LocalCluster>> cluster;
     {
-      nb::gil_scoped_release release;
+      GilReleased release;
       cluster = testing::LocalCluster::Start(options);
     }
     cluster_ = ValueOrThrow(std::move(cluster));
@@ -53,7 +53,7 @@ class PyLocalCluster {
   }
 
   void Close() {
-    nb::gil_scoped_release release;
+    GilReleased release;
     cluster_.reset();
   }
 
@@ -97,7 +97,7 @@ void BindCluster(nb::module_& m) {
              const std::string& job, double timeout_s) {
             absl::StatusOr<std::vector<testing::RankResult>> results;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               results = c.get().RunRanks(command, world, job, absl::Seconds(timeout_s));
             }
             std::vector<std::tuple<int, int, std::string>> out;

@@ -51,7 +51,7 @@ void PackCpuPy(const std::string& group_id, const std::vector<PyParam>& params, 
   options.allow_narrowing = allow_narrowing;
   absl::Status status;
   {
-    nb::gil_scoped_release release;
+    GilReleased release;
     status = PackCpu(spec, layout, src, reinterpret_cast<void*>(out), options);
   }
   ThrowIfError(status);
@@ -72,7 +72,7 @@ void UnpackCpuPy(const std::string& group_id, const std::vector<PyParam>& params
   options.drop_padding = drop_padding;
   absl::Status status;
   {
-    nb::gil_scoped_release release;
+    GilReleased release;
     status = UnpackCpu(spec, layout, rank, reinterpret_cast<const void*>(shard), dst, options);
   }
   ThrowIfError(status);

@@ -614,6 +614,36 @@ TEST_F(RelayTest, ASidecarWhoseRanksRestartedEndsTheRunForEveryOtherSidecar) {
   EXPECT_THAT(up_hello.ranks(), ElementsAre(0, 1));
 }
 
+// The same when the sidecar was gone past the relay's grace first (its
+// ranks reported as left, its entry dropped): it comes back NEW under
+// another epoch, its ranks restarted, so the run is over (chaos seed 5837:
+// a restarted rank, taken for the old one coming back, rejoined the run it
+// had left at step 2, submitted step 0 and waited for it past the bound).
+TEST_F(RelayTest, ASidecarDroppedPastTheGraceThatComesBackUnderAnotherEpochEndsTheRun) {
+  auto hello = [](uint64_t epoch) {
+    v1::NodeMessage h;
+    h.mutable_hello()->set_job_id("j");
+    h.mutable_hello()->set_node_id("node0");
+    h.mutable_hello()->set_world_size(kWorld);
+    h.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
+    h.mutable_hello()->set_node_epoch(epoch);
+    h.mutable_hello()->add_ranks(0);
+    h.mutable_hello()->add_ranks(1);
+    return h;
+  };
+  relay_->CloseSession(a_);
+  clock_.Advance(absl::Seconds(11));
+  relay_->CheckTimers();  // node0 dropped: ranks 0 and 1 reported as left
+  EXPECT_TRUE(sink_b_.errors().empty());
+  FakeNodeSink restarted;
+  relay_->HandleMessage(relay_->OpenSession(&restarted), hello(8));
+  ASSERT_EQ(sink_b_.errors().size(), 1u);
+  EXPECT_EQ(sink_b_.errors()[0].kind(), v1::RUN_ENDED);
+  EXPECT_THAT(sink_b_.errors()[0].message(),
+              ::testing::HasSubstr("node \"node0\" started a new run of the same job id"));
+  EXPECT_EQ(up_.reconnects, 1);
+}
+
 TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
   FakeNodeSink other;
   const Relay::SessionId id = relay_->OpenSession(&other);
