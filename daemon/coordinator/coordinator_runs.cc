@@ -27,9 +27,8 @@ namespace {
 // Returns whether it adopted `run_id` (then `run` answers to it).
 bool Adopt(const RunRegistry& runs, const Job* job, const std::string& job_id, Run& run,
            const std::string& run_id, const std::string& node_id) {
-  if (run.taken_over || run.state == RunState::kFailed ||
-      run.aliases.size() >= Run::kMaxAliases || runs.Remembered(job_id, run_id) ||
-      run.node_epochs.contains(node_id)) {
+  if (run.taken_over || run.state == RunState::kFailed || run.aliases.size() >= Run::kMaxAliases ||
+      runs.Remembered(job_id, run_id) || run.node_epochs.contains(node_id)) {
     return false;
   }
   if (job != nullptr) {

@@ -207,8 +207,7 @@ std::vector<std::pair<int, absl::Status>> KvStore::WaitsCut(const std::string& j
   auto pit = prefixes_.find(Scope(job_id, run_id));
   if (pit == prefixes_.end() || pit->second.cut.empty()) return out;
   for (const auto& [rank, wait] : pit->second.cut) out.emplace_back(rank, wait.words);
-  std::sort(out.begin(), out.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
 }
 

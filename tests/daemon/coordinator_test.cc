@@ -1361,8 +1361,11 @@ TEST_F(CoordinatorRunTest, ARunDrawnHereAdoptsTheIdAWelcomedNodeResumesUntilItDe
   const GroupSpec spec = testing::MakeSpec("g", 2);
   coord_.HandleMessage(sa, testing::Registration(spec, {0}));
   coord_.HandleMessage(sb, testing::Registration(spec, {1}));
-  coord_.HandleMessage(sa, testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, std::nullopt}, 2, {0})}));
-  coord_.HandleMessage(sb, testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, DType::kFloat32}, 2, {1})}));
+  coord_.HandleMessage(
+      sa, testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, std::nullopt}, 2, {0})}));
+  coord_.HandleMessage(
+      sb,
+      testing::Batch({testing::NodeManifest("g", 0, {DType::kFloat32, DType::kFloat32}, 2, {1})}));
   for (FakeNodeSink* s : {&a, &b}) {
     ASSERT_EQ(s->decisions().size(), 1u);
     EXPECT_FALSE(s->decisions()[0].has_error());
@@ -1380,8 +1383,7 @@ TEST_F(CoordinatorRunTest, ARunDrawnHereAdoptsTheIdAWelcomedNodeResumesUntilItDe
   taken.mutable_hello()->set_run_id("r-x");
   coord_.HandleMessage(sc, taken);
   EXPECT_EQ(WelcomeRun(c), "r-x");
-  EXPECT_EQ(wire::KindOf(coord_.RunForKeyValue("job2", {"r-y", "d", 44}).status()),
-            v1::RUN_ENDED);
+  EXPECT_EQ(wire::KindOf(coord_.RunForKeyValue("job2", {"r-y", "d", 44}).status()), v1::RUN_ENDED);
 
   // A run that adopted an id and then failed: a late RESUME of either id
   // gets the failure's words.

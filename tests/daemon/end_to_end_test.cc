@@ -150,8 +150,8 @@ TEST(KeyValueForwarderTest, ACallForwardedWhileNothingAboveAnswersEndsAtTheLossL
   sb.RegisterService(&forwarder);
   std::unique_ptr<grpc::Server> server = sb.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  auto stub = v1::KeyValueService::NewStub(
-      grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::KeyValueService::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
   v1::KeyValueGetRequest request;
   request.set_job_id("j");
   request.add_keys("boot/0");

@@ -154,16 +154,15 @@ TEST_F(UpstreamNodeTest, InflightKeepsTheLastDecidedStepOnly) {
     for (const v1::Manifest& m : out.manifests()) v.emplace_back(m.step(), m.decided());
     return v;
   };
-  EXPECT_THAT(steps(), ElementsAre(std::pair<int64_t, bool>{3, false},
-                                   std::pair<int64_t, bool>{4, false},
-                                   std::pair<int64_t, bool>{4, false},
-                                   std::pair<int64_t, bool>{5, false}));
+  EXPECT_THAT(steps(),
+              ElementsAre(std::pair<int64_t, bool>{3, false}, std::pair<int64_t, bool>{4, false},
+                          std::pair<int64_t, bool>{4, false}, std::pair<int64_t, bool>{5, false}));
   inflight.DropUpTo(3);
   inflight.DropUpTo(4);
   EXPECT_EQ(inflight.decided_step(), 4);
-  EXPECT_THAT(steps(), ElementsAre(std::pair<int64_t, bool>{4, true},
-                                   std::pair<int64_t, bool>{4, true},
-                                   std::pair<int64_t, bool>{5, false}));
+  EXPECT_THAT(steps(),
+              ElementsAre(std::pair<int64_t, bool>{4, true}, std::pair<int64_t, bool>{4, true},
+                          std::pair<int64_t, bool>{5, false}));
   inflight.DropUpTo(2);  // an older step answered again
   EXPECT_EQ(steps().size(), 3u);
   inflight.DropUpTo(7);  // decided without this node's manifest: nothing of it kept

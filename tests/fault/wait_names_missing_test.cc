@@ -266,16 +266,16 @@ TEST_F(WaitNamesMissingTest, AKeyUnderAPrefixEveryRankSetsNamesTheRankThatDidNot
 
 // The same rendezvous, but rank 2 only comes late: ranks 0 and 1 give up at
 // the deadline and exit (as accord-rank-scenario does on a key-value error)
-// before rank 2 is released and sets its key and waits for theirs. Their leave fails the run with the words their waits ended
-// with, so rank 2, arriving late, ends with those very words rather than
-// completing a rendezvous whose other ranks are gone, or naming them
-// (docs/ARCHITECTURE.md, "Every wait names who is missing"; chaos seed 3048).
+// before rank 2 is released and sets its key and waits for theirs. Their leave fails the run with
+// the words their waits ended with, so rank 2, arriving late, ends with those very words rather
+// than completing a rendezvous whose other ranks are gone, or naming them (docs/ARCHITECTURE.md,
+// "Every wait names who is missing"; chaos seed 3048).
 TEST_F(WaitNamesMissingTest, ARankThatComesAfterTheOthersGaveUpOnTheirKeysGetsTheirWords) {
   auto procs = Start(Command("kvlate", {"--kv_gather=gather", "--kv_late_rank=2"}), {0, 1, 2});
   ExpectLine(*procs[2], "rank 2 waiting at gate kv");
-  const std::string words = KeyValueError("kvlate", "gather/2", "gather/", "2",
-                                          "rank 2 (node \"node1\", connected)",
-                                          "ranks 0-1 set one, ranks 0-1 asked for one");
+  const std::string words =
+      KeyValueError("kvlate", "gather/2", "gather/", "2", "rank 2 (node \"node1\", connected)",
+                    "ranks 0-1 set one, ranks 0-1 asked for one");
   ExpectNamedInTime(procs, {0, 1}, "kv_wait", "kv_error", /*per_rank_clock=*/true,
                     [&](int) { return words; });
   for (int r : {0, 1}) {
