@@ -131,6 +131,17 @@ class FaultTest : public ::testing::Test {
     return "";
   }
 
+  // The words every rank of `job` gets when its sidecars' node above is lost
+  // past --upstream_loss_limit=2s.
+  static std::string LossError(const std::string& job) {
+    return absl::StrCat(
+        "UNAVAILABLE: job ", job,
+        ": the coordinator (or relay) this rank's sidecar reports to has not answered for 2s "
+        "(--upstream_loss_limit), so no registration result, decision or key can reach the "
+        "job's ranks; the job is failed. Check that the coordinator runs and that the nodes "
+        "reach it, and the sidecars' logs");
+  }
+
   const std::vector<std::string> kFlags = {"--steps=4", "--groups=2",
                                            "--rules=1:0:*:none 4:3:1:bfloat16 6:2:2:none"};
   Gate gate_;
@@ -180,11 +191,7 @@ TEST_F(FaultTest, CoordinatorKilledForGoodEndsEveryRankWithOneErrorAtTheLossLimi
   ASSERT_TRUE(
       procs[2]->WaitForLine("rank 2 step 1 group g1: error", absl::Now() + absl::Seconds(20)).ok())
       << procs[2]->Output();
-  const std::string expected =
-      "UNAVAILABLE: job lost: the coordinator (or relay) this rank's sidecar reports to has not "
-      "answered for 2s (--upstream_loss_limit), so no registration result, decision or key can "
-      "reach the job's ranks; the job is failed. Check that the coordinator runs and that the "
-      "nodes reach it, and the sidecars' logs";
+  const std::string expected = LossError("lost");
   // Each rank's closing key-value Set is refused with the same words at
   // once (the node above counts as lost), so every rank ends by itself.
   std::vector<RankResult> results = Finish(procs);
@@ -214,11 +221,7 @@ TEST_F(FaultTest, AKeyValueCallForwardedWhileTheCoordinatorIsDownEndsAtTheLossLi
   ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
   // A liveness bound (loss limit 2 s + slack), far below the ranks' 30 s wait.
   EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
-  const std::string expected =
-      "UNAVAILABLE: job downkv: the coordinator (or relay) this rank's sidecar reports to has not "
-      "answered for 2s (--upstream_loss_limit), so no registration result, decision or key can "
-      "reach the job's ranks; the job is failed. Check that the coordinator runs and that the "
-      "nodes reach it, and the sidecars' logs";
+  const std::string expected = LossError("downkv");
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_NE(results[r].exit_code, 0) << results[r].output;
     EXPECT_EQ(FirstError(results[r]), expected) << "rank " << r << ":\n" << results[r].output;
