@@ -15,7 +15,10 @@ The oracle checks every run:
 - no divergent decision: every (group, step) decision any rank printed is
   the same on every rank;
 - the ranks the faults did not touch all finish with the digest of the
-  undisturbed job, or all end with one identical error;
+  undisturbed job, or all end with one identical error (two exceptions,
+  allowed and reported: ranks split into two runs of the job, each naming
+  the other's ranks, and the ranks of a node cut off from the coordinator
+  past its loss limit, which end with the loss words);
 - no daemon crash other than the ones killed, and every daemon stops
   cleanly on SIGTERM at the end;
 - nothing leaked: no run of the job at the coordinator, no metric series of
