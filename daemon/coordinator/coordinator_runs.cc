@@ -17,14 +17,13 @@ using located::Error;
 namespace {
 
 // Whether the job's current `run` takes `run_id`, unknown here, as another id
-// of itself when `node_id` RESUMEs it (docs/ARCHITECTURE.md, "Runs"): a run
-// this coordinator drew (not one a RESUME took over: two runs both resumed
-// were both welcomed, so are two launches), healthy, that has decided
-// nothing (a launch's decisions need every rank, so a run whose other half
-// never joined has none), and that the resuming node is not already in (a
-// node of the run asking for another one is stale). `job`: the run's job,
-// nullptr before a node joined.
-// Returns whether it adopted `run_id` (then `run` answers to it).
+// of itself when `node_id` RESUMEs it (docs/ARCHITECTURE.md, "Runs"), and
+// then adopts it: a run this coordinator drew (not one a RESUME took over:
+// two runs both resumed were both welcomed, so are two launches), healthy,
+// that has decided nothing (a launch's decisions need every rank, so a run
+// whose other half never joined has none), and that the resuming node is not
+// already in (a node of the run asking for another one is stale). `job`: the
+// run's job, nullptr before a node joined.
 bool Adopt(const RunRegistry& runs, const Job* job, const std::string& job_id, Run& run,
            const std::string& run_id, const std::string& node_id) {
   if (run.taken_over || run.state == RunState::kFailed || run.aliases.size() >= Run::kMaxAliases ||
@@ -46,11 +45,20 @@ bool Adopt(const RunRegistry& runs, const Job* job, const std::string& job_id, R
 
 }  // namespace
 
-void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why,
+void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& why_given,
                                const v1::DecisionError* error, Outbox& out) {
   const Run* run = runs_.Find(job_id);
   if (run == nullptr) return;
   const Run ended = *run;  // as it was: ids and aliases, remembered below
+  // A run that failed ends with its failure, whatever ends it now (a restart
+  // superseding it, say): its ranks were told that, and one that is late
+  // (stopped, or slow) must get the same words (chaos seed 6311), not news
+  // of the restart.
+  absl::Status why = why_given;
+  if (ended.state == RunState::kFailed) {
+    why = wire::ErrorToStatus(ended.failure);
+    if (error != nullptr) error = &ended.failure;
+  }
   const std::string& run_id = ended.run_id;
   const std::string scope = RunRegistry::KeyScopeOf(ended);
   if (auto jit = jobs_.find(job_id); jit != jobs_.end()) {

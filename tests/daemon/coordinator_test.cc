@@ -1228,6 +1228,34 @@ TEST_F(CoordinatorRunTest, ANodeWhoseRanksRestartedSupersedesTheRunEvenWithAStal
   EXPECT_EQ(coord_.CurrentRun("job"), new_run);
 }
 
+// A run that failed and is then superseded (a node's ranks restarted) ends
+// with its failure: a rank of it that is late (stopped, say) gets the words
+// the run's other ranks got, not news of the restart (chaos seed 6311).
+TEST_F(CoordinatorRunTest, AFailedRunSupersededByARestartEndsWithItsFailure) {
+  FakeNodeSink a, b, a_new;
+  std::string run, b_run, new_run;
+  const auto sa = JoinNew(a, "a", {0}, 11, &run);
+  JoinNew(b, "b", {1}, 22, &b_run);
+  coord_.HandleMessage(sa, testing::Registration(testing::MakeSpec("g", 2), {0}));
+  clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
+  coord_.CheckDeadlines();  // rank 1 never registered g: the run fails
+  std::string failure;
+  for (const v1::CoordinatorMessage& m : b.messages()) {
+    if (m.has_registration() && m.registration().has_error()) {
+      failure = m.registration().error().message();
+    }
+  }
+  ASSERT_THAT(failure, ::testing::HasSubstr("not every rank registered the group"));
+  JoinNew(a_new, "a", {0}, 33, &new_run);  // node a's ranks restarted
+  ASSERT_FALSE(new_run.empty());
+  EXPECT_NE(new_run, run);
+  ASSERT_FALSE(b.messages().empty());
+  ASSERT_TRUE(b.messages().back().has_error());
+  EXPECT_EQ(b.messages().back().error().message(), failure);
+  absl::StatusOr<std::string> late = coord_.RunForKeyValue("job", {run, "b", 22});
+  EXPECT_EQ(late.status().message(), failure);
+}
+
 TEST_F(CoordinatorRunTest, AHealthyRunWhoseLastNodeOnlyLostItsConnectionIsResumed) {
   FakeNodeSink a, again;
   const auto sa = coord_.OpenSession(&a);
