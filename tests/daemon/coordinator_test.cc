@@ -1058,8 +1058,9 @@ class CoordinatorRunTest : public ::testing::Test {
     };
     return o;
   }
-  static v1::NodeMessage NewHello(const std::string& node, std::vector<int> ranks, uint64_t epoch) {
-    v1::NodeMessage m = testing::Hello("job", node, 2, std::move(ranks));
+  static v1::NodeMessage NewHello(const std::string& node, std::vector<int> ranks, uint64_t epoch,
+                                  const std::string& job = "job") {
+    v1::NodeMessage m = testing::Hello(job, node, 2, std::move(ranks));
     m.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_NEW);
     m.mutable_hello()->set_node_epoch(epoch);
     return m;
@@ -1073,9 +1074,10 @@ class CoordinatorRunTest : public ::testing::Test {
   // A new stream of `node` saying NEW: its session, and the run it was
   // welcomed to in `run` ("" when refused).
   Coordinator::SessionId JoinNew(FakeNodeSink& sink, const std::string& node,
-                                 std::vector<int> ranks, uint64_t epoch, std::string* run) {
+                                 std::vector<int> ranks, uint64_t epoch, std::string* run,
+                                 const std::string& job = "job") {
     const Coordinator::SessionId s = coord_.OpenSession(&sink);
-    coord_.HandleMessage(s, NewHello(node, std::move(ranks), epoch));
+    coord_.HandleMessage(s, NewHello(node, std::move(ranks), epoch, job));
     *run = WelcomeRun(sink);
     return s;
   }
@@ -1417,11 +1419,7 @@ TEST_F(CoordinatorRunTest, ARunDrawnHereAdoptsTheIdAWelcomedNodeResumesUntilItDe
   // gets the failure's words.
   FakeNodeSink e;
   std::string e_run;
-  v1::NodeMessage e_hello = NewHello("e", {0}, 55);
-  e_hello.mutable_hello()->set_job_id("job3");
-  const auto se = coord_.OpenSession(&e);
-  coord_.HandleMessage(se, e_hello);
-  e_run = WelcomeRun(e);
+  const auto se = JoinNew(e, "e", {0}, 55, &e_run, "job3");
   ASSERT_TRUE(coord_.RunForKeyValue("job3", {"r-adopted", "f", 66}).ok());
   coord_.HandleMessage(se, testing::Registration(spec, {0}));
   clock_.Advance(CoordinatorOptions().deadline + absl::Seconds(1));
@@ -1481,14 +1479,8 @@ TEST_F(CoordinatorRunTest, ARankThatLeavesAfterItsKeyWaitWasCutFailsTheRunWithTh
   {  // its node lost past the grace
     FakeNodeSink a, b;
     std::string run, b_run;
-    v1::NodeMessage ha = NewHello("a", {0}, 33), hb = NewHello("b", {1}, 44);
-    ha.mutable_hello()->set_job_id("job2");
-    hb.mutable_hello()->set_job_id("job2");
-    const auto sa = coord_.OpenSession(&a);
-    const auto sb = coord_.OpenSession(&b);
-    coord_.HandleMessage(sa, ha);
-    coord_.HandleMessage(sb, hb);
-    run = WelcomeRun(a);
+    const auto sa = JoinNew(a, "a", {0}, 33, &run, "job2");
+    const auto sb = JoinNew(b, "b", {1}, 44, &b_run, "job2");
     coord_.HandleMessage(sa, testing::Registration(spec, {0}));
     cut_[{absl::StrCat("job2/", run), 1}] = words;
     coord_.CloseSession(sb);
@@ -1504,11 +1496,7 @@ TEST_F(CoordinatorRunTest, ARankThatLeavesAfterItsKeyWaitWasCutFailsTheRunWithTh
   {  // the run's last node leaves: the run ends failed, with those words
     FakeNodeSink a;
     std::string run;
-    v1::NodeMessage ha = NewHello("a", {0, 1}, 55);
-    ha.mutable_hello()->set_job_id("job3");
-    const auto sa = coord_.OpenSession(&a);
-    coord_.HandleMessage(sa, ha);
-    run = WelcomeRun(a);
+    const auto sa = JoinNew(a, "a", {0, 1}, 55, &run, "job3");
     cut_[{absl::StrCat("job3/", run), 0}] = words;
     coord_.CloseSession(sa);
     absl::StatusOr<std::string> late = coord_.RunForKeyValue("job3", {run, "a", 55});
@@ -1516,11 +1504,8 @@ TEST_F(CoordinatorRunTest, ARankThatLeavesAfterItsKeyWaitWasCutFailsTheRunWithTh
     // Not revived by a NEW either: a failed run's id is never taken again.
     FakeNodeSink b;
     std::string b_run;
-    v1::NodeMessage hb = NewHello("b", {1}, 66);
-    hb.mutable_hello()->set_job_id("job3");
-    const auto sb = coord_.OpenSession(&b);
-    coord_.HandleMessage(sb, hb);
-    EXPECT_NE(WelcomeRun(b), run);
+    JoinNew(b, "b", {1}, 66, &b_run, "job3");
+    EXPECT_NE(b_run, run);
   }
 }
 
