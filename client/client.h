@@ -43,7 +43,8 @@ struct ClientOptions {
   int world_size = 0;
   int local_rank = 0;
   std::string token;  // the job's token, when the deployment requires one
-  // How long Connect waits for the sidecar's welcome.
+  // How long Connect waits for the sidecar's welcome, trying again (with
+  // backoff) while nothing serves the socket yet.
   absl::Duration connect_timeout = absl::Seconds(30);
   // When the stream to the sidecar ends (the sidecar was restarted, or the
   // stream dropped), how long the client keeps reconnecting, with jittered

@@ -14,7 +14,10 @@
 // Welcome and, per group, the last step this rank holds a decision for; then
 // every registration and every manifest without a decision go again, in
 // full form. Calls made meanwhile queue. Past the grace every call fails with
-// one error naming the node and the socket. SubmitBatch writes its batch
+// one error naming the node and the socket. Before the first welcome, a
+// stream that cannot reach the sidecar is tried again, with the same
+// backoff, until ClientOptions::connect_timeout (a sidecar may start after
+// its ranks). SubmitBatch writes its batch
 // on the caller's thread when no write is in flight and nothing is queued
 // (the steady state), which saves a thread hand-off per round trip
 // (docs/ARCHITECTURE.md, "Threading"); otherwise it queues for the writer.
@@ -133,9 +136,11 @@ class GrpcClient : public Client {
         target_(absl::StrCat("unix:", options.socket_path)),
         rng_(std::random_device()() ^ static_cast<uint64_t>(options.rank)) {
     channel_ = SidecarChannel(target_);
-    kv_ =
-        MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
-                              options.job_id, options.token, options.rank, options.reconnect_grace);
+    kv_ = MakeGrpcKeyValueStore(channel_, absl::StrCat("the sidecar at ", options.socket_path),
+                                options.job_id, options.token, options.rank, [this] {
+                                  accord::MutexLock lock(&mu_);
+                                  return ClosedStatus();
+                                });
     accord::MutexLock lock(&mu_);
     scratch_.ranks = RankSet(options.world_size);
     scratch_.ranks.Add(options.rank);
@@ -160,6 +165,7 @@ class GrpcClient : public Client {
   absl::Status Start() {
     {
       accord::MutexLock lock(&mu_);
+      connect_deadline_ = absl::Now() + options_.connect_timeout;
       OpenStreamLocked();
       outbox_.push_back(HelloLocked(/*resume=*/false));
     }
@@ -169,7 +175,7 @@ class GrpcClient : public Client {
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return welcomed_ || closed_ || !fatal_.ok();
     };
-    mu_.AwaitWithTimeout(absl::Condition(&answered), options_.connect_timeout);
+    mu_.AwaitWithDeadline(absl::Condition(&answered), connect_deadline_);
     if (!fatal_.ok()) return fatal_;
     if (closed_) return closed_status_;
     if (!welcomed_) {
@@ -513,6 +519,11 @@ class GrpcClient : public Client {
     session_channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
     stub_ = v1::RankService::NewStub(session_channel_);
     ctx_ = std::make_unique<grpc::ClientContext>();
+    // The hello goes with the first write, on the writer's thread: creating
+    // the stream then never waits for a connection (gRPC waits up to 20 s for
+    // a sidecar that accepts but does not answer, a stopped one), so neither
+    // the connect timeout nor this lock depends on gRPC's.
+    ctx_->set_initial_metadata_corked(true);
     if (stopping_) ctx_->TryCancel();
     stream_ = stub_->Session(ctx_.get());
     read_ended_ = false;
@@ -583,6 +594,50 @@ class GrpcClient : public Client {
     }
   }
 
+  // Before the first welcome, a stream that could not reach the sidecar
+  // (none yet at the socket, or one restarting) is tried again with backoff
+  // until the connect timeout: a sidecar may start after its ranks. Any
+  // other end closes the session.
+  template <typename Close>
+  bool FirstStreamEndedLocked(const grpc::Status& s, Close& close)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto unreachable = [&] {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the sidecar at ", options_.socket_path, " (job \"", options_.job_id,
+          "\", rank ", options_.rank, ") within ", absl::FormatDuration(options_.connect_timeout),
+          " (the connect timeout): ", s.error_message(),
+          "; check that accord-sidecar runs on this node with --socket=", options_.socket_path));
+    };
+    if (!fatal_.ok()) return close(fatal_);
+    if (stopping_) return close(absl::CancelledError("the client is shutting down"));
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return close(unreachable());
+    if (!first_miss_logged_) {
+      first_miss_logged_ = true;
+      ACCORD_LOG(INFO) << "rank " << options_.rank << ": no sidecar answers at "
+                       << options_.socket_path << " yet (" << s.error_message()
+                       << "); trying again until the connect timeout";
+    }
+    const absl::Duration wait = NextBackoffLocked();
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    if (absl::Now() + wait >= connect_deadline_ ||
+        mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) {
+      return close(stopping_ ? absl::CancelledError("the client is shutting down") : unreachable());
+    }
+    OpenStreamLocked();
+    outbox_.clear();
+    outbox_.push_back(HelloLocked(/*resume=*/false));
+    return true;
+  }
+
+  // The next reconnect wait: equal jitter (ranks that lost the same sidecar
+  // spread their attempts) over a nominal backoff that doubles up to a cap.
+  absl::Duration NextBackoffLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Duration wait =
+        backoff_ / 2 + std::uniform_real_distribution<double>(0, 1)(rng_) * (backoff_ / 2);
+    backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+    return wait;
+  }
+
   // After a stream ended with `s`: opens the next one (true), or closes the
   // session and fails every call (false).
   bool NextStreamLocked(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -595,12 +650,7 @@ class GrpcClient : public Client {
       FailAllLocked(fatal_.ok() ? closed_status_ : fatal_);
       return false;
     };
-    if (!ever_welcomed_) {
-      return close(absl::UnavailableError(absl::StrCat(
-          "cannot reach the sidecar at ", options_.socket_path, " (job \"", options_.job_id,
-          "\", rank ", options_.rank, "): ", s.error_message(),
-          "; check that accord-sidecar runs on this node with --socket=", options_.socket_path)));
-    }
+    if (!ever_welcomed_) return FirstStreamEndedLocked(s, close);
     if (!fatal_.ok()) return close(fatal_);
     if (stopping_) return close(absl::CancelledError("the client is shutting down"));
     if (options_.reconnect_grace <= absl::ZeroDuration()) {
@@ -620,10 +670,7 @@ class GrpcClient : public Client {
                           << absl::FormatDuration(options_.reconnect_grace);
     }
     const absl::Time give_up = *lost_at_ + options_.reconnect_grace;
-    // Equal jitter: ranks that lost the same sidecar spread their attempts.
-    const absl::Duration wait =
-        backoff_ / 2 + std::uniform_real_distribution<double>(0, 1)(rng_) * (backoff_ / 2);
-    backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+    const absl::Duration wait = NextBackoffLocked();
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
     mu_.AwaitWithDeadline(absl::Condition(&stop), std::min(give_up, absl::Now() + wait));
     if (stopping_) return close(absl::CancelledError("the client is shutting down"));
@@ -840,6 +887,9 @@ class GrpcClient : public Client {
   std::deque<v1::RankMessage> outbox_ ABSL_GUARDED_BY(mu_);
   bool welcomed_ ABSL_GUARDED_BY(mu_) = false;  // the current stream was welcomed
   bool ever_welcomed_ ABSL_GUARDED_BY(mu_) = false;
+  // Until then a stream that cannot reach the sidecar is tried again.
+  absl::Time connect_deadline_ ABSL_GUARDED_BY(mu_);
+  bool first_miss_logged_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_id_ ABSL_GUARDED_BY(mu_);
   std::string run_id_ ABSL_GUARDED_BY(mu_);  // Welcome.run_id: named by a resume
   // Set while reconnecting: when the last welcomed stream ended.

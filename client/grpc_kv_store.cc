@@ -33,13 +33,13 @@ bool IsJobVerdict(const grpc::ClientContext& ctx) {
 class GrpcKeyValueStore : public KeyValueStore {
  public:
   GrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel, std::string target, std::string job_id,
-                    std::string token, int rank, absl::Duration retry_unavailable_for)
+                    std::string token, int rank, std::function<absl::Status()> session_over)
       : stub_(v1::KeyValueService::NewStub(channel)),
         target_(std::move(target)),
         job_id_(std::move(job_id)),
         token_(std::move(token)),
         rank_(rank),
-        retry_for_(retry_unavailable_for) {}
+        session_over_(std::move(session_over)) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     v1::KeyValueSetRequest req;
@@ -50,10 +50,10 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_rank(rank_);
     v1::KeyValueSetResponse resp;
     bool verdict = false;
-    const grpc::Status s = Retried(&verdict, [&](grpc::ClientContext& ctx) {
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    const grpc::Status s = Retried(kCallBound, &verdict, [&](grpc::ClientContext& ctx) {
       return stub_->Set(&ctx, req, &resp);
     });
+    if (absl::Status over = SidecarGone(s, verdict); !over.ok()) return over;
     return FromGrpc(s, verdict,
                     absl::StrCat("key-value Set(\"", key, "\") for job \"", job_id_, "\""),
                     target_);
@@ -69,11 +69,11 @@ class GrpcKeyValueStore : public KeyValueStore {
     req.set_rank(rank_);
     v1::KeyValueGetResponse resp;
     bool verdict = false;
-    grpc::Status s = Retried(&verdict, [&](grpc::ClientContext& ctx) {
-      // The server enforces `timeout`; the RPC deadline only bounds a lost server.
-      ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(30));
-      return stub_->Get(&ctx, req, &resp);
-    });
+    // The server enforces `timeout`; the call's bound only bounds a lost server.
+    const absl::Duration bound = absl::FromChrono(timeout) + kCallBound;
+    grpc::Status s = Retried(
+        bound, &verdict, [&](grpc::ClientContext& ctx) { return stub_->Get(&ctx, req, &resp); });
+    if (absl::Status over = SidecarGone(s, verdict); !over.ok()) return over;
     if (!s.ok()) {
       return FromGrpc(s, verdict, absl::StrCat("key-value Get for job \"", job_id_, "\""), target_);
     }
@@ -86,20 +86,33 @@ class GrpcKeyValueStore : public KeyValueStore {
   }
 
  private:
-  // Runs `call` (on a fresh context each time) again while it finds the
-  // sidecar unreachable, with backoff, for at most retry_for_. Sets
-  // `*verdict` when the answer is the job's verdict.
+  // The session's words when `s` is an unreachable sidecar the session has
+  // given up on; OK otherwise.
+  absl::Status SidecarGone(const grpc::Status& s, bool verdict) const {
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE || verdict) return absl::OkStatus();
+    return session_over_();
+  }
+
+  // How long a call may wait for a sidecar that does not answer, beyond the
+  // wait the call asks the server for.
+  static constexpr absl::Duration kCallBound = absl::Seconds(30);
+
+  // Runs `call` (on a fresh context each time, every attempt within `bound`
+  // of the first) again while it finds the sidecar unreachable and the
+  // session still counts on the sidecar, with backoff. Sets `*verdict` when
+  // the answer is the job's verdict.
   template <typename Call>
-  grpc::Status Retried(bool* verdict, Call call) {
-    const absl::Time give_up = absl::Now() + retry_for_;
+  grpc::Status Retried(absl::Duration bound, bool* verdict, Call call) {
+    const absl::Time give_up = absl::Now() + bound;
     absl::Duration backoff = absl::Milliseconds(50);
     while (true) {
       grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(give_up));
       grpc::Status s = call(ctx);
       *verdict = IsJobVerdict(ctx);
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || absl::Now() + backoff >= give_up ||
-          *verdict) {
-        return s;  // an answer (the node above the sidecar is lost), not an unreachable sidecar
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || *verdict ||
+          absl::Now() + backoff >= give_up || !session_over_().ok()) {
+        return s;  // an answer (the node above the sidecar is lost), or the sidecar is gone
       }
       absl::SleepFor(backoff);  // a retry's backoff, not a synchronisation
       backoff = std::min(backoff * 2, absl::Seconds(1));
@@ -111,7 +124,7 @@ class GrpcKeyValueStore : public KeyValueStore {
   const std::string job_id_;
   const std::string token_;
   const int rank_;
-  const absl::Duration retry_for_;
+  const std::function<absl::Status()> session_over_;
 };
 
 }  // namespace
@@ -119,10 +132,10 @@ class GrpcKeyValueStore : public KeyValueStore {
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
                                                      std::string token, int rank,
-                                                     absl::Duration retry_unavailable_for) {
+                                                     std::function<absl::Status()> session_over) {
   return std::make_unique<GrpcKeyValueStore>(std::move(channel), std::move(target),
                                              std::move(job_id), std::move(token), rank,
-                                             retry_unavailable_for);
+                                             std::move(session_over));
 }
 
 }  // namespace accord

@@ -49,6 +49,8 @@ ABSL_FLAG(std::string, expect_wire, "", "expected wire dtype of every decision")
 ABSL_FLAG(std::string, expect_skipped, "",
           "expected skipped parameter indices (comma separated; \"-\" for none)");
 ABSL_FLAG(absl::Duration, wait, absl::Seconds(60), "how long to wait for each answer");
+ABSL_FLAG(std::optional<absl::Duration>, connect_timeout, std::nullopt,
+          "how long Connect waits for the sidecar to answer (default: --wait)");
 ABSL_FLAG(int, proxied_rank, -1, "this rank connects to --proxy_socket instead of --socket");
 ABSL_FLAG(std::string, proxy_socket, "", "see --proxied_rank (fault tests cut its stream)");
 ABSL_FLAG(absl::Duration, reconnect_grace, absl::Seconds(10),
@@ -172,7 +174,7 @@ int Run() {
   opts.rank = rank;
   opts.world_size = world;
   opts.local_rank = absl::GetFlag(FLAGS_local_rank);
-  opts.connect_timeout = wait;
+  opts.connect_timeout = absl::GetFlag(FLAGS_connect_timeout).value_or(wait);
   opts.reconnect_grace = absl::GetFlag(FLAGS_reconnect_grace);
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(opts);
   if (!client.ok()) {

@@ -27,6 +27,16 @@ void BlockTerminationSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+namespace {
+// Blocks them before main, as the program is loaded: a SIGTERM that comes
+// while the daemon starts (flag parsing, gRPC's start) stays pending until
+// the daemon waits for it, and it then stops cleanly instead of dying by the
+// signal's default action with its socket or event log half made. Only a
+// signal that comes while the loader runs, before anything exists, still
+// ends the process by default.
+__attribute__((constructor)) void BlockTerminationSignalsAtLoad() { BlockTerminationSignals(); }
+}  // namespace
+
 int WaitForTerminationSignal() { return Wait(TerminationSet()); }
 
 int WaitForTerminationOrReloadSignal() {

@@ -72,6 +72,11 @@ class Proc:
                     raise RuntimeError(f"{self.name} printed no {prefix!r} within {timeout}s")
                 self._cond.wait(left)
 
+    def printed(self):
+        """Whether the current incarnation printed anything."""
+        with self._cond:
+            return any(inc == self.incarnation for _, inc, _ in self.lines)
+
     def alive(self):
         return self.popen is not None and self.popen.poll() is None
 

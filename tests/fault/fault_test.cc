@@ -493,6 +493,79 @@ TEST_F(SidecarRestartTest, NotBackWithinTheGraceGivesEachSideOneClearError) {
       absl::FormatDuration(worst).c_str(), absl::FormatDuration(kGrace).c_str());
 }
 
+// A rank's key-value call to its sidecar while that sidecar is stopped
+// (SIGSTOP, longer than the client's reconnect grace; chaos seed 6738): the
+// rank's stream still stands, so its session still counts on the sidecar,
+// and the call waits for it as the stream does. Once the sidecar runs again
+// the rendezvous completes and the job finishes as undisturbed. Before, the
+// call gave up after the reconnect grace with the client's own `failed to
+// connect` while the session never did.
+TEST_F(SidecarRestartTest, AKeyValueCallToAStoppedSidecarWaitsForItAsTheStreamDoes) {
+  std::string digest;
+  StartCluster(2, {"--deadline=30s"});
+  RunReference(&digest);
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--reconnect_grace=1s", "--kv_gather=gather", "--kv_late_rank=4",
+                             "--gate_fifo=" + gate_.path()});
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+      cluster_->StartRanks(Command(flags), kWorld, "job");
+  ASSERT_TRUE(procs.ok()) << procs.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string line =
+        r == 4 ? "rank 4 waiting at gate kv" : absl::StrCat("rank ", r, " kv waiting");
+    ASSERT_TRUE((*procs)[r]->WaitForLine(line, deadline).ok()) << (*procs)[r]->Output();
+  }
+  ASSERT_EQ(kill(cluster_->sidecar_pid(1), SIGSTOP), 0);
+  ASSERT_TRUE(gate_.Release());              // rank 4 sets its key through the stopped sidecar
+  absl::SleepFor(absl::Milliseconds(2500));  // 2.5 times the client's reconnect grace
+  ASSERT_EQ(kill(cluster_->sidecar_pid(1), SIGCONT), 0);
+  ExpectAllSucceededWith(Finish(*procs), digest);
+}
+
+// A rank that connects to a stopped sidecar (it accepts, but never answers)
+// gets its connect timeout's error at that timeout. Before, creating the
+// stream waited for gRPC's own connection timeout (20 s) first.
+TEST_F(SidecarRestartTest, AConnectToAStoppedSidecarEndsAtTheConnectTimeout) {
+  StartCluster(1);
+  ASSERT_EQ(kill(cluster_->sidecar_pid(0), SIGSTOP), 0);
+  ClientOptions o;
+  o.socket_path = cluster_->sidecar_sockets()[0];
+  o.job_id = "job";
+  o.rank = 0;
+  o.world_size = 1;
+  o.connect_timeout = absl::Seconds(1);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_EQ(kill(cluster_->sidecar_pid(0), SIGCONT), 0);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded) << c.status();
+  EXPECT_THAT(c.status().message(), HasSubstr(absl::StrCat("no welcome from the sidecar at ",
+                                                           o.socket_path, " within 1s")));
+  // Far below gRPC's 20 s, with room for a loaded machine.
+  EXPECT_LT(took, absl::Seconds(8)) << c.status();
+  std::printf("[timing] connect to a stopped sidecar (connect timeout 1s): error after %s\n",
+              absl::FormatDuration(took).c_str());
+}
+
+// A rank may start before its sidecar (a pod's containers start together):
+// a socket nobody serves yet is tried again, with backoff, until the connect
+// timeout. Before, the first refused connection failed the rank at once.
+TEST_F(SidecarRestartTest, ARankStartedBeforeItsSidecarConnectsOnceTheSidecarServes) {
+  std::string digest;
+  StartCluster(2);
+  RunReference(&digest);
+  cluster_->KillSidecar(1);  // its socket file stays, refusing connections
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> procs =
+      cluster_->StartRanks(Command(kFlags), kWorld, "job");
+  ASSERT_TRUE(procs.ok()) << procs.status();
+  absl::SleepFor(absl::Seconds(1));  // node 1's ranks try and are refused meanwhile
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  ExpectAllSucceededWith(Finish(*procs), digest);
+  EXPECT_THAT((*procs)[4]->Output(), HasSubstr("no sidecar answers at"));
+}
+
 // One rank's stream dropped while the sidecar lives (a proxy between rank 5
 // and sidecar 1 cuts it) while rank 5 waits for step 1's decision. The
 // sidecar keeps rank 5's place for --rank_reconnect_grace; the client
