@@ -129,6 +129,16 @@ std::shared_ptr<grpc::Channel> SidecarChannel(const std::string& target) {
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
+// A stream's channel: a connection attempt (the socket's connect and the
+// sidecar's HTTP/2 settings) ends within a second instead of gRPC's 20 s, so
+// an attempt that finds a sidecar stopped ends in time for the next one, or
+// for the reconnect grace.
+std::shared_ptr<grpc::Channel> SessionChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1000);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
 class GrpcClient : public Client {
  public:
   explicit GrpcClient(const ClientOptions& options)
@@ -503,6 +513,7 @@ class GrpcClient : public Client {
     if (resume) {
       v1::RankResume* r = h->mutable_resume();
       r->set_run_id(run_id_);
+      r->set_node_epoch(node_epoch_);
       r->set_holds_local_decisions(holds_local_decisions_);
       for (const std::string& id : group_order_) {
         v1::GroupResume* gr = r->add_groups();
@@ -516,7 +527,7 @@ class GrpcClient : public Client {
   // A new stream on a new channel (a fresh channel has no connection
   // backoff left from the previous sidecar process).
   void OpenStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    session_channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    session_channel_ = SessionChannel(target_);
     stub_ = v1::RankService::NewStub(session_channel_);
     ctx_ = std::make_unique<grpc::ClientContext>();
     // The hello goes with the first write, on the writer's thread: creating
@@ -663,6 +674,7 @@ class GrpcClient : public Client {
     const absl::Time now = absl::Now();
     if (was_welcomed || !lost_at_.has_value()) {
       lost_at_ = now;
+      last_try_ = false;
       backoff_ = kFirstBackoff;
       ACCORD_LOG(WARNING) << "rank " << options_.rank << ": the stream to the sidecar at "
                           << options_.socket_path << " ended" << detail
@@ -674,7 +686,10 @@ class GrpcClient : public Client {
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
     mu_.AwaitWithDeadline(absl::Condition(&stop), std::min(give_up, absl::Now() + wait));
     if (stopping_) return close(absl::CancelledError("the client is shutting down"));
-    if (absl::Now() >= give_up) {
+    // The sidecar is judged gone only by an attempt that finds it gone once
+    // the grace is over: a rank that was itself stopped past the grace (its
+    // sidecar came back meanwhile) tries before it judges (chaos seed 7005).
+    if (absl::Now() >= give_up && last_try_) {
       // The same text on every rank of the node (no rank in it).
       return close(absl::UnavailableError(absl::StrCat(
           "job ", options_.job_id, ": the sidecar of node \"", node_id_, "\" at ",
@@ -684,6 +699,7 @@ class GrpcClient : public Client {
           "cannot take part: check accord-sidecar on this node (its log, --socket=",
           options_.socket_path, ") and restart the job")));
     }
+    last_try_ = absl::Now() >= give_up;
     OpenStreamLocked();
     QueueResumeLocked();
     return true;
@@ -697,6 +713,7 @@ class GrpcClient : public Client {
         ever_welcomed_ = true;
         node_id_ = reply.welcome().node_id();
         if (!reply.welcome().run_id().empty()) run_id_ = reply.welcome().run_id();
+        if (reply.welcome().node_epoch() != 0) node_epoch_ = reply.welcome().node_epoch();
         if (lost_at_.has_value()) {
           ACCORD_LOG(INFO) << "rank " << options_.rank << ": resumed with the sidecar at "
                            << options_.socket_path << " after "
@@ -891,7 +908,11 @@ class GrpcClient : public Client {
   absl::Time connect_deadline_ ABSL_GUARDED_BY(mu_);
   bool first_miss_logged_ ABSL_GUARDED_BY(mu_) = false;
   std::string node_id_ ABSL_GUARDED_BY(mu_);
-  std::string run_id_ ABSL_GUARDED_BY(mu_);  // Welcome.run_id: named by a resume
+  std::string run_id_ ABSL_GUARDED_BY(mu_);       // Welcome.run_id: named by a resume
+  uint64_t node_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // Welcome.node_epoch: given back by a resume
+  // While reconnecting: whether the attempt under way began past the grace
+  // (the last one).
+  bool last_try_ ABSL_GUARDED_BY(mu_) = false;
   // Set while reconnecting: when the last welcomed stream ended.
   std::optional<absl::Time> lost_at_ ABSL_GUARDED_BY(mu_);
   absl::Duration backoff_ ABSL_GUARDED_BY(mu_) = kFirstBackoff;

@@ -101,13 +101,18 @@ void UpstreamNode::Send(v1::NodeMessage message) {
 }
 
 void UpstreamNode::StartJob(absl::string_view job_id, int world_size, absl::string_view token,
-                            absl::string_view resume_run_id) {
+                            absl::string_view resume_run_id, uint64_t resume_epoch) {
   job_.job_id = std::string(job_id);
   job_.world_size = world_size;
   announced_set_ = RankSet(world_size);
   job_.token = std::string(token);
   job_.run_id = std::string(resume_run_id);
-  // A new local incarnation of the job (NodeHello.node_epoch).
+  // A new local incarnation of the job (NodeHello.node_epoch), unless the
+  // ranks that make it resume one.
+  if (resume_epoch != 0) {
+    job_.epoch = resume_epoch;
+    return;
+  }
   std::random_device rd;
   job_.epoch = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
 }

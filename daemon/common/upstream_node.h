@@ -158,10 +158,11 @@ class UpstreamNode {
   const std::string& token() const { return job_.token; }
   int world_size() const { return job_.world_size; }
   uint64_t epoch() const { return job_.epoch; }
-  // Starts speaking for a job with a fresh node epoch; `resume_run_id`: the
-  // run to rejoin (RESUME), "" for a new one.
+  // Starts speaking for a job; `resume_run_id`: the run to rejoin (RESUME),
+  // "" for a new one; `resume_epoch`: the node epoch of the incarnation its
+  // resuming ranks belong to (0: a fresh one is drawn).
   void StartJob(absl::string_view job_id, int world_size, absl::string_view token,
-                absl::string_view resume_run_id = "");
+                absl::string_view resume_run_id = "", uint64_t resume_epoch = 0);
   void EndJob();
 
   // Announces ranks: the hello (every announced rank) when none went on this

@@ -81,6 +81,34 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   if (error != nullptr) runs_.Remember(job_id, ended, *error);
 }
 
+namespace {
+
+// The refusal of a RESUME of run `run_id`, which has ended (`current`: the
+// job's current run, if any). Every node of the old run gets the same words,
+// so its ranks end with one error (chaos seed 7591: each node's ranks used to
+// read their own node's name); the log names the node.
+absl::Status ResumedRunEnded(const std::string& job_id, const std::string& run_id,
+                             const std::string& node_id, const std::string& current) {
+  ACCORD_LOG(WARNING) << "job " << job_id << ": node \"" << node_id << "\" resumes run " << run_id
+                      << ", which has ended"
+                      << (current.empty() ? "" : absl::StrCat(" (current run ", current, ")"));
+  if (current.empty()) {
+    return wire::KindError(
+        v1::RUN_ENDED,
+        absl::StrCat("job ", job_id, " run ", run_id,
+                     " has ended (its last node left, it failed and its nodes left, or a restart "
+                     "superseded it); its ranks still speak for it: stop them"));
+  }
+  return wire::KindError(
+      v1::RUN_ENDED,
+      absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",
+                   current,
+                   ", started by a restart under the same job id); its ranks still speak for the "
+                   "old run: stop them"));
+}
+
+}  // namespace
+
 absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
                                                 v1::NodeHello::RunStart start,
                                                 const std::string& run_id,
@@ -115,25 +143,14 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
       }
     }
     if (current == nullptr) {
-      if (runs_.Remembered(job_id, run_id)) {
-        return wire::KindError(
-            v1::RUN_ENDED,
-            absl::StrCat("job ", job_id, " run ", run_id,
-                         " has ended (its last node left, it failed and its nodes left, or a "
-                         "restart superseded it); node \"",
-                         node_id, "\" still speaks for it: stop its ranks"));
-      }
+      if (runs_.Remembered(job_id, run_id)) return ResumedRunEnded(job_id, run_id, node_id, "");
       return start_run(run_id, /*taken_over=*/true);
     }
     Run& run = *current;
     auto jit = jobs_.find(job_id);
     if (!run.Names(run_id) &&
         !Adopt(runs_, jit == jobs_.end() ? nullptr : &jit->second, job_id, run, run_id, node_id)) {
-      return wire::KindError(
-          v1::RUN_ENDED,
-          absl::StrCat("job ", job_id, " run ", run_id, " has ended (the job's current run is ",
-                       run.run_id, ", started by a restart under the same job id); node \"",
-                       node_id, "\" still speaks for the old run: stop its ranks"));
+      return ResumedRunEnded(job_id, run_id, node_id, run.run_id);
     }
     if (!node_id.empty()) run.node_epochs[node_id] = node_epoch;
     return &run;

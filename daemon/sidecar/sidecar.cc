@@ -241,10 +241,13 @@ void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& he
   if (!node_.has_job()) {
     // A rank that resumes a run creates this state: the sidecar was
     // restarted under the run, so it rejoins it (RESUME) as the same node
-    // instead of starting a new run.
+    // instead of starting a new run, and as the same incarnation of the
+    // node's ranks (their epoch), so that even a sidecar restarted before it
+    // learned the run is not taken for restarted ranks (chaos seed 7502).
     const std::string resume_run = hello.has_resume() ? hello.resume().run_id() : "";
     node_.StartJob(hello.job_id(), hello.world_size(),
-                   options_.token.empty() ? hello.token() : options_.token, resume_run);
+                   options_.token.empty() ? hello.token() : options_.token, resume_run,
+                   hello.has_resume() ? hello.resume().node_epoch() : 0);
     stats_.job_id = hello.job_id();
     resume_.fresh = !resume_run.empty();
     // The job's wait for the node above starts now, unless it answers.
@@ -273,6 +276,7 @@ void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& he
   welcome.mutable_welcome()->set_node_id(options_.node_id);
   welcome.mutable_welcome()->set_server_version(kServerVersion);
   welcome.mutable_welcome()->set_run_id(node_.run_id());
+  welcome.mutable_welcome()->set_node_epoch(node_.epoch());
   s.sink->Send(std::make_shared<const v1::RankReply>(std::move(welcome)));
   if (rs.resumed && node_.announced().count(s.rank) != 0) {
     // A resumed rank this sidecar announced before left when its stream

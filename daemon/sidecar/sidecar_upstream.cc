@@ -180,6 +180,7 @@ void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
     w.mutable_welcome()->set_node_id(options_.node_id);
     w.mutable_welcome()->set_server_version(kServerVersion);
     w.mutable_welcome()->set_run_id(node_.run_id());
+    w.mutable_welcome()->set_node_epoch(node_.epoch());
     auto shared = std::make_shared<const v1::RankReply>(std::move(w));
     for (auto& [r, rs] : ranks_.connected) {
       if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);

@@ -310,8 +310,11 @@ def rank_args(bins, sched, cluster, rank, job):
         f"--params={PARAMS}", f"--steps={STEPS}", f"--rules={RULES[sched.rules]}",
         f"--step_delay={sched.step_delay_ms}ms", "--wait=120s",
         f"--reconnect_grace={NODE_GRACE_S}s",
-        # A sidecar not there at the start is given as long as one that left.
-        f"--connect_timeout={NODE_GRACE_S}s",
+        # A sidecar not answering at the start (killed, restarting, or
+        # stopped for up to 5 s) is waited for as long as a node above that
+        # does not answer: a sidecar killed for good ends its ranks within
+        # the bound, a stopped one does not end them.
+        f"--connect_timeout={LOSS_LIMIT_S}s",
     ]
     if sched.kv:
         args.append("--kv_gather=boot")
@@ -320,7 +323,7 @@ def rank_args(bins, sched, cluster, rank, job):
 
 DECISION = re.compile(r"^rank (\d+) step (\d+) group (g\d+): wire=(\S+) included=(\d+)/\d+ "
                       r"zero_fill_here=\d+ skipped=\[([^\]]*)\] fp=(\S+)$")
-ERROR = re.compile(r"^rank (\d+) (.+?): error ([A-Za-z_]+): (.*)$")
+ERROR = re.compile(r"^rank (\d+) (.+?):? error ([A-Za-z_]+): (.*)$")
 DIGEST = re.compile(r"^rank (\d+) digest (\S+)$")
 
 

@@ -322,6 +322,8 @@ TEST_F(ClientTest, ADroppedStreamIsResumedAndThePendingStepDecided) {
   EXPECT_EQ(resume.groups(0).group_id(), "g");
   EXPECT_EQ(resume.groups(0).decided_step(), 0);
   EXPECT_FALSE(resume.holds_local_decisions());
+  // The epoch of its welcome: a restarted sidecar goes on as that incarnation.
+  EXPECT_EQ(resume.node_epoch(), testing::kFakeNodeEpoch);
   bool resent = false;
   for (size_t i = at + 1; i < got.size(); ++i) {
     for (const v1::Manifest& m : got[i].manifests().manifests()) {

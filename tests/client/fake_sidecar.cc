@@ -117,6 +117,7 @@ grpc::Status FakeSidecar::Session(
         }
         conn.rank = msg.hello().rank();
         r.mutable_welcome()->set_node_id("fake-node");
+        r.mutable_welcome()->set_node_epoch(kFakeNodeEpoch);
         Write(&conn, r);
         break;
       }

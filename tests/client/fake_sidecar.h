@@ -5,6 +5,7 @@
 #ifndef ACCORD_TESTS_CLIENT_FAKE_SIDECAR_H_
 #define ACCORD_TESTS_CLIENT_FAKE_SIDECAR_H_
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -18,6 +19,9 @@
 #include "grpcpp/server.h"
 
 namespace accord::testing {
+
+// The node epoch every welcome of the fake carries (Welcome.node_epoch).
+inline constexpr uint64_t kFakeNodeEpoch = 0x5eed0e9;
 
 class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueService::Service {
  public:

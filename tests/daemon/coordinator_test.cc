@@ -1297,6 +1297,38 @@ TEST_F(CoordinatorRunTest, KeyValueRequestsShareTheRunOfTheirNodeAndAStaleOneIsR
   EXPECT_EQ(wire::KindOf(refused.status()), v1::RUN_ENDED);
 }
 
+// Every node of a run that has ended, back too late, gets the same words,
+// so its ranks end with one error: the words name no node (chaos seed 7591:
+// each node's ranks read their own node's name). Here the job's current run
+// was taken over by a RESUME (as after a coordinator restart), so it adopts
+// no other id.
+TEST_F(CoordinatorRunTest, NodesResumingARunThatHasEndedAllGetTheSameWords) {
+  auto resume = [&](FakeNodeSink& sink, const std::string& node, std::vector<int> ranks,
+                    uint64_t epoch, const std::string& run) {
+    const auto s = coord_.OpenSession(&sink);
+    v1::NodeMessage hello = NewHello(node, std::move(ranks), epoch);
+    hello.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+    hello.mutable_hello()->set_run_id(run);
+    coord_.HandleMessage(s, hello);
+  };
+  FakeNodeSink c;
+  resume(c, "c", {0, 1}, 33, "r-current");
+  ASSERT_EQ(WelcomeRun(c), "r-current");
+  std::vector<std::string> words;
+  for (const auto& [node, epoch] : {std::pair<std::string, uint64_t>{"a", 11}, {"b", 22}}) {
+    FakeNodeSink sink;
+    resume(sink, node, {}, epoch, "r-old");
+    ASSERT_EQ(sink.messages().size(), 1u);
+    ASSERT_TRUE(sink.messages()[0].has_error());
+    EXPECT_EQ(sink.messages()[0].error().kind(), v1::RUN_ENDED);
+    words.push_back(sink.messages()[0].error().message());
+  }
+  EXPECT_EQ(words[0],
+            "job job run r-old has ended (the job's current run is r-current, started by a "
+            "restart under the same job id); its ranks still speak for the old run: stop them");
+  EXPECT_EQ(words[1], words[0]);
+}
+
 TEST_F(CoordinatorRunTest, AFailedRunDropsItsKeysAndLaterKeysGoToAFreshScope) {
   FakeNodeSink a, b;
   const auto sa = coord_.OpenSession(&a);

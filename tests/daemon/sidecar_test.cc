@@ -93,6 +93,44 @@ TEST_F(SidecarTest, HelloThenRankJoinedGoUpstream) {
   EXPECT_TRUE(r0_.replies[0].has_welcome());
 }
 
+TEST_F(SidecarTest, TheWelcomeGivesEachRankTheNodeEpochOfTheHello) {
+  const uint64_t epoch = up_.sent[0].hello().node_epoch();
+  EXPECT_NE(epoch, 0u);
+  EXPECT_EQ(r0_.replies[0].welcome().node_epoch(), epoch);
+  EXPECT_EQ(r1_.replies[0].welcome().node_epoch(), epoch);
+}
+
+// A sidecar restarted before the coordinator's welcome reached it: its
+// ranks resume with no run id, only the epoch of their welcome. The new
+// sidecar goes on as that incarnation (same epoch), so its NEW hello is a
+// reconnect of the same node, not restarted ranks that would end the run
+// (chaos seed 7502). Ranks that are new processes say no resume: a fresh
+// epoch, as before.
+TEST(SidecarRestartedTest, RanksResumingWithoutARunKeepTheirEpochAndNewRanksDrawAFreshOne) {
+  for (const bool resume : {true, false}) {
+    Sidecar sidecar(SidecarOptions{"n0", "", 64});
+    FakeUpstream up;
+    FakeRankSink r0;
+    sidecar.SetUpstream(&up);
+    const Sidecar::SessionId s0 = sidecar.OpenRank(&r0);
+    v1::RankMessage hello = Hello(0, 4);
+    if (resume) hello.mutable_hello()->mutable_resume()->set_node_epoch(0x1234567);
+    sidecar.HandleRankMessage(s0, hello);
+    ASSERT_FALSE(up.sent.empty());
+    ASSERT_TRUE(up.sent[0].has_hello());
+    const v1::NodeHello& h = up.sent[0].hello();
+    EXPECT_EQ(h.run_start(), v1::NodeHello::RUN_START_NEW);
+    if (resume) {
+      EXPECT_EQ(h.node_epoch(), 0x1234567u);
+    } else {
+      EXPECT_NE(h.node_epoch(), 0x1234567u);
+      EXPECT_NE(h.node_epoch(), 0u);
+    }
+    ASSERT_FALSE(r0.replies.empty());
+    EXPECT_EQ(r0.replies[0].welcome().node_epoch(), h.node_epoch());
+  }
+}
+
 TEST_F(SidecarTest, DuplicateRankIsRefusedAndOnlyItsStreamCloses) {
   FakeRankSink dup;
   auto s = sidecar_.OpenRank(&dup);

@@ -540,9 +540,13 @@ TEST_F(SidecarRestartTest, AConnectToAStoppedSidecarEndsAtTheConnectTimeout) {
   const absl::Duration took = absl::Now() - start;
   ASSERT_EQ(kill(cluster_->sidecar_pid(0), SIGCONT), 0);
   ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded) << c.status();
-  EXPECT_THAT(c.status().message(), HasSubstr(absl::StrCat("no welcome from the sidecar at ",
-                                                           o.socket_path, " within 1s")));
+  // The welcome wait's words, or those of the last attempt, which ends with
+  // the timeout.
+  EXPECT_TRUE(c.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              c.status().code() == absl::StatusCode::kUnavailable)
+      << c.status();
+  EXPECT_THAT(c.status().message(), HasSubstr(o.socket_path));
+  EXPECT_THAT(c.status().message(), HasSubstr("within 1s"));
   // Far below gRPC's 20 s, with room for a loaded machine.
   EXPECT_LT(took, absl::Seconds(8)) << c.status();
   std::printf("[timing] connect to a stopped sidecar (connect timeout 1s): error after %s\n",
@@ -564,6 +568,31 @@ TEST_F(SidecarRestartTest, ARankStartedBeforeItsSidecarConnectsOnceTheSidecarSer
   ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
   ExpectAllSucceededWith(Finish(*procs), digest);
   EXPECT_THAT((*procs)[4]->Output(), HasSubstr("no sidecar answers at"));
+}
+
+// A rank stopped (SIGSTOP) while it reconnects to its restarted sidecar, for
+// longer than its reconnect grace (chaos seed 7005). The sidecar came back
+// meanwhile, so when the rank runs again it tries once before judging the
+// sidecar gone, resumes, and the job finishes as undisturbed. Before, it
+// woke past the grace and gave the sidecar up without trying.
+TEST_F(SidecarRestartTest, ARankStoppedPastItsGraceWhileItsSidecarRestartedTriesBeforeGivingUp) {
+  std::string digest;
+  StartCluster(2, {"--deadline=30s", "--node_reconnect_grace=10s"});
+  RunReference(&digest);
+  std::vector<std::string> flags = kFlags;
+  flags.push_back("--reconnect_grace=1s");
+  auto procs = StartHeld(flags, "4", 1, "rank {rank} step 1 submitted");
+  ASSERT_EQ(procs.size(), static_cast<size_t>(kWorld));
+  cluster_->KillSidecar(1);
+  ASSERT_TRUE(
+      procs[4]->WaitForLine("reconnecting for up to 1s", absl::Now() + absl::Seconds(10)).ok())
+      << procs[4]->Output();
+  ASSERT_EQ(kill(procs[4]->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(cluster_->RestartSidecar(1).ok());
+  absl::SleepFor(absl::Milliseconds(2500));  // 2.5 times the grace
+  ASSERT_EQ(kill(procs[4]->pid(), SIGCONT), 0);
+  ASSERT_TRUE(gate_.Release());
+  ExpectAllSucceededWith(Finish(procs), digest);
 }
 
 // One rank's stream dropped while the sidecar lives (a proxy between rank 5
