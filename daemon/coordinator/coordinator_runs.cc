@@ -107,6 +107,14 @@ absl::Status ResumedRunEnded(const std::string& job_id, const std::string& run_i
                    "old run: stop them"));
 }
 
+// The refusal of a run past --max_jobs (`serving` runs).
+absl::Status TooManyJobs(const std::string& job_id, size_t serving) {
+  return wire::KindError(
+      v1::LIMIT_EXCEEDED,
+      absl::StrCat("job ", job_id, ": the coordinator already serves ", serving,
+                   " jobs (--max_jobs); raise the limit or shard jobs across coordinators"));
+}
+
 }  // namespace
 
 absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
@@ -116,12 +124,8 @@ absl::StatusOr<Run*> Coordinator::JoinRunLocked(const std::string& job_id,
                                                 Outbox& out) {
   Run* current = runs_.Find(job_id);
   auto start_run = [&](std::string id, bool taken_over = false) -> absl::StatusOr<Run*> {
-    if (static_cast<int>(runs_.size()) >= options_.max_jobs) {
-      return wire::KindError(
-          v1::LIMIT_EXCEEDED,
-          absl::StrCat("job ", job_id, ": the coordinator already serves ", runs_.size(),
-                       " jobs (--max_jobs); raise the limit or shard jobs across coordinators"));
-    }
+    if (static_cast<int>(runs_.size()) >= options_.max_jobs)
+      return TooManyJobs(job_id, runs_.size());
     Run& run = runs_.Start(job_id, std::move(id), timer_.Now());
     stats_.runs = static_cast<int64_t>(runs_.size());
     ACCORD_LOG(INFO) << "job " << job_id << ": run " << run.run_id << " started";
