@@ -199,6 +199,21 @@ int WaitForStop(JobTokens* tokens) {
   return sig;
 }
 
+// The error of a negative --upstream_loss_limit; OK otherwise.
+absl::Status LossLimitFlagError() {
+  if (absl::GetFlag(FLAGS_upstream_loss_limit) >= absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--upstream_loss_limit must not be negative (got ",
+                   absl::FormatDuration(absl::GetFlag(FLAGS_upstream_loss_limit)), ")"));
+}
+
+WriteQueueLimits QueueLimitsFromFlags() {
+  WriteQueueLimits limits;
+  limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
+  limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
+  return limits;
+}
+
 int Main(int argc, char** argv) {
   ParseFlagsWithEnv(argc, argv, __FILE__,
                     "relays the node streams of many sidecars (a rack) to the coordinator as one "
@@ -206,10 +221,7 @@ int Main(int argc, char** argv) {
                     "back out. Sidecars point --coordinator at it.\nEvery flag --name may also "
                     "be set as the environment variable ACCORD_<NAME> (the command line wins).");
   BlockTerminationSignals();
-  if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
-    ACCORD_LOG(ERROR) << s.message();
-    return 2;
-  }
+  const absl::Status log_level = ApplyLogLevel(absl::GetFlag(FLAGS_log_level));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_creds = ServerCredentials();
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
       UpstreamChannel(UpstreamFlagsFromFlags());
@@ -220,14 +232,8 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::pair<int, int>> keepalive =
       KeepaliveMillis(absl::GetFlag(FLAGS_keepalive_time), absl::GetFlag(FLAGS_keepalive_timeout));
   absl::StatusOr<std::unique_ptr<JobTokens>> loaded = TokensFromFlags();
-  absl::Status loss_limit;
-  if (absl::GetFlag(FLAGS_upstream_loss_limit) < absl::ZeroDuration()) {
-    loss_limit = absl::InvalidArgumentError(
-        absl::StrCat("--upstream_loss_limit must not be negative (got ",
-                     absl::FormatDuration(absl::GetFlag(FLAGS_upstream_loss_limit)), ")"));
-  }
-  for (const absl::Status& s : {server_creds.status(), channel.status(), token.status(),
-                                keepalive.status(), loaded.status(), loss_limit}) {
+  for (const absl::Status& s : {log_level, server_creds.status(), channel.status(), token.status(),
+                                keepalive.status(), loaded.status(), LossLimitFlagError()}) {
     if (!s.ok()) {
       ACCORD_LOG(ERROR) << s.message();
       return 2;
@@ -242,10 +248,7 @@ int Main(int argc, char** argv) {
   Relay relay(std::move(relay_options));
   GrpcUpstream upstream(*channel, &relay, absl::GetFlag(FLAGS_reconnect_max_backoff));
   relay.SetUpstream(&upstream);
-  WriteQueueLimits queue_limits;
-  queue_limits.low = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_low_watermark));
-  queue_limits.high = static_cast<size_t>(absl::GetFlag(FLAGS_stream_queue_high_watermark));
-  CoordinatorGrpcService node_service(&relay, tokens.get(), queue_limits);
+  CoordinatorGrpcService node_service(&relay, tokens.get(), QueueLimitsFromFlags());
   // Key-value requests pass through unchanged (the sidecar stamped them).
   KeyValueForwarder kv_service(*channel, /*only_job=*/"", /*token=*/"",
                                absl::GetFlag(FLAGS_kv_slack));
