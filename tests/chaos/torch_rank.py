@@ -20,6 +20,7 @@ import hashlib
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,7 @@ def main():
         dist.destroy_process_group()
         return 0
     except BaseException as e:  # the first error, reported for the oracle
+        traceback.print_exc()  # where it came from, in the rank's log
         msg = " ".join(str(e).split())
         print(f"rank {a.rank} step {step}: error {type(e).__name__}: {msg}", flush=True)
         os._exit(1)

@@ -399,3 +399,50 @@ def test_an_all_gather_that_fails_in_its_copy_out_is_explained():
             guarding._route_copy_out(gloo_copy_out)(None, [object()], None)
     finally:
         del guarding._GUARDED[id(fp)]
+
+
+class DecidedThenVerdictAgreement:
+    """Step 0's item was decided before the failure (every rank had sent it);
+    the next step's item gets the job's verdict: the peer is gone (chaos seed
+    7688)."""
+
+    VERDICT = ('DEADLINE_EXCEEDED: job j group "fsdp/<root>": not every rank registered the '
+               'group within 2s of its first registration (--deadline); missing ranks 0')
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit_async(self, group_id, step, dtypes):
+        self.submitted.append((group_id, step))
+        handle = RaceHandle()
+        handle.done = True
+        handle.step = step
+        return handle
+
+    def wait(self, handle, timeout_s=None):
+        if handle.step >= 1:
+            raise RuntimeError(self.VERDICT)
+        return None
+
+
+def test_a_failed_collective_after_the_steps_item_was_decided_asks_with_the_next_step():
+    from accord.torch.watchdog import StepWatch
+
+    agreement = DecidedThenVerdictAgreement()
+    watch = StepWatch(agreement, "fsdp/~step", timeout_s=5.0, stall_s=60.0, grace_s=0.01,
+                      on_failure=lambda m: None)
+    try:
+        watch.begin_step(0)
+        watch.handed(0, agreement.submit_async("fsdp/~step", 0, ["float32"]))  # the release's
+        gloo = RuntimeError("Connection closed by peer")
+        with pytest.raises(accord.torch.AccordJobError) as raised:
+            watch.explain(gloo)
+        assert str(raised.value) == DecidedThenVerdictAgreement.VERDICT
+        assert raised.value.__cause__ is gloo
+        assert agreement.submitted == [("fsdp/~step", 0), ("fsdp/~step", 1)]
+        # The training thread reaching accord again raises the same verdict.
+        with pytest.raises(accord.torch.AccordJobError) as again:
+            watch.check()
+        assert str(again.value) == DecidedThenVerdictAgreement.VERDICT
+    finally:
+        watch.close()

@@ -141,7 +141,12 @@ class StepWatch:
     def explain(self, failure: BaseException) -> None:
         """A collective failed (Gloo saw a peer's connection reset): the step's
         item goes now, and if the coordinator names a rank that never sent it,
-        that named error is raised instead of the collective's."""
+        that named error is raised instead of the collective's. When every
+        rank had sent the step's item already (the peer died after its
+        release, say with the job's verdict, while this rank's node could not
+        hear it yet: chaos seed 7688), the next step's item asks again: a
+        peer that is gone never sends it, so the coordinator answers with the
+        job's verdict or names that peer, within its deadline."""
         self.check()
         with self._mu:
             step = self._step
@@ -150,14 +155,30 @@ class StepWatch:
             handle = self.agreement.submit_async(self.group_id, step, MANIFEST)
             self.handed(step, handle)
             self.early += 1
+        if self._ask(handle, failure):
+            # The watch moves to that step (its thread then watches the same
+            # item, and a later release does not send it again).
+            handle = self.agreement.submit_async(self.group_id, step + 1, MANIFEST)
+            with self._mu:
+                self._step = step + 1
+                self._handle, self._handle_step = handle, step + 1
+            self.early += 1
+            self._ask(handle, failure)
+
+    def _ask(self, handle, failure: BaseException) -> bool:
+        """Waits for an item: raises the coordinator's words when it has
+        some; True when it was decided without error (it says nothing of the
+        failure), False when no answer came in time."""
         try:
             self.agreement.wait(handle)
+            return True
         except Exception:  # noqa: BLE001 - the coordinator's named error, or none in time
             said = self._said(handle)
             if said is not None:
                 self._keep(said)
                 self._raised.set()
                 raise again(self._failure) from failure
+            return False
 
     def _said(self, handle) -> Optional[BaseException]:
         """The item's own error once it has one, else None (not decided yet,
