@@ -260,6 +260,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // appends what is ready to go up to `out`.
   void AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, v1::ManifestBatch* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers `node`'s manifest for a step of g at or before its last decided
+  // one: that decision again (the last step, or any when it was an error),
+  // else STEP_REGRESSION, as the coordinator answers it.
+  void AnswerDecidedStepLocked(Node& node, const Group& g, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a merge of `parts` depends on: each sidecar's content key and the
   // ranks the relay knows (membership_epoch_). 0 when a part has no key.
   uint64_t PartsSignatureLocked(const std::vector<Part>& parts) const

@@ -123,14 +123,7 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
                               v1::ManifestBatch* out) {
   const int64_t step = m.step();
   if (step <= g.last_decided) {
-    if (step == g.last_decided && g.last_decision.has_value()) {
-      // A resend after a reconnect whose decision was lost: answer again.
-      v1::CoordinatorMessage reply;
-      v1::Decision* d = reply.mutable_decisions()->add_decisions();
-      *d = *g.last_decision;
-      d->set_step(step);
-      SendToLocked(node.sink, std::move(reply));
-    }
+    AnswerDecidedStepLocked(node, g, step);
     return;
   }
   LocalStep& st = g.steps[step];
@@ -146,6 +139,34 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
     timer_.Arm(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
   }
   MaybeSendStepLocked(g, step, out);
+}
+
+void Relay::AnswerDecidedStepLocked(Node& node, const Group& g, int64_t step) {
+  // Every manifest gets an answer, as the coordinator gives it
+  // (docs/ARCHITECTURE.md, "Relays"): silence here left the ranks of a
+  // sidecar that came back past the grace waiting for ever (chaos seed 34).
+  v1::CoordinatorMessage reply;
+  v1::Decision* d = reply.mutable_decisions()->add_decisions();
+  if (g.last_decision.has_value() && (step == g.last_decided || g.last_decision->has_error())) {
+    // A resend after a reconnect whose decision was lost: answer again. An
+    // error (the job failed) answers every older step too: the ranks that
+    // missed it end with the words the others got.
+    *d = *g.last_decision;
+  } else {
+    d->set_group_id(g.group_id);
+    *d->mutable_error() = KindedError(
+        v1::STEP_REGRESSION,
+        absl::StrCat("job ", node_.job_id(), " group \"", g.group_id, "\" step ", step, ": node \"",
+                     node.node_id, "\" sent it to relay \"", options_.relay_id,
+                     "\" after the group decided step ", g.last_decided,
+                     " without it; its ranks missed this step (was their sidecar gone past "
+                     "the relay's --node_reconnect_grace?)"));
+    d->mutable_error()->set_job_id(node_.job_id());
+    d->mutable_error()->set_group_id(g.group_id);
+    d->mutable_error()->set_step(step);
+  }
+  d->set_step(step);
+  SendToLocked(node.sink, std::move(reply));
 }
 
 void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) {

@@ -9,6 +9,7 @@
 
 #include "core/group.h"
 #include "core/manifest.h"
+#include "daemon/common/decision_errors.h"
 #include "daemon/common/upstream_health.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -642,6 +643,77 @@ TEST_F(RelayTest, ASidecarDroppedPastTheGraceThatComesBackUnderAnotherEpochEndsT
   EXPECT_THAT(sink_b_.errors()[0].message(),
               ::testing::HasSubstr("node \"node0\" started a new run of the same job id"));
   EXPECT_EQ(up_.reconnects, 1);
+}
+
+// A sidecar that comes back past the grace (its ranks reported as left)
+// resuming the run resends a step the group decided without it. Every such
+// manifest gets an answer (chaos seed 34: a restarted sidecar's ranks waited
+// for step 0 for ever while the job had failed at step 1): the job's error
+// when the group's last decision is one, else STEP_REGRESSION naming it; the
+// last decided step gets its decision again.
+TEST_F(RelayTest, AStepDecidedWithoutASidecarBackPastTheGraceIsAnsweredNeverDropped) {
+  auto decide = [&](int64_t step, bool ok) {
+    v1::CoordinatorMessage m;
+    v1::Decision* d = m.mutable_decisions()->add_decisions();
+    d->set_group_id("g");
+    d->set_step(step);
+    if (ok) {
+      d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
+    } else {
+      *d->mutable_error() = KindedError(v1::MISSING_RANKS, "job j group \"g\" step 1: rank 0 left");
+      d->mutable_error()->set_step(step);
+    }
+    relay_->HandleCoordinatorMessage(&m);
+  };
+  auto come_back = [&](FakeNodeSink* sink) {
+    v1::NodeMessage h;
+    h.mutable_hello()->set_job_id("j");
+    h.mutable_hello()->set_node_id("node0");
+    h.mutable_hello()->set_world_size(kWorld);
+    h.mutable_hello()->set_run_start(v1::NodeHello::RUN_START_RESUME);
+    h.mutable_hello()->set_run_id("run1");
+    h.mutable_hello()->set_node_epoch(7);
+    h.mutable_hello()->add_ranks(0);
+    h.mutable_hello()->add_ranks(1);
+    const Relay::SessionId id = relay_->OpenSession(sink);
+    relay_->HandleMessage(id, h);
+    return id;
+  };
+  Submit(a_, NodeManifest(0, {0, 1}, {true, true, true}));
+  Submit(b_, NodeManifest(0, {2, 3}, {true, true, true}));
+  decide(0, /*ok=*/true);
+  relay_->CloseSession(a_);  // its ranks never got step 0's decision
+  clock_.Advance(absl::Seconds(11));
+  relay_->CheckTimers();  // node0 dropped: ranks 0 and 1 reported as left
+  Submit(b_, NodeManifest(1, {2, 3}, {true, true, true}));
+
+  for (bool failed : {false, true}) {
+    SCOPED_TRACE(failed ? "the job failed at step 1" : "step 1 decided without node0");
+    decide(1, /*ok=*/!failed);
+    FakeNodeSink back;
+    const Relay::SessionId id = come_back(&back);
+    back.Clear();
+    Submit(id, NodeManifest(0, {0, 1}, {true, true, true}));
+    Submit(id, NodeManifest(1, {0, 1}, {true, true, true}));
+    const std::vector<v1::Decision> got = back.decisions();
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_EQ(got[0].step(), 0);
+    ASSERT_TRUE(got[0].has_error());
+    EXPECT_EQ(got[1].step(), 1);
+    if (failed) {
+      EXPECT_EQ(got[0].error().kind(), v1::MISSING_RANKS);
+      EXPECT_EQ(got[0].error().message(), "job j group \"g\" step 1: rank 0 left");
+      EXPECT_EQ(got[1].error().SerializeAsString(), got[0].error().SerializeAsString());
+    } else {
+      EXPECT_EQ(got[0].error().kind(), v1::STEP_REGRESSION);
+      EXPECT_EQ(got[0].error().message(),
+                "job j group \"g\" step 0: node \"node0\" sent it to relay \"relay0\" after the "
+                "group decided step 1 without it; its ranks missed this step (was their sidecar "
+                "gone past the relay's --node_reconnect_grace?)");
+      EXPECT_TRUE(got[1].has_ok()) << "the last decided step is answered again";
+    }
+    relay_->CloseSession(id);
+  }
 }
 
 TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
