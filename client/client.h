@@ -52,7 +52,16 @@ struct ClientOptions {
   // restart"). The default matches the coordinator's --node_reconnect_grace.
   // Zero: no reconnect; the session ends with the stream.
   absl::Duration reconnect_grace = absl::Seconds(10);
+  // The launch this process belongs to (RankHello.launch_id): the same for
+  // the rank processes a launcher started together, another for a process
+  // started again. Empty: ACCORD_LAUNCH_ID, else torchrun's
+  // TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT, else none.
+  std::string launch_id;
 };
+
+// The launch id the environment gives (ClientOptions::launch_id), "" when
+// none.
+std::string LaunchIdFromEnvironment();
 
 // A submitted manifest's eventual decision. Cheap to copy.
 class DecisionFuture {

@@ -29,6 +29,7 @@
 // after the writer has stopped and no direct write is in flight.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -510,6 +511,7 @@ class GrpcClient : public Client {
     h->set_token(options_.token);
     h->set_client_version(kClientVersion);
     h->set_reconnects(options_.reconnect_grace > absl::ZeroDuration());
+    h->set_launch_id(options_.launch_id);
     if (resume) {
       v1::RankResume* r = h->mutable_resume();
       r->set_run_id(run_id_);
@@ -963,9 +965,21 @@ absl::Status ValidateOptions(const ClientOptions& o) {
 
 }  // namespace
 
+std::string LaunchIdFromEnvironment() {
+  if (const char* id = std::getenv("ACCORD_LAUNCH_ID"); id != nullptr && *id != '\0') return id;
+  // torchrun gives every worker of one start the same run id and restart
+  // count; a restart counts up.
+  const char* run = std::getenv("TORCHELASTIC_RUN_ID");
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (run == nullptr || *run == '\0' || restart == nullptr) return "";
+  return absl::StrCat("torchrun:", run, ":", restart);
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
-  auto client = std::make_unique<GrpcClient>(options);
+  ClientOptions resolved = options;
+  if (resolved.launch_id.empty()) resolved.launch_id = LaunchIdFromEnvironment();
+  auto client = std::make_unique<GrpcClient>(resolved);
   if (absl::Status s = client->Start(); !s.ok()) return s;
   return std::unique_ptr<Client>(std::move(client));
 }

@@ -40,6 +40,12 @@ Sidecar::RunStamp Sidecar::CurrentRun() {
   return RunStamp{node_.job_id(), node_.run_id(), options_.node_id, node_.epoch()};
 }
 
+void Sidecar::ContinueIncarnation(std::string run_id, uint64_t node_epoch) {
+  accord::MutexLock l(&mu_);
+  resume_.continued_run = std::move(run_id);
+  resume_.continued_epoch = node_epoch;
+}
+
 SidecarStats Sidecar::stats() {
   accord::MutexLock l(&mu_);
   SidecarStats s = stats_;
@@ -244,12 +250,22 @@ void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& he
     // instead of starting a new run, and as the same incarnation of the
     // node's ranks (their epoch), so that even a sidecar restarted before it
     // learned the run is not taken for restarted ranks (chaos seed 7502).
-    const std::string resume_run = hello.has_resume() ? hello.resume().run_id() : "";
+    // A late rank of a launch whose ranks have all left continues their
+    // incarnation the same way (ContinueIncarnation, chaos seed 7713).
+    const bool continues = !hello.has_resume() && resume_.continued_epoch != 0;
+    const std::string resume_run = hello.has_resume() ? hello.resume().run_id()
+                                   : continues        ? resume_.continued_run
+                                                      : "";
+    const uint64_t resume_epoch = hello.has_resume() ? hello.resume().node_epoch()
+                                  : continues        ? resume_.continued_epoch
+                                                     : 0;
     node_.StartJob(hello.job_id(), hello.world_size(),
                    options_.token.empty() ? hello.token() : options_.token, resume_run,
-                   hello.has_resume() ? hello.resume().node_epoch() : 0);
+                   resume_epoch);
     stats_.job_id = hello.job_id();
     resume_.fresh = !resume_run.empty();
+    resume_.continued_run.clear();
+    resume_.continued_epoch = 0;
     // The job's wait for the node above starts now, unless it answers.
     if (!upstream_.welcomed) StartUnansweredLocked();
   }

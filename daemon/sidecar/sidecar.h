@@ -217,6 +217,12 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   };
   RunStamp CurrentRun();
 
+  // Before the job's first rank: the job continues the incarnation of a
+  // launch of it whose ranks have all left (run `run_id`, `node_epoch`), for
+  // a late rank of that launch (SidecarJobs). A rank that resumes a run
+  // names its own instead.
+  void ContinueIncarnation(std::string run_id, uint64_t node_epoch);
+
   // Reports upstream (NodeProgress.partial) every step that some local ranks
   // submitted and others did not for at least half the coordinator's
   // deadline. The timer thread calls this; tests without it may call it.
@@ -287,6 +293,9 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     // Set once a rank holding local decisions resumed on a restarted
     // sidecar: every rank of the job here gets it.
     std::optional<v1::DecisionError> refusal;
+    // ContinueIncarnation's run and epoch, for the job's first rank.
+    std::string continued_run;
+    uint64_t continued_epoch = 0;
   };
   // A rank's manifest for a step already sent upstream (SendLateLocked).
   struct Late {

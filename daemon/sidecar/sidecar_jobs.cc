@@ -106,6 +106,39 @@ void SidecarJobs::LaunchHistory::End(const std::string& job_id, SidecarStats fin
   while (static_cast<int>(ended_.size()) > kEndedJobsKept) ended_.pop_front();
 }
 
+void SidecarJobs::LaunchHistory::Retire(const std::string& job_id, Incarnation incarnation) {
+  for (auto it = incarnations_.begin(); it != incarnations_.end(); ++it) {
+    if (it->first == job_id) {
+      incarnations_.erase(it);
+      break;
+    }
+  }
+  incarnations_.emplace_back(job_id, std::move(incarnation));
+  while (static_cast<int>(incarnations_.size()) > kEndedJobsKept) incarnations_.pop_front();
+}
+
+std::optional<SidecarJobs::Incarnation> SidecarJobs::LaunchHistory::Continued(
+    const std::string& job_id, const std::string& launch_id, int rank) {
+  if (launch_id.empty()) return std::nullopt;
+  for (auto it = incarnations_.begin(); it != incarnations_.end(); ++it) {
+    if (it->first != job_id) continue;
+    const Incarnation& inc = it->second;
+    if (inc.launch_id != launch_id ||
+        std::binary_search(inc.ranks.begin(), inc.ranks.end(), rank)) {
+      return std::nullopt;
+    }
+    Incarnation out = std::move(it->second);
+    incarnations_.erase(it);
+    return out;
+  }
+  return std::nullopt;
+}
+
+bool SidecarJobs::HadRank(Launch& launch, int rank) {
+  return std::binary_search(launch.ranks.begin(), launch.ranks.end(), rank) ||
+         launch.sidecar->HadRank(rank);
+}
+
 std::unique_ptr<SidecarJobs::Launch> SidecarJobs::OpenLaunchLocked() {
   auto launch = std::make_unique<Launch>();
   SidecarOptions o = options_.sidecar;
@@ -184,6 +217,7 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
     return;
   }
   s.job_id = hello.job_id();
+  s.launch_id = hello.launch_id();
   s.rank = hello.rank();
   s.held.assign(1, message);
   Job& job = jobs_[s.job_id];
@@ -192,16 +226,22 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
   const bool resumes_launch = hello.has_resume() && job.held.empty() && job.launch != nullptr &&
                               !job.launch->emptied && !hello.resume().run_id().empty() &&
                               job.launch->sidecar->CurrentRun().run_id == hello.resume().run_id();
+  const bool other_launch = job.launch != nullptr && !job.launch->launch_id.empty() &&
+                            !s.launch_id.empty() && s.launch_id != job.launch->launch_id;
   const bool new_launch =
       !resumes_launch &&
-      (!job.held.empty() ||
-       (job.launch != nullptr && (job.launch->emptied || job.launch->sidecar->HadRank(s.rank))));
+      (!job.held.empty() || (job.launch != nullptr && (job.launch->emptied || other_launch ||
+                                                       HadRank(*job.launch, s.rank))));
   if (!new_launch) {
-    RouteLocked(id, s, job, s.job_id);
+    std::optional<Incarnation> continued;
+    if (job.launch == nullptr && !hello.has_resume()) {
+      continued = history_.Continued(s.job_id, s.launch_id, s.rank);
+    }
+    RouteLocked(id, s, job, s.job_id, std::move(continued));
     return;
   }
-  // A rank the current launch already had: a new launch of the job, served
-  // once the current one's ranks have left.
+  // A rank the current launch already had, or of another launch: a new
+  // launch of the job, served once the current one's ranks have left.
   s.state = State::kHeld;
   s.held_since = clock_->Now();
   job.held.push_back(id);
@@ -216,16 +256,32 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
                    << ", --job_handover_timeout)";
 }
 
-void SidecarJobs::RouteLocked(SessionId id, Session& s, Job& job, const std::string& job_id) {
+void SidecarJobs::RouteLocked(SessionId id, Session& s, Job& job, const std::string& job_id,
+                              std::optional<Incarnation> continued) {
   if (job.launch == nullptr) {
     std::unique_ptr<Launch> launch = std::move(idle_.spare);
     if (launch == nullptr) launch = OpenLaunchLocked();
     launch->job_id = job_id;
+    launch->launch_id = s.launch_id;
     launch->carried = history_.Start(job_id);
+    if (continued.has_value()) {
+      ACCORD_LOG(INFO) << "job " << job_id << ": rank " << s.rank << " of launch \"" << s.launch_id
+                       << "\" arrived after that launch's ranks " << FormatRanks(continued->ranks)
+                       << " left this node; it continues their run "
+                       << (continued->run_id.empty() ? std::string("(not yet placed)")
+                                                     : continued->run_id)
+                       << " as the same incarnation";
+      launch->ranks = std::move(continued->ranks);
+      launch->sidecar->ContinueIncarnation(std::move(continued->run_id), continued->node_epoch);
+    }
     job.launch = std::move(launch);
     idle_.spare = OpenLaunchLocked();
   }
   Launch& launch = *job.launch;
+  if (auto it = std::lower_bound(launch.ranks.begin(), launch.ranks.end(), s.rank);
+      it == launch.ranks.end() || *it != s.rank) {
+    launch.ranks.insert(it, s.rank);
+  }
   s.state = State::kRouted;
   s.launch = &launch;
   s.routed_id = launch.sidecar->OpenRank(s.sink);
@@ -243,10 +299,14 @@ void SidecarJobs::CloseRank(SessionId id) {
   sessions_.erase(it);
   if (stopping_) return;
   switch (s.state) {
-    case State::kRouted:
+    case State::kRouted: {
+      // The run and epoch, before the last rank's leave resets the Sidecar.
+      Sidecar::RunStamp run = s.launch->sidecar->CurrentRun();
+      if (run.node_epoch != 0) s.launch->last_run = std::move(run);
       s.launch->sidecar->CloseRank(s.routed_id);
       LeaveLaunchLocked(s);
       return;
+    }
     case State::kHeld: {
       Job& job = jobs_[s.job_id];
       job.held.erase(std::remove(job.held.begin(), job.held.end(), id), job.held.end());
@@ -277,6 +337,10 @@ void SidecarJobs::LeaveLaunchLocked(Session& s) {
   final_stats.ranks = 0;
   final_stats.sessions = 0;
   history_.End(job_id, std::move(final_stats));
+  if (!launch->launch_id.empty() && launch->last_run.node_epoch != 0) {
+    history_.Retire(job_id, Incarnation{launch->launch_id, launch->last_run.run_id,
+                                        launch->last_run.node_epoch, launch->ranks});
+  }
   idle_.retired.push_back(std::move(job.launch));
   wake_.SignalAll();
   if (job.held.empty()) {
@@ -295,7 +359,7 @@ void SidecarJobs::ServeHeldLocked(const std::string& job_id) {
     auto it = sessions_.find(id);
     if (it == sessions_.end()) continue;
     Session& s = it->second;
-    if (job.launch != nullptr && job.launch->sidecar->HadRank(s.rank)) {
+    if (job.launch != nullptr && HadRank(*job.launch, s.rank)) {
       job.held.push_back(id);  // the same rank twice: waits for the launch after
       continue;
     }

@@ -24,9 +24,18 @@
 //    `handover_timeout` (--job_handover_timeout) is refused, naming the
 //    previous launch's ranks still connected (DUPLICATE_RANK when its own
 //    rank is one of them: a second process with that RANK looks the same).
+//  - A rank whose RankHello names another launch (launch_id) than the
+//    current launch's ranks named is a new launch too, even when the
+//    current launch never had its rank.
 //  - A launch whose last session closed is retired: its Sidecar and stream
 //    are stopped and destroyed on this class's thread, never on a gRPC
-//    callback thread.
+//    callback thread. Its incarnation (run and node epoch, launch id, the
+//    ranks it had) is kept for the job id: a rank of the same launch that
+//    it never had, arriving after the others left, continues that
+//    incarnation in the job's next launch instead of starting a new one, so
+//    the coordinator does not take a late rank for restarted ranks
+//    (chaos seed 7713). Without a launch id a node cannot tell a late rank
+//    from a new launch, and starts a new one.
 //
 // Thread-safe. Lock order: this class's lock, then a Sidecar's. Rank
 // messages of a routed session are forwarded without this class's lock; a
@@ -40,6 +49,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -117,8 +127,20 @@ class SidecarJobs final : public RankSessionHandler {
   void CheckHeld();
 
  private:
+  // What a retired launch stood for upstream, for a late rank of it.
+  struct Incarnation {
+    std::string launch_id;
+    std::string run_id;
+    uint64_t node_epoch = 0;
+    std::vector<int> ranks;  // sorted: every rank the launch had
+  };
   struct Launch {
     std::string job_id;
+    std::string launch_id;  // its first rank's RankHello.launch_id
+    // Sorted: every rank routed to it, and those of the incarnation it
+    // continues.
+    std::vector<int> ranks;
+    Sidecar::RunStamp last_run;  // taken as each rank leaves
     std::unique_ptr<Sidecar> sidecar;
     std::unique_ptr<UpstreamSink> upstream;
     int sessions = 0;      // sessions routed to it and not closed
@@ -149,10 +171,19 @@ class SidecarJobs final : public RankSessionHandler {
     void End(const std::string& job_id, SidecarStats final_stats);
     int64_t started() const { return started_; }
     const std::deque<std::pair<std::string, SidecarStats>>& ended() const { return ended_; }
+    // A retired launch of `job_id`: its incarnation, kept in place of any
+    // earlier one of the id (the oldest id goes past kEndedJobsKept).
+    void Retire(const std::string& job_id, Incarnation incarnation);
+    // The kept incarnation of `job_id` that a hello of `launch_id` for
+    // `rank` continues (the same non-empty launch id, a rank it never had),
+    // taken out; nullopt when none.
+    std::optional<Incarnation> Continued(const std::string& job_id, const std::string& launch_id,
+                                         int rank);
 
    private:
     int64_t started_ = 0;
     std::deque<std::pair<std::string, SidecarStats>> ended_;
+    std::deque<std::pair<std::string, Incarnation>> incarnations_;
   };
   enum class State { kNew, kHeld, kRouted, kRefused };
   struct Session {
@@ -160,6 +191,7 @@ class SidecarJobs final : public RankSessionHandler {
     State state = State::kNew;
     // kHeld: the hello, what came after it, and when it arrived.
     std::string job_id;
+    std::string launch_id;  // its hello's
     std::vector<v1::RankMessage> held;
     absl::Time held_since;
     int rank = -1;
@@ -172,8 +204,12 @@ class SidecarJobs final : public RankSessionHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives `s` (held messages first) to `job`'s launch, creating one when
   // there is none.
-  void RouteLocked(SessionId id, Session& s, Job& job, const std::string& job_id)
+  // `continued`: the incarnation a launch created for it continues.
+  void RouteLocked(SessionId id, Session& s, Job& job, const std::string& job_id,
+                   std::optional<Incarnation> continued = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `launch` had `rank` (its own, or its incarnation's before it).
+  static bool HadRank(Launch& launch, int rank);
   // A routed session closed: retires its launch when it was the last, and
   // then serves the job's held hellos.
   void LeaveLaunchLocked(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -420,7 +420,8 @@ def run_job(bins, sched, work, job, faults, verbose=False, deadline_s=DEADLINE_S
     ranks = []
     for r in range(sched.world):
         args, _ = rank_args(bins, sched, cluster, r, job)
-        p = Proc(f"rank{r}", args, work, env=bins["env"] if sched.torch else None)
+        p = Proc(f"rank{r}", args, work, env=bins["env"] if sched.torch else None,
+                 launch_env=True)
         cluster.procs[p.name] = p
         ranks.append(p)
     for p in ranks:

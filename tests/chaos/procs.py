@@ -19,10 +19,14 @@ import time
 class Proc:
     """One process of the run; restartable with the same arguments."""
 
-    def __init__(self, name, args, log_dir, env=None):
+    def __init__(self, name, args, log_dir, env=None, launch_env=False):
         self.name = name
         self.args = list(args)
         self.env = env
+        # A rank: ACCORD_LAUNCH_ID says which launch each incarnation is
+        # (RankHello.launch_id): the first is the job's launch, shared by
+        # every rank; a restart is a launch of its own.
+        self.launch_env = launch_env
         self.log_dir = log_dir
         self.popen = None
         self.lines = []  # (monotonic time, line) of every incarnation
@@ -35,8 +39,13 @@ class Proc:
         self.incarnation += 1
         self.killed_by_us = False
         log = open(os.path.join(self.log_dir, f"{self.name}.{self.incarnation}.log"), "w")
+        env = self.env
+        if self.launch_env:
+            env = dict(os.environ if env is None else env)
+            env["ACCORD_LAUNCH_ID"] = (
+                "job" if self.incarnation == 1 else f"{self.name}.{self.incarnation}")
         self.popen = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=log, env=self.env,
+            self.args, stdout=subprocess.PIPE, stderr=log, env=env,
             start_new_session=True, text=True, bufsize=1)
         inc = self.incarnation
         threading.Thread(target=self._read, args=(self.popen, inc), daemon=True).start()

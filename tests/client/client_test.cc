@@ -1,6 +1,7 @@
 // Client library against an in-process fake sidecar (tests/client/fake_sidecar.h).
 #include "client/client.h"
 
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -62,6 +63,38 @@ class ClientTest : public ::testing::Test {
   // Most tests pin what a session without reconnects does.
   absl::Duration reconnect_grace_ = absl::ZeroDuration();
 };
+
+// The hello names the rank's launch (RankHello.launch_id): the option, else
+// ACCORD_LAUNCH_ID, else torchrun's run id and restart count, else none.
+TEST_F(ClientTest, TheHelloNamesTheLaunchFromTheOptionOrTheEnvironment) {
+  StartFake(1);
+  auto launch_of_hello = [&](const std::string& option) {
+    ClientOptions o = Options(0, 1);
+    o.launch_id = option;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    c->reset();
+    std::string launch = "(no hello)";
+    for (const v1::RankMessage& m : fake_->Received()) {
+      if (m.has_hello()) launch = m.hello().launch_id();
+    }
+    return launch;
+  };
+  unsetenv("ACCORD_LAUNCH_ID");
+  unsetenv("TORCHELASTIC_RUN_ID");
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+  EXPECT_EQ(launch_of_hello(""), "");
+  setenv("TORCHELASTIC_RUN_ID", "abc", 1);
+  EXPECT_EQ(launch_of_hello(""), "") << "a run id without a restart count names no launch";
+  setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+  EXPECT_EQ(launch_of_hello(""), "torchrun:abc:2");
+  setenv("ACCORD_LAUNCH_ID", "mine", 1);
+  EXPECT_EQ(launch_of_hello(""), "mine");
+  EXPECT_EQ(launch_of_hello("given"), "given");
+  unsetenv("ACCORD_LAUNCH_ID");
+  unsetenv("TORCHELASTIC_RUN_ID");
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+}
 
 TEST_F(ClientTest, ConnectToMissingSocketIsUnavailableAndNamesThePath) {
   ClientOptions o;

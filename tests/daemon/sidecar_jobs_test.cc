@@ -87,6 +87,7 @@ class SidecarJobsTest : public ::testing::Test {
     jobs_ = std::make_unique<SidecarJobs>(o, [this](Sidecar* job) {
       auto up = std::make_unique<FakeUpstream>(&destroyed_);
       opened_.push_back(up.get());
+      sidecars_.push_back(job);
       job->SetUpstream(up.get());
       return up;
     });
@@ -116,6 +117,7 @@ class SidecarJobsTest : public ::testing::Test {
   FakeClock clock_;
   int destroyed_ = 0;
   std::vector<FakeUpstream*> opened_;  // owned by jobs_ until destroyed
+  std::vector<Sidecar*> sidecars_;     // opened_[i]'s Sidecar
   std::unique_ptr<SidecarJobs> jobs_;
 };
 
@@ -199,6 +201,70 @@ TEST_F(SidecarJobsTest, ARankOfANewLaunchIsHeldUntilThePreviousLaunchsRanksLeft)
   EXPECT_EQ(registrations, 1);
   EXPECT_EQ(jobs_->stats().held, 0);
   EXPECT_EQ(jobs_->stats().launches, 2);
+}
+
+// A late rank of a launch whose other ranks all left continues their
+// incarnation (chaos seed 7713: rank 0 was killed 19 ms into the job, before
+// rank 1 of its node connected; the node then said NEW under a fresh epoch
+// and the relay ended the run as restarted ranks, so the other node's ranks
+// got RUN_ENDED instead of the leave of rank 0). Its stream's hello resumes
+// their run under their node epoch. A rank the launch had, a rank of another
+// launch and a rank with no launch id start a new incarnation.
+TEST_F(SidecarJobsTest, ALateRankOfALaunchWhoseRanksLeftContinuesTheirIncarnation) {
+  auto connect = [&](int rank, const std::string& launch) {
+    auto r = std::make_unique<Rank>();
+    r->id = jobs_->OpenRank(&r->sink);
+    v1::RankMessage hello = Hello("j", rank, 4);
+    hello.mutable_hello()->set_launch_id(launch);
+    jobs_->HandleRankMessage(r->id, hello);
+    return r;
+  };
+  auto upstream_hello = [&](size_t nth) {
+    FakeUpstream* up = StreamOf("j", nth);
+    return up == nullptr ? v1::NodeHello() : up->hellos()[0];
+  };
+  auto early = connect(0, "L");
+  ASSERT_TRUE(early->sink.welcomed());
+  const v1::NodeHello first = upstream_hello(0);
+  ASSERT_NE(first.node_epoch(), 0u);
+  EXPECT_EQ(first.run_start(), v1::NodeHello::RUN_START_NEW);
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_run_id("run1");
+  for (size_t i = 0; i < opened_.size(); ++i) {
+    if (opened_[i] == StreamOf("j", 0)) sidecars_[i]->HandleCoordinatorMessage(welcome);
+  }
+  jobs_->CloseRank(early->id);  // killed: the launch retires
+
+  auto late = connect(1, "L");
+  ASSERT_TRUE(late->sink.welcomed());
+  EXPECT_EQ(late->sink.replies[0].welcome().node_epoch(), first.node_epoch());
+  const v1::NodeHello second = upstream_hello(1);
+  EXPECT_EQ(second.node_epoch(), first.node_epoch());
+  EXPECT_EQ(second.run_start(), v1::NodeHello::RUN_START_RESUME);
+  EXPECT_EQ(second.run_id(), "run1");
+  // A rank of the continued launch, back while the launch lives, is a new
+  // launch: held until the late rank leaves.
+  auto again = connect(0, "L");
+  EXPECT_TRUE(again->sink.replies.empty());
+  jobs_->CloseRank(late->id);
+  ASSERT_TRUE(again->sink.welcomed());
+  const v1::NodeHello third = upstream_hello(2);
+  EXPECT_NE(third.node_epoch(), first.node_epoch()) << "rank 0 restarted";
+  EXPECT_EQ(third.run_start(), v1::NodeHello::RUN_START_NEW);
+
+  // Live: a rank of another launch waits for the current one to leave.
+  auto other = connect(2, "M");
+  EXPECT_TRUE(other->sink.replies.empty());
+  jobs_->CloseRank(again->id);
+  ASSERT_TRUE(other->sink.welcomed());
+  EXPECT_NE(upstream_hello(3).node_epoch(), third.node_epoch());
+  jobs_->CloseRank(other->id);
+  // Retired: a rank with no launch id cannot be told from a new launch.
+  auto unnamed = connect(3, "");
+  ASSERT_TRUE(unnamed->sink.welcomed());
+  EXPECT_NE(upstream_hello(4).node_epoch(), upstream_hello(3).node_epoch());
+  EXPECT_EQ(upstream_hello(4).run_start(), v1::NodeHello::RUN_START_NEW);
+  EXPECT_EQ(jobs_->stats().launches, 5);
 }
 
 // A held rank whose own rank is still connected after the handover timeout:
