@@ -36,6 +36,20 @@ void Refuse(RankSink* sink, const std::string& job_id, int rank, v1::DecisionErr
   sink->Close(status);
 }
 
+// Puts `value` for `job_id` last in `kept`, in place of the id's earlier
+// one; the oldest id goes past SidecarJobs::kEndedJobsKept.
+template <typename T>
+void KeepLatest(std::deque<std::pair<std::string, T>>* kept, const std::string& job_id, T value) {
+  for (auto it = kept->begin(); it != kept->end(); ++it) {
+    if (it->first == job_id) {
+      kept->erase(it);
+      break;
+    }
+  }
+  kept->emplace_back(job_id, std::move(value));
+  while (static_cast<int>(kept->size()) > SidecarJobs::kEndedJobsKept) kept->pop_front();
+}
+
 }  // namespace
 
 SidecarJobs::SidecarJobs(SidecarJobsOptions options, UpstreamOpener opener)
@@ -96,25 +110,11 @@ SidecarStats SidecarJobs::LaunchHistory::Start(const std::string& job_id) {
 }
 
 void SidecarJobs::LaunchHistory::End(const std::string& job_id, SidecarStats final_stats) {
-  for (auto it = ended_.begin(); it != ended_.end(); ++it) {
-    if (it->first == job_id) {
-      ended_.erase(it);
-      break;
-    }
-  }
-  ended_.emplace_back(job_id, std::move(final_stats));
-  while (static_cast<int>(ended_.size()) > kEndedJobsKept) ended_.pop_front();
+  KeepLatest(&ended_, job_id, std::move(final_stats));
 }
 
 void SidecarJobs::LaunchHistory::Retire(const std::string& job_id, Incarnation incarnation) {
-  for (auto it = incarnations_.begin(); it != incarnations_.end(); ++it) {
-    if (it->first == job_id) {
-      incarnations_.erase(it);
-      break;
-    }
-  }
-  incarnations_.emplace_back(job_id, std::move(incarnation));
-  while (static_cast<int>(incarnations_.size()) > kEndedJobsKept) incarnations_.pop_front();
+  KeepLatest(&incarnations_, job_id, std::move(incarnation));
 }
 
 std::optional<SidecarJobs::Incarnation> SidecarJobs::LaunchHistory::Continued(
