@@ -35,6 +35,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -968,10 +969,13 @@ absl::Status ValidateOptions(const ClientOptions& o) {
 std::string LaunchIdFromEnvironment() {
   if (const char* id = std::getenv("ACCORD_LAUNCH_ID"); id != nullptr && *id != '\0') return id;
   // torchrun gives every worker of one start the same run id and restart
-  // count; a restart counts up.
+  // count; a restart counts up. Its run id is "none" unless --rdzv-id set
+  // one (or --standalone drew one): the same for every launch, so no id.
   const char* run = std::getenv("TORCHELASTIC_RUN_ID");
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (run == nullptr || *run == '\0' || restart == nullptr) return "";
+  if (run == nullptr || *run == '\0' || std::string_view(run) == "none" || restart == nullptr) {
+    return "";
+  }
   return absl::StrCat("torchrun:", run, ":", restart);
 }
 

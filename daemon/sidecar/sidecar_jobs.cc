@@ -118,12 +118,12 @@ void SidecarJobs::LaunchHistory::Retire(const std::string& job_id, Incarnation i
 }
 
 std::optional<SidecarJobs::Incarnation> SidecarJobs::LaunchHistory::Continued(
-    const std::string& job_id, const std::string& launch_id, int rank) {
+    const std::string& job_id, const std::string& launch_id, int rank, absl::Time retired_since) {
   if (launch_id.empty()) return std::nullopt;
   for (auto it = incarnations_.begin(); it != incarnations_.end(); ++it) {
     if (it->first != job_id) continue;
     const Incarnation& inc = it->second;
-    if (inc.launch_id != launch_id ||
+    if (inc.launch_id != launch_id || inc.retired_at < retired_since ||
         std::binary_search(inc.ranks.begin(), inc.ranks.end(), rank)) {
       return std::nullopt;
     }
@@ -235,7 +235,8 @@ void SidecarJobs::HandleHelloLocked(SessionId id, Session& s, const v1::RankMess
   if (!new_launch) {
     std::optional<Incarnation> continued;
     if (job.launch == nullptr && !hello.has_resume()) {
-      continued = history_.Continued(s.job_id, s.launch_id, s.rank);
+      continued = history_.Continued(s.job_id, s.launch_id, s.rank,
+                                     clock_->Now() - options_.handover_timeout);
     }
     RouteLocked(id, s, job, s.job_id, std::move(continued));
     return;
@@ -339,7 +340,7 @@ void SidecarJobs::LeaveLaunchLocked(Session& s) {
   history_.End(job_id, std::move(final_stats));
   if (!launch->launch_id.empty() && launch->last_run.node_epoch != 0) {
     history_.Retire(job_id, Incarnation{launch->launch_id, launch->last_run.run_id,
-                                        launch->last_run.node_epoch, launch->ranks});
+                                        launch->last_run.node_epoch, launch->ranks, clock_->Now()});
   }
   idle_.retired.push_back(std::move(job.launch));
   wake_.SignalAll();

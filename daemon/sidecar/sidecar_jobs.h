@@ -34,8 +34,11 @@
 //    it never had, arriving after the others left, continues that
 //    incarnation in the job's next launch instead of starting a new one, so
 //    the coordinator does not take a late rank for restarted ranks
-//    (chaos seed 7713). Without a launch id a node cannot tell a late rank
-//    from a new launch, and starts a new one.
+//    (chaos seed 7713). Only within `handover_timeout` of the retirement:
+//    a launch id may repeat (the same torchrun --rdzv-id run again), and a
+//    later rank is far more likely such a new launch than a late one.
+//    Without a launch id a node cannot tell a late rank from a new launch,
+//    and starts a new one.
 //
 // Thread-safe. Lock order: this class's lock, then a Sidecar's. Rank
 // messages of a routed session are forwarded without this class's lock; a
@@ -133,6 +136,7 @@ class SidecarJobs final : public RankSessionHandler {
     std::string run_id;
     uint64_t node_epoch = 0;
     std::vector<int> ranks;  // sorted: every rank the launch had
+    absl::Time retired_at;
   };
   struct Launch {
     std::string job_id;
@@ -175,10 +179,10 @@ class SidecarJobs final : public RankSessionHandler {
     // earlier one of the id (the oldest id goes past kEndedJobsKept).
     void Retire(const std::string& job_id, Incarnation incarnation);
     // The kept incarnation of `job_id` that a hello of `launch_id` for
-    // `rank` continues (the same non-empty launch id, a rank it never had),
-    // taken out; nullopt when none.
+    // `rank` continues (the same non-empty launch id, a rank it never had,
+    // retired after `retired_since`), taken out; nullopt when none.
     std::optional<Incarnation> Continued(const std::string& job_id, const std::string& launch_id,
-                                         int rank);
+                                         int rank, absl::Time retired_since);
 
    private:
     int64_t started_ = 0;

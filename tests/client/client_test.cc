@@ -88,6 +88,9 @@ TEST_F(ClientTest, TheHelloNamesTheLaunchFromTheOptionOrTheEnvironment) {
   EXPECT_EQ(launch_of_hello(""), "") << "a run id without a restart count names no launch";
   setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
   EXPECT_EQ(launch_of_hello(""), "torchrun:abc:2");
+  setenv("TORCHELASTIC_RUN_ID", "none", 1);
+  EXPECT_EQ(launch_of_hello(""), "")
+      << "torchrun's run id without --rdzv-id is \"none\" for every launch: no launch id";
   setenv("ACCORD_LAUNCH_ID", "mine", 1);
   EXPECT_EQ(launch_of_hello(""), "mine");
   EXPECT_EQ(launch_of_hello("given"), "given");

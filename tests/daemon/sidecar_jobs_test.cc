@@ -267,6 +267,36 @@ TEST_F(SidecarJobsTest, ALateRankOfALaunchWhoseRanksLeftContinuesTheirIncarnatio
   EXPECT_EQ(jobs_->stats().launches, 5);
 }
 
+// A launch id may repeat (torchrun run again with the same --rdzv-id): a
+// rank of a retired launch's id that it never had continues it only within
+// --job_handover_timeout of the retirement; later it is a new launch.
+TEST_F(SidecarJobsTest, ALateRankContinuesItsLaunchOnlyWithinTheHandoverTimeout) {
+  auto connect = [&](int rank) {
+    auto r = std::make_unique<Rank>();
+    r->id = jobs_->OpenRank(&r->sink);
+    v1::RankMessage hello = Hello("j", rank, 4);
+    hello.mutable_hello()->set_launch_id("torchrun:job7:0");
+    jobs_->HandleRankMessage(r->id, hello);
+    return r;
+  };
+  auto first = connect(0);
+  ASSERT_TRUE(first->sink.welcomed());
+  const uint64_t epoch = StreamOf("j", 0)->hellos()[0].node_epoch();
+  jobs_->CloseRank(first->id);
+  clock_.Advance(absl::Seconds(10) + absl::Milliseconds(1));  // past the 10 s default
+  auto rerun = connect(1);
+  ASSERT_TRUE(rerun->sink.welcomed());
+  const v1::NodeHello second = StreamOf("j", 1)->hellos()[0];
+  EXPECT_NE(second.node_epoch(), epoch) << "the same launch id this late is a new launch";
+  EXPECT_EQ(second.run_start(), v1::NodeHello::RUN_START_NEW);
+  jobs_->CloseRank(rerun->id);
+  clock_.Advance(absl::Seconds(9));
+  auto late = connect(2);
+  ASSERT_TRUE(late->sink.welcomed());
+  EXPECT_EQ(StreamOf("j", 2)->hellos()[0].node_epoch(), second.node_epoch())
+      << "within the timeout a rank the launch never had is a late one of it";
+}
+
 // A held rank whose own rank is still connected after the handover timeout:
 // DUPLICATE_RANK (a previous launch that does not leave, or two processes
 // with one RANK). Checked on the test's clock; nothing sleeps.
