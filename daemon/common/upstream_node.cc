@@ -21,10 +21,10 @@ void GroupRegistrations::Add(const v1::GroupRegistration& registration,
 }
 
 void InflightManifests::Add(int64_t step, std::shared_ptr<const v1::Manifest> full,
-                            size_t announced) {
+                            size_t announced, bool decided) {
   auto at = std::upper_bound(entries_.begin(), entries_.end(), step,
                              [](int64_t s, const Entry& e) { return s < e.step; });
-  entries_.insert(at, Entry{step, std::move(full), announced});
+  entries_.insert(at, Entry{step, std::move(full), announced, decided});
 }
 
 void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
@@ -32,6 +32,7 @@ void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
   v1::Manifest* m = out->add_manifests();
   *m = *e.full;
   m->set_step(e.step);
+  if (e.decided) m->set_decided(true);
   // Without rank_bits a manifest stands for the node's announced ranks as
   // the receiver reads it: those of its build, unless more came since.
   if (m->rank_bits().empty() && e.announced != node.announced().size()) {

@@ -82,8 +82,11 @@ class InflightManifests {
   // `full`: the manifest in full form, its step cleared (shared with the
   // owner's last full form); `announced`: how many ranks the node had
   // announced when it was built (UpstreamNode::announced), which is what a
-  // manifest without rank_bits stands for.
-  void Add(int64_t step, std::shared_ptr<const v1::Manifest> full, size_t announced);
+  // manifest without rank_bits stands for; `decided`: it only speaks for
+  // nodes that hold the step's decision (a relay's merge of flagged parts),
+  // so every resend keeps `Manifest.decided`.
+  void Add(int64_t step, std::shared_ptr<const v1::Manifest> full, size_t announced,
+           bool decided = false);
   // `step` was decided: forgets every manifest of an earlier step, and keeps
   // those of `step` as the last decided step's (an older step answered again
   // changes nothing).
@@ -105,6 +108,7 @@ class InflightManifests {
     int64_t step = 0;
     std::shared_ptr<const v1::Manifest> full;
     size_t announced = 0;
+    bool decided = false;
   };
   static void AppendEntry(const Entry& e, const UpstreamNode& node, v1::ManifestBatch* out);
   std::vector<Entry> entries_;  // ascending step, arrival order within one

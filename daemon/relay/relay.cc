@@ -325,7 +325,8 @@ void Relay::HandleProgressLocked(Node& node, const v1::NodeProgress& p) {
     if (git != groups_.end() && p.step() > git->second.last_decided) {
       Group& g = git->second;
       LocalStep& st = g.steps[p.step()];
-      if (st.contributed.empty() && st.unsent.empty()) {
+      if (!st.waited) {
+        st.waited = true;
         st.first_seen = clock_->Now() - absl::Microseconds(p.waited_us());
       }
       st.partial_reported = true;
@@ -595,7 +596,7 @@ absl::Time Relay::CheckTimersLocked() {
     const absl::Duration half = absl::Milliseconds(node_.deadline_ms()) / 2;
     for (auto& [gid, g] : groups_) {
       for (auto& [step, st] : g.steps) {
-        if (st.partial_reported || st.unsent.empty()) continue;
+        if (st.partial_reported || st.unsent.empty() || !st.waited) continue;
         const absl::Time due = st.first_seen + half;
         if (due > now) {
           next = std::min(next, due);

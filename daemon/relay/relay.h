@@ -188,8 +188,15 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     // Its rank_bits, or the sidecar's rank_set when it has none; the error
     // when its rank_bits do not parse.
     absl::StatusOr<RankSet> ranks;
+    // Manifest.decided: its sidecar holds the step's decision (a new
+    // stream's resend of a step this relay never saw decided).
+    bool decided = false;
   };
   struct LocalStep {
+    // When a rank began to wait for it: its first unflagged part, or a
+    // sidecar's partial report (`waited`). A step only flagged parts speak
+    // for has nobody waiting, so no clock and no partial report.
+    bool waited = false;
     absl::Time first_seen;
     std::vector<Part> unsent;
     // Sidecars that contributed (sent up or not), with the ranks covered.
@@ -258,8 +265,8 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds one resolved manifest (`repeat`: from the sidecar's repeat form);
   // appends what is ready to go up to `out`.
-  void AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, v1::ManifestBatch* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, bool decided,
+                         v1::ManifestBatch* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers `node`'s manifest for a step of g at or before its last decided
   // one: that decision again (the last step, or any when it was an error),
   // else STEP_REGRESSION, as the coordinator answers it.

@@ -109,17 +109,21 @@ void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
       node.last_full[g.group_id] = std::move(remembered);
     }
     // A step its sidecar already holds the decision of (a new stream's
-    // resend): its content is the sidecar's previous manifest (kept above),
-    // but it goes no further; the relay sends its own (docs/ARCHITECTURE.md,
-    // "Decisions across a coordinator restart").
-    if (m.decided()) continue;
-    ++stats_.node_manifests_in;
-    AddManifestLocked(node, g, std::move(full), m.repeat(), &out);
+    // resend): its content is the sidecar's previous manifest (kept above).
+    // For a step this relay saw decided it goes no further: the relay sends
+    // its own (docs/ARCHITECTURE.md, "Decisions across a coordinator
+    // restart"). A step it never saw decided (it restarted since) takes it
+    // as that sidecar's contribution, flagged: it is the only copy of what
+    // those ranks submitted, which the sidecars that lost the decision wait
+    // on (chaos seed 8525).
+    if (m.decided() && m.step() <= g.last_decided) continue;
+    if (!m.decided()) ++stats_.node_manifests_in;
+    AddManifestLocked(node, g, std::move(full), m.repeat(), m.decided(), &out);
   }
   SendBatchLocked(std::move(out));
 }
 
-void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
+void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, bool decided,
                               v1::ManifestBatch* out) {
   const int64_t step = m.step();
   if (step <= g.last_decided) {
@@ -127,15 +131,18 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
     return;
   }
   LocalStep& st = g.steps[step];
-  if (st.contributed.empty()) st.first_seen = clock_->Now();
   if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
+  if (!decided && !st.waited) {
+    st.waited = true;
+    st.first_seen = clock_->Now();
+  }
   // Explicit ranks when the sidecar named them; none: every rank it announced.
   absl::StatusOr<RankSet> ranks =
       m.rank_bits().empty() ? node.rank_set
                             : wire::RankSetFromBits(m.rank_bits(), node_.world_size(), "rank_bits");
   st.contributed[node.node_id] = ranks.ok() ? ranks->Members() : std::vector<int>();
-  st.unsent.push_back(Part{node.node_id, std::move(m), repeat, std::move(ranks)});
-  if (node_.deadline_ms() > 0) {
+  st.unsent.push_back(Part{node.node_id, std::move(m), repeat, std::move(ranks), decided});
+  if (st.waited && node_.deadline_ms() > 0) {
     timer_.Arm(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
   }
   MaybeSendStepLocked(g, step, out);
@@ -184,15 +191,19 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   const uint64_t signature = PartsSignatureLocked(parts);
   const bool all_repeat =
       std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.repeat; });
+  // Only flagged parts: the merge speaks for ranks that hold the decision.
+  const bool decided =
+      std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.decided; });
   if (all_repeat && signature != 0 && g.repeat.held() && signature == g.last_parts_signature) {
     // The steady state: every sidecar repeated the content of the last merge,
     // and the ranks are the same, so the merge would be the last one again.
-    g.inflight.Add(step, g.last_merged, g.last_merged_announced);
+    g.inflight.Add(step, g.last_merged, g.last_merged_announced, decided);
     v1::Manifest* r = out->add_manifests();
     r->set_group_id(g.group_id);
     r->set_step(step);
     r->set_cache_key(g.repeat.key());
     r->set_repeat(true);
+    r->set_decided(decided);
     ++stats_.manifests_up_repeat;
     ++stats_.merges_reused;
     return;
@@ -211,7 +222,8 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   full->clear_step();
   g.last_merged = full;
   g.last_merged_announced = node_.announced().size();
-  g.inflight.Add(step, std::move(full), g.last_merged_announced);
+  g.inflight.Add(step, std::move(full), g.last_merged_announced, decided);
+  merged->set_decided(decided);
   const std::string shape = ShapeOf(*merged);
   if (g.repeat.Repeats(merged->cache_key(), shape)) {
     v1::Manifest* r = out->add_manifests();
@@ -219,6 +231,7 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
     r->set_step(step);
     r->set_cache_key(merged->cache_key());
     r->set_repeat(true);
+    r->set_decided(decided);
     ++stats_.manifests_up_repeat;
     return;
   }

@@ -585,6 +585,74 @@ TEST_F(RelayTest, AReconnectResendsTheLastDecidedMergeFlaggedAndASidecarsFlagged
   EXPECT_EQ(resent[0].SerializeAsString(), merged.SerializeAsString());
 }
 
+// A relay restarted after a decision reached one sidecar and not the other
+// (chaos seed 8525): the sidecar that holds it resends the step flagged,
+// the one that lost it resends it unflagged and waits. The relay never saw
+// the step decided, so the flagged part is that sidecar's contribution: the
+// step goes up whole and is decided again; before, the relay dropped the
+// flagged part and waited for node0's step for ever. A step only flagged
+// parts speak for has nobody waiting: no partial report, and it goes up
+// flagged (also when resent on a new upstream stream).
+TEST_F(RelayTest, AFlaggedPartOfAStepThisRelayNeverSawDecidedIsItsSidecarsContribution) {
+  v1::Manifest held = NodeManifest(0, {0, 1}, {true, true, false});
+  held.set_decided(true);
+  Submit(a_, held);
+  Submit(a_, NodeManifest(1, {0, 1}, {true, true, false}));
+  clock_.Advance(absl::Seconds(2));
+  relay_->CheckTimers();
+  for (const v1::NodeProgress& p : up_.progress()) {
+    EXPECT_NE(p.step(), 0) << "nobody waits for a step only flagged parts speak for";
+  }
+  EXPECT_TRUE(up_.manifests().empty()) << "step 0 still needs node1";
+  Submit(b_, NodeManifest(0, {2, 3}, {true, false, false}));
+  ASSERT_EQ(up_.manifests().size(), 1u);
+  const v1::Manifest step0 = up_.manifests()[0];
+  EXPECT_EQ(step0.step(), 0);
+  EXPECT_FALSE(step0.decided()) << "node1's ranks wait for it";
+  EXPECT_TRUE(step0.rank_bits().empty())
+      << "the merge covers every rank the relay announced: both sidecars' parts";
+  v1::CoordinatorMessage decided;
+  v1::Decision* d = decided.mutable_decisions()->add_decisions();
+  d->set_group_id("g");
+  d->set_step(0);
+  d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
+  relay_->HandleCoordinatorMessage(&decided);
+  ASSERT_EQ(sink_b_.decisions().size(), 1u);
+  EXPECT_EQ(sink_b_.decisions()[0].step(), 0);
+
+  // Both sidecars hold step 1's decision: it goes up flagged, and stays so.
+  up_.sent.clear();
+  v1::Manifest b1 = NodeManifest(1, {2, 3}, {true, false, false});
+  b1.set_decided(true);
+  Submit(b_, b1);
+  std::vector<v1::Manifest> up = up_.manifests();
+  ASSERT_EQ(up.size(), 1u) << "node0's step 1 was in already";
+  EXPECT_FALSE(up[0].decided()) << "node0's ranks wait for step 1";
+  up_.sent.clear();
+  v1::Manifest a2 = NodeManifest(2, {0, 1}, {true, true, false});
+  a2.set_decided(true);
+  v1::Manifest b2 = NodeManifest(2, {2, 3}, {true, false, false});
+  b2.set_decided(true);
+  Submit(a_, a2);
+  Submit(b_, b2);
+  up = up_.manifests();
+  ASSERT_EQ(up.size(), 1u);
+  EXPECT_EQ(up[0].step(), 2);
+  EXPECT_TRUE(up[0].decided());
+  relay_->OnUpstreamConnected();
+  std::vector<v1::Manifest> resent;
+  for (const v1::NodeMessage& m : up_.reset) {
+    for (const v1::Manifest& x : m.manifests().manifests()) resent.push_back(x);
+  }
+  bool found = false;
+  for (const v1::Manifest& m : resent) {
+    if (m.step() != 2) continue;
+    found = true;
+    EXPECT_TRUE(m.decided()) << "a resend keeps the flag";
+  }
+  EXPECT_TRUE(found);
+}
+
 TEST_F(RelayTest, ASidecarWhoseRanksRestartedEndsTheRunForEveryOtherSidecar) {
   // node0 joined under epoch 7; it comes back NEW under epoch 8.
   FakeNodeSink again;
