@@ -126,6 +126,16 @@ class RelayTest : public ::testing::Test {
     relay_->HandleCoordinatorMessage(&w);
   }
 
+  // The coordinator decides `step` of group "g" (float32 on the wire).
+  void DecideOk(int64_t step) {
+    v1::CoordinatorMessage m;
+    v1::Decision* d = m.mutable_decisions()->add_decisions();
+    d->set_group_id("g");
+    d->set_step(step);
+    d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
+    relay_->HandleCoordinatorMessage(&m);
+  }
+
   void Submit(Relay::SessionId id, const v1::Manifest& m) {
     v1::NodeMessage msg;
     *msg.mutable_manifests()->add_manifests() = m;
@@ -560,12 +570,7 @@ TEST_F(RelayTest, AReconnectResendsTheLastDecidedMergeFlaggedAndASidecarsFlagged
   Submit(b_, NodeManifest(0, {2, 3}, {true, false, false}));
   ASSERT_EQ(up_.manifests().size(), 1u);
   const v1::Manifest merged = up_.manifests()[0];
-  v1::CoordinatorMessage decided;
-  v1::Decision* d = decided.mutable_decisions()->add_decisions();
-  d->set_group_id("g");
-  d->set_step(0);
-  d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
-  relay_->HandleCoordinatorMessage(&decided);
+  DecideOk(0);
   sink_a_.Clear();
   // A sidecar's new stream to the relay resends its step 0 flagged.
   v1::Manifest part = NodeManifest(0, {0, 1}, {true, true, false});
@@ -611,12 +616,7 @@ TEST_F(RelayTest, AFlaggedPartOfAStepThisRelayNeverSawDecidedIsItsSidecarsContri
   EXPECT_FALSE(step0.decided()) << "node1's ranks wait for it";
   EXPECT_TRUE(step0.rank_bits().empty())
       << "the merge covers every rank the relay announced: both sidecars' parts";
-  v1::CoordinatorMessage decided;
-  v1::Decision* d = decided.mutable_decisions()->add_decisions();
-  d->set_group_id("g");
-  d->set_step(0);
-  d->mutable_ok()->set_wire_dtype(v1::FLOAT32);
-  relay_->HandleCoordinatorMessage(&decided);
+  DecideOk(0);
   ASSERT_EQ(sink_b_.decisions().size(), 1u);
   EXPECT_EQ(sink_b_.decisions()[0].step(), 0);
 
