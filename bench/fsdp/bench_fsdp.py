@@ -447,19 +447,24 @@ def main():
     print_attributed(attributed, per_round, "speculative", "plain", "speculative vs plain")
 
 
+def mean_interval(d):
+    """Mean and 95% half-width of paired differences (None: fewer than 2)."""
+    if len(d) < 2:
+        return None
+    return statistics.mean(d), 1.96 * statistics.stdev(d) / math.sqrt(len(d))
+
+
 def print_paired(per_round, mode, base, what):
     """The per-round paired difference of `mode` against `base` (adjacent
     rounds share the machine's state): mean and a 95% interval."""
     if mode not in per_round or base not in per_round:
         return
-    d = [100.0 * (a - b) / b for a, b in zip(per_round[mode], per_round[base])]
-    if len(d) < 2:
+    got = mean_interval([100.0 * (a - b) / b for a, b in zip(per_round[mode], per_round[base])])
+    if got is None:
         return
-    mean = statistics.mean(d)
-    half = 1.96 * statistics.stdev(d) / math.sqrt(len(d))
-    print(f"  {what} ({mode} vs {base}), paired over {len(d)} rounds: {mean:+.2f}% "
+    mean, half = got
+    print(f"  {what} ({mode} vs {base}), paired over {len(per_round[mode])} rounds: {mean:+.2f}% "
           f"step time, 95% interval [{mean - half:+.2f}%, {mean + half:+.2f}%]")
-
 
 
 def print_attributed(attributed, per_round, mode, base, what):
@@ -471,15 +476,14 @@ def print_attributed(attributed, per_round, mode, base, what):
     rank's critical path, assuming no other effect (cache, memory) of it."""
     if mode not in attributed or base not in attributed:
         return
-    d = [100.0 * (a - b) / w for a, b, w in
-         zip(attributed[mode], attributed[base], per_round[base])]
-    if len(d) < 2:
+    got = mean_interval([100.0 * (a - b) / w for a, b, w in
+                         zip(attributed[mode], attributed[base], per_round[base])])
+    if got is None:
         return
-    mean = statistics.mean(d)
-    half = 1.96 * statistics.stdev(d) / math.sqrt(len(d))
+    mean, half = got
     print(f"  {what} attributed ({mode} vs {base}: CPU of rank 0's threads and the daemons, "
-          f"plus time blocked), paired over {len(d)} rounds: {mean:+.2f}% of step time, "
-          f"95% interval [{mean - half:+.2f}%, {mean + half:+.2f}%]")
+          f"plus time blocked), paired over {len(attributed[mode])} rounds: {mean:+.2f}% of "
+          f"step time, 95% interval [{mean - half:+.2f}%, {mean + half:+.2f}%]")
 
 
 if __name__ == "__main__":
