@@ -235,6 +235,11 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
         import traceback
 
         q.put((rank, "error", f"{e!r}\n{traceback.format_exc()}"))
+    # os._exit skips the queue's own flush at exit: without these two calls a
+    # result still in the queue's feeder thread is lost, and the parent sees a
+    # rank that exited 0 without a result (seen in a 240-round run).
+    q.close()
+    q.join_thread()
     os._exit(0)
 
 
