@@ -12,9 +12,15 @@ Each rank holds identical models, sharded the same way:
 - optional: (--model vlm only) speculative with the LLaVA vision tower marked
             optional (install(..., optional=[tower])); every rank has images,
             so plain FSDP2 works too and the difference is what the
-            participation mechanism costs.
-Rounds alternate between them (plain, blocking, overlap, plain, ...) so drift
-in machine load hits all alike. Every rank uses every parameter in one dtype
+            participation mechanism costs;
+- control:  (only when asked for in --modes) a second installation exactly
+            like speculative, on its own copy of the model: speculative vs
+            control is an A/A comparison, so it shows how far two identical
+            setups differ here (each mode's model copy lives at other
+            addresses), i.e. what a paired difference can resolve.
+Rounds alternate between them (plain, blocking, overlap, plain, ...), and
+each round starts one mode later than the one before, so drift in machine
+load and a mode's place in the round hit all alike. Every rank uses every parameter in one dtype
 (no fix is needed), so the difference is what accord costs.
 
 Per accord model it prints the time the training thread spent blocked in
@@ -63,6 +69,7 @@ import tempfile
 import time
 
 MODES = ("plain", "blocking", "speculative", "unguarded")
+EXTRA = ("control",)  # run only when --modes names it
 
 
 def cpu_of(pid):
@@ -91,8 +98,15 @@ def modes(args):
     chosen = MODES + (("optional",) if args.model == "vlm" else ())
     if args.modes:
         wanted = set(args.modes.split(",")) | {"speculative"}
-        chosen = tuple(m for m in chosen if m in wanted)
+        chosen = tuple(m for m in chosen + EXTRA if m in wanted)
     return chosen
+
+
+def round_order(names, r):
+    """Round r runs the modes starting at the (r mod n)-th: over n rounds
+    each mode takes each place once."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def make_model(args):
@@ -205,8 +219,8 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
         # Per round: the CPU seconds of this rank (all its threads) and of the
         # daemons, plus the time blocked in accord (the attributed cost).
         attributed = {n: [] for n in modes(args)}
-        for _ in range(args.rounds):
-            for name in modes(args):
+        for r in range(args.rounds):
+            for name in round_order(modes(args), r):
                 dist.barrier()
                 before = insts[name].timing.exposed_s if name in insts else 0.0
                 waits_before = insts[name].timing.blocked if name in insts else 0
@@ -365,7 +379,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--modes", default="",
                     help="comma-separated subset of plain,blocking,speculative,unguarded"
-                         "(,optional); speculative is always run")
+                         "(,optional,control); speculative is always run")
     args = ap.parse_args()
 
     import accord
@@ -432,9 +446,20 @@ def main():
         tc, oc, dc = (1000.0 * x / n for x in cpu[m])
         print(f"  {m:11s} {rate[m]:9.2f} {over:+8.2f}% {exp} {wps} {rps} {tc:12.1f} "
               f"{oc:12.1f} {dc:10.1f}")
+    if "control" in rate:
+        print_paired(per_round, "speculative", "control", "A/A control")
+        print_attributed(attributed, per_round, "speculative", "control", "A/A control")
     if "plain" not in rate:
         print_paired(per_round, "speculative", "unguarded", "guard cost")
         print_attributed(attributed, per_round, "speculative", "unguarded", "guard cost")
+        print_paired(per_round, "control", "unguarded", "guard cost")
+        print_attributed(attributed, per_round, "control", "unguarded", "guard cost")
+        if "control" in rate:  # the two guarded copies' mean: half each copy's own bias
+            both = lambda d: [(a + b) / 2 for a, b in zip(d["speculative"], d["control"])]  # noqa: E731
+            per_round["guarded"], attributed["guarded"] = both(per_round), both(attributed)
+            print_paired(per_round, "guarded", "unguarded", "guard cost, both guarded copies")
+            print_attributed(attributed, per_round, "guarded", "unguarded",
+                             "guard cost, both guarded copies")
         return
     added = 1000.0 * (cpu["speculative"][0] - cpu["plain"][0]) / n
     print(f"  training-thread CPU accord adds per step (speculative vs plain): {added:+.1f} ms "
