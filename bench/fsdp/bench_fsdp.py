@@ -31,7 +31,8 @@ time, so `exposed(speculative) / exposed(blocking)` is the share of the
 negotiation still on the critical path. It also prints, per step, the
 training thread's CPU time (time.thread_time), the CPU of the rank's other
 threads (the accord client's, the guard's, Gloo's), and the daemons' CPU
-(coordinator and sidecar, from /proc), so the overhead is attributed.
+(coordinator and sidecar, from /proc), and the time spent in Python's garbage
+collector ("gc"), so the overhead is attributed.
 
 Costs near the machine's noise are read from the paired per-round
 differences (speculative vs unguarded: the guard; speculative vs plain),
@@ -58,6 +59,7 @@ ends (exit status 1) instead of hanging.
 import argparse
 import asyncio
 import copy
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -214,6 +216,16 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
         exposed = {n: 0.0 for n in insts}
         waits = {n: 0 for n in insts}
         cpu = {n: [0.0, 0.0, 0.0] for n in modes(args)}  # training thread, others, daemons
+        gc_s = {n: 0.0 for n in modes(args)}  # wall time in Python's garbage collector
+        in_gc = [0.0, 0.0]  # (since, total)
+
+        def gc_clock(phase, _info):
+            if phase == "start":
+                in_gc[0] = time.perf_counter()
+            else:
+                in_gc[1] += time.perf_counter() - in_gc[0]
+
+        gc.callbacks.append(gc_clock)
         repairs = {n: 0 for n in insts}
         per_round = {n: [] for n in modes(args)}  # seconds of each round (paired stats)
         # Per round: the CPU seconds of this rank (all its threads) and of the
@@ -226,6 +238,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                 waits_before = insts[name].timing.blocked if name in insts else 0
                 repairs_before = insts[name].timing.repairs if name in insts else 0
                 c0 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
+                gc0 = in_gc[1]
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     step(name)
@@ -233,6 +246,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                 dist.barrier()
                 totals[name] += time.perf_counter() - t0
                 per_round[name].append(time.perf_counter() - t0)
+                gc_s[name] += in_gc[1] - gc0
                 for i in range(3):
                     cpu[name][i] += c1[i] - c0[i]
                 blocked_s = insts[name].timing.exposed_s - before if name in insts else 0.0
@@ -243,7 +257,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                     repairs[name] += insts[name].timing.repairs - repairs_before
         groups = len(insts["speculative"].groups)
         q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs, per_round,
-                            attributed)))
+                            attributed, gc_s)))
         dist.barrier()
     except BaseException as e:  # reported to the parent, which fails the run
         import traceback
@@ -423,7 +437,7 @@ def main():
         if proxy is not None:
             proxy.kill()
     # All ranks finish each round together (barriers); take rank 0's clock.
-    totals, exposed, groups, waits, cpu, repairs, per_round, attributed = results[0]
+    totals, exposed, groups, waits, cpu, repairs, per_round, attributed, gc_s = results[0]
     n = args.rounds * args.steps
     rate = {m: n / totals[m] for m in modes(args)}
     shape = {"mlp": f"{args.blocks}x Linear({args.width})",
@@ -437,7 +451,7 @@ def main():
           f"{n} timed steps per mode")
     print(f"  {'mode':11s} {'steps/s':>9s} {'vs plain':>9s} {'exposed ms/step':>16s} "
           f"{'blocked/step':>12s} {'repairs/step':>12s} {'train CPU ms':>12s} "
-          f"{'other thr ms':>12s} {'daemons ms':>10s}  (CPU per step, rank 0)")
+          f"{'other thr ms':>12s} {'daemons ms':>10s} {'gc ms':>6s}  (per step, rank 0)")
     for m in modes(args):
         over = 100.0 * (rate["plain"] - rate[m]) / rate["plain"] if "plain" in rate else 0.0
         exp = f"{1000.0 * exposed[m] / n:16.3f}" if m in exposed else f"{'-':>16s}"
@@ -445,7 +459,7 @@ def main():
         rps = f"{repairs[m] / n:12.2f}" if m in repairs else f"{'-':>12s}"
         tc, oc, dc = (1000.0 * x / n for x in cpu[m])
         print(f"  {m:11s} {rate[m]:9.2f} {over:+8.2f}% {exp} {wps} {rps} {tc:12.1f} "
-              f"{oc:12.1f} {dc:10.1f}")
+              f"{oc:12.1f} {dc:10.1f} {1000.0 * gc_s[m] / n:6.2f}")
     if "control" in rate:
         print_paired(per_round, "speculative", "control", "A/A control")
         print_attributed(attributed, per_round, "speculative", "control", "A/A control")
