@@ -394,9 +394,16 @@ void KvStore::TimerLoop() {
           if (u.rank >= 0) {
             mu_.Lock();
             auto pit = prefixes_.find(u.scope);  // gone: the run ended meanwhile
-            if (pit != prefixes_.end() && pit->second.records < options_.max_rank_records &&
-                pit->second.cut.insert_or_assign(u.rank, CutWait{cut, u.prefixes}).second) {
-              ++pit->second.records;
+            if (pit != prefixes_.end()) {
+              // The first cut ended the run's rendezvous: a rank cut later
+              // gets its words, not a description of a later moment (a rank
+              // that connected meanwhile), so every rank ends alike. Every
+              // standing cut holds those words.
+              if (!pit->second.cut.empty()) cut = pit->second.cut.begin()->second.words;
+              if (pit->second.records < options_.max_rank_records &&
+                  pit->second.cut.insert_or_assign(u.rank, CutWait{cut, u.prefixes}).second) {
+                ++pit->second.records;
+              }
             }
             mu_.Unlock();
           }

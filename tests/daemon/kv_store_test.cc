@@ -371,6 +371,68 @@ TEST(KvStoreTest, AGetCutAtTheBoundIsTheRanksLastWordUntilItAsksAgain) {
   EXPECT_TRUE(kv.WaitsCut("j", "r1").empty());
 }
 
+// A directory whose description of a rank changes: rank 3 connects after
+// the first cut (chaos seed 7122: its sidecar was stopped).
+class ChangingRankDirectory : public RankDirectory {
+ public:
+  int WorldSize(const std::string& job_id) override { return job_id == "j" ? 4 : 0; }
+  std::vector<std::string> DescribeRanks(const std::string& job_id,
+                                         const std::vector<int>& ranks) override {
+    std::vector<std::string> out;
+    for (int r : ranks) {
+      out.push_back(
+          absl::StrCat("rank ", r, connected ? " (node \"n0\", connected)" : " (not connected)"));
+    }
+    return out;
+  }
+  bool connected = false;
+};
+
+// Ranks whose Gets are cut at the bound at different moments all end with
+// the first cut's words, whatever changed meanwhile (a rank connected, or
+// another rank set its key): one cut ends the rendezvous for every rank
+// alike. Once no cut stands (every cut rank asked again), a later cut says
+// what holds then.
+TEST(KvStoreTest, RanksCutAtTheBoundAtDifferentMomentsEndWithTheFirstCutsWords) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  ChangingRankDirectory ranks;
+  kv.SetRankDirectory(&ranks);
+  Result first, second, third;
+  kv.Get("j", "r1", {"boot/3"}, absl::Seconds(30), first.Callback(), 0);
+  clock.Advance(absl::Seconds(1));
+  kv.Get("j", "r1", {"boot/3"}, absl::Seconds(30), second.Callback(), 1);
+  kv.Get("j", "r1", {"boot/2", "boot/3"}, absl::Seconds(30), third.Callback(), 2);
+  clock.Advance(absl::Seconds(1));
+  first.done.WaitForNotification();
+  ASSERT_EQ(first.value.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(first.value.status().message(), "rank 3 (not connected)"));
+  ranks.connected = true;
+  ASSERT_TRUE(kv.Set("j", "r1", "boot/2", "x", 2).ok());
+  clock.Advance(absl::Seconds(1));
+  for (Result* r : {&second, &third}) {
+    r->done.WaitForNotification();
+    EXPECT_EQ(r->value.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(r->value.status().message(), first.value.status().message());
+  }
+  std::vector<std::pair<int, absl::Status>> waits = kv.WaitsCut("j", "r1");
+  ASSERT_EQ(waits.size(), 3u);
+  for (const auto& [rank, words] : waits)
+    EXPECT_EQ(words.message(), first.value.status().message());
+  // Every cut rank asks again: no cut stands, so the next one is fresh.
+  for (int r : {0, 1, 2}) {
+    Result again;
+    kv.Get("j", "r1", {"boot/3"}, absl::ZeroDuration(), again.Callback(), r);
+    again.done.WaitForNotification();
+  }
+  ASSERT_TRUE(kv.WaitsCut("j", "r1").empty());
+  Result later;
+  kv.Get("j", "r1", {"boot/3"}, absl::Seconds(30), later.Callback(), 0);
+  clock.Advance(absl::Seconds(2));
+  later.done.WaitForNotification();
+  EXPECT_TRUE(absl::StrContains(later.value.status().message(), "rank 3 (node \"n0\", connected)"));
+}
+
 TEST(KvStoreTest, DropRunForgetsWhoSetAndAskedUnderEachPrefix) {
   FakeClock clock;
   KvStore kv(Bounded(), &clock);
