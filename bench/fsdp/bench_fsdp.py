@@ -20,8 +20,9 @@ Each rank holds identical models, sharded the same way:
             addresses), i.e. what a paired difference can resolve.
 Rounds alternate between them (plain, blocking, overlap, plain, ...), and
 each round starts one mode later than the one before, so drift in machine
-load and a mode's place in the round hit all alike. Every rank uses every parameter in one dtype
-(no fix is needed), so the difference is what accord costs.
+load and a mode's place in the round hit all alike. Every rank uses every
+parameter in one dtype (no fix is needed), so the difference is what accord
+costs.
 
 Per accord model it prints the time the training thread spent blocked in
 accord per step ("exposed") and how many times per step it waited for a
@@ -463,17 +464,13 @@ def main():
     if "control" in rate:
         print_paired(per_round, "speculative", "control", "A/A control")
         print_attributed(attributed, per_round, "speculative", "control", "A/A control")
+        # The two guarded copies' mean against unguarded: half each copy's own bias.
+        for d in (per_round, attributed):
+            d["guarded"] = [(a + b) / 2 for a, b in zip(d["speculative"], d["control"])]
     if "plain" not in rate:
-        print_paired(per_round, "speculative", "unguarded", "guard cost")
-        print_attributed(attributed, per_round, "speculative", "unguarded", "guard cost")
-        print_paired(per_round, "control", "unguarded", "guard cost")
-        print_attributed(attributed, per_round, "control", "unguarded", "guard cost")
-        if "control" in rate:  # the two guarded copies' mean: half each copy's own bias
-            both = lambda d: [(a + b) / 2 for a, b in zip(d["speculative"], d["control"])]  # noqa: E731
-            per_round["guarded"], attributed["guarded"] = both(per_round), both(attributed)
-            print_paired(per_round, "guarded", "unguarded", "guard cost, both guarded copies")
-            print_attributed(attributed, per_round, "guarded", "unguarded",
-                             "guard cost, both guarded copies")
+        for guarded in ("speculative", "control", "guarded"):  # absent ones print nothing
+            print_paired(per_round, guarded, "unguarded", "guard cost")
+            print_attributed(attributed, per_round, guarded, "unguarded", "guard cost")
         return
     added = 1000.0 * (cpu["speculative"][0] - cpu["plain"][0]) / n
     print(f"  training-thread CPU accord adds per step (speculative vs plain): {added:+.1f} ms "
