@@ -1,8 +1,9 @@
-"""Training-thread CPU of the collective-sequence guard's per-collective
-bookkeeping (accord.torch.guard.SequenceGuard.note), in its steady state
-(every transition already agreed, so no collective waits), against the
-previous design's bookkeeping (two formatted strings and a BLAKE2 hash per
-collective) measured in the same run, alternating rounds.
+"""Training-thread CPU of the collective-sequence guard's per-step work on
+the training thread (accord.torch.guard.SequenceGuard: begin_step, record per
+collective, release_item), in its steady state (the step repeats the last
+agreed one, so no collective waits), against the previous design measured in
+the same run, alternating rounds: a lock, a transition hash and a clock read
+per collective, and the window's text and BLAKE2 digest at every release.
 
     PYTHONPATH=build/python/pkg python3 bench/fsdp/bench_guard.py --collectives 100
 
@@ -15,33 +16,38 @@ import statistics
 import threading
 import time
 
-from accord.torch.guard import SequenceGuard
-from accord.torch.windows import Window, hash64
+from accord.torch.guard import END, SequenceGuard
+from accord.torch.windows import hash64, slots
 
 
 class PreviousBookkeeping:
-    """The previous design's per-collective path, for the baseline."""
+    """The previous design's training-thread path, for the baseline."""
 
     def __init__(self):
         self.step, self.position, self.prefix = 1, 0, 0
         self.known = set()
-        self.records, self.hashed = [], []
+        self.entries = []
         self.mu = threading.Lock()
+        self.last = 0.0
 
     def note(self, entry):
         transition = (self.prefix, entry)
         new = transition not in self.known
         with self.mu:
-            self.records.append(f"step {self.step} position {self.position}: {entry}")
-            self.hashed.append(f"position {self.position}: {entry}")
+            self.entries.append((self.step, self.position, entry))
             self.position += 1
-            self.prefix = hash64(f"{self.prefix}|{entry}")
-            time.monotonic()
+            self.prefix = hash(transition)
+            self.last = time.monotonic()
         return transition, new
 
     def begin_step(self):
+        self.step += 1
         self.position, self.prefix = 0, 0
-        self.records, self.hashed = [], []
+
+    def release(self):
+        with self.mu:
+            done, self.entries = self.entries, []
+        return slots(hash64("\n".join(f"position {p}: {e}" for _, p, e in done)))
 
 
 def entries(n):
@@ -49,40 +55,37 @@ def entries(n):
             for i in range(n)]
 
 
-class Unsent:
-    """Takes the first step's windows (submitted only then) and sends nothing."""
-
-    def submit(self, group, step, manifest):
-        return None
-
-
 def run_current(es, steps):
-    g = SequenceGuard(Unsent(), 0, 2, "guard", timeout_s=30)
-    for e in es:  # the first step: every transition is new (no verdict waited for here)
-        t, _ = g.note(e)
-        g.known.add(t)
+    g = SequenceGuard(None, 0, 2, "guard", timeout_s=30)
+    # As after a first step whose transitions every rank agreed on.
+    path = es + [END]
+    prefix = [0]
+    for e in path:
+        prefix.append(hash((prefix[-1], e)))
+    g._path, g._path_prefix = path, prefix
     t0 = time.thread_time()
-    for _ in range(steps):
-        g.step += 1
-        g.position, g.prefix = 0, 0
-        g._open = Window(0)
+    for i in range(steps):
+        g.begin_step()
         for e in es:
-            g.note(e)
-        g._open.digest()  # once per step: the release's window manifest
+            g.record(e)
+        g.release_item(i)
+    assert g.blocking_waits == 0 and not g._inflight, "the steady state must not wait"
     return (time.thread_time() - t0) / steps
 
 
 def run_previous(es, steps):
     b = PreviousBookkeeping()
-    for e in es:
+    for e in es + [END]:
         t, _ = b.note(e)
         b.known.add(t)
     t0 = time.thread_time()
     for _ in range(steps):
+        if b.position:
+            b.note(END)
         b.begin_step()
         for e in es:
             b.note(e)
-        hash64("\n".join(b.hashed))
+        b.release()
     return (time.thread_time() - t0) / steps
 
 
@@ -99,8 +102,9 @@ def main():
     for _ in range(a.rounds):
         cur.append(run_current(es, a.steps))
         prev.append(run_previous(es, a.steps))
-    for name, xs in (("previous (text + BLAKE2 per collective)", prev),
-                     ("now (tuple per collective, text per window)", cur)):
+    for name, xs in (("previous (lock, hash and clock per collective; digest per release)",
+                      prev),
+                     ("now (one comparison and one append per collective)", cur)):
         per_step = statistics.median(xs)
         print(f"{name}: {per_step / a.collectives * 1e6:.2f} us/collective, "
               f"{per_step * 1e3:.3f} ms/step of {a.collectives} collectives = "

@@ -51,6 +51,7 @@ class SequenceGuard:
         on_divergence: Optional[Callable[[str], None]] = None,
         learner=None,
         stall_s: float = STALL_S,
+        in_forward: Callable[[object], bool] = lambda group: False,
     ):
         self.client = client
         self.rank = rank
@@ -62,6 +63,9 @@ class SequenceGuard:
         # pure); learner.learn(units, current) -> whether the current
         # collective is done (training thread). See record().
         self.learner = learner
+        # in_forward(group): whether a collective of `group` is a forward
+        # all-gather (asked only of new collectives, for the learner).
+        self.in_forward = in_forward
         self.step_group_id = f"{group_id}/step"
         self._new_windows = 0  # windows closed at a new collective (their group's step)
         self.stall_s = stall_s
@@ -69,13 +73,26 @@ class SequenceGuard:
         self.position = 0
         self.prefix = 0  # running hash of this step's records
         self.known: set = set()  # (prefix, entry) transitions every rank agreed on
+        # The path: the last step whose transitions were all agreed, as its
+        # entries and the prefix before each (path_prefix[p] before entry p).
+        # While this step repeats it, a record is one comparison and one
+        # append (record()); the first difference leaves it for the
+        # transition set above, with this step's sequence so far in _seq.
+        self._path: List[str] = []
+        self._path_prefix: List[int] = [0]
+        self._on_path = True
+        self._seq: List[str] = []
+        self._seq_prefix: List[int] = [0]
+        self._seq_agreed = True  # every transition of this step agreed so far
         self.blocking_waits = 0
         self.blocked_s = 0.0
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
         self._failure: Optional[BaseException] = None  # its finding, or the job's verdict
-        self._open = Window(0)  # guarded by _mu (the stall check reads it)
-        self._last_record = time.monotonic()
+        self._open = Window(0, 0, 0)  # replaced under _mu (the stall check reads it)
+        self._seen = (0, time.monotonic())  # (reports, when the guard's thread saw them)
+        self._release_key: Optional[tuple] = None  # the last release window's shape
+        self._release_manifest: Optional[list] = None  # ... and its manifest
         self._waiting = False  # the training thread waits for a verdict
         self._raised = threading.Event()  # the training thread has seen the error
         self._registered = False
@@ -95,22 +112,46 @@ class SequenceGuard:
         position of its own (a rank with fewer collectives diverges there)."""
         if self.position > 0:
             self.record(END)
+        if not self._on_path and self._seq_agreed:
+            self._path, self._path_prefix = self._seq, self._seq_prefix
+        self._on_path, self._seq_agreed = True, True
         self.step += 1
         self.position = 0
         self.prefix = 0
+        with self._mu:
+            self._open.begin(self.step)
 
-    def record(self, entry: str, unit: Optional[str] = None,
-               forward_all_gather: bool = False) -> bool:
+    def record(self, entry: str, unit: Optional[str] = None, group=None) -> bool:
         """Called just before this rank issues a collective described by
-        `entry` (an all-gather of `unit` in a forward when forward_all_gather).
-        Returns True when the caller must not issue it: the ranks diverged at
-        every rank's first occurrence, at forward all-gathers, and every rank
-        has instead all-gathered and pinned a unit that covers it (learned
-        optional units, see docs/PARTICIPATION.md)."""
-        self._check_error()
+        `entry` (of `unit`, FSDP2 parameter group `group`). Returns True when
+        the caller must not issue it: the ranks diverged at every rank's first
+        occurrence, at forward all-gathers, and every rank has instead
+        all-gathered and pinned a unit that covers it (learned optional
+        units, see docs/PARTICIPATION.md)."""
+        if self._failure is not None:
+            self._check_error()
+        p = self.position
+        if self._on_path:
+            path = self._path
+            if p < len(path) and path[p] == entry:
+                # The steady state: this transition was agreed in the last
+                # step. No lock: only this thread appends, and the stall
+                # check copies the list whole.
+                self.position = p + 1
+                self.reports += 1
+                self._open.entries.append(entry)
+                return False
+            self._on_path = False
+            self._seq, self._seq_prefix = path[:p], self._path_prefix[:p + 1]
+            self.prefix = self._path_prefix[p]
+        return self._record_new(entry, unit, group)
+
+    def _record_new(self, entry: str, unit: Optional[str], group) -> bool:
+        """record() off the path: the transition set decides whether the
+        collective is new (then the training thread waits for the verdict)."""
         if self._thread is None:
             self._register()
-        transition, w = self.note(entry, unit, forward_all_gather)
+        transition, w = self.note(entry, unit, group)
         if w is None:
             return False
         t0 = time.perf_counter()
@@ -129,33 +170,36 @@ class SequenceGuard:
         self.blocking_waits += 1
         self._check_error()
         if w.repair is not None:
+            self._seq_agreed = False  # this record's transition was never agreed
             if self.learner.learn(w.repair, unit):
                 return True
             # Still to issue: record it again, in a window of its own.
-            return self.record(entry, unit, forward_all_gather)
+            return self.record(entry, unit, group)
         self.known.add(transition)
         return False
 
-    def note(self, entry: str, unit: Optional[str] = None, forward_all_gather: bool = False):
-        """The per-collective bookkeeping of record(): appends the collective to
-        the open window; returns (transition, window), the window closed for a
-        verdict when the transition is new, else None. Only a tuple append and
-        a process-local hash per collective: the window's text and its digest
-        are built once per window."""
+    def note(self, entry: str, unit: Optional[str] = None, group=None):
+        """The bookkeeping of a record off the path: appends the collective to
+        the open window; returns (transition, window), the window closed for
+        a verdict when the transition is new, else None. A process-local hash
+        per collective: the window's text and its digest are built once per
+        window."""
         self.reports += 1
         transition = (self.prefix, entry)
         new = transition not in self.known
+        # Which transitions this rank saw agreed is local state: Python's
+        # hash (the same within the process) serves.
+        self.prefix = hash(transition)
+        self.position += 1
+        self._seq.append(entry)
+        self._seq_prefix.append(self.prefix)
         with self._mu:
             w = self._open
-            w.entries.append((self.step, self.position, entry))
-            w.unit, w.forward_all_gather = unit, forward_all_gather
-            self.position += 1
-            # Which transitions this rank saw agreed is local state: Python's
-            # hash (the same within the process) serves.
-            self.prefix = hash(transition)
-            self._last_record = time.monotonic()
+            w.entries.append(entry)
             if not new:
                 return transition, None
+            w.unit = unit
+            w.forward_all_gather = unit is not None and self.in_forward(group)
             w.waiting = True
             w.group, w.group_step = self.group_id, self._new_windows
             self._new_windows += 1
@@ -167,7 +211,7 @@ class SequenceGuard:
         w = self._open
         w.closed_at = time.monotonic()
         self._queue.append(w)
-        self._open = Window(w.index + 1)
+        self._open = Window(w.index + 1, self.step, self.position)
         # Submitted here rather than at the background thread's next turn, so
         # that a closed window never waits for it.
         self._submit_locked()
@@ -183,17 +227,46 @@ class SequenceGuard:
             w = self._open
             w.group, w.group_step = self.step_group_id, step
             w.closed_at = time.monotonic()
-            self._open = Window(w.index + 1)
-        return (w.group, step, slots(w.digest())), w
+            self._open = Window(w.index + 1, self.step, self.position)
+        # In the steady state the window is the last one again: its manifest
+        # is too (the digest covers positions and entries, not steps).
+        key = w.shape()
+        if key != self._release_key:
+            self._release_key, self._release_manifest = key, slots(w.digest())
+        return (w.group, step, self._release_manifest), w
 
     def release_handle(self, window: "Window", handle) -> None:
-        """The handle of the window's manifest, submitted with the batch."""
+        """The handle of the window's manifest, submitted with the batch. The
+        verdicts of earlier releases that are in are checked here, on the
+        training thread; the guard's thread only hears of one that needs it
+        (it also looks at pending ones while it waits, see _due_locked)."""
         if self._thread is None:
             self._register()
         with self._mu:
             window.handle = handle
             self._inflight.append(window)
-            self._wake.notify()
+            if self._settle_locked():
+                self._wake.notify()
+
+    def _settle_locked(self) -> bool:
+        """Checks off, oldest first, the release windows whose verdict is in
+        and says the ranks agreed. Returns True when the oldest one's verdict
+        is in and needs the guard's thread (a divergence, or the job's
+        error)."""
+        while self._inflight:
+            w = self._inflight[0]
+            ready = getattr(w.handle, "ready", None)
+            if w.waiting or ready is None or not ready():
+                return False
+            try:
+                decision = self.client.wait(w.handle, timeout_s=0)
+            except Exception:  # noqa: BLE001 - the job's verdict: the guard's thread words it
+                return True
+            if diverged(decision.included):
+                return True
+            self._inflight.pop(0)
+            w.checked.set()
+        return False
 
     @property
     def error(self) -> Optional[str]:  # the failure's text, once there is one
@@ -215,6 +288,8 @@ class SequenceGuard:
                 self._fail(message, None, raise_here=True)
                 break
             with self._mu:
+                if self._settle_locked():
+                    self._wake.notify()
                 outstanding = list(self._inflight)
             if not outstanding:
                 break
@@ -252,16 +327,34 @@ class SequenceGuard:
             self._inflight.append(w)
         self._queue.clear()
 
+    def _due_locked(self) -> Optional[Window]:
+        """The oldest submitted window when this thread should wait for its
+        verdict now: the training thread waits for it (or for one behind it),
+        the verdict is in, it is overdue (stall_s), or the guard is stopping.
+        Otherwise the training thread checks it off at its next release."""
+        if not self._inflight:
+            return None
+        w = self._inflight[0]
+        ready = getattr(w.handle, "ready", None)
+        if (self._stop or self._inflight[-1].waiting or ready is None or ready()
+                or time.monotonic() - w.closed_at > self.stall_s):
+            return w
+        return None
+
     def _run(self) -> None:
         while not self._exiting:
             with self._mu:
-                window = self._inflight[0] if self._inflight else None
+                window = self._due_locked()
                 if window is None:
                     if self._stop:
                         return
                     self._wake.wait(self.stall_s / 2)
-                    stalled = bool(self._open.entries) and (
-                        time.monotonic() - self._last_record > self.stall_s)
+                    # No record since the last look, stall_s ago or more:
+                    # stalled (the training thread keeps no clock per record).
+                    now = time.monotonic()
+                    if self.reports != self._seen[0]:
+                        self._seen = (self.reports, now)
+                    stalled = bool(self._open.entries) and now - self._seen[1] > self.stall_s
             if window is None:
                 if stalled and self.error is None:
                     self._check_stall()  # outside the lock: it talks to the KV store
@@ -296,7 +389,8 @@ class SequenceGuard:
                 if window.repair is None:
                     message = describe(entries)
             with self._mu:
-                self._inflight.pop(0)
+                if window in self._inflight:  # the training thread may have checked it off
+                    self._inflight.remove(window)
             if message is not None:
                 self._fail(message, window)
                 return

@@ -39,8 +39,7 @@ def _route(original):
         guard, watch = inst.guard, inst.watch
         if watch is not None:
             watch.progress(entry)
-        if guard is not None and guard.record(entry, unit=unit,
-                                              forward_all_gather=fsdp2.in_forward(group)):
+        if guard is not None and guard.record(entry, unit, group):
             return None  # the unit was all-gathered and pinned instead (learned)
         try:
             return original(fsdp_params, *args, **kwargs)

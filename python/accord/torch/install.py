@@ -141,7 +141,8 @@ def install(
             learn_optional = _env_flag("ACCORD_TORCH_LEARN_OPTIONAL")
         seq_guard = SequenceGuard(client, agreement.rank, agreement.world_size,
                                   f"{prefix}/~collective-sequence", timeout_s,
-                                  learner=inst.units if learn_optional else None)
+                                  learner=inst.units if learn_optional else None,
+                                  in_forward=fsdp2.in_forward)
         extra.extend(seq_guard.registrations())
     if watch is None:
         watch = _env_flag("ACCORD_TORCH_WATCH")

@@ -92,30 +92,55 @@ class Window:
     """Records of one guard window; closed by the training thread, checked by
     the guard's thread (its `checked` event)."""
 
-    __slots__ = ("index", "entries", "waiting", "unit", "forward_all_gather", "handle",
-                 "checked", "repair", "closed_at", "group", "group_step")
+    __slots__ = ("index", "entries", "starts", "waiting", "unit", "forward_all_gather",
+                 "handle", "checked", "repair", "closed_at", "group", "group_step")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, step: int = 0, position: int = 0):
         self.index = index  # windows closed before this one, on this rank
-        # (step, position, entry) per collective: the per-collective path only
-        # appends; the text below is built per window, when it is needed.
-        self.entries: List[Tuple[int, int, str]] = []
+        # One entry per collective: the per-collective path only appends; the
+        # steps and positions are in `starts`, (first entry, step, its
+        # position) per step the window spans, and the text below is built
+        # per window, when it is needed.
+        self.entries: List[str] = []
+        self.starts: List[Tuple[int, int, int]] = [(0, step, position)]
         self.group: Optional[str] = None  # where it was submitted, and at which step
         self.group_step = 0
         self.waiting = False  # closed at a new collective: the training thread waits
-        self.unit: Optional[str] = None  # of the last record
-        self.forward_all_gather = False  # the last record is a forward all-gather
+        self.unit: Optional[str] = None  # of the last record, when closed at a new one
+        self.forward_all_gather = False  # ... and whether it is a forward all-gather
         self.handle = None
         self.checked = threading.Event()
         self.repair: Optional[List[str]] = None
         self.closed_at = 0.0
 
+    def begin(self, step: int) -> None:
+        """The next entry is position 0 of `step`."""
+        if self.entries:
+            self.starts = self.starts + [(len(self.entries), step, 0)]
+        else:
+            self.starts = [(0, step, 0)]
+
+    def located(self) -> List[Tuple[int, int, str]]:
+        """(step, position, entry) per collective. A copy, safe while the
+        training thread appends."""
+        entries, starts = list(self.entries), self.starts
+        out: List[Tuple[int, int, str]] = []
+        for k, (first, step, position) in enumerate(starts):
+            last = starts[k + 1][0] if k + 1 < len(starts) else len(entries)
+            out.extend((step, position + i - first, entries[i])
+                       for i in range(first, min(last, len(entries))))
+        return out
+
+    def shape(self) -> tuple:
+        """What the digest depends on: the entries and where each step starts."""
+        return tuple(self.entries), tuple((first, position) for first, _, position in self.starts)
+
     @property
     def records(self) -> List[str]:
         """"step s position p: entry" per collective (what ranks compare)."""
-        return [f"step {s} position {p}: {e}" for s, p, e in self.entries]
+        return [f"step {s} position {p}: {e}" for s, p, e in self.located()]
 
     def digest(self) -> int:
         """The hash of "position p: entry" lines (the same every steady step),
         what the window's manifest carries."""
-        return hash64("\n".join(f"position {p}: {e}" for _, p, e in self.entries))
+        return hash64("\n".join(f"position {p}: {e}" for _, p, e in self.located()))
