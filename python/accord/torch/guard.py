@@ -37,9 +37,12 @@ END = "end of step"
 
 
 class SequenceGuard:
-    """One rank's guard. The training thread calls begin_step() and record();
-    a background thread (owned here, stopped by close()) submits windows,
-    checks verdicts and looks into stalls."""
+    """One rank's guard. The training thread calls begin_step(), record()
+    and, at each release, release_item() and release_handle() (which check
+    off the earlier release verdicts that are in); a background thread (owned
+    here, stopped by close()) checks the verdicts the training thread waits
+    for or that need wording, looks at pending ones every stall_s / 2, and
+    looks into stalls."""
 
     def __init__(
         self,
