@@ -33,6 +33,7 @@ from accord.torch.windows import (Window, describe, diverged, first_difference,
                                   repairable_units, slot_params, slots)
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
+PATHS = 4  # agreed step patterns a record is compared with before the transition set
 END = "end of step"
 
 
@@ -76,14 +77,19 @@ class SequenceGuard:
         self.position = 0
         self.prefix = 0  # running hash of this step's records
         self.known: set = set()  # (prefix, entry) transitions every rank agreed on
-        # The path: the last step whose transitions were all agreed, as its
-        # entries and the prefix before each (path_prefix[p] before entry p).
-        # While this step repeats it, a record is one comparison and one
-        # append (record()); the first difference leaves it for the
-        # transition set above, with this step's sequence so far in _seq.
+        # Paths: the last PATHS distinct steps whose transitions were all
+        # agreed, most recent first, each as its entries and the prefix
+        # before each (prefixes[p] before entry p). While this step follows
+        # one, a record is one comparison and one append (record()); where it
+        # differs, another path with the same prefix may take over (steps of
+        # a few patterns, as with gradient accumulation), else the step leaves
+        # the paths for the transition set above, with its sequence so far in
+        # _seq. The path followed is _path / _path_prefix.
+        self._paths: List[Tuple[List[str], List[int]]] = []
         self._path: List[str] = []
         self._path_prefix: List[int] = [0]
         self._on_path = True
+        self.off_path = 0  # records looked up in the transition set
         self._seq: List[str] = []
         self._seq_prefix: List[int] = [0]
         self._seq_agreed = True  # every transition of this step agreed so far
@@ -115,8 +121,14 @@ class SequenceGuard:
         position of its own (a rank with fewer collectives diverges there)."""
         if self.position > 0:
             self.record(END)
-        if not self._on_path and self._seq_agreed:
-            self._path, self._path_prefix = self._seq, self._seq_prefix
+        if self._on_path:
+            followed = next((i for i, (e, _) in enumerate(self._paths) if e is self._path), None)
+            if followed:  # most recent first
+                self._paths.insert(0, self._paths.pop(followed))
+        elif self._seq_agreed:
+            self._paths.insert(0, (self._seq, self._seq_prefix))
+            del self._paths[PATHS:]
+        self._path, self._path_prefix = self._paths[0] if self._paths else ([], [0])
         self._on_path, self._seq_agreed = True, True
         self.step += 1
         self.position = 0
@@ -136,8 +148,8 @@ class SequenceGuard:
         p = self.position
         if self._on_path:
             path = self._path
-            if p < len(path) and path[p] == entry:
-                # The steady state: this transition was agreed in the last
+            if (p < len(path) and path[p] == entry) or self._switch_path(p, entry):
+                # The steady state: this transition was agreed in an earlier
                 # step. No lock: only this thread appends, and the stall
                 # check copies the list whole.
                 self.position = p + 1
@@ -149,11 +161,23 @@ class SequenceGuard:
             self.prefix = self._path_prefix[p]
         return self._record_new(entry, unit, group)
 
+    def _switch_path(self, p: int, entry: str) -> bool:
+        """Another agreed path with this step's prefix (its prefix hash
+        before position p) that continues with `entry`: follow it."""
+        prefix = self._path_prefix[p] if p < len(self._path_prefix) else None
+        for entries, prefixes in self._paths:
+            if (entries is not self._path and p < len(entries) and prefixes[p] == prefix
+                    and entries[p] == entry):
+                self._path, self._path_prefix = entries, prefixes
+                return True
+        return False
+
     def _record_new(self, entry: str, unit: Optional[str], group) -> bool:
         """record() off the path: the transition set decides whether the
         collective is new (then the training thread waits for the verdict)."""
         if self._thread is None:
             self._register()
+        self.off_path += 1
         transition, w = self.note(entry, unit, group)
         if w is None:
             return False
