@@ -62,7 +62,7 @@ def run_current(es, steps):
     prefix = [0]
     for e in path:
         prefix.append(hash((prefix[-1], e)))
-    g._paths = [(path, prefix)]
+    g.sequence._paths = [(path, prefix)]
     t0 = time.thread_time()
     for i in range(steps):
         g.begin_step()

@@ -14,6 +14,7 @@ import pytest
 
 from accord.torch.errors import AccordDivergenceError
 from accord.torch.guard import END, SequenceGuard
+from accord.torch.sequence import StepSequence
 from accord.torch.windows import Window
 
 
@@ -197,7 +198,7 @@ def test_steps_of_a_few_patterns_stay_on_agreed_paths(schedule):
 
     def step(self, index, sequence):
         orig(self, index, sequence)
-        off_path[self.guard.rank].append(self.guard.off_path)
+        off_path[self.guard.rank].append(self.guard.sequence.off_path)
 
     for r in ranks:
         r.step = step.__get__(r)
@@ -338,3 +339,31 @@ def test_window_locates_records_across_a_step_boundary():
     empty.begin(2)
     empty.entries.append("z")
     assert empty.located() == [(2, 0, "z")]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_sequence_answers_as_the_transition_rule(seed):
+    """accord.torch.sequence alone, over random steps of a few patterns with
+    random repairs: a record is on a path only when its whole-prefix
+    transition was agreed, and off the paths it is new exactly when not."""
+    rng = random.Random(seed)
+    patterns = [[rng.choice(POOL) for _ in range(rng.randint(1, 7))] for _ in range(5)]
+    seq, known = StepSequence(), set()
+    on_path = 0
+    for _ in range(60):
+        steps = rng.choice(patterns) + [END]
+        for p, entry in enumerate(steps):
+            transition = (tuple(steps[:p]), entry)
+            if seq.follows(entry):
+                on_path += 1
+                assert transition in known
+                continue
+            local, new = seq.off_path_record(entry)
+            assert new == (transition not in known)
+            if new and rng.random() < 0.1:
+                seq.unagreed()  # repaired: never agreed
+            else:
+                seq.agree(local)
+                known.add(transition)
+        seq.end_step()
+    assert on_path > 0

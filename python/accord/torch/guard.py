@@ -1,62 +1,44 @@
 """The collective-sequence guard of accord.torch (docs/PARTICIPATION.md, "The
-collective-sequence guard"; its pure parts are in accord.torch.windows).
+collective-sequence guard"). Its parts: accord.torch.sequence (which records
+are new), accord.torch.windows (a window's manifest and text, pure) and
+accord.torch.compare (windows compared through the key-value store).
 
 Every rank records each FSDP2 collective it issues and the end of each step,
-in *windows* that close at points every rank agrees on while their sequences
-agree: before a collective this rank never issued after the same prefix of
-its step (a "new" one: the training thread waits for the verdict, so a rank
-about to diverge stops before pairing its collective with another rank's),
-and at each release (the window then goes in the release's batch, the same
-manifest every steady step). A window is one manifest encoding a 64-bit hash
-of its records in two slots per bit; the coordinator's decision includes a
-slot when any rank used it, so every rank gets the same verdict.
-
-A rank that makes no progress for STALL_S writes its open window to the
-key-value store and compares it with the others': ranks stuck at different
-collectives differ at a common position (a divergence); equal prefixes never
-do. On divergence every rank builds the same message from every rank's
-window and raises accord.torch.AccordDivergenceError; a rank blocked inside a
-collective gets it from the background thread, which ends the process
-with it.
+in *windows* that close before a new collective (the training thread waits
+for the verdict, so a rank about to diverge stops before pairing its
+collective with another rank's) and at each release (in the release's batch).
+A window is one manifest encoding a 64-bit hash of its records in two slots
+per bit; the coordinator's decision includes a slot when any rank used it, so
+every rank gets the same verdict. Stalls and divergences are worded from every
+rank's window, the same on every rank: accord.torch.AccordDivergenceError.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
+from accord.torch.compare import WindowComparison
 from accord.torch.errors import AccordDivergenceError, again, last_words, verdict
+from accord.torch.sequence import StepSequence
 from accord.torch.watchdog import end_process, stop_at_exit
-from accord.torch.windows import (Window, describe, diverged, first_difference,
-                                  repairable_units, slot_params, slots)
+from accord.torch.windows import Window, describe, diverged, repairable_units, slot_params, slots
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
-PATHS = 4  # agreed step patterns a record is compared with before the transition set
 END = "end of step"
 
 
 class SequenceGuard:
-    """One rank's guard. The training thread calls begin_step(), record()
-    and, at each release, release_item() and release_handle() (which check
-    off the earlier release verdicts that are in); a background thread (owned
-    here, stopped by close()) checks the verdicts the training thread waits
-    for or that need wording, looks at pending ones every stall_s / 2, and
-    looks into stalls."""
+    """One rank's guard. The training thread calls begin_step(), record(),
+    and release_item() and release_handle() at each release; a background
+    thread (owned here, stopped by close()) checks the verdicts that need it
+    (see _due_locked) and looks into stalls."""
 
-    def __init__(
-        self,
-        client,
-        rank: int,
-        world_size: int,
-        group_id: str,
-        timeout_s: float,
-        on_divergence: Optional[Callable[[str], None]] = None,
-        learner=None,
-        stall_s: float = STALL_S,
-        in_forward: Callable[[object], bool] = lambda group: False,
-    ):
+    def __init__(self, client, rank: int, world_size: int, group_id: str, timeout_s: float,
+                 on_divergence: Optional[Callable[[str], None]] = None, learner=None,
+                 stall_s: float = STALL_S,
+                 in_forward: Callable[[object], bool] = lambda group: False):
         self.client = client
         self.rank = rank
         self.world_size = world_size
@@ -65,34 +47,14 @@ class SequenceGuard:
         self.on_divergence = on_divergence or self._abort
         # learner.can_learn(units) -> units to pin or None (background thread,
         # pure); learner.learn(units, current) -> whether the current
-        # collective is done (training thread). See record().
-        self.learner = learner
-        # in_forward(group): whether a collective of `group` is a forward
-        # all-gather (asked only of new collectives, for the learner).
-        self.in_forward = in_forward
+        # collective is done (training thread). See record(). in_forward(group):
+        # whether `group`'s collective is a forward all-gather (asked of new ones).
+        self.learner, self.in_forward = learner, in_forward
         self.step_group_id = f"{group_id}/step"
         self._new_windows = 0  # windows closed at a new collective (their group's step)
         self.stall_s = stall_s
         self.step = 0
-        self.position = 0
-        self.prefix = 0  # running hash of this step's records
-        self.known: set = set()  # (prefix, entry) transitions every rank agreed on
-        # Paths: the last PATHS distinct steps whose transitions were all
-        # agreed, most recent first, each as its entries and the prefix
-        # before each (prefixes[p] before entry p). While this step follows
-        # one, a record is one comparison and one append (record()); where it
-        # differs, another path with the same prefix may take over (steps of
-        # a few patterns, as with gradient accumulation), else the step leaves
-        # the paths for the transition set above, with its sequence so far in
-        # _seq. The path followed is _path / _path_prefix.
-        self._paths: List[Tuple[List[str], List[int]]] = []
-        self._path: List[str] = []
-        self._path_prefix: List[int] = [0]
-        self._on_path = True
-        self.off_path = 0  # records looked up in the transition set
-        self._seq: List[str] = []
-        self._seq_prefix: List[int] = [0]
-        self._seq_agreed = True  # every transition of this step agreed so far
+        self.sequence = StepSequence()  # which records are new
         self.blocking_waits = 0
         self.blocked_s = 0.0
         self.reports = 0  # collectives recorded
@@ -100,8 +62,7 @@ class SequenceGuard:
         self._failure: Optional[BaseException] = None  # its finding, or the job's verdict
         self._open = Window(0, 0, 0)  # replaced under _mu (the stall check reads it)
         self._seen = (0, time.monotonic())  # (reports, when the guard's thread saw them)
-        self._release_key: Optional[tuple] = None  # the last release window's shape
-        self._release_manifest: Optional[list] = None  # ... and its manifest
+        self._release: tuple = (None, None)  # the last release window's shape, manifest
         self._waiting = False  # the training thread waits for a verdict
         self._raised = threading.Event()  # the training thread has seen the error
         self._registered = False
@@ -112,27 +73,17 @@ class SequenceGuard:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self._exiting = False
-        self._stall_checked: Tuple[int, int] = (-1, -1)
+        self.comparison = WindowComparison(client, group_id, rank, world_size, timeout_s)
 
     # ------------------------------------------------------------ training thread
 
     def begin_step(self) -> None:
         """At the start of every root forward: the previous step's end is a
         position of its own (a rank with fewer collectives diverges there)."""
-        if self.position > 0:
+        if self.sequence.position > 0:
             self.record(END)
-        if self._on_path:
-            followed = next((i for i, (e, _) in enumerate(self._paths) if e is self._path), None)
-            if followed:  # most recent first
-                self._paths.insert(0, self._paths.pop(followed))
-        elif self._seq_agreed:
-            self._paths.insert(0, (self._seq, self._seq_prefix))
-            del self._paths[PATHS:]
-        self._path, self._path_prefix = self._paths[0] if self._paths else ([], [0])
-        self._on_path, self._seq_agreed = True, True
+        self.sequence.end_step()
         self.step += 1
-        self.position = 0
-        self.prefix = 0
         with self._mu:
             self._open.begin(self.step)
 
@@ -145,39 +96,19 @@ class SequenceGuard:
         units, see docs/PARTICIPATION.md)."""
         if self._failure is not None:
             self._check_error()
-        p = self.position
-        if self._on_path:
-            path = self._path
-            if (p < len(path) and path[p] == entry) or self._switch_path(p, entry):
-                # The steady state: this transition was agreed in an earlier
-                # step. No lock: only this thread appends, and the stall
-                # check copies the list whole.
-                self.position = p + 1
-                self.reports += 1
-                self._open.entries.append(entry)
-                return False
-            self._on_path = False
-            self._seq, self._seq_prefix = path[:p], self._path_prefix[:p + 1]
-            self.prefix = self._path_prefix[p]
+        if self.sequence.follows(entry):
+            # The steady state: agreed in an earlier step. No lock: only this
+            # thread appends, and the stall check copies the list whole.
+            self.reports += 1
+            self._open.entries.append(entry)
+            return False
         return self._record_new(entry, unit, group)
-
-    def _switch_path(self, p: int, entry: str) -> bool:
-        """Another agreed path with this step's prefix (its prefix hash
-        before position p) that continues with `entry`: follow it."""
-        prefix = self._path_prefix[p] if p < len(self._path_prefix) else None
-        for entries, prefixes in self._paths:
-            if (entries is not self._path and p < len(entries) and prefixes[p] == prefix
-                    and entries[p] == entry):
-                self._path, self._path_prefix = entries, prefixes
-                return True
-        return False
 
     def _record_new(self, entry: str, unit: Optional[str], group) -> bool:
         """record() off the path: the transition set decides whether the
         collective is new (then the training thread waits for the verdict)."""
         if self._thread is None:
             self._register()
-        self.off_path += 1
         transition, w = self.note(entry, unit, group)
         if w is None:
             return False
@@ -197,29 +128,20 @@ class SequenceGuard:
         self.blocking_waits += 1
         self._check_error()
         if w.repair is not None:
-            self._seq_agreed = False  # this record's transition was never agreed
+            self.sequence.unagreed()
             if self.learner.learn(w.repair, unit):
                 return True
             # Still to issue: record it again, in a window of its own.
             return self.record(entry, unit, group)
-        self.known.add(transition)
+        self.sequence.agree(transition)
         return False
 
     def note(self, entry: str, unit: Optional[str] = None, group=None):
-        """The bookkeeping of a record off the path: appends the collective to
-        the open window; returns (transition, window), the window closed for
-        a verdict when the transition is new, else None. A process-local hash
-        per collective: the window's text and its digest are built once per
-        window."""
+        """The bookkeeping of a record off the paths: appends the collective
+        to the open window; returns (transition, window), the window closed
+        for a verdict when the transition is new, else None."""
         self.reports += 1
-        transition = (self.prefix, entry)
-        new = transition not in self.known
-        # Which transitions this rank saw agreed is local state: Python's
-        # hash (the same within the process) serves.
-        self.prefix = hash(transition)
-        self.position += 1
-        self._seq.append(entry)
-        self._seq_prefix.append(self.prefix)
+        transition, new = self.sequence.off_path_record(entry)
         with self._mu:
             w = self._open
             w.entries.append(entry)
@@ -238,7 +160,7 @@ class SequenceGuard:
         w = self._open
         w.closed_at = time.monotonic()
         self._queue.append(w)
-        self._open = Window(w.index + 1, self.step, self.position)
+        self._open = Window(w.index + 1, self.step, self.sequence.position)
         # Submitted here rather than at the background thread's next turn, so
         # that a closed window never waits for it.
         self._submit_locked()
@@ -254,19 +176,17 @@ class SequenceGuard:
             w = self._open
             w.group, w.group_step = self.step_group_id, step
             w.closed_at = time.monotonic()
-            self._open = Window(w.index + 1, self.step, self.position)
+            self._open = Window(w.index + 1, self.step, self.sequence.position)
         # In the steady state the window is the last one again: its manifest
         # is too (the digest covers positions and entries, not steps).
         key = w.shape()
-        if key != self._release_key:
-            self._release_key, self._release_manifest = key, slots(w.digest())
-        return (w.group, step, self._release_manifest), w
+        if key != self._release[0]:
+            self._release = (key, slots(w.digest()))
+        return (w.group, step, self._release[1]), w
 
     def release_handle(self, window: "Window", handle) -> None:
-        """The handle of the window's manifest, submitted with the batch. The
-        verdicts of earlier releases that are in are checked here, on the
-        training thread; the guard's thread only hears of one that needs it
-        (it also looks at pending ones while it waits, see _due_locked)."""
+        """The handle of the window's manifest, submitted with the batch; the
+        earlier release verdicts that are in are checked off here."""
         if self._thread is None:
             self._register()
         with self._mu:
@@ -277,9 +197,8 @@ class SequenceGuard:
 
     def _settle_locked(self) -> bool:
         """Checks off, oldest first, the release windows whose verdict is in
-        and says the ranks agreed. Returns True when the oldest one's verdict
-        is in and needs the guard's thread (a divergence, or the job's
-        error)."""
+        and agrees; True when the next one's is in and needs the guard's
+        thread (a divergence, or the job's error)."""
         while self._inflight:
             w = self._inflight[0]
             ready = getattr(w.handle, "ready", None)
@@ -315,8 +234,6 @@ class SequenceGuard:
                 self._fail(message, None, raise_here=True)
                 break
             with self._mu:
-                if self._settle_locked():
-                    self._wake.notify()
                 outstanding = list(self._inflight)
             if not outstanding:
                 break
@@ -356,17 +273,14 @@ class SequenceGuard:
 
     def _due_locked(self) -> Optional[Window]:
         """The oldest submitted window when this thread should wait for its
-        verdict now: the training thread waits for it (or for one behind it),
-        the verdict is in, it is overdue (stall_s), or the guard is stopping.
-        Otherwise the training thread checks it off at its next release."""
+        verdict now: the training thread waits for it (or one behind it), it
+        is in, overdue (stall_s), or the guard stops; else the next release."""
         if not self._inflight:
             return None
         w = self._inflight[0]
         ready = getattr(w.handle, "ready", None)
-        if (self._stop or self._inflight[-1].waiting or ready is None or ready()
-                or time.monotonic() - w.closed_at > self.stall_s):
-            return w
-        return None
+        return w if (self._stop or self._inflight[-1].waiting or ready is None or ready()
+                     or time.monotonic() - w.closed_at > self.stall_s) else None
 
     def _run(self) -> None:
         while not self._exiting:
@@ -411,7 +325,7 @@ class SequenceGuard:
                     return
             message = None
             if diverged(decision.included):
-                entries = self._gather(window)
+                entries = self.comparison.gather(window)
                 window.repair = self._repairable(entries)
                 if window.repair is None:
                     message = describe(entries)
@@ -442,21 +356,6 @@ class SequenceGuard:
             return
         self.on_divergence(message)
 
-    def _gather(self, window: Window) -> Dict[int, dict]:
-        """Every rank's window at this index, through the key-value store (each
-        rank writes its own, then reads all): the same on every rank."""
-        key = f"{self.group_id}/diverged/{window.index}"
-        mine = {"records": window.records, "waiting": window.waiting, "unit": window.unit,
-                "forward_all_gather": window.forward_all_gather}
-        try:
-            self.client.kv_set(f"{key}/{self.rank}", json.dumps(mine).encode())
-            values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
-                                        timeout_s=min(self.timeout_s, 10.0))
-            return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
-        except Exception as e:  # noqa: BLE001 - some rank did not answer in time
-            mine["records"] = mine["records"] + [f"(the other ranks did not report: {e})"]
-            return {self.rank: mine}
-
     def _repairable(self, entries: Dict[int, dict]) -> Optional[List[str]]:
         """The units to pin on every rank, or None when this divergence is an
         error (accord.torch.windows.repairable_units)."""
@@ -465,40 +364,19 @@ class SequenceGuard:
         units = repairable_units(entries, self.world_size)
         return None if units is None else self.learner.can_learn(units)
 
-    # ------------------------------------------------------------ stalls
-
     def _check_stall(self) -> None:
-        message = self._compare_stalled(timeout_s=min(1.0, self.timeout_s))
-        if message is not None:
+        if (message := self._compare_stalled(timeout_s=min(1.0, self.timeout_s))) is not None:
             self._fail(message, None)
 
     def _compare_stalled(self, timeout_s: float) -> Optional[str]:
-        """Writes this rank's current window (the one it waits on, or the open
-        one it is stuck in) and compares it with the other ranks' for the same
-        window index; a message when they differ at a common position."""
+        """The window this rank waits on, or the open one it is stuck in,
+        against the other ranks' (accord.torch.compare)."""
         with self._mu:
+            if self._settle_locked():  # verdicts in: not what this rank waits on
+                self._wake.notify()
             w = self._inflight[0] if self._inflight else self._open
-            records = list(w.records)
-            index = w.index
-        if not records:
-            return None
-        key = f"{self.group_id}/stalled/{index}"
-        try:
-            # Keys are write-once per run: a window's first stall is written,
-            # a later one in the same window compares that (a true prefix).
-            if self._stall_checked[0] != index:
-                self.client.kv_set(f"{key}/{self.rank}",
-                                   json.dumps({"records": records}).encode())
-                self._stall_checked = (index, len(records))
-            values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
-                                        timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
-            return None
-        entries = {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
-        p = first_difference(entries, prefix_only=True)
-        if p is None:
-            return None  # the common prefix agrees: slow, not diverged
-        return describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})
+            records, index = w.records, w.index
+        return self.comparison.stalled(records, index, timeout_s)
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a
