@@ -96,6 +96,7 @@ class Rank:
                                    timeout_s=10.0, on_divergence=self.aborted.append,
                                    **kwargs)
         self.waits_per_step = []
+        self.off_path_after_step = []  # records looked up in the transition set, so far
         self.error = None
 
     def step(self, index, sequence):
@@ -109,6 +110,7 @@ class Rank:
         item, window = self.guard.release_item(index)
         self.guard.release_handle(window, self.client.submit(*item))
         self.waits_per_step.append(self.guard.blocking_waits - before)
+        self.off_path_after_step.append(self.guard.sequence.off_path)
 
     def run(self, steps, pause_s=0.0):
         try:
@@ -193,20 +195,11 @@ def test_steps_of_a_few_patterns_stay_on_agreed_paths(schedule):
     steps = [patterns[k] for k in schedule * 8]
     service = FakeService(2)
     ranks = [Rank(service, r) for r in range(2)]
-    off_path = {r: [] for r in range(2)}
-    orig = Rank.step
-
-    def step(self, index, sequence):
-        orig(self, index, sequence)
-        off_path[self.guard.rank].append(self.guard.sequence.off_path)
-
-    for r in ranks:
-        r.step = step.__get__(r)
     run_ranks(ranks, lambda r: steps)
     for r in ranks:
         assert r.error is None and r.waits_per_step == new_transitions_per_step(steps)
-        settled = off_path[r.guard.rank][-len(schedule) * 2:]
-        assert settled[0] == settled[-1], off_path[r.guard.rank]  # no lookups in the last cycles
+        settled = r.off_path_after_step[-len(schedule) * 2:]
+        assert settled[0] == settled[-1], r.off_path_after_step  # no lookups in the last cycles
         r.guard.close()
 
 
