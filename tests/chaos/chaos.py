@@ -414,6 +414,27 @@ def parse_rank(lines):
     return decisions, error, digest
 
 
+def print_log_tails(work, lines=25, width=400):
+    """The end of every process's log and output in a finding's work folder:
+    where CI keeps nothing else, this is what shows which wait never ended."""
+    try:
+        names = sorted(n for n in os.listdir(work) if n.endswith((".log", ".out", ".stacks")))
+    except OSError as e:
+        print(f"    (no logs: {e})")
+        return
+    for name in names:
+        try:
+            with open(os.path.join(work, name), errors="replace") as f:
+                text = f.read().splitlines()
+            # A hung process's stacks (save_stacks) from the top: its threads.
+            tail = text[:4 * lines] if name.endswith(".stacks") else text[-lines:]
+        except OSError as e:
+            text = tail = [f"(unreadable: {e})"]
+        print(f"    --- {name} ({len(tail)} of {len(text)} lines)")
+        for line in tail:
+            print(f"      {line[:width]}")
+
+
 def run_job(bins, sched, work, job, faults, verbose=False, deadline_s=DEADLINE_S):
     """Runs the job under `faults`; returns (cluster, ranks, fault log, bound)."""
     cluster = Cluster(bins, work, sched, job, deadline_s)
@@ -524,12 +545,38 @@ def touched_ranks(sched, faults):
     for f in faults:
         if f["kind"] in ("kill_rank", "restart_rank"):
             out.add(f["target"])
-        # A sidecar away longer than its ranks' reconnect grace (its time
-        # down plus its own start) is one killed for good to them.
         if f["kind"] == "kill_sidecar" or (f["kind"] == "restart_sidecar" and
-                                           (not SIDECAR_RESTART_SURVIVED or
-                                            f["down"] + RESTART_S >= NODE_GRACE_S)):
+                                           not SIDECAR_RESTART_SURVIVED):
             out.update(r for r in range(sched.world) if sidecar_of(sched, r) == f["target"])
+    # A sidecar away longer than its ranks' reconnect grace (its time down
+    # plus its own start) is one killed for good to them.
+    for target, away in sidecar_outages(faults).items():
+        if any(end - start >= NODE_GRACE_S for start, end in away):
+            out.update(r for r in range(sched.world) if sidecar_of(sched, r) == target)
+    return out
+
+
+# The client's longest wait between reconnect attempts (kMaxBackoff in
+# client/grpc_client.cc): a sidecar back for less than this may be missed.
+CLIENT_BACKOFF_MAX_S = 1.0
+
+
+def sidecar_outages(faults):
+    """{sidecar: [(start, end)]}: when its ranks find it away. Restarts closer
+    together than the client's longest backoff are one outage: a rank waiting
+    out its backoff never sees the sidecar in between, and its grace runs from
+    the first loss (seed 20071 of a --kinds=restart_sidecar campaign: killed
+    again 0.05 s after its restart, away 1.55 s in all)."""
+    out = {}
+    for f in sorted(faults, key=lambda f: f["at"]):
+        if f["kind"] != "restart_sidecar":
+            continue
+        start, end = f["at"], f["at"] + f["down"] + RESTART_S
+        away = out.setdefault(f["target"], [])
+        if away and start - away[-1][1] < CLIENT_BACKOFF_MAX_S:
+            away[-1] = (away[-1][0], max(away[-1][1], end))
+        else:
+            away.append((start, end))
     return out
 
 
@@ -959,6 +1006,7 @@ def main():
             for t, what in rep["fault_log"]:
                 print(f"    t={t}s {what}")
             print(f"    logs: {rep['work']}")
+            print_log_tails(rep["work"])
             print(f"    reproduce: tests/chaos/chaos.py --seed {seed} -v" +
                   "".join(f" --set '{k}={json.dumps(v)}'" for k, v in overrides))
             if args.record:
