@@ -33,6 +33,7 @@ class Proc:
         self.incarnation = 0
         self.killed_by_us = False  # the harness sent SIGKILL to the current incarnation
         self.exits = []  # (incarnation, returncode) of incarnations that ended
+        self.ended_at = {}  # incarnation -> monotonic time its output ended
         self._cond = threading.Condition()
 
     def start(self):
@@ -62,6 +63,7 @@ class Proc:
                     self._cond.notify_all()
         popen.wait()
         with self._cond:
+            self.ended_at[inc] = time.monotonic()
             self.exits.append((inc, popen.returncode))
             self._cond.notify_all()
 
@@ -128,6 +130,23 @@ class Proc:
                 return f.read()[-n:]
         except OSError:
             return ""
+
+    def ready_time(self, incarnation, timeout):
+        """When `incarnation` said it serves (a daemon's "serving"/"listening"
+        line), waiting up to `timeout`. One that ended first: when it ended
+        (it never served); None if it neither served nor ended in time."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for t, inc, line in self.lines:
+                    if inc == incarnation and (" serving " in line or " listening " in line):
+                        return t
+                if incarnation in self.ended_at:
+                    return self.ended_at[incarnation]
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
 
     def output(self, incarnation=None):
         with self._cond:
