@@ -105,10 +105,12 @@ TEST_F(ClientTest, ConnectToMissingSocketIsUnavailableAndNamesThePath) {
   o.job_id = "job";
   o.rank = 0;
   o.world_size = 1;
+  o.connect_timeout = absl::Seconds(2);  // tried again until then (the default is 30 s)
   absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(c.status().message(), HasSubstr("/tmp/accord-no-such-dir/sidecar.sock"));
+  EXPECT_THAT(c.status().message(), HasSubstr("within 2s"));
 }
 
 TEST_F(ClientTest, InvalidOptionsAreRejectedBeforeConnecting) {
