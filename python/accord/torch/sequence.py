@@ -85,8 +85,8 @@ class StepSequence:
         paths whose transitions were all agreed becomes the most recent
         path; one that followed a path makes it the most recent."""
         if self._on:
-            followed = next((i for i, (e, _) in enumerate(self._paths) if e is self._path), None)
-            if followed:
+            followed = next((i for i, (e, _) in enumerate(self._paths) if e is self._path), 0)
+            if followed > 0:  # not already the most recent
                 self._paths.insert(0, self._paths.pop(followed))
         elif self._seq_agreed:
             self._paths.insert(0, (self._seq, self._seq_prefix))
