@@ -28,20 +28,39 @@ D_IN, D_HID = 12, 10  # 10 rows: padded on 4 ranks
 
 
 class WireSpy:
-    """Records (dtype, numel) of every reduce-scatter input on this rank."""
+    """Records (dtype, numel) of every reduce-scatter input on this rank in
+    `calls`, and in `sequence` every FSDP2 collective in issue order, each
+    as (kind, dtype, numel, process-group ranks): the sequence on each
+    communicator and their interleaving."""
+
+    NAMES = {"reduce_scatter_single": "reduce-scatter", "all_gather_single": "all-gather",
+             "all_reduce": "all-reduce"}
 
     def __init__(self):
-        self.calls = []
-        self._orig = dist.reduce_scatter_single
+        self.calls, self.sequence = [], []
+        self._orig = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, orig in self._orig.items():
+            setattr(dist, name, self._spy(name, orig))
 
-        def spy(output, input, *args, **kwargs):
-            self.calls.append((str(input.dtype).replace("torch.", ""), input.numel()))
-            return self._orig(output, input, *args, **kwargs)
+    def _spy(self, name, orig):
+        def spy(*args, **kwargs):
+            if name == "all_reduce":
+                t = args[0] if args else kwargs["tensor"]
+            else:
+                t = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
+            dtype = str(t.dtype).replace("torch.", "")
+            if name == "reduce_scatter_single":
+                self.calls.append((dtype, t.numel()))
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+            self.sequence.append((self.NAMES[name], dtype, t.numel(), ranks))
+            return orig(*args, **kwargs)
 
-        dist.reduce_scatter_single = spy
+        return spy
 
     def close(self):
-        dist.reduce_scatter_single = self._orig
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
 
 
 def make_agreement(kind, rank, world_size, cluster):
@@ -247,11 +266,15 @@ def unused_everywhere(rank, world_size, agreement="fake", cluster=None, unused_f
     mesh = init_device_mesh("cpu", (world_size,))
     _shard(model, [], mesh, unused_flag=unused_flag)
     inst = _install(model, make_agreement(agreement, rank, world_size, cluster))
-    spy = WireSpy()
-    try:
-        _loss(model(_data(rank, 0))).backward()
-    finally:
-        spy.close()
+    wires = []
+    for _ in range(2):  # the first step carries every trainable parameter
+        model.zero_grad(set_to_none=True)
+        spy = WireSpy()
+        try:
+            _loss(model(_data(rank, 0))).backward()
+        finally:
+            spy.close()
+        wires.append(spy.calls)
     grads = _full_grads(model)
     ref = {n: None for n, _ in ref_model.named_parameters()}
     for r in range(world_size):
@@ -270,7 +293,7 @@ def unused_everywhere(rank, world_size, agreement="fake", cluster=None, unused_f
     return {
         "grads": grads,
         "ref": ref,
-        "wire": spy.calls,
+        "wire": wires,
         "used_numel": used,
         "stats": _stats(inst),
     }

@@ -120,7 +120,7 @@ def zoo(rank, world_size, agreement="accord", cluster=None, guard=True, speculat
         optional = list(model.experts) if skip_empty and not learn else []
         inst = accord.torch.install(model, ag, guard=guard, speculate=speculate,
                                     optional=optional)
-    per_step, refs, sequences = [], [], []
+    per_step, refs, sequences, repairs = [], [], [], []
     for step in range(steps):
         x, img, use_side, routing = usage(seed, rank, 0 if steady else step)
         spy = WireSpy()
@@ -128,16 +128,18 @@ def zoo(rank, world_size, agreement="accord", cluster=None, guard=True, speculat
             model(x, img, use_side, routing, skip_empty).pow(2).sum().backward()
         finally:
             spy.close()
-        sequences.append(spy.calls)
+        sequences.append(spy.sequence)
         per_step.append(_full_grads(model))
         refs.append(_reference(seed, world_size, 0 if steady else step, skip_empty))
         model.zero_grad(set_to_none=True)
+        repairs.append(inst.timing.repairs if inst is not None else 0)
     t = inst.timing if inst is not None else None
     return {
-        "grads": per_step, "ref": refs, "reduce_scatters": sequences,
+        "grads": per_step, "ref": refs, "reduce_scatters": sequences, "repairs": repairs,
         "timing": None if t is None else {
             "speculated": t.speculated, "repairs": t.repairs, "redone": t.redone,
-            "blocked": t.blocked, "waits": t.waits, "releases": t.releases},
+            "blocked": t.blocked, "waits": t.waits, "releases": t.releases,
+            "during": t.during, "at_end": t.at_end, "late": t.late},
         "learned": list(inst.learned) if inst is not None else [],
         "groups": len(inst.groups) if inst is not None else 0,
     }

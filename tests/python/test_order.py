@@ -45,7 +45,7 @@ def check_zoo(results):
     first = results[0]
     for rank, r in enumerate(results):
         assert r["reduce_scatters"] == first["reduce_scatters"], (
-            f"rank {rank} issued other reduce-scatters than rank 0:\n"
+            f"rank {rank} issued other collectives (or in another interleaving) than rank 0:\n"
             f"{r['reduce_scatters']}\n{first['reduce_scatters']}")
         for step, (grads, ref) in enumerate(zip(r["grads"], r["ref"])):
             for name, want in ref.items():
@@ -90,8 +90,8 @@ def test_divergent_usage_every_step_matches_reference(cluster, world_size, guard
     check_zoo(results)
     t = results[0]["timing"]
     assert t["releases"] == 3, t
-    if not speculate:
-        assert t["speculated"] == 0, t
+    # Every turn goes out before its decision: groups x steps.
+    assert t["speculated"] == results[0]["groups"] * 3, t
 
 
 def test_experts_that_do_not_run_on_some_ranks(cluster):
@@ -105,8 +105,11 @@ def test_steady_state_speculates_without_repairs_and_matches_blocking(cluster):
     check_zoo(on)
     groups = on[0]["groups"]
     for a, b in zip(on, off):
-        assert a["timing"]["speculated"] == groups * 2, a["timing"]  # every step after the first
-        assert a["timing"]["repairs"] == 0, a["timing"]
+        assert a["timing"]["speculated"] == groups * 3, a["timing"]  # every turn
+        # The first step carries every trainable parameter and trims what no
+        # rank used; the steady steps carry the last decision: no repair.
+        assert a["repairs"][2] == a["repairs"][0], a["repairs"]
+        assert a["timing"]["late"] == 0, a["timing"]
         for ga, gb in zip(a["grads"], b["grads"]):
             for name in ga:
                 if ga[name] is None:
@@ -115,24 +118,24 @@ def test_steady_state_speculates_without_repairs_and_matches_blocking(cluster):
                     assert torch.equal(ga[name], gb[name]), f"{name} differs with speculation"
 
 
-def test_a_wire_dtype_that_widens_mid_run_is_repaired_exactly(cluster):
+def test_the_wire_dtype_is_agreed_at_install_and_never_repaired(cluster):
+    """fp16 parameters on one rank, bf16 on the other: each group's wire
+    dtype is their join (float32), agreed at install, so a turn never goes
+    out in a dtype its decision widens later."""
     on = run(cluster, osc.widening, 2, speculate=True)
     off = run(cluster, osc.widening, 2, speculate=False)
     for r in on + off:
         for grads, ref in zip(r["grads"], r["ref"]):
             for name, want in ref.items():
                 assert torch.equal(grads[name], want), (name, grads[name], want)
-    # Step 1: unit b went fp16 -> fp32 on the wire; speculation reduced it in
-    # fp16 first, then again in fp32.
-    assert on[0]["timing"]["redone"] == 1 and on[0]["timing"]["repairs"] == 1, on[0]["timing"]
-    assert off[0]["timing"]["repairs"] == 0
-    assert ("float32", 42) in on[0]["wire"][1] and ("float16", 42) in on[0]["wire"][1]
-    assert on[0]["wire"][0] == off[0]["wire"][0]
+        assert r["timing"]["redone"] == 0, r["timing"]
+        for step in r["wire"]:
+            assert step and all(dtype == "float32" for dtype, _ in step), step
 
 
 @pytest.mark.parametrize("scenario,world_size,kwargs", [
-    ("widening", 2, {}),  # one redo per rank (a wider wire dtype)
-    ("zoo", 3, {"steps": 4, "seed": 7}),  # usage redrawn every step: trims and redos
+    ("zoo", 2, {"steps": 3, "seed": 3}),
+    ("zoo", 3, {"steps": 4, "seed": 7}),  # usage redrawn every step: trims and deltas
 ])
 def test_repairs_reach_the_sidecars_metrics(scenario, world_size, kwargs):
     """Each rank adds its speculation and repair counts to its sidecar's
@@ -149,8 +152,6 @@ def test_repairs_reach_the_sidecars_metrics(scenario, world_size, kwargs):
             ("accord_repairs_total", "trim"): sum(r["timing"]["repairs"] - r["timing"]["redone"]
                                                   for r in on),
         }
-        if scenario == "widening":
-            assert want[("accord_repairs_total", "redo")] == world_size, on[0]["timing"]
         assert sum(r["timing"]["repairs"] for r in on) > 0, [r["timing"] for r in on]
         deadline = time.monotonic() + 10
         got = _scrape(port, info["job_id"])
@@ -215,5 +216,6 @@ def test_steady_steps_reach_the_coordinator_as_repeat_waves():
     waves = [float(line.split()[-1]) for line in text.decode().splitlines()
              if line.startswith("accord_repeat_waves_total")]
     # The first steps differ (registration, the guard's first windows, the
-    # wave base); every later one is a wave.
-    assert waves and waves[0] >= steps - 3, waves
+    # wave base, and step 1, whose tail releases during autograd where step
+    # 0's could not: a new collective sequence); every later one is a wave.
+    assert waves and waves[0] >= steps - 4, waves

@@ -173,8 +173,10 @@ def test_tower_unused_on_every_rank_keeps_grads_none(cluster):
     for r in results:
         tower = [n for n in r["grads"] if ".vision_tower." in n]
         assert tower and all(r["grads"][n] is None for n in tower), r["grads"]
-        # No reduce-scatter at all for the tower: 2 decoder layers + root.
-        assert [k for k, _, _ in r["collectives"]].count("RS") == 3, r["collectives"]
+        # 2 decoder layers + root + the tower: the first step has no previous
+        # decision, so its turns carry every trainable parameter (the tower as
+        # zeros on every rank), trimmed back to None.
+        assert [k for k, _, _ in r["collectives"]].count("RS") == 4, r["collectives"]
 
 
 @pytest.mark.parametrize(

@@ -1,63 +1,146 @@
-"""accord.torch's pure parts, without processes: the repair planner, the
-speculation rule, the guard's windows, and the release order and repairs of
-Installation.release() over fake groups and a fake agreement (sub-second)."""
+"""accord.torch's pure parts, without processes: the turn layouts, the
+completion of a step, the release schedule, the guard's windows, and one
+backward's release (accord.torch.release) over fake groups and a fake
+agreement (sub-second)."""
 
 import dataclasses
+import random
 
 import pytest
 
 import accord
 import accord.torch
 from accord.torch import windows
-from accord.torch.installation import Installation
-from accord.torch.plan import NONE, REDO, TRIM, History, Layout, fits, plan_repair, speculates
+from accord.torch.installation import Installation, join_dtypes
+from accord.torch.plan import History, Layout, ReleaseSchedule, complete, turn_layout
 
 
 def L(included, wire="float32"):
     return Layout(tuple(bool(x) for x in included), wire)
 
 
-# ------------------------------------------------------------------ plan_repair
+# ------------------------------------------------------------------ turn layouts
 
-def test_same_layout_needs_no_repair():
-    assert plan_repair(L([1, 0, 1]), L([1, 0, 1])).kind == NONE
-
-
-def test_a_parameter_carried_but_used_nowhere_is_trimmed():
-    r = plan_repair(L([1, 1, 1]), L([1, 0, 0]))
-    assert (r.kind, r.trimmed) == (TRIM, [1, 2])
+def test_a_turn_without_history_carries_every_trainable_parameter():
+    assert turn_layout(History(), [True, False, True], "bfloat16", True) == L([1, 0, 1], "bfloat16")
 
 
-def test_a_parameter_left_out_but_used_somewhere_is_redone():
-    assert plan_repair(L([1, 0]), L([1, 1])).kind == REDO
+def test_a_turn_carries_the_last_decision_unless_it_grew():
+    h = History(L([1, 0, 0]), grew_last=False)
+    assert turn_layout(h, [1, 1, 1], "float32", True) == L([1, 0, 0])
+    h.grew_last = True
+    assert turn_layout(h, [1, 1, 1], "float32", True) == L([1, 1, 1])
+    h.grew_last = False
+    assert turn_layout(h, [1, 1, 1], "float32", False) == L([1, 1, 1])  # speculation off
 
 
-def test_a_wider_wire_dtype_is_redone_even_when_parameters_match():
-    assert plan_repair(L([1, 1], "bfloat16"), L([1, 1], "float32")).kind == REDO
+# ------------------------------------------------------------------ completion
+
+def test_an_exact_turn_needs_nothing():
+    c = complete(L([1, 0, 1]), L([1, 0, 1]), late_somewhere=False)
+    assert c.exact
 
 
-def test_a_narrower_wire_dtype_is_redone_too():
-    assert plan_repair(L([1, 1], "float32"), L([1, 0], "bfloat16")).kind == REDO
+def test_parameters_carried_but_used_nowhere_are_trimmed():
+    c = complete(L([1, 1, 1]), L([1, 0, 0]), late_somewhere=False)
+    assert (c.trimmed, c.delta) == ([1, 2], [])
 
 
-def test_layouts_of_other_lengths_are_redone():
-    assert plan_repair(L([1]), L([1, 0])).kind == REDO
+def test_a_parameter_left_out_but_used_somewhere_goes_in_the_delta():
+    c = complete(L([1, 0]), L([1, 1]), late_somewhere=False)
+    assert (c.trimmed, c.delta) == ([], [1])
 
 
-# ------------------------------------------------------------------ speculation rule
-
-def test_speculation_needs_a_previous_decision_without_repair():
-    assert not speculates(History(), True)
-    assert speculates(History(L([1]), False), True)
-    assert not speculates(History(L([1]), True), True)
-    assert not speculates(History(L([1]), False), False)
+def test_a_late_rank_sends_every_included_parameter_again():
+    c = complete(L([1, 1, 0]), L([1, 0, 1]), late_somewhere=True)
+    assert (c.trimmed, c.delta) == ([1], [0, 2])
 
 
-def test_fits_checks_inclusion_and_dtype():
-    join = lambda a, b: "float32" if "float32" in (a, b) else a  # noqa: E731
-    assert fits(L([1, 0], "float32"), ["bfloat16", None], join)
-    assert not fits(L([1, 0], "float32"), [None, "float32"], join)
-    assert not fits(L([1, 1], "bfloat16"), ["float32", None], join)
+def test_a_group_without_a_turn_sends_what_some_rank_used():
+    assert complete(None, L([0, 1]), late_somewhere=False).delta == [1]
+
+
+def test_layouts_of_other_lengths_are_refused():
+    with pytest.raises(ValueError):
+        complete(L([1]), L([1, 0]), late_somewhere=False)
+
+
+def test_wire_dtypes_join_to_the_narrowest_that_holds_each():
+    assert join_dtypes(["bfloat16"]) == "bfloat16"
+    assert join_dtypes(["bfloat16", "float16"]) == "float32"
+    assert join_dtypes(["float16", "float32"]) == "float32"
+    assert join_dtypes(["float64", "bfloat16"]) == "float64"
+
+
+# ------------------------------------------------------------------ the release schedule
+
+def _run_schedule(n, all_gathers, rng, expected):
+    """One rank's backward: the all-gathers every rank issues alike, with
+    pre- and post-backwards of random groups at random places between them
+    (where autograd ran them on this rank). Returns the released prefix
+    before each all-gather and the order of releases."""
+    s = ReleaseSchedule(n, expected)
+    released, order = [], []
+
+    def take(r):
+        order.extend(r)
+
+    for ag in all_gathers:
+        for _ in range(rng.randrange(3)):
+            kind, g = rng.choice(("pre", "post")), rng.randrange(n)
+            take(s.at_pre_backward(g) if kind == "pre" else s.at_post_backward(g))
+        take(s.before_all_gather(ag))
+        released.append(s.released)
+        s.after_all_gather(ag)
+    for _ in range(rng.randrange(4)):
+        take(s.at_post_backward(rng.randrange(n)))
+    take(s.at_end())
+    return released, order
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_prefix_released_before_each_all_gather_is_the_same_on_every_rank(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 12)
+    all_gathers = [rng.randrange(n) for _ in range(rng.randrange(0, 2 * n))]
+    expected = rng.choice([None, max(0, len(all_gathers) - rng.randrange(3)), len(all_gathers)])
+    runs = [_run_schedule(n, all_gathers, random.Random(seed * 100 + r), expected)
+            for r in range(4)]
+    for released, order in runs:
+        assert released == runs[0][0]
+        assert order == list(range(n))  # every group once, in order
+
+
+def test_a_sequential_backward_releases_each_group_right_after_its_post_backward():
+    """Groups 0..4 in release order, FSDP2's one-ahead prefetch: the
+    all-gather of group i+1 comes in the pre-backward of group i."""
+    n = 5
+    log = []
+    s = ReleaseSchedule(n, expected=None)
+    for i in range(n):
+        if i == 0:
+            s.before_all_gather(0)
+            s.after_all_gather(0)
+        log += [("turn", g) for g in s.at_pre_backward(i)]
+        if i + 1 < n:
+            log += [("turn", g) for g in s.before_all_gather(i + 1)]
+            s.after_all_gather(i + 1)
+        log.append(("post", i))
+    log += [("turn", g) for g in s.at_end()]
+    # Each group's turn comes after its post-backward and before the next
+    # group's: the first step holds at most one finished group, the last
+    # one goes at the end.
+    assert log == [("post", 0), ("turn", 0), ("post", 1), ("turn", 1), ("post", 2),
+                   ("turn", 2), ("post", 3), ("turn", 3), ("post", 4), ("turn", 4)]
+
+
+def test_in_the_tail_a_post_backward_releases_its_group_and_an_extra_all_gather_all():
+    s = ReleaseSchedule(4, expected=1)
+    assert list(s.at_post_backward(0)) == []  # not in the tail yet
+    assert list(s.before_all_gather(0)) == []
+    s.after_all_gather(0)
+    assert list(s.at_post_backward(1)) == [0, 1]
+    assert list(s.before_all_gather(2)) == [2, 3]  # beyond what the last backward had
 
 
 # ------------------------------------------------------------------ guard windows
@@ -127,122 +210,130 @@ class FakeAgreement:
         pass
 
     def submit_async(self, group_id, step, dtypes):
-        return (group_id, step)
+        return (group_id, step, tuple(dtypes))
 
     def submit_batch(self, items):
         self.batches.append([(g, s) for g, s, _ in items])
-        return [(g, s) for g, s, _ in items]
+        return [(g, s, tuple(d)) for g, s, d in items]
 
     def ready(self, handle):
         return True
 
     def wait(self, handle):
-        self.waited.append(handle)
+        self.waited.append(handle[:2])
         return self.decide(*handle)
 
 
-class FakeHeld:
-    def __init__(self, step):
-        self.step, self.dtypes, self.applied, self.handle = step, ["float32"], None, None
+class FakeTurn:
+    def __init__(self, step, late):
+        self.step, self.late, self.owed, self.applied = step, late, {}, L([1])
 
 
 class FakeGroup:
-    """Stands in for HookedGroup: records what it was told to do."""
+    """Stands in for HookedGroup: records its turns and completion."""
 
     def __init__(self, gid, log):
-        self.group_id, self.log, self.step = gid, log, 0
-        self.group = type("G", (), {"reduce_grads": True})()
         from accord.torch.group import GroupStats
 
+        self.group_id, self.log, self.step = gid, log, 0
+        self.group = type("G", (), {"reduce_grads": True})()
         self.stats, self.history = GroupStats(), History()
+        self.turn, self.post_backwarded, self.unsent_grads = None, False, [None]
 
-    def manifest(self):
-        h = FakeHeld(self.step)
+    def take_turn(self, in_backward):
+        self.turn = FakeTurn(self.step, late=in_backward and not self.post_backwarded)
         self.step += 1
-        return h
+        self.log.append(("turn", self.group_id, in_backward, self.turn.late))
+        return self.turn
 
-    def reduce(self, decision, held, speculative):
-        held.applied = Layout.of(decision)
-        self.log.append(("reduce", self.group_id, held.step, speculative,
-                         tuple(decision.included)))
+    def hold(self):
+        self.post_backwarded = True
 
-    def trim(self, held, indices):
-        self.log.append(("trim", self.group_id, held.step, tuple(indices)))
+    def unsent(self):
+        return self.unsent_grads
 
-    def restore_for_redo(self, held):
-        self.log.append(("restore", self.group_id, held.step))
+    def manifest(self, unsent):
+        return ["float32"]
 
-    def count(self, decision, held):
-        self.stats.last_decision = decision
+    def local_manifest(self):
+        return ["float32"]
+
+    def complete(self, completion, unsent):
+        self.log.append(("complete", self.group_id, tuple(completion.trimmed),
+                         tuple(completion.delta)))
+
+    def settle(self, decision, unsent):
+        self.history.last = Layout.of(decision)
+
+    def end_backward(self):
+        self.turn, self.post_backwarded = None, False
 
 
-def make(decide, names=("a", "b", "c"), speculate=True):
+def make(decide, names=("a", "b", "c")):
     agreement = FakeAgreement(decide)
-    inst = Installation(model=None, agreement=agreement, prefix="p", speculate=speculate)
+    inst = Installation(model=None, agreement=agreement, prefix="p", speculate=True)
     log = []
     for n in names:
         inst.groups[n] = FakeGroup(n, log)
     return inst, agreement, log
 
 
-def test_release_goes_in_reverse_install_order_as_one_batch():
-    inst, agreement, log = make(lambda g, s: FakeDecision([True]))
-    inst.release()
-    assert agreement.batches == [[("c", 0), ("b", 0), ("a", 0)]]
-    assert [e[1] for e in log] == ["c", "b", "a"]
-    assert not any(e[3] for e in log)  # first step: no previous decision, no speculation
+def _decide(late=()):
+    def decide(group, step, dtypes):
+        if group == "p/~late":
+            return FakeDecision([g in late for g in ("a", "b", "c")])
+        return FakeDecision([True])
+
+    return decide
 
 
-def test_steady_state_speculates_and_never_repairs():
-    inst, agreement, log = make(lambda g, s: FakeDecision([True]))
-    inst.release()
-    log.clear()
-    inst.release()
-    assert [(e[0], e[1], e[3]) for e in log] == [("reduce", n, True) for n in "cba"]
-    assert inst.timing.speculated == 3 and inst.timing.repairs == 0
-    # Real decisions checked after the reduce-scatters, in the same order.
-    assert agreement.waited[-3:] == [("c", 1), ("b", 1), ("a", 1)]
+def test_turns_before_the_end_go_out_during_the_backward_the_rest_at_the_end():
+    inst, agreement, log = make(_decide())
+    g = inst.groups
+    release = inst.backward()
+    assert [h.group_id for h in release.order] == ["c", "b", "a"]  # install order reversed
+    g["c"].post_backwarded = True
+    release.before_all_gather(g["b"])
+    release.after_all_gather(g["b"])
+    release.pre_backward(g["b"])  # c's turn: its post-backward ran
+    assert log == [("turn", "c", True, False)]
+    release.finish()
+    # One batch: every group's manifest, then the ~late item.
+    assert agreement.batches == [[("c", 0), ("b", 0), ("a", 0), ("p/~late", 0)]]
+    assert [e[:3] for e in log[1:3]] == [("turn", "b", False), ("turn", "a", False)]
+    assert [e[1] for e in log if e[0] == "complete"] == ["c", "b", "a"]
+    assert inst.timing.during == 1 and inst.timing.at_end == 2 and inst.timing.releases == 1
 
 
-def test_a_changed_decision_is_repaired_in_order_then_the_group_waits_once():
-    usage = {("b", 1): [False]}  # b used nowhere in step 1
-
-    inst, agreement, log = make(lambda g, s: FakeDecision(usage.get((g, s), [True])))
-    inst.release()
-    log.clear()
-    inst.release()
-    assert ("trim", "b", 1, (0,)) in log
-    assert inst.timing.repairs == 1 and inst.timing.redone == 0
-    log.clear()
-    inst.release()  # b was repaired last step: it waits for its decision this step
-    assert [(e[1], e[3]) for e in log if e[0] == "reduce"] == [
-        ("c", True), ("b", False), ("a", True)]
+def test_a_group_late_somewhere_is_completed_with_a_delta_of_every_included_parameter():
+    inst, agreement, log = make(_decide(late=("c",)))
+    release = inst.backward()
+    release.before_all_gather(inst.groups["a"])  # through c: its post-backward did not run
+    assert log[0] == ("turn", "c", True, True)
+    release.finish()
+    assert ("complete", "c", (), (0,)) in log
+    assert ("complete", "b", (), ()) in log
+    assert inst.timing.repairs == 1 and inst.timing.redone == 1
 
 
-def test_a_parameter_newly_used_is_redone_with_the_real_decision():
-    usage = {0: [False, True], 1: [True, True]}
-    inst, agreement, log = make(lambda g, s: FakeDecision(usage.get(s, [True, True])),
-                                names=("a",))
-    inst.release()
-    log.clear()
-    inst.release()
-    assert log == [("reduce", "a", 1, True, (False, True)), ("restore", "a", 1),
-                   ("reduce", "a", 1, False, (True, True))]
-    assert inst.timing.redone == 1
-
-
-def test_speculation_off_waits_for_every_decision_before_its_reduce_scatter():
-    inst, agreement, log = make(lambda g, s: FakeDecision([True]), speculate=False)
-    inst.release()
-    inst.release()
-    assert not any(e[3] for e in log) and inst.timing.speculated == 0
+def test_the_next_backward_knows_how_many_all_gathers_the_last_one_had():
+    inst, agreement, log = make(_decide())
+    release = inst.backward()
+    for h in (inst.groups["c"], inst.groups["b"]):
+        release.before_all_gather(h)
+        release.after_all_gather(h)
+    release.finish()
+    release.end()
+    inst.current = None
+    assert inst.backward_all_gathers == 2
+    assert inst.backward().schedule.expected == 2
 
 
 def test_groups_without_gradient_sync_are_not_released():
-    inst, agreement, log = make(lambda g, s: FakeDecision([True]))
+    inst, agreement, log = make(_decide())
     inst.groups["b"].group.reduce_grads = False
-    inst.release()
-    assert agreement.batches == [[("c", 0), ("a", 0)]]
+    inst.backward().finish()
+    assert agreement.batches == [[("c", 0), ("a", 0), ("p/~late", 0)]]
 
 
 if __name__ == "__main__":

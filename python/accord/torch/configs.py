@@ -25,6 +25,11 @@ would go wrong, never as a failure at step N.
    it, at every end-of-backward callback, so a later microbatch's backward
    all-gathers it again on the ranks that ran it only. Pipeline schedules
    without optional units are supported.
+3. Post-accumulate-grad hooks on sharded parameters (optimizer in the
+   backward). FSDP2 runs them right after a reduce-scatter; accord's turn is
+   completed only at the end of the backward (zeros trimmed, late gradients
+   added), so a hook would act on an incomplete gradient. Checked at install
+   and at the start of every backward that reduces.
 """
 
 from __future__ import annotations
@@ -64,6 +69,20 @@ def _split_backward_error(names: List[str], where: str) -> UnsupportedConfigurat
         f"all-gather them on some ranks only. Install without optional units (and with "
         f"learn_optional=False) under a pipeline schedule, or keep such units in a unit that "
         f"every microbatch runs")
+
+
+def refuse_post_accumulate_grad_hooks(groups, where: str) -> None:
+    """Raises UnsupportedConfigurationError when a group's parameters carry
+    post-accumulate-grad hooks (3. above)."""
+    hooked = [h.group_id for h in groups if fsdp2.has_post_accumulate_grad_hooks(h.group)]
+    if hooked:
+        raise UnsupportedConfigurationError(
+            f"accord.torch: post-accumulate-grad hooks on FSDP parameters ({where}; groups "
+            f"{', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''}) are not supported: "
+            f"FSDP2 runs them right after each reduce-scatter, and accord completes a "
+            f"reduce-scatter only at the end of the backward (zeros trimmed, late gradients "
+            f"added), so the hook would see an incomplete gradient. Step the optimizer after "
+            f"backward() instead of inside it, or run without accord.torch")
 
 
 def refuse(model, optional_names: List[str]) -> None:

@@ -1,16 +1,17 @@
-"""One FSDP2 parameter group under accord: its manifest, and how a decision
-is applied to its gradients before FSDP2 builds the reduce-scatter buffer."""
+"""One FSDP2 parameter group under accord: its manifest, its turn in the
+backward's release order, and the completion of its step once the real
+decision is in (docs/PARTICIPATION.md, "One order during the backward")."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from accord.agreement import ParamTuple
 from accord.torch import fsdp2
-from accord.torch.plan import History, Layout
+from accord.torch.plan import Completion, History, Layout, turn_layout
 
 
 class AccordFSDPError(RuntimeError):
@@ -36,20 +37,26 @@ class GroupStats:
     widened: int = 0  # parameter-steps converted to the wire dtype on this rank
     skipped: int = 0  # parameter-steps left out of the buffer
     last_decision: object = None
-    speculated: int = 0  # steps reduce-scattered with the previous decision
-    repaired: int = 0  # of those, steps that needed a repair
+    speculated: int = 0  # turns that carried the previous decision's layout
+    repaired: int = 0  # steps that needed a trim or a delta
+    late: int = 0  # steps whose gradient came after the group's turn on this rank
+    late_bytes: int = 0  # bytes of those gradients, held to the end of the backward
+    owed_bytes: int = 0  # bytes of gradients the turn's layout left out, held likewise
 
 
 @dataclasses.dataclass
-class Held:
-    """A group's step between its manifest and the end of its repair."""
+class Turn:
+    """A group's step from its turn to its completion. Holds no sharded
+    gradient: `was_none` answers a trim, `owed` keeps only gradients the
+    turn's layout left out."""
 
     step: int
-    local: List[Optional[torch.Tensor]]
-    dtypes: List[Optional[str]]
-    handle: object = None
-    applied: Optional[Layout] = None
-    prior: Optional[list] = None  # sharded gradients before a speculative reduce-scatter
+    applied: Optional[Layout]  # None: nothing was reduce-scattered at the turn
+    was_none: List[bool]
+    dtypes: List[Optional[str]]  # this rank's gradients sent at the turn
+    owed: Dict[int, torch.Tensor]
+    late: bool = False  # the gradient was not there at the turn
+    in_backward: bool = False  # the turn came before the end-of-backward point
 
 
 class HookedGroup:
@@ -64,137 +71,221 @@ class HookedGroup:
         for name, fp in zip(names, group.fsdp_params):
             dim0, numel = fsdp2.param_shape(fp)
             self.params.append((name, dim0, numel))
+        self.sizes = [p[2] for p in self.params]
+        self.trainable = [fsdp2.trainable(fp) for fp in group.fsdp_params]
+        self.wire = dtype_name(fsdp2.widest_grad_dtype(group))  # agreed at install
         self.step = 0
         self.stats = GroupStats()
         self.history = History()
         self.original = group.post_backward  # FSDP2's, bound to the group
+        self.original_pre_backward = group.pre_backward
         self.optional = None  # the _OptionalUnit this group belongs to, if any
+        self.turn: Optional[Turn] = None  # this backward's, once the group had it
+        self.post_backwarded = False  # in this backward
+        self.reducing = False  # FSDP2's own post-backward is reduce-scattering
 
     def registration(self) -> tuple:
-        rd = fsdp2.reduce_dtype(self.group)
-        # FSDP2's reduce_dtype, when set, is the wire dtype (the user chose it).
-        return (self.group_id, self.params, dtype_name(rd) if rd is not None else None,
-                rd is not None)
+        return (self.group_id, self.params, None, False)
 
-    # ------------------------------------------------------------ FSDP2's hook
+    # ------------------------------------------------------------ FSDP2's hooks
 
     def post_backward(self, *args, **kwargs):
-        """Replaces the group's post_backward. Outside accord's release it
-        never reduce-scatters: it does what FSDP2 does without gradient sync
-        (reshard, keep the gradient), so no collective and no wait happens at
-        a point whose order depends on this rank's data."""
-        inst = self.installation
-        if inst.releasing is self or not fsdp2.reduces(self.group):
+        """Replaces the group's post_backward. It never reduce-scatters: it
+        does what FSDP2 does without gradient sync (reshard, keep the
+        gradient) and tells the backward's release, which reduce-scatters
+        the group at its turn (accord.torch.release)."""
+        if self.reducing or not fsdp2.reduces(self.group):
             return self.original(*args, **kwargs)
-        with fsdp2.without_reduce(self.group):
-            result = self.original(*args, **kwargs)
-        inst.held(self)
-        return result
+        self.hold()
+        self.installation.post_backwarded(self)
+        return None
 
-    # ------------------------------------------------------------ release
+    def hold(self) -> None:
+        """FSDP2's post-backward without its reduce-scatter (reshard, keep
+        the gradient)."""
+        fsdp2.hold(self.group, self.original)
+        self.post_backwarded = True
 
-    def manifest(self) -> Held:
-        local = fsdp2.local_grads(self.group)
-        held = Held(self.step, local, [dtype_name(g.dtype) if g is not None else None
-                                       for g in local])
-        self.step += 1
-        return held
+    def pre_backward(self, *args, **kwargs):
+        self.installation.pre_backward(self)
+        return self.original_pre_backward(*args, **kwargs)
 
-    def reduce(self, decision, held: Held, speculative: bool) -> None:
-        """Applies `decision` to this rank's gradients and runs FSDP2's own
-        post-backward, which reduce-scatters what the decision includes in its
-        wire dtype. Speculative: a local gradient the decision leaves out is
-        kept out of this reduce-scatter (the repair brings it in)."""
-        layout = Layout.of(decision)
-        fsdp_params = self.group.fsdp_params
-        if len(layout.included) != len(fsdp_params):
-            raise AccordFSDPError(
-                f"accord: group {self.group_id} step {held.step} rank "
-                f"{self.installation.rank}: the decision covers {len(layout.included)} "
-                f"parameters, the group has {len(fsdp_params)}")
-        wire = torch_dtype(layout.wire_dtype)
-        present = {g.dtype for g, inc in zip(held.local, layout.included) if g is not None and inc}
-        # One local dtype: FSDP2's copy-in converts it to the wire dtype itself.
-        # Several: each goes to the wire dtype, so FSDP2 sees uniform gradients.
-        fill = next(iter(present)) if len(present) == 1 else wire
-        for i, (fp, grad) in enumerate(zip(fsdp_params, held.local)):
-            # FSDP2 reads the gradient from here only; what the decision
-            # leaves out stays in held.local (for a repair) and nowhere else.
-            fsdp2.take_grad(fp)
-            if not layout.included[i]:
-                if grad is not None and not speculative:
-                    raise AccordFSDPError(
-                        f"accord: group {self.group_id} step {held.step} rank "
-                        f"{self.installation.rank}: the decision skips parameter "
-                        f"{self.params[i][0]} but this rank has a gradient for it; the "
-                        f"manifest and the decision disagree (check the agreement service)")
-                continue
-            if grad is None:
-                if not fsdp2.was_unsharded(fp):
-                    raise AccordFSDPError(
-                        f"accord: group {self.group_id} step {held.step} rank "
-                        f"{self.installation.rank}: parameter {self.params[i][0]} is used on "
-                        f"another rank but this rank never ran this FSDP unit's forward, so "
-                        f"there is nothing to zero-fill; run the unit's forward once on every "
-                        f"rank (e.g. on an empty batch), or mark it optional")
-                fsdp2.zero_fill(fp, fill)
-            else:
-                fp.unsharded_accumulated_grad = grad if grad.dtype == fill else grad.to(fill)
-        held.applied = layout
-        if speculative:
-            held.prior = [_copy(fsdp2.sharded_param(fp).grad) for fp in fsdp_params]
+    # ------------------------------------------------------------ the turn
+
+    def take_turn(self, in_backward: bool) -> Turn:
+        """Reduce-scatters the group now with the layout its history gives.
+        A group whose post-backward has not run yet is *late*: it sends zeros
+        and keeps its unit as it is (its gradient goes in the delta)."""
         inst = self.installation
-        if any(layout.included):
-            numel = sum(p[2] for p, inc in zip(self.params, layout.included) if inc)
-            inst.record_reduce(f"reduce-scatter of '{self.unit}' ({numel} x "
-                               f"{layout.wire_dtype})")
-            if fsdp2.all_reduces(self.group) and fsdp2.all_reduce_enabled(self.group):
-                # HSDP: FSDP2 all-reduces the shard across replicas right
-                # after the reduce-scatter, in the same call below.
-                inst.record_reduce(f"all-reduce across replicas of '{self.unit}' (shard of "
-                                   f"{numel} x {layout.wire_dtype})")
-        inst.releasing = self
+        layout = turn_layout(self.history, self.trainable, self.wire, inst.speculate)
+        fsdp_params = self.group.fsdp_params
+        ready = self.post_backwarded or not in_backward
+        turn = Turn(self.step, layout if any(layout.included) else None,
+                    [fsdp2.sharded_param(fp).grad is None for fp in fsdp_params],
+                    [None] * len(fsdp_params), {}, late=not ready, in_backward=in_backward)
+        self.step += 1
+        self.turn = turn
+        # Every turn goes out before its decision; the completion repairs it.
+        self.stats.speculated += 1
+        inst.timing.speculated += 1
+        if not ready:
+            if turn.applied is not None:
+                self._send(layout, None, midway=True)
+            return turn
+        local = fsdp2.local_grads(self.group)
+        turn.dtypes = [dtype_name(g.dtype) if g is not None else None for g in local]
+        for i, g in enumerate(local):
+            if g is not None and not layout.included[i]:
+                turn.owed[i] = g
+                self.stats.owed_bytes += g.numel() * g.element_size()
+        if turn.applied is not None:
+            self._send(layout, local, midway=False)
+        else:
+            fsdp2.drop_local_grads(self.group)  # kept in turn.owed
+        return turn
+
+    def _send(self, layout: Layout, local, midway: bool) -> None:
+        """FSDP2's own post-backward reduce-scatters `layout`: this rank's
+        gradient where `local` has one, zeros for the other included
+        parameters, in the group's wire dtype."""
+        wire = torch_dtype(layout.wire_dtype)
+        fills = []
+        for i, fp in enumerate(self.group.fsdp_params):
+            grad = local[i] if local is not None else None
+            if not layout.included[i]:
+                fills.append(None)
+                continue
+            if grad is None and not fsdp2.was_unsharded(fp):
+                raise AccordFSDPError(
+                    f"accord: group {self.group_id} rank {self.installation.rank}: parameter "
+                    f"{self.params[i][0]} is used on another rank but this rank never ran "
+                    f"this FSDP unit's forward, so there is nothing to zero-fill; run the "
+                    f"unit's forward once on every rank (e.g. on an empty batch), or mark "
+                    f"it optional")
+            fills.append(grad if grad is not None else wire)
+        self._record(layout, "")
+        self.reducing = True
         try:
-            with fsdp2.wire_dtype(self.group, wire):
-                self.original()
+            fsdp2.reduce_scatter(self.group, self.original, fills, wire, midway=midway)
         except RuntimeError as e:
-            inst.explain(e)
+            self.installation.explain(e)
             raise
         finally:
-            inst.releasing = None
+            self.reducing = False
 
-    def trim(self, held: Held, indices: List[int]) -> None:
-        """Parameters the speculative reduce-scatter carried as zeros on every
-        rank get back the gradient they had before it (None if none)."""
-        for i in indices:
-            sharded = fsdp2.sharded_param(self.group.fsdp_params[i])
-            sharded.grad = held.prior[i]
+    def _record(self, layout: Layout, suffix: str) -> None:
+        inst = self.installation
+        numel = layout.numel(self.sizes)
+        inst.record_reduce(f"reduce-scatter of '{self.unit}' ({numel} x "
+                           f"{layout.wire_dtype}){suffix}")
+        if fsdp2.all_reduces(self.group) and fsdp2.all_reduce_enabled(self.group):
+            # HSDP: FSDP2 all-reduces the shard across replicas right after
+            # the reduce-scatter, in the same call.
+            inst.record_reduce(f"all-reduce across replicas of '{self.unit}' (shard of "
+                               f"{numel} x {layout.wire_dtype}){suffix}")
 
-    def restore_for_redo(self, held: Held) -> None:
-        """The sharded gradients go back to what they were before the
-        speculative reduce-scatter; reduce() then takes the unsharded ones
-        from held.local again."""
-        for fp, prior in zip(self.group.fsdp_params, held.prior):
-            fsdp2.sharded_param(fp).grad = prior
+    # ------------------------------------------------------------ the end
 
-    def count(self, decision, held: Held) -> None:
-        """This step's stats, from its final decision."""
+    def local_manifest(self) -> List[Optional[str]]:
+        """Before the turn, with every post-backward done: the manifest the
+        turn will send (this rank's gradient dtypes)."""
+        return [dtype_name(g.dtype) if g is not None else None
+                for g in fsdp2.local_grads(self.group)]
+
+    def unsent(self) -> List[Optional[torch.Tensor]]:
+        """At the end of the backward, every post-backward done: gradients of
+        this step not sent at the turn (a late gradient, a second use after
+        the turn, the owed ones)."""
+        local = fsdp2.local_grads(self.group)
+        turn = self.turn
+        for i, g in turn.owed.items():
+            local[i] = g if local[i] is None else local[i] + g
+        return local
+
+    def manifest(self, unsent: List[Optional[torch.Tensor]]) -> List[Optional[str]]:
+        """This rank's manifest of the step: each parameter's gradient dtype
+        (sent at the turn or not), None where it had none."""
+        out = []
+        for sent, late in zip(self.turn.dtypes, unsent):
+            if late is None:
+                out.append(sent)
+            elif sent is None or sent == dtype_name(late.dtype):
+                out.append(dtype_name(late.dtype))
+            else:
+                import accord
+
+                out.append(str(accord.join(sent, dtype_name(late.dtype))))
+        return out
+
+    def complete(self, completion: Completion, unsent) -> None:
+        """The delta reduce-scatter (every rank, the same parameters) and the
+        trims, in that order."""
+        turn = self.turn
+        n = len(self.params)
+        late_here = any(g is not None for i, g in enumerate(unsent) if i not in turn.owed)
+        if late_here and turn.in_backward:
+            self.stats.late += 1
+            nbytes = sum(g.numel() * g.element_size() for i, g in enumerate(unsent)
+                         if g is not None and i not in turn.owed)
+            self.stats.late_bytes += nbytes
+            self.installation.timing.late += 1
+            self.installation.timing.late_bytes += nbytes
+        if completion.delta:
+            delta = Layout(tuple(i in set(completion.delta) for i in range(n)), self.wire)
+            fsdp2.drop_local_grads(self.group)
+            self._send_delta(delta, unsent)
+        else:
+            fsdp2.drop_local_grads(self.group)
+        for i in completion.trimmed:
+            if turn.was_none[i]:
+                fsdp2.sharded_param(self.group.fsdp_params[i]).grad = None
+        turn.owed.clear()
+
+    def _send_delta(self, delta: Layout, unsent) -> None:
+        wire = torch_dtype(delta.wire_dtype)
+        fills = []
+        for i, fp in enumerate(self.group.fsdp_params):
+            if not delta.included[i]:
+                fills.append(None)
+            elif unsent[i] is not None:
+                fills.append(unsent[i])
+            else:
+                if not fsdp2.was_unsharded(fp):
+                    raise AccordFSDPError(
+                        f"accord: group {self.group_id} rank {self.installation.rank}: "
+                        f"parameter {self.params[i][0]} needs zeros for a late gradient of "
+                        f"another rank but this rank never ran this FSDP unit's forward; "
+                        f"mark the unit optional")
+                fills.append(wire)
+        self._record(delta, " (late)")
+        self.reducing = True
+        try:
+            fsdp2.reduce_scatter(self.group, self.original, fills, wire, midway=False)
+        except RuntimeError as e:
+            self.installation.explain(e)
+            raise
+        finally:
+            self.reducing = False
+
+    def settle(self, decision, unsent) -> None:
+        """This step's stats and history, from its final decision."""
         s = self.stats
         s.reductions += 1
         s.last_decision = decision
         layout = Layout.of(decision)
-        present = {dt for dt, inc in zip(held.dtypes, layout.included) if dt is not None and inc}
-        for inc, dt in zip(layout.included, held.dtypes):
+        dtypes = self.manifest(unsent)
+        applied = self.turn.applied.included if self.turn.applied else (False,) * len(dtypes)
+        present = {dt for dt, inc in zip(dtypes, layout.included) if dt is not None and inc}
+        for inc, dt in zip(layout.included, dtypes):
             if not inc:
                 s.skipped += 1
             elif dt is None:
                 s.zero_filled += 1
-            elif len(present) > 1 and dt != layout.wire_dtype:
-                s.widened += 1
+            elif len(present) > 1 and dt != self.wire:
+                s.widened += 1  # beside gradients of another dtype
+        self.history.last = layout
+        self.history.grew_last = any(r and not a for a, r in zip(applied, layout.included))
 
-
-def _copy(grad) -> Optional[torch.Tensor]:
-    """A sharded gradient as it is now (FSDP2 may add into it in place)."""
-    if grad is None:
-        return None
-    return grad.detach().clone()
+    def end_backward(self) -> None:
+        self.turn = None
+        self.post_backwarded = False

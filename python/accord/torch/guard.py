@@ -320,8 +320,9 @@ class SequenceGuard:
                 try:
                     decision = self.client.wait(window.handle, timeout_s=0)
                 except Exception as said:  # noqa: BLE001 - the job's verdict
+                    where = window.records[-1] if window.records else f"window {window.index}"
                     self._fail(verdict(said, f"accord.torch: learned by the collective-sequence "
-                                             f"guard at {window.records[-1]}"), window)
+                                             f"guard at {where}"), window)
                     return
             message = None
             if diverged(decision.included):

@@ -11,7 +11,8 @@ from typing import Dict, Tuple
 from accord.torch import fsdp2
 from accord.torch.group import dtype_name
 
-# FSDP parameter (id) -> (installation, unit path, group), for every attached installation.
+# FSDP parameter (id) -> (installation, unit path, group, HookedGroup), for every attached
+# installation.
 _GUARDED: Dict[int, tuple] = {}
 _ENTRIES: Dict[Tuple[int, int, object], str] = {}  # (group, params, dtype) -> record text
 
@@ -29,7 +30,10 @@ def _route(original):
         found = _guard_of(fsdp_params)
         if found is None:
             return original(fsdp_params, *args, **kwargs)
-        inst, unit, group = found
+        inst, unit, group, hooked = found
+        # The release points before and after each all-gather (the backward's
+        # reduce-scatters go between them, accord.torch.release).
+        inst.before_all_gather(hooked)
         dtype = fsdp2.all_gather_dtype(fsdp_params[0])
         key = (id(group), len(fsdp_params), dtype)
         entry = _ENTRIES.get(key)
@@ -42,10 +46,12 @@ def _route(original):
         if guard is not None and guard.record(entry, unit, group):
             return None  # the unit was all-gathered and pinned instead (learned)
         try:
-            return original(fsdp_params, *args, **kwargs)
+            result = original(fsdp_params, *args, **kwargs)
         except RuntimeError as e:  # a peer stopped: say why, if accord knows
             inst.explain(e)
             raise
+        inst.after_all_gather(hooked)
+        return result
 
     return all_gather
 
@@ -70,11 +76,12 @@ def attach(installation) -> None:
     be None) hear of each step's start first (a prepended root pre-forward)."""
     for h in installation.groups.values():
         for fp in h.group.fsdp_params:
-            _GUARDED[id(fp)] = (installation, h.unit, h.group)
+            _GUARDED[id(fp)] = (installation, h.unit, h.group, h)
     fsdp2.patch_all_gather(_route, _route_copy_out)
 
     def begin_step(module, args):
         if not fsdp2.in_backward():
+            installation.begin_forward()
             if installation.watch is not None:
                 installation.watch.begin_step(installation.release_index)
             if installation.guard is not None:

@@ -61,6 +61,7 @@ def _hook_groups(installation: Installation, model, prefix: str) -> None:
             hooked = HookedGroup(installation, group, group_id, names)
             fsdp2.set_method(group, "_accord_hook", hooked)
             fsdp2.set_method(group, "post_backward", hooked.post_backward)
+            fsdp2.set_method(group, "pre_backward", hooked.pre_backward)
             installation.groups[group_id] = hooked
     if not installation.groups:
         raise ValueError("accord.torch.install: the model has no FSDP2 parameter groups; call "
@@ -123,13 +124,19 @@ def install(
     if speculate is None:
         speculate = overlap if overlap is not None else (
             _env_flag("ACCORD_TORCH_SPECULATE") and _env_flag("ACCORD_TORCH_OVERLAP"))
-    speculate = bool(speculate) and callable(getattr(agreement, "submit_async", None))
+    speculate = bool(speculate)
     inst = Installation(model, agreement, prefix, speculate)
     _hook_groups(inst, model, prefix)
+    try:
+        configs.refuse_post_accumulate_grad_hooks(inst.groups.values(), "at install")
+    except configs.UnsupportedConfigurationError:
+        inst.uninstall()
+        raise
     inst.units = OptionalUnits(inst)
     for name, module in units:
         inst.units.add(name, module)
-    extra = inst.units.registrations()
+    extra = inst.units.registrations() + [inst.late_registration(),
+                                             inst.wire_registration()]
     seq_guard = None
     if guard is None:
         guard = _env_flag("ACCORD_TORCH_GUARD")
@@ -164,6 +171,13 @@ def install(
             e, Exception) and waited else ""
         if hint:
             raise type(e)(f"{e} [{hint}]") from e
+        raise
+    try:
+        inst.agree_wire_dtypes()
+    except BaseException:
+        if step_watch is not None:
+            step_watch.close()
+        inst.uninstall()
         raise
     if seq_guard is not None:
         seq_guard.registered()

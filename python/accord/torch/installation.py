@@ -1,22 +1,11 @@
-"""accord hooked into one FSDP2 model: the release of reduce-scatters.
+"""accord hooked into one FSDP2 model: the hooks that feed each backward's
+release (accord.torch.release) and the agreement calls it makes.
 
-One order, computed locally (docs/PARTICIPATION.md, "One order"): during
-autograd a group's post-backward never reduce-scatters and never waits; it
-does what FSDP2 does without gradient sync (reshard, keep the gradient). At
-the end of each backward, FSDP2's end-of-backward callback (which every rank
-reaches once per backward) first *releases* every group that reduces, in
-release order (module order reversed, the same on every rank): the step's manifests go
-up as one batch, then each group applies its decision and FSDP2's own
-post-backward reduce-scatters it. So every rank issues the same
-reduce-scatters in the same order, whatever order autograd ran the
-post-backwards in, and no accord wait sits at a point whose order depends on
-a rank's data.
-
-Speculation (on by default): a group whose previous step needed no repair
-applies its previous decision at once, without waiting; the real decisions
-are checked after the step's reduce-scatters, before the callback returns
-(so before the optimizer sees a gradient), and any difference is repaired
-the same way on every rank (accord.torch.plan).
+Every group's reduce-scatter goes out during the backward, at a turn whose
+position among the backward's all-gathers is the same on every rank; the
+step's manifests go up as one batch at the end-of-backward point, and each
+group is completed there once its decision is in (docs/PARTICIPATION.md,
+"One order during the backward").
 """
 
 from __future__ import annotations
@@ -27,10 +16,10 @@ import time
 from typing import Dict, List, Optional
 
 import accord
-from accord.torch import fsdp2
+from accord.torch import configs, fsdp2
 from accord.torch.errors import waited
-from accord.torch.group import GroupStats, Held, HookedGroup
-from accord.torch.plan import NONE, REDO, TRIM, Layout, plan_repair, speculates
+from accord.torch.group import GroupStats, HookedGroup
+from accord.torch.release import Release
 
 
 @dataclasses.dataclass
@@ -40,15 +29,29 @@ class NegotiationTiming:
     exposed_s: float = 0.0  # training thread blocked waiting for decisions
     waits: int = 0
     blocked: int = 0  # waits whose decision had not arrived yet (a round trip exposed)
-    held: int = 0  # post-backwards run without their reduce-scatter (released later)
-    releases: int = 0  # end-of-backward releases
-    speculated: int = 0  # group-steps reduce-scattered with the previous decision
-    repairs: int = 0  # of those, group-steps whose real decision differed
-    redone: int = 0  # repairs that reduce-scattered the group again
+    held: int = 0  # post-backwards run without their reduce-scatter (sent at the turn)
+    releases: int = 0  # end-of-backward points with groups to reduce
+    speculated: int = 0  # turns that carried the previous decision's layout
+    repairs: int = 0  # group-steps completed with a trim or a delta
+    redone: int = 0  # of those, group-steps with a delta reduce-scatter
+    during: int = 0  # turns during autograd that carried this rank's gradient
+    at_end: int = 0  # turns at the end-of-backward point
+    late: int = 0  # group-steps whose gradient came after the group's turn
+    late_bytes: int = 0  # their unsharded gradients' bytes, held to the end
 
     @property
     def deferred(self) -> int:  # the name before the release design
         return self.held
+
+
+def join_dtypes(names: List[str]) -> str:
+    """The narrowest of WIRE_DTYPES that holds each of `names` exactly."""
+    names = set(names)
+    if "float64" in names:
+        return "float64"
+    if "float32" in names or len(names) > 1:
+        return "float32"
+    return next(iter(names))
 
 
 class _Blocking(tuple):
@@ -68,7 +71,9 @@ class Installation:
         self.optional: list = []  # _OptionalUnit, see accord.torch.optional
         self.speculate = speculate
         self.timing = NegotiationTiming()
-        self.releasing: Optional[HookedGroup] = None
+        self.current: Optional[Release] = None  # this backward's release
+        self.backward_all_gathers: Optional[int] = None  # in the last one that reduced
+        self._late = None  # the ~late item's handle, from submit to wait
         self.release_index = 0  # releases so far: the step of the batch's other items
         self.guard = None
         self.watch = None  # accord.torch.watchdog.StepWatch
@@ -141,8 +146,29 @@ class Installation:
 
     # ------------------------------------------------------------ hooks
 
-    def held(self, hooked: HookedGroup) -> None:
+    def backward(self) -> Release:
+        """This backward's release, begun at its first event."""
+        if self.current is None:
+            order = [h for h in self.release_order if fsdp2.reduces(h.group)]
+            configs.refuse_post_accumulate_grad_hooks(order, "seen at a backward")
+            self.current = Release(self, order, self.backward_all_gathers)
+        return self.current
+
+    def post_backwarded(self, hooked: HookedGroup) -> None:
         self.timing.held += 1
+        self.backward().post_backwarded(hooked)
+
+    def pre_backward(self, hooked: HookedGroup) -> None:
+        if fsdp2.in_backward():
+            self.backward().pre_backward(hooked)
+
+    def before_all_gather(self, hooked: HookedGroup) -> None:
+        if fsdp2.in_backward():
+            self.backward().before_all_gather(hooked)
+
+    def after_all_gather(self, hooked: HookedGroup) -> None:
+        if fsdp2.in_backward():
+            self.backward().after_all_gather(hooked)
 
     def record_reduce(self, entry: str) -> None:
         if self.watch is not None:
@@ -162,10 +188,13 @@ class Installation:
         """FSDP2's end-of-backward callback, with accord's release first."""
 
         def callback():
+            release = self.backward()
             try:
-                self.release()
+                release.finish()
                 original()
             finally:
+                release.end()
+                self.current = None
                 if self.units is not None:
                     self.units.end_step()
                 if self.watch is not None:
@@ -173,19 +202,21 @@ class Installation:
 
         return callback
 
-    def release(self) -> None:
-        """Reduce-scatters every group that reduces, in release order (see
-        the module docstring). The same groups, steps and order on every rank."""
-        todo = [h for h in self.release_order if fsdp2.reduces(h.group)]
-        if not todo:
-            return
-        self.timing.releases += 1
-        index = self.release_index
-        self.release_index += 1
-        held = [h.manifest() for h in todo]
-        # One batch: the groups, each optional unit's participation and the
-        # guard's window, all at one step in the steady state, so that an
-        # unchanged step is one batch repeat upstream.
+    def begin_forward(self) -> None:
+        """A root forward outside the backward: a release left by a backward
+        that never reached its end (it raised) is dropped."""
+        if self.current is not None:
+            self.current.end()
+            self.current = None
+
+    # ------------------------------------------------------------ the step's batch
+
+    def submit_step(self, index: int, manifests: List[tuple], late: tuple) -> list:
+        """Submits the step's manifests as one batch, with each optional
+        unit's participation, the guard's window, the step watch's item and
+        the `~late` item: all at one step in the steady state, so that an
+        unchanged step is one batch repeat upstream. Returns the manifests'
+        handles."""
         extra = self.units.release_items() if self.units is not None else []
         window = None
         if self.guard is not None:
@@ -194,50 +225,62 @@ class Installation:
         live = self.watch.item(index) if self.watch is not None else None
         if live is not None:
             extra.insert(0, (live, None))
-        handles = self._submit([(h.group_id, s.step, s.dtypes) for h, s in zip(todo, held)]
-                               + [item for item, _ in extra])
-        for (_, reporter), handle in zip(extra, handles[len(todo):]):
+        handles = self._submit(list(manifests) + [item for item, _ in extra] + [late])
+        n = len(manifests)
+        for (_, reporter), handle in zip(extra, handles[n:]):
             if reporter is not None:
                 reporter.handed(handle)
         if live is not None:
-            self.watch.handed(index, handles[len(todo)])
+            self.watch.handed(index, handles[n])
         if window is not None:
-            self.guard.release_handle(window, handles[-1])
-        handles = handles[:len(todo)]
-        speculated = []
-        for h, s, handle in zip(todo, held, handles):
-            s.handle = handle
-            if speculates(h.history, self.speculate and not isinstance(handle, _Blocking)):
-                self.timing.speculated += 1
-                h.stats.speculated += 1
-                h.reduce(h.stats.last_decision, s, speculative=True)
-                speculated.append((h, s))
-            else:
-                decision = self.wait(handle)
-                h.reduce(decision, s, speculative=False)
-                self._settle(h, s, decision, repaired=False)
-        # The real decisions, in the same order: usually already here, as the
-        # reduce-scatters above took longer than the round trip.
-        for h, s in speculated:
-            decision = self.wait(s.handle)
-            repair = plan_repair(s.applied, Layout.of(decision))
-            if repair.kind == TRIM:
-                h.trim(s, repair.trimmed)
-            elif repair.kind == REDO:
-                h.restore_for_redo(s)
-                h.reduce(decision, s, speculative=False)
-                self.timing.redone += 1
-            if repair.kind != NONE:
-                self.timing.repairs += 1
-                h.stats.repaired += 1
-            self._settle(h, s, decision, repaired=repair.kind != NONE)
-        self._report()
+            self.guard.release_handle(window, handles[-2])
+        self._late = handles[-1]
+        return handles[:n]
 
-    def _report(self) -> None:
+    def late_registration(self) -> tuple:
+        return (f"{self.prefix}/~late", [(gid, 1, 1) for gid in self.groups], None, False)
+
+    def late_item(self, index: int, order: list, late: List[bool]) -> tuple:
+        """This rank's `~late` manifest: one slot per group (install order),
+        present when the group's gradient came after its turn here."""
+        mine = {h.group_id for h, l in zip(order, late) if l}
+        return (f"{self.prefix}/~late", index,
+                ["float32" if gid in mine else None for gid in self.groups])
+
+    def wait_late(self) -> Dict[str, bool]:
+        """Which groups some rank was late for, from the `~late` decision."""
+        decision = self.wait(self._late)
+        self._late = None
+        return {gid: bool(inc) for gid, inc in zip(self.groups, decision.included)}
+
+    WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+    def wire_registration(self) -> tuple:
+        return (f"{self.prefix}/~wire",
+                [(f"{gid}:{dt}", 1, 1) for gid in self.groups for dt in self.WIRE_DTYPES],
+                None, False)
+
+    def agree_wire_dtypes(self) -> None:
+        """Each group's wire dtype, fixed for the run, so that no turn is
+        ever sent in a dtype its decision widens: the `~wire` group's one
+        step carries, per group, the dtype FSDP2 reduce-scatters it in on
+        this rank (a slot per dtype); the ranks' dtypes are joined (fp16 on
+        one rank and bf16 on another: float32)."""
+        mine = []
+        for h in self.groups.values():
+            mine += ["float32" if dt == h.wire else None for dt in self.WIRE_DTYPES]
+        decision = self.wait(self._submit([(f"{self.prefix}/~wire", 0, mine)])[0])
+        used = list(decision.included)
+        k = len(self.WIRE_DTYPES)
+        for i, h in enumerate(self.groups.values()):
+            h.wire = join_dtypes([dt for dt, u in zip(self.WIRE_DTYPES, used[i * k:(i + 1) * k])
+                                  if u] or [h.wire])
+
+    def report(self) -> None:
         """Sends the counts added since the last report to the sidecar's
-        metrics (an agreement that can), after each release that speculated
-        and at uninstall: one small message, queued without waiting (a
-        report held back for later is lost when the process exits first)."""
+        metrics (an agreement that can), after each release and at
+        uninstall: one small message, queued without waiting (a report held
+        back for later is lost when the process exits first)."""
         report = getattr(self.agreement, "report", None)
         t, last = self.timing, self._reported
         more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
@@ -245,12 +288,6 @@ class Installation:
             return
         report(*more)
         self._reported = (t.speculated, t.repairs, t.redone)
-
-    @staticmethod
-    def _settle(h: HookedGroup, s: Held, decision, repaired: bool) -> None:
-        h.count(decision, s)
-        h.history.last = Layout.of(decision)
-        h.history.repaired_last = repaired
 
     # ------------------------------------------------------------ wiring
 
@@ -267,7 +304,7 @@ class Installation:
             from accord.torch import guarding
 
             try:
-                self._report()
+                self.report()
             except accord.Error:
                 pass  # the client is closed: its sidecar keeps what it was sent
             guarding.detach(self)
@@ -282,6 +319,7 @@ class Installation:
             self._patched_states.clear()
             for h in self.groups.values():
                 fsdp2.clear_method(h.group, "post_backward")
+                fsdp2.clear_method(h.group, "pre_backward")
                 fsdp2.clear_method(h.group, "_accord_hook")
             self.groups.clear()
             self.model.__dict__.pop("_accord_installation", None)

@@ -1,8 +1,9 @@
-"""The pure parts of accord.torch's reduce path: which decision a group
-applies, and how a speculative reduce-scatter is repaired. No torch, no I/O;
-every rank computes the same answer from the same decisions, which is what
-keeps their collectives identical (docs/PARTICIPATION.md, "One order" and
-"Speculative decisions").
+"""The pure parts of accord.torch's reduce path: where each group's
+reduce-scatter goes in the backward, which layout it carries, and how the
+step is completed once the real decisions are in. No torch, no I/O; every
+rank computes the same answer from the same inputs, which is what keeps
+their collectives identical (docs/PARTICIPATION.md, "One order during the
+backward").
 """
 
 from __future__ import annotations
@@ -10,15 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
-NONE = "none"  # the speculative reduce-scatter was exact
-TRIM = "trim"  # parameters reduced as zeros everywhere lose their gradient again
-REDO = "redo"  # the group is reduce-scattered again with the real decision
-
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What a decision makes a reduce-scatter carry: which parameters, and
-    the wire dtype."""
+    """What a reduce-scatter carries: which parameters, and the wire dtype."""
 
     included: tuple
     wire_dtype: str
@@ -27,33 +23,8 @@ class Layout:
     def of(decision) -> "Layout":
         return Layout(tuple(bool(x) for x in decision.included), str(decision.wire_dtype))
 
-
-@dataclasses.dataclass
-class Repair:
-    kind: str
-    trimmed: List[int] = dataclasses.field(default_factory=list)  # for TRIM
-
-
-def plan_repair(applied: Layout, real: Layout) -> Repair:
-    """How to turn the reduce-scatter of `applied` into that of `real`.
-
-    TRIM when `real` only leaves out parameters `applied` carried, in the same
-    dtype: `real` leaves a parameter out exactly when no rank had a gradient
-    for it, so every rank sent zeros for it and the other parameters' sums are
-    already right; only those parameters' gradients go back to what they were
-    before (None). Anything else (a parameter `applied` left out that a rank
-    had a gradient for, another wire dtype) is a REDO.
-    """
-    if len(applied.included) != len(real.included):
-        return Repair(REDO)
-    if applied == real:
-        return Repair(NONE)
-    if applied.wire_dtype != real.wire_dtype:
-        return Repair(REDO)
-    if any(r and not a for a, r in zip(applied.included, real.included)):
-        return Repair(REDO)
-    return Repair(TRIM, [i for i, (a, r) in enumerate(zip(applied.included, real.included))
-                         if a and not r])
+    def numel(self, sizes: Sequence[int]) -> int:
+        return sum(n for n, inc in zip(sizes, self.included) if inc)
 
 
 @dataclasses.dataclass
@@ -61,24 +32,117 @@ class History:
     """One group's past decisions, identical on every rank."""
 
     last: Optional[Layout] = None
-    repaired_last: bool = False
+    # The last step's decision included a parameter its turn's layout left
+    # out (some rank had a gradient the turn did not carry).
+    grew_last: bool = False
 
 
-def speculates(history: History, enabled: bool) -> bool:
-    """Whether this group applies its previous decision without waiting.
-    Only the group's history decides, so every rank answers the same: a group
-    with a decision whose last step needed no repair. A group whose usage
-    keeps changing alternates: one repaired step, one blocking step."""
-    return enabled and history.last is not None and not history.repaired_last
+def turn_layout(history: History, trainable: Sequence[bool], wire: str,
+                speculate: bool) -> Layout:
+    """The layout a group's reduce-scatter carries at its turn in the
+    backward, before this step's decision exists. From history alone, so
+    every rank computes the same: the last decision when speculating and it
+    did not grow; otherwise every trainable parameter (zeros cost bandwidth,
+    not memory; the parameters used nowhere are trimmed afterwards). The wire
+    dtype is the group's, fixed at install."""
+    if speculate and history.last is not None and not history.grew_last:
+        return Layout(history.last.included, wire)
+    return Layout(tuple(bool(t) for t in trainable), wire)
 
 
-def fits(layout: Layout, local_dtypes: Sequence[Optional[str]], join) -> bool:
-    """Whether this rank's manifest fits `layout`: each parameter with a local
-    gradient is included, and its dtype joined with the wire dtype is the
-    wire dtype. For counting only; the real decision decides repairs."""
-    for inc, dt in zip(layout.included, local_dtypes):
-        if dt is None:
-            continue
-        if not inc or join(dt, layout.wire_dtype) != layout.wire_dtype:
-            return False
-    return True
+@dataclasses.dataclass
+class Completion:
+    """What a group needs after its turn, once the real decision is in.
+
+    `trimmed`: parameters the turn carried that no rank had a gradient for;
+    their sharded gradient goes back to None where it was None before.
+    `delta`: parameters reduce-scattered once more at the end of the
+    backward, every rank contributing what it has not sent yet (zeros
+    otherwise): all included parameters when some rank was late for the
+    group, plus those the turn's layout left out and some rank used."""
+
+    trimmed: List[int]
+    delta: List[int]
+
+    @property
+    def exact(self) -> bool:
+        return not self.trimmed and not self.delta
+
+
+def complete(applied: Optional[Layout], real: Layout, late_somewhere: bool) -> Completion:
+    """The completion of a group's step. `applied` is the turn's layout
+    (None: the group had no turn, so nothing was sent)."""
+    n = len(real.included)
+    carried = applied.included if applied is not None else (False,) * n
+    if len(carried) != n:
+        raise ValueError(f"a layout of {len(carried)} parameters against a decision of {n}")
+    trimmed = [i for i in range(n) if carried[i] and not real.included[i]]
+    if late_somewhere:
+        delta = [i for i in range(n) if real.included[i]]
+    else:
+        delta = [i for i in range(n) if real.included[i] and not carried[i]]
+    return Completion(trimmed, delta)
+
+
+class ReleaseSchedule:
+    """Where each group's reduce-scatter goes in one backward.
+
+    Groups are released in one order (index 0 first), each exactly once. The
+    all-gathers are the only other FSDP2 collectives of the backward, and
+    every rank issues the same ones in the same order (FSDP2 needs that; the
+    guard checks it), so the rule below makes the prefix released before
+    each all-gather a function of the all-gathers so far, never of where
+    autograd ran a hook:
+
+    - before the all-gather of group i: release through max(pending, i - 2)
+      (FSDP2 prefetches one unit ahead: when it all-gathers group i, in the
+      pre-backward of group i - 1, group i - 2 has had its post-backward in
+      a sequential model); after it, pending = max(pending, i - 1);
+    - at the pre-backward of group j: through min(pending, j - 1), which the
+      next all-gather would release anyway;
+    - the *tail*: after as many all-gathers as the previous backward had
+      (`expected`, the same on every rank), each post-backward releases
+      through its own group. No rule ties these to an all-gather, so an
+      all-gather beyond `expected` first releases every group left, on
+      every rank alike;
+    - at the end of the backward: the rest.
+
+    A group whose gradient is not there at its release is *late*: it sends
+    zeros then and its gradient once more at the end (Completion.delta)."""
+
+    def __init__(self, count: int, expected: Optional[int] = None):
+        self.count = count
+        self.expected = expected  # all-gathers of the previous backward
+        self.all_gathers = 0
+        self.released = 0  # groups [0, released) are released
+        self.pending = -1
+
+    @property
+    def in_tail(self) -> bool:
+        return self.expected is not None and self.all_gathers >= self.expected
+
+    def before_all_gather(self, index: int) -> range:
+        self.all_gathers += 1
+        if self.expected is not None and self.all_gathers > self.expected:
+            return self._through(self.count - 1)
+        return self._through(max(self.pending, index - 2))
+
+    def after_all_gather(self, index: int) -> None:
+        self.pending = max(self.pending, index - 1)
+
+    def at_pre_backward(self, index: int) -> range:
+        return self._through(min(self.pending, index - 1))
+
+    def at_post_backward(self, index: int) -> range:
+        return self._through(index) if self.in_tail else range(0)
+
+    def at_end(self) -> range:
+        return self._through(self.count - 1)
+
+    def _through(self, last: int) -> range:
+        last = min(last, self.count - 1)
+        if last < self.released:
+            return range(0)
+        out = range(self.released, last + 1)
+        self.released = last + 1
+        return out

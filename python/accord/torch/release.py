@@ -1,0 +1,120 @@
+"""One backward's release of reduce-scatters (docs/PARTICIPATION.md, "One
+order during the backward").
+
+During autograd a group's post-backward never reduce-scatters: it keeps the
+gradient, as FSDP2 does without gradient sync. Each group is reduce-scattered
+at its *turn*: groups go in release order (module order reversed), each once,
+at release points placed among the backward's all-gathers the same way on
+every rank (accord.torch.plan.ReleaseSchedule). A turn carries the layout the
+group's history gives (accord.torch.plan.turn_layout), with zeros where this
+rank has no gradient, and FSDP2 frees the unsharded gradient right after, as
+it does alone. A group whose gradient is not there at its turn (late) sends
+zeros.
+
+At the end-of-backward point (FSDP2's final callback, which every rank
+reaches once per backward) the remaining groups take their turns, and the
+step's manifests go up as one batch with one more item, `~late`: which groups
+this rank was late for. Once the decisions are in, each group is completed
+the same way on every rank: a delta reduce-scatter of what some rank has not
+sent yet, and trims of parameters no rank used.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from accord.torch.plan import Layout, ReleaseSchedule, complete
+
+
+class Release:
+    """One backward's turns and completion. Training thread only."""
+
+    def __init__(self, installation, order: list, expected: Optional[int]):
+        self.inst = installation
+        self.order = order
+        self.index = {id(h): i for i, h in enumerate(order)}
+        self.schedule = ReleaseSchedule(len(order), expected)
+
+    # ------------------------------------------------------------ release points
+
+    def before_all_gather(self, hooked) -> None:
+        i = self.index.get(id(hooked))
+        if i is not None:
+            self._turns(self.schedule.before_all_gather(i), in_backward=True)
+
+    def after_all_gather(self, hooked) -> None:
+        i = self.index.get(id(hooked))
+        if i is not None:
+            self.schedule.after_all_gather(i)
+
+    def post_backwarded(self, hooked) -> None:
+        i = self.index.get(id(hooked))
+        if i is not None:
+            self._turns(self.schedule.at_post_backward(i), in_backward=True)
+
+    def pre_backward(self, hooked) -> None:
+        i = self.index.get(id(hooked))
+        if i is not None:
+            self._turns(self.schedule.at_pre_backward(i), in_backward=True)
+
+    def _turns(self, indices, in_backward: bool) -> None:
+        timing = self.inst.timing
+        for i in indices:
+            h = self.order[i]
+            turn = h.take_turn(in_backward)
+            if in_backward and not turn.late:
+                timing.during += 1
+            elif not in_backward:
+                timing.at_end += 1
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        """The end-of-backward point: remaining turns, the step's batch, and
+        each group's completion, in release order."""
+        if not self.order:
+            return
+        inst = self.inst
+        inst.timing.releases += 1
+        inst.backward_all_gathers = self.schedule.all_gathers
+        index = inst.release_index
+        inst.release_index += 1
+        for h in self.order:
+            if not h.post_backwarded:
+                h.hold()
+        turned = [h.turn is not None for h in self.order]
+        unsent: List[Optional[list]] = []
+        manifests = []
+        for h, t in zip(self.order, turned):
+            if t:
+                u = h.unsent()
+                unsent.append(u)
+                manifests.append((h.group_id, h.turn.step, h.manifest(u)))
+            else:
+                unsent.append(None)
+                manifests.append((h.group_id, h.step, h.local_manifest()))
+        late = [u is not None and any(g is not None for i, g in enumerate(u)
+                                      if i not in h.turn.owed)
+                for h, u in zip(self.order, unsent)]
+        handles = inst.submit_step(index, manifests, inst.late_item(index, self.order, late))
+        # The rest of the turns, while the decisions travel.
+        self._turns(self.schedule.at_end(), in_backward=False)
+        late_any = inst.wait_late()
+        for h, handle, u in zip(self.order, handles, unsent):
+            decision = inst.wait(handle)
+            real = Layout.of(decision)
+            if u is None:
+                u = h.unsent()
+            completion = complete(h.turn.applied, real, late_any.get(h.group_id, False))
+            h.complete(completion, u)
+            if not completion.exact:
+                inst.timing.repairs += 1
+                h.stats.repaired += 1
+                if completion.delta:
+                    inst.timing.redone += 1
+            h.settle(decision, u)
+        inst.report()
+
+    def end(self) -> None:
+        for h in self.order:
+            h.end_backward()
