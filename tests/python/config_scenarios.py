@@ -473,7 +473,8 @@ def run_one(rank, name, mode, kinds, agreement):
         if inst is not None:
             t = inst.timing
             result["timing"] = {"speculated": t.speculated, "repairs": t.repairs,
-                                "redone": t.redone, "releases": t.releases, "held": t.held}
+                                "redone": t.redone, "releases": t.releases, "held": t.held,
+                                "late": t.late}
             result["stats"] = {gid: (s.reductions, s.zero_filled, s.widened, s.skipped)
                                for gid, s in inst.stats.items()}
             result["learned"] = list(inst.learned)

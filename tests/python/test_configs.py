@@ -215,9 +215,12 @@ def test_accord_matches_reference(two, config):
     check_accord(two, run, two[0][("ref", config, BOTH)], ignored)
     timing = two[0][run]["timing"]
     assert timing["releases"] == cs.STEPS, timing
-    # Step 1 speculated every group on step 0's decision; proj and layer 1,
-    # used in step 0 and nowhere in step 1, were trimmed back to None.
-    assert timing["speculated"] == 4 and timing["repairs"] == 2, timing
+    # Every turn goes out before its decision (4 groups, 2 steps); step 1
+    # carries step 0's decisions, and proj and layer 1, used in step 0 and
+    # nowhere in step 1, are trimmed back to None. No gradient is late: each
+    # group's turn comes after its post-backward wherever it has one.
+    assert timing["speculated"] == 8 and timing["repairs"] >= 2, timing
+    assert timing["late"] == 0 and timing["redone"] == 0, timing
 
 
 def _ids(run):

@@ -186,12 +186,6 @@ class HookedGroup:
 
     # ------------------------------------------------------------ the end
 
-    def local_manifest(self) -> List[Optional[str]]:
-        """Before the turn, with every post-backward done: the manifest the
-        turn will send (this rank's gradient dtypes)."""
-        return [dtype_name(g.dtype) if g is not None else None
-                for g in fsdp2.local_grads(self.group)]
-
     def unsent(self) -> List[Optional[torch.Tensor]]:
         """At the end of the backward, every post-backward done: gradients of
         this step not sent at the turn (a late gradient, a second use after

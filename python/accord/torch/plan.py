@@ -94,12 +94,15 @@ class ReleaseSchedule:
     each all-gather a function of the all-gathers so far, never of where
     autograd ran a hook:
 
-    - before the all-gather of group i: release through max(pending, i - 2)
-      (FSDP2 prefetches one unit ahead: when it all-gathers group i, in the
-      pre-backward of group i - 1, group i - 2 has had its post-backward in
-      a sequential model); after it, pending = max(pending, i - 1);
+    - before any all-gather: release through `pending`, what earlier
+      all-gathers allow; after the all-gather of group i: pending =
+      max(pending, i - 1) (group i is about to run its backward; the group
+      before it in release order is done once group i's pre-backward runs,
+      in a sequential model);
     - at the pre-backward of group j: through min(pending, j - 1), which the
-      next all-gather would release anyway;
+      next all-gather releases anyway on ranks where that pre-backward does
+      not run. So on every rank the released prefix before an all-gather is
+      `pending`, a function of the all-gathers alone;
     - the *tail*: after as many all-gathers as the previous backward had
       (`expected`, the same on every rank), each post-backward releases
       through its own group. No rule ties these to an all-gather, so an
@@ -125,7 +128,7 @@ class ReleaseSchedule:
         self.all_gathers += 1
         if self.expected is not None and self.all_gathers > self.expected:
             return self._through(self.count - 1)
-        return self._through(max(self.pending, index - 2))
+        return self._through(self.pending)
 
     def after_all_gather(self, index: int) -> None:
         self.pending = max(self.pending, index - 1)

@@ -12,7 +12,7 @@ it does alone. A group whose gradient is not there at its turn (late) sends
 zeros.
 
 At the end-of-backward point (FSDP2's final callback, which every rank
-reaches once per backward) the remaining groups take their turns, and the
+reaches once per backward) the remaining groups take their turns, then the
 step's manifests go up as one batch with one more item, `~late`: which groups
 this rank was late for. Once the decisions are in, each group is completed
 the same way on every rank: a delta reduce-scatter of what some rank has not
@@ -82,29 +82,19 @@ class Release:
         for h in self.order:
             if not h.post_backwarded:
                 h.hold()
-        turned = [h.turn is not None for h in self.order]
-        unsent: List[Optional[list]] = []
-        manifests = []
-        for h, t in zip(self.order, turned):
-            if t:
-                u = h.unsent()
-                unsent.append(u)
-                manifests.append((h.group_id, h.turn.step, h.manifest(u)))
-            else:
-                unsent.append(None)
-                manifests.append((h.group_id, h.step, h.local_manifest()))
-        late = [u is not None and any(g is not None for i, g in enumerate(u)
-                                      if i not in h.turn.owed)
+        # The rest of the turns, then the batch: the guard's window of the
+        # step closes with the batch, after every turn on every rank (turns
+        # of the last interval come before the end on some ranks only).
+        self._turns(self.schedule.at_end(), in_backward=False)
+        unsent = [h.unsent() for h in self.order]
+        manifests = [(h.group_id, h.turn.step, h.manifest(u)) for h, u in zip(self.order, unsent)]
+        late = [any(g is not None for i, g in enumerate(u) if i not in h.turn.owed)
                 for h, u in zip(self.order, unsent)]
         handles = inst.submit_step(index, manifests, inst.late_item(index, self.order, late))
-        # The rest of the turns, while the decisions travel.
-        self._turns(self.schedule.at_end(), in_backward=False)
         late_any = inst.wait_late()
         for h, handle, u in zip(self.order, handles, unsent):
             decision = inst.wait(handle)
             real = Layout.of(decision)
-            if u is None:
-                u = h.unsent()
             completion = complete(h.turn.applied, real, late_any.get(h.group_id, False))
             h.complete(completion, u)
             if not completion.exact:
