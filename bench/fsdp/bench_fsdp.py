@@ -2,11 +2,13 @@
 
 Each rank holds identical models, sharded the same way:
 - plain:    FSDP2 without accord (the baseline);
-- blocking: accord with speculation off (the release waits for the step's
-            decisions, one batch, before its reduce-scatters);
-- speculative: accord as installed by default (each group applies its
-            previous decision at once; the real ones are checked after the
-            reduce-scatters; docs/PARTICIPATION.md);
+- blocking: accord with speculation off (every turn carries every
+            trainable parameter instead of the last decision; the name is
+            the earlier design's);
+- speculative: accord as installed by default (each group's turn carries
+            its last decision; the step's decisions are checked at the end
+            of the backward; docs/PARTICIPATION.md, "One order during the
+            backward");
 - unguarded: speculative without the collective-sequence guard
             (guard=False), so speculative vs unguarded is the guard's cost;
 - optional: (--model vlm only) speculative with the LLaVA vision tower marked

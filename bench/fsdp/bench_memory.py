@@ -133,6 +133,15 @@ def run_step(model, args, rank, step, all_used):
         model(ids, img).backward()
 
 
+def _counts(inst):
+    """Where the turns went (0 for a tree without turns: the previous design,
+    run with --baseline-tree to compare)."""
+    t = inst.timing
+    out = {k: getattr(t, k, 0) for k in ("during", "at_end", "late", "late_bytes", "redone")}
+    out["owed_bytes"] = sum(getattr(s, "owed_bytes", 0) for s in inst.stats.values())
+    return out
+
+
 def rank_main(rank, world_size, args=None, cluster=None):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -153,8 +162,7 @@ def rank_main(rank, world_size, args=None, cluster=None):
         for step in range(args.steps):
             row = {"step": step}
             for name, m in (("plain", plain), ("accord", model)):
-                t0 = dict(vars(inst.timing))
-                owed0 = sum(s.owed_bytes for s in inst.stats.values())
+                t0 = _counts(inst)
                 meter.reset()
                 rss_reset()
                 rss0, _ = rss_now_and_peak()
@@ -162,10 +170,8 @@ def rank_main(rank, world_size, args=None, cluster=None):
                 _, hwm = rss_now_and_peak()
                 row[name] = {"grad_peak": meter.peak, "rss_over_start": hwm - rss0}
                 if name == "accord":
-                    t1 = vars(inst.timing)
-                    row[name].update({k: t1[k] - t0[k] for k in ("during", "at_end", "late",
-                                                                 "late_bytes", "redone")})
-                    row[name]["owed_bytes"] = sum(s.owed_bytes for s in inst.stats.values()) - owed0
+                    t1 = _counts(inst)
+                    row[name].update({k: t1[k] - t0[k] for k in t1})
                 m.zero_grad(set_to_none=True)
             rows.append(row)
     finally:

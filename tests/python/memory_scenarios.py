@@ -171,16 +171,18 @@ def late(rank, world_size, agreement="accord", cluster=None, blocks=4, dim=32, s
     fully_shard(model, mesh=mesh)
     inst = accord.torch.install(model, make_agreement(agreement, rank, world_size, cluster),
                                 speculate=speculate)
-    out = {"grads": [], "ref": [], "late": [], "late_bytes": []}
+    out = {"grads": [], "ref": [], "late": [], "late_bytes": [], "deltas": []}
 
     def data(r, step):
         return torch.randn(4, dim, generator=torch.Generator().manual_seed(7 * step + r))
 
     for step in range(steps):
-        late0, bytes0 = inst.timing.late, inst.timing.late_bytes
+        t = inst.timing
+        late0, bytes0, deltas0 = t.late, t.late_bytes, t.redone
         model(data(rank, step), rank % 2 == 1).backward()
-        out["late"].append(inst.timing.late - late0)
-        out["late_bytes"].append(inst.timing.late_bytes - bytes0)
+        out["late"].append(t.late - late0)
+        out["late_bytes"].append(t.late_bytes - bytes0)
+        out["deltas"].append(t.redone - deltas0)
         out["grads"].append(_full_grads(model))
         ref.zero_grad(set_to_none=True)
         for r in range(world_size):

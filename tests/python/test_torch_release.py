@@ -239,6 +239,7 @@ class FakeGroup:
         self.group = type("G", (), {"reduce_grads": True, "fsdp_params": []})()
         self.stats, self.history = GroupStats(), History()
         self.turn, self.post_backwarded, self.unsent_grads = None, False, [None]
+        self.passed_unready = False
 
     def take_turn(self, in_backward):
         self.turn = FakeTurn(self.step, late=in_backward and not self.post_backwarded)
@@ -262,8 +263,12 @@ class FakeGroup:
         self.log.append(("complete", self.group_id, tuple(completion.trimmed),
                          tuple(completion.delta)))
 
-    def settle(self, decision, unsent):
+    def late_here(self, unsent):
+        return self.turn.late
+
+    def settle(self, decision, unsent, late_somewhere):
         self.history.last = Layout.of(decision)
+        self.history.deferred = late_somewhere
 
     def end_backward(self):
         self.turn, self.post_backwarded = None, False
@@ -316,6 +321,28 @@ def test_a_group_late_somewhere_is_completed_with_a_delta_of_every_included_para
     assert ("complete", "c", (), (0,)) in log
     assert ("complete", "b", (), ()) in log
     assert inst.timing.repairs == 1 and inst.timing.redone == 1
+
+
+def test_a_group_late_somewhere_takes_its_turn_at_the_end_from_the_next_step():
+    inst, agreement, log = make(_decide(late=("c",)))
+    release = inst.backward()
+    release.before_all_gather(inst.groups["b"])
+    release.after_all_gather(inst.groups["b"])
+    release.before_all_gather(inst.groups["a"])  # c late
+    release.finish()
+    release.end()
+    inst.current = None
+    assert inst.groups["c"].history.deferred
+    log.clear()
+    release = inst.backward()
+    release.before_all_gather(inst.groups["b"])
+    release.after_all_gather(inst.groups["b"])
+    release.before_all_gather(inst.groups["a"])  # c's place: skipped
+    assert log == []
+    release.finish()
+    # c after every other group, at the end; no delta for it.
+    assert [e[1] for e in log if e[0] == "turn"] == ["b", "a", "c"]
+    assert ("complete", "c", (), ()) in log
 
 
 def test_the_next_backward_knows_how_many_all_gathers_the_last_one_had():

@@ -57,6 +57,7 @@ class Turn:
     owed: Dict[int, torch.Tensor]
     late: bool = False  # the gradient was not there at the turn
     in_backward: bool = False  # the turn came before the end-of-backward point
+    sent_bytes: int = 0  # this rank's gradient bytes the turn carried
 
 
 class HookedGroup:
@@ -82,6 +83,7 @@ class HookedGroup:
         self.optional = None  # the _OptionalUnit this group belongs to, if any
         self.turn: Optional[Turn] = None  # this backward's, once the group had it
         self.post_backwarded = False  # in this backward
+        self.passed_unready = False  # deferred: not ready where its turn would have been
         self.reducing = False  # FSDP2's own post-backward is reduce-scattering
 
     def registration(self) -> tuple:
@@ -134,6 +136,7 @@ class HookedGroup:
             return turn
         local = fsdp2.local_grads(self.group)
         turn.dtypes = [dtype_name(g.dtype) if g is not None else None for g in local]
+        turn.sent_bytes = sum(g.numel() * g.element_size() for g in local if g is not None)
         for i, g in enumerate(local):
             if g is not None and not layout.included[i]:
                 turn.owed[i] = g
@@ -196,6 +199,13 @@ class HookedGroup:
             local[i] = g if local[i] is None else local[i] + g
         return local
 
+    def late_here(self, unsent: List[Optional[torch.Tensor]]) -> bool:
+        """This rank's `~late` slot: a gradient came after the turn (or,
+        deferred, would have: the turn's place passed before it came)."""
+        if self.passed_unready:
+            return any(dt is not None for dt in self.turn.dtypes)
+        return any(g is not None for i, g in enumerate(unsent) if i not in self.turn.owed)
+
     def manifest(self, unsent: List[Optional[torch.Tensor]]) -> List[Optional[str]]:
         """This rank's manifest of the step: each parameter's gradient dtype
         (sent at the turn or not), None where it had none."""
@@ -216,11 +226,12 @@ class HookedGroup:
         trims, in that order."""
         turn = self.turn
         n = len(self.params)
-        late_here = any(g is not None for i, g in enumerate(unsent) if i not in turn.owed)
-        if late_here and turn.in_backward:
+        late_here = self.late_here(unsent)
+        if late_here and (turn.in_backward or self.passed_unready):
             self.stats.late += 1
-            nbytes = sum(g.numel() * g.element_size() for i, g in enumerate(unsent)
-                         if g is not None and i not in turn.owed)
+            nbytes = self.turn.sent_bytes if self.passed_unready else sum(
+                g.numel() * g.element_size() for i, g in enumerate(unsent)
+                if g is not None and i not in turn.owed)
             self.stats.late_bytes += nbytes
             self.installation.timing.late += 1
             self.installation.timing.late_bytes += nbytes
@@ -261,7 +272,7 @@ class HookedGroup:
         finally:
             self.reducing = False
 
-    def settle(self, decision, unsent) -> None:
+    def settle(self, decision, unsent, late_somewhere: bool) -> None:
         """This step's stats and history, from its final decision."""
         s = self.stats
         s.reductions += 1
@@ -279,7 +290,9 @@ class HookedGroup:
                 s.widened += 1  # beside gradients of another dtype
         self.history.last = layout
         self.history.grew_last = any(r and not a for a, r in zip(applied, layout.included))
+        self.history.deferred = late_somewhere
 
     def end_backward(self) -> None:
         self.turn = None
         self.post_backwarded = False
+        self.passed_unready = False

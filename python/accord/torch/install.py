@@ -68,6 +68,47 @@ def _hook_groups(installation: Installation, model, prefix: str) -> None:
                          "fully_shard(...) on it (and its submodules) first")
 
 
+def _with_hint(e: BaseException, model, world_size: int) -> BaseException:
+    """A registration that never completed, with why it may not (groups whose
+    FSDP mesh is smaller than the job)."""
+    waited = any(t in str(e) for t in ("DEADLINE_EXCEEDED", "not every rank registered"))
+    hint = configs.registration_hint(model, world_size) if isinstance(
+        e, Exception) and waited else ""
+    if not hint:
+        return e
+    try:
+        return type(e)(f"{e} [{hint}]")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return e
+
+
+def _checks(inst, agreement, prefix, timeout_s, guard, learn_optional, watch):
+    """The collective-sequence guard and the step watch, each when asked for
+    (or by default) with an accord client and more than one rank."""
+    client = getattr(agreement, "client", None)
+    many = client is not None and agreement.world_size > 1
+    seq_guard = step_watch = None
+    if guard is None:
+        guard = _env_flag("ACCORD_TORCH_GUARD")
+    if guard and many:
+        from accord.torch.guard import SequenceGuard
+
+        if learn_optional is None:
+            learn_optional = _env_flag("ACCORD_TORCH_LEARN_OPTIONAL")
+        seq_guard = SequenceGuard(client, agreement.rank, agreement.world_size,
+                                  f"{prefix}/~collective-sequence", timeout_s,
+                                  learner=inst.units if learn_optional else None,
+                                  in_forward=fsdp2.in_forward)
+    if watch is None:
+        watch = _env_flag("ACCORD_TORCH_WATCH")
+    if watch and many:
+        from accord.torch.watchdog import StepWatch
+
+        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+        step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
+    return seq_guard, step_watch
+
+
 def install(
     model: torch.nn.Module,
     client_or_agreement=None,
@@ -137,48 +178,20 @@ def install(
         inst.units.add(name, module)
     extra = inst.units.registrations() + [inst.late_registration(),
                                              inst.wire_registration()]
-    seq_guard = None
-    if guard is None:
-        guard = _env_flag("ACCORD_TORCH_GUARD")
-    client = getattr(agreement, "client", None)
-    if guard and client is not None and agreement.world_size > 1:
-        from accord.torch.guard import SequenceGuard
-
-        if learn_optional is None:
-            learn_optional = _env_flag("ACCORD_TORCH_LEARN_OPTIONAL")
-        seq_guard = SequenceGuard(client, agreement.rank, agreement.world_size,
-                                  f"{prefix}/~collective-sequence", timeout_s,
-                                  learner=inst.units if learn_optional else None,
-                                  in_forward=fsdp2.in_forward)
+    seq_guard, step_watch = _checks(inst, agreement, prefix, timeout_s, guard, learn_optional,
+                                    watch)
+    if seq_guard is not None:
         extra.extend(seq_guard.registrations())
-    if watch is None:
-        watch = _env_flag("ACCORD_TORCH_WATCH")
-    step_watch = None
-    if watch and client is not None and agreement.world_size > 1:
-        from accord.torch.watchdog import StepWatch
-
-        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
-        step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
+    if step_watch is not None:
         extra.append(step_watch.registration())
     try:
         inst.register_all(extra)
+        inst.agree_wire_dtypes()
     except BaseException as e:
         if step_watch is not None:
             step_watch.close()
         inst.uninstall()
-        waited = any(t in str(e) for t in ("DEADLINE_EXCEEDED", "not every rank registered"))
-        hint = configs.registration_hint(model, agreement.world_size) if isinstance(
-            e, Exception) and waited else ""
-        if hint:
-            raise type(e)(f"{e} [{hint}]") from e
-        raise
-    try:
-        inst.agree_wire_dtypes()
-    except BaseException:
-        if step_watch is not None:
-            step_watch.close()
-        inst.uninstall()
-        raise
+        raise _with_hint(e, model, agreement.world_size)
     if seq_guard is not None:
         seq_guard.registered()
     inst.guard, inst.watch = seq_guard, step_watch

@@ -9,7 +9,11 @@ every rank (accord.torch.plan.ReleaseSchedule). A turn carries the layout the
 group's history gives (accord.torch.plan.turn_layout), with zeros where this
 rank has no gradient, and FSDP2 frees the unsharded gradient right after, as
 it does alone. A group whose gradient is not there at its turn (late) sends
-zeros.
+zeros. A group late on some rank in its last step is *deferred*: it takes its
+turn at the end-of-backward point, after the others, until a step in which
+it would have been on time everywhere (a branch that autograd runs after the
+layers that follow it in module order pays its gradient's memory to the end,
+not a second reduce-scatter every step).
 
 At the end-of-backward point (FSDP2's final callback, which every rank
 reaches once per backward) the remaining groups take their turns, then the
@@ -61,6 +65,10 @@ class Release:
         timing = self.inst.timing
         for i in indices:
             h = self.order[i]
+            if h.history.deferred:
+                # Its turn is at the end; note whether it would have been late.
+                h.passed_unready = in_backward and not h.post_backwarded
+                continue
             turn = h.take_turn(in_backward)
             if in_backward and not turn.late:
                 timing.during += 1
@@ -82,27 +90,34 @@ class Release:
         for h in self.order:
             if not h.post_backwarded:
                 h.hold()
-        # The rest of the turns, then the batch: the guard's window of the
-        # step closes with the batch, after every turn on every rank (turns
-        # of the last interval come before the end on some ranks only).
+        # The rest of the turns, then the deferred groups', then the batch:
+        # the guard's window of the step closes with the batch, after every
+        # turn on every rank (turns of the last interval come before the end
+        # on some ranks only).
         self._turns(self.schedule.at_end(), in_backward=False)
+        for h in self.order:
+            if h.history.deferred:
+                h.take_turn(in_backward=False)
+                inst.timing.at_end += 1
         unsent = [h.unsent() for h in self.order]
         manifests = [(h.group_id, h.turn.step, h.manifest(u)) for h, u in zip(self.order, unsent)]
-        late = [any(g is not None for i, g in enumerate(u) if i not in h.turn.owed)
-                for h, u in zip(self.order, unsent)]
+        late = [h.late_here(u) for h, u in zip(self.order, unsent)]
         handles = inst.submit_step(index, manifests, inst.late_item(index, self.order, late))
         late_any = inst.wait_late()
         for h, handle, u in zip(self.order, handles, unsent):
             decision = inst.wait(handle)
             real = Layout.of(decision)
-            completion = complete(h.turn.applied, real, late_any.get(h.group_id, False))
+            # A deferred group's turn came at the end, after its gradient: its
+            # `~late` slot only says whether to keep it deferred.
+            late = late_any.get(h.group_id, False) and not h.history.deferred
+            completion = complete(h.turn.applied, real, late)
             h.complete(completion, u)
             if not completion.exact:
                 inst.timing.repairs += 1
                 h.stats.repaired += 1
                 if completion.delta:
                     inst.timing.redone += 1
-            h.settle(decision, u)
+            h.settle(decision, u, late_any.get(h.group_id, False))
         inst.report()
 
     def end(self) -> None:
