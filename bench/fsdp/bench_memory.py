@@ -20,9 +20,10 @@ Steps: the first, steady ones (usage fixed), and, with --usage changing,
 steps whose usage is redrawn per rank (plain FSDP2 cannot run divergent
 usage, so its baseline runs every module on every rank: the most it holds).
 
-Models: --model linear (the issue's: --blocks 16 x Linear(--dim 2048) fp32,
-each block its own unit, an input and output Linear in the root; each block
-also has a small side projection used per --usage) and --model llama
+Models: --model linear (--blocks 16 x Linear(--dim 2048), each block its own
+unit, an input and output Linear in the root; with --usage changing each
+block also has a side projection, dim -> dim/4 -> dim, used per rank and
+step with probability 1/W) and --model llama
 (transformers' LlamaDecoderLayer x --layers, each its own unit; the root
 holds embeddings, norm, head and an image projector used per --usage).
 --dtype bf16 uses MixedPrecisionPolicy(bfloat16, reduce_dtype=float32).
@@ -103,7 +104,7 @@ def build(args, mesh):
 
     torch.manual_seed(0)
     if args.model == "linear":
-        model = ms.Stack(args.blocks, args.dim)
+        model = ms.Stack(args.blocks, args.dim, side=args.usage == "changing")
         units = list(model.blocks)
     else:
         model = LlamaVLM(args.layers, args.dim)

@@ -493,7 +493,10 @@ def sequence_guard(rank, world_size, agreement="accord", cluster=None, diverge="
                 t0 = time.monotonic()
             model.zero_grad(set_to_none=True)
             _loss(model(_data(rank, k), order=order, use_wide=use_wide)).backward()
-            if k == 1:  # step 1's end is checked when step 2 begins
+            # Step 1's tail goes during autograd (step 0 could not know where
+            # the tail begins): new collectives; step 2 begins by checking
+            # step 1's end. From step 2 on every step repeats step 1.
+            if k == 2:
                 waits_after_warmup = guard.blocking_waits
     except accord.torch.AccordDivergenceError as e:
         return {"error": str(e), "seconds": time.monotonic() - t0}

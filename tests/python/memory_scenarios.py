@@ -21,24 +21,25 @@ from grad_meter import GradMeter
 
 
 class Block(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, side=True):
         super().__init__()
         self.lin = nn.Linear(dim, dim)
-        self.side = nn.Linear(dim, dim // 4, bias=False)
-        self.back = nn.Linear(dim // 4, dim, bias=False)
+        if side:
+            self.side = nn.Linear(dim, dim // 4, bias=False)
+            self.back = nn.Linear(dim // 4, dim, bias=False)
 
     def forward(self, h, use_side):
         out = torch.tanh(self.lin(h))
-        if use_side:
+        if use_side and hasattr(self, "side"):
             out = out + self.back(torch.tanh(self.side(h)))
         return out
 
 
 class Stack(nn.Module):
-    def __init__(self, blocks, dim):
+    def __init__(self, blocks, dim, side=True):
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(dim, side) for _ in range(blocks))
         self.out = nn.Linear(dim, 1)
 
     def forward(self, x, sides):
