@@ -72,7 +72,9 @@ class Installation:
         self.speculate = speculate
         self.timing = NegotiationTiming()
         self.current: Optional[Release] = None  # this backward's release
-        self.backward_all_gathers: Optional[int] = None  # in the last one that reduced
+        # All-gathers in the last backward that reduced (none yet: None). A
+        # one-rank job has none, ever: FSDP2 does not all-gather at W = 1.
+        self.backward_all_gathers: Optional[int] = 0 if self.agreement.world_size == 1 else None
         self._late = None  # the ~late item's handle, from submit to wait
         self.release_index = 0  # releases so far: the step of the batch's other items
         self.guard = None
