@@ -126,10 +126,11 @@ def test_a_sequential_backward_releases_each_group_right_after_its_post_backward
             log += [("turn", g) for g in s.before_all_gather(i + 1)]
             s.after_all_gather(i + 1)
         log.append(("post", i))
+        log += [("turn", g) for g in s.at_post_backward(i)]
     log += [("turn", g) for g in s.at_end()]
-    # Each group's turn comes after its post-backward and before the next
-    # group's: the first step holds at most one finished group, the last
-    # one goes at the end.
+    # Each group's turn comes with its post-backward (FSDP2 prefetched the
+    # next unit first); the last one, with no all-gather after it, goes at
+    # the end in the first step (its pre-backward's turns: nothing left).
     assert log == [("post", 0), ("turn", 0), ("post", 1), ("turn", 1), ("post", 2),
                    ("turn", 2), ("post", 3), ("turn", 3), ("post", 4), ("turn", 4)]
 

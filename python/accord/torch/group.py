@@ -98,8 +98,10 @@ class HookedGroup:
         the group at its turn (accord.torch.release)."""
         if self.reducing or not fsdp2.reduces(self.group):
             return self.original(*args, **kwargs)
+        if self.installation.post_backward(self):
+            return None  # its turn came now: reduce-scattered, as FSDP2 alone does
         self.hold()
-        self.installation.post_backwarded(self)
+        self.installation.timing.held += 1
         return None
 
     def hold(self) -> None:

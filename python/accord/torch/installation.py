@@ -156,9 +156,10 @@ class Installation:
             self.current = Release(self, order, self.backward_all_gathers)
         return self.current
 
-    def post_backwarded(self, hooked: HookedGroup) -> None:
-        self.timing.held += 1
-        self.backward().post_backwarded(hooked)
+    def post_backward(self, hooked: HookedGroup) -> bool:
+        """Whether the group's turn came at its post-backward (then it is
+        reduce-scattered there; otherwise the caller holds it)."""
+        return self.backward().post_backward(hooked)
 
     def pre_backward(self, hooked: HookedGroup) -> None:
         if fsdp2.in_backward():

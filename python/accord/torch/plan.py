@@ -102,13 +102,16 @@ class ReleaseSchedule:
       max(pending, i - 1) (group i is about to run its backward; the group
       before it in release order is done once group i's pre-backward runs,
       in a sequential model);
-    - at the pre-backward of group j: through min(pending, j - 1), which the
-      next all-gather releases anyway on ranks where that pre-backward does
-      not run. So on every rank the released prefix before an all-gather is
-      `pending`, a function of the all-gathers alone;
+    - at the pre-backward of group j: through min(pending, j - 1), and at
+      its post-backward through min(pending, j) (FSDP2 prefetched the next
+      unit before group j's compute, so in a sequential model group j's turn
+      comes with its own post-backward); the next all-gather releases as
+      much anyway on ranks where those hooks do not run. So on every rank the
+      released prefix before an all-gather is `pending`, a function of the
+      all-gathers alone;
     - the *tail*: after as many all-gathers as the previous backward had
       (`expected`, the same on every rank), each post-backward releases
-      through its own group. No rule ties these to an all-gather, so an
+      through its own group, whatever `pending`. No rule ties these to an all-gather, so an
       all-gather beyond `expected` first releases every group left, on
       every rank alike;
     - at the end of the backward: the rest.
@@ -140,7 +143,7 @@ class ReleaseSchedule:
         return self._through(min(self.pending, index - 1))
 
     def at_post_backward(self, index: int) -> range:
-        return self._through(index) if self.in_tail else range(0)
+        return self._through(index if self.in_tail else min(self.pending, index))
 
     def at_end(self) -> range:
         return self._through(self.count - 1)

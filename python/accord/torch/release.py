@@ -51,10 +51,19 @@ class Release:
         if i is not None:
             self.schedule.after_all_gather(i)
 
-    def post_backwarded(self, hooked) -> None:
+    def post_backward(self, hooked) -> bool:
+        """At a group's post-backward: the turns it allows. True when they
+        include the group's own: it was reduce-scattered right there, by
+        FSDP2's post-backward, called once, as without accord."""
         i = self.index.get(id(hooked))
-        if i is not None:
-            self._turns(self.schedule.at_post_backward(i), in_backward=True)
+        if i is None:
+            return False
+        turns = self.schedule.at_post_backward(i)
+        own = i in turns
+        if own:
+            hooked.post_backwarded = True
+        self._turns(turns, in_backward=True)
+        return own
 
     def pre_backward(self, hooked) -> None:
         i = self.index.get(id(hooked))
