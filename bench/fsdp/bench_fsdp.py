@@ -482,8 +482,9 @@ def main():
         share = 100.0 * exposed["speculative"] / exposed["blocking"]
         print(f"  exposed with speculation = {share:.1f}% of the blocking negotiation time; "
               f"step-time overhead target <= 2% at 32 groups, 1 ms")
-    guard = 100.0 * (rate["unguarded"] - rate["speculative"]) / rate["unguarded"]
-    print(f"  guard cost (speculative vs unguarded): {guard:+.2f}% step time (target <= 1%)")
+    if "unguarded" in rate:
+        guard = 100.0 * (rate["unguarded"] - rate["speculative"]) / rate["unguarded"]
+        print(f"  guard cost (speculative vs unguarded): {guard:+.2f}% step time (target <= 1%)")
     print_paired(per_round, "speculative", "unguarded", "guard cost")
     print_attributed(attributed, per_round, "speculative", "unguarded", "guard cost")
     print_paired(per_round, "speculative", "plain", "speculative vs plain")
