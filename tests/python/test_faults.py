@@ -18,9 +18,9 @@ from harness import RankDied, RankFailure, run_ranks
 import accord
 
 # A survivor blocked inside a collective (not told by Gloo that its peer is
-# gone) is heard from only when its step watch sees the stall (1 s, looked at
-# every second); with 4 ranks and another test on 2 cores that can take over
-# 3 s, so the coordinator's deadline here leaves that room.
+# gone) is heard from only when its step watch sees the stall (after 1 s,
+# looked at 4 times a second); with 4 ranks and another test on 2 cores that
+# took over 3 s once, so the coordinator's deadline here leaves that room.
 DEADLINE_S, GRACE_S = 5.0, 0.5
 # The step watch's stall period (1 s), its wait for the training thread to
 # raise before ending the process (0.5 s), and polling and process start.
