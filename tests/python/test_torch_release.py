@@ -267,7 +267,7 @@ class FakeGroup:
     def late_here(self, unsent):
         return self.turn.late
 
-    def settle(self, decision, unsent, late_somewhere):
+    def settle(self, decision, dtypes, late_somewhere):
         self.history.last = Layout.of(decision)
         self.history.deferred = late_somewhere
 

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+import accord
 from accord.agreement import ParamTuple
 from accord.torch import fsdp2
 from accord.torch.plan import Completion, History, Layout, turn_layout
@@ -149,7 +150,7 @@ class HookedGroup:
             fsdp2.drop_local_grads(self.group)  # kept in turn.owed
         return turn
 
-    def _send(self, layout: Layout, local, midway: bool) -> None:
+    def _send(self, layout: Layout, local, midway: bool, suffix: str = "") -> None:
         """FSDP2's own post-backward reduce-scatters `layout`: this rank's
         gradient where `local` has one, zeros for the other included
         parameters, in the group's wire dtype."""
@@ -168,7 +169,7 @@ class HookedGroup:
                     f"unit's forward once on every rank (e.g. on an empty batch), or mark "
                     f"it optional")
             fills.append(grad if grad is not None else wire)
-        self._record(layout, "")
+        self._record(layout, suffix)
         self.reducing = True
         try:
             fsdp2.reduce_scatter(self.group, self.original, fills, wire, midway=midway)
@@ -218,8 +219,6 @@ class HookedGroup:
             elif sent is None or sent == dtype_name(late.dtype):
                 out.append(dtype_name(late.dtype))
             else:
-                import accord
-
                 out.append(str(accord.join(sent, dtype_name(late.dtype))))
         return out
 
@@ -237,50 +236,23 @@ class HookedGroup:
             self.stats.late_bytes += nbytes
             self.installation.timing.late += 1
             self.installation.timing.late_bytes += nbytes
+        fsdp2.drop_local_grads(self.group)
         if completion.delta:
-            delta = Layout(tuple(i in set(completion.delta) for i in range(n)), self.wire)
-            fsdp2.drop_local_grads(self.group)
-            self._send_delta(delta, unsent)
-        else:
-            fsdp2.drop_local_grads(self.group)
+            chosen = set(completion.delta)
+            self._send(Layout(tuple(i in chosen for i in range(n)), self.wire), unsent,
+                       midway=False, suffix=" (late)")
         for i in completion.trimmed:
             if turn.was_none[i]:
                 fsdp2.sharded_param(self.group.fsdp_params[i]).grad = None
         turn.owed.clear()
 
-    def _send_delta(self, delta: Layout, unsent) -> None:
-        wire = torch_dtype(delta.wire_dtype)
-        fills = []
-        for i, fp in enumerate(self.group.fsdp_params):
-            if not delta.included[i]:
-                fills.append(None)
-            elif unsent[i] is not None:
-                fills.append(unsent[i])
-            else:
-                if not fsdp2.was_unsharded(fp):
-                    raise AccordFSDPError(
-                        f"accord: group {self.group_id} rank {self.installation.rank}: "
-                        f"parameter {self.params[i][0]} needs zeros for a late gradient of "
-                        f"another rank but this rank never ran this FSDP unit's forward; "
-                        f"mark the unit optional")
-                fills.append(wire)
-        self._record(delta, " (late)")
-        self.reducing = True
-        try:
-            fsdp2.reduce_scatter(self.group, self.original, fills, wire, midway=False)
-        except RuntimeError as e:
-            self.installation.explain(e)
-            raise
-        finally:
-            self.reducing = False
-
-    def settle(self, decision, unsent, late_somewhere: bool) -> None:
-        """This step's stats and history, from its final decision."""
+    def settle(self, decision, dtypes: List[Optional[str]], late_somewhere: bool) -> None:
+        """This step's stats and history, from its final decision and this
+        rank's manifest of the step."""
         s = self.stats
         s.reductions += 1
         s.last_decision = decision
         layout = Layout.of(decision)
-        dtypes = self.manifest(unsent)
         applied = self.turn.applied.included if self.turn.applied else (False,) * len(dtypes)
         present = {dt for dt, inc in zip(dtypes, layout.included) if dt is not None and inc}
         for inc, dt in zip(layout.included, dtypes):

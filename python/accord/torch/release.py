@@ -113,7 +113,7 @@ class Release:
         late = [h.late_here(u) for h, u in zip(self.order, unsent)]
         handles = inst.submit_step(index, manifests, inst.late_item(index, self.order, late))
         late_any = inst.wait_late()
-        for h, handle, u in zip(self.order, handles, unsent):
+        for h, handle, u, (_, _, dtypes) in zip(self.order, handles, unsent, manifests):
             decision = inst.wait(handle)
             real = Layout.of(decision)
             # A deferred group's turn came at the end, after its gradient: its
@@ -126,7 +126,7 @@ class Release:
                 h.stats.repaired += 1
                 if completion.delta:
                     inst.timing.redone += 1
-            h.settle(decision, u, late_any.get(h.group_id, False))
+            h.settle(decision, dtypes, late_any.get(h.group_id, False))
         inst.report()
 
     def end(self) -> None:
