@@ -1,7 +1,5 @@
 // accord-coordinator: decides, per group and step, what every rank of a job
 // packs for its reduce-scatter; also serves the job's key-value rendezvous.
-#include <signal.h>
-
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -16,8 +14,10 @@
 #include "daemon/common/auth_tokens.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/flags_env.h"
+#include "daemon/common/metrics_flags.h"
+#include "daemon/common/server_credentials.h"
 #include "daemon/common/signals.h"
-#include "daemon/common/tls.h"
+#include "daemon/common/token_flags.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/grpc_coordinator_service.h"
 #include "daemon/coordinator/kv_store.h"
@@ -126,48 +126,6 @@ ABSL_FLAG(std::string, tokens_file, "",
 namespace accord::daemon {
 namespace {
 
-// Server credentials from the --tls_* / --plaintext flags and the plaintext
-// rule (daemon/common/tls.h).
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
-  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
-  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
-  const std::string ca_path = absl::GetFlag(FLAGS_tls_ca);
-  const bool tls = !cert_path.empty() || !key_path.empty() || !ca_path.empty();
-  if (absl::Status s =
-          CheckServerPlaintext(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_plaintext), tls);
-      !s.ok()) {
-    return s;
-  }
-  if (!tls) {
-    if (absl::GetFlag(FLAGS_plaintext)) {
-      ACCORD_LOG(WARNING) << "serving without TLS (--plaintext): job tokens and manifests cross "
-                             "the network in clear text; use only on a trusted network";
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  if (cert_path.empty() || key_path.empty()) {
-    return absl::InvalidArgumentError(
-        "TLS needs both --tls_cert and --tls_key (--tls_ca alone only says which client "
-        "certificates to accept)");
-  }
-  absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "tls_cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPemFile(key_path, "tls_key");
-  if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
-  if (!ca_path.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "tls_ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  } else {
-    ACCORD_LOG(WARNING) << "TLS without --tls_ca: any client may connect (no client "
-                           "certificates); rely on --tokens_file to tell jobs apart";
-  }
-  return grpc::SslServerCredentials(ssl);
-}
-
 void ParseCoordinatorFlags(int argc, char** argv) {
   ParseFlagsWithEnv(
       argc, argv, __FILE__,
@@ -179,15 +137,15 @@ void ParseCoordinatorFlags(int argc, char** argv) {
       "(the command line wins).");
 }
 
-// The job tokens of --tokens_file; nullptr (with a warning) without one.
-absl::StatusOr<std::unique_ptr<JobTokens>> LoadTokens() {
-  const std::string path = absl::GetFlag(FLAGS_tokens_file);
-  if (path.empty()) {
-    ACCORD_LOG(WARNING) << "no --tokens_file: any client that reaches this port may join any job "
-                           "and read its decisions and key-value entries";
-    return std::unique_ptr<JobTokens>();
-  }
-  return JobTokens::Load(path);
+// The --tls_* / --plaintext flags (daemon/common/server_credentials.h).
+ServerTlsFlags ServerTlsFromFlags() {
+  ServerTlsFlags tls;
+  tls.listen = absl::GetFlag(FLAGS_listen);
+  tls.plaintext = absl::GetFlag(FLAGS_plaintext);
+  tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
+  tls.key_path = absl::GetFlag(FLAGS_tls_key);
+  tls.ca_path = absl::GetFlag(FLAGS_tls_ca);
+  return tls;
 }
 
 // The --event_log; nullptr without one.
@@ -235,29 +193,6 @@ CoordinatorOptions CoordinatorOptionsFromFlags(CoordinatorObserver* observer, Kv
   return options;
 }
 
-// Liveness (docs/ARCHITECTURE.md, "Liveness"): both ends ping, so a
-// half-open node stream ends within keepalive_time + keepalive_timeout and
-// CloseSession drops the node (and the job with its last node).
-absl::Status AddKeepalive(grpc::ServerBuilder& builder) {
-  const int64_t keepalive_ms = absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_time));
-  const int64_t keepalive_timeout_ms =
-      absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
-  if (keepalive_ms < 1 || keepalive_timeout_ms < 1 || keepalive_ms > INT32_MAX ||
-      keepalive_timeout_ms > INT32_MAX) {
-    return absl::InvalidArgumentError(
-        "--keepalive_time and --keepalive_timeout must be between 1ms and about 24 days");
-  }
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(keepalive_ms));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(keepalive_timeout_ms));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // Sidecars ping on their own --keepalive_time; gRPC's default would answer
-  // pings more often than every 5 minutes with GOAWAY (too_many_pings).
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             static_cast<int>(keepalive_ms / 2));
-  return absl::OkStatus();
-}
-
 // The main server on --listen with every service; `port` gets the bound port.
 // Exit code 2 for bad flags, 1 when it cannot listen.
 struct Started {
@@ -272,7 +207,12 @@ Started StartServer(const std::shared_ptr<grpc::ServerCredentials>& creds,
   builder.AddListeningPort(listen, creds, &port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  if (absl::Status s = AddKeepalive(builder); !s.ok()) {
+  // Liveness (docs/ARCHITECTURE.md, "Liveness"): both ends ping, so a
+  // half-open node stream ends within keepalive_time + keepalive_timeout and
+  // CloseSession drops the node (and the job with its last node).
+  if (absl::Status s = AddServerKeepalive(builder, absl::GetFlag(FLAGS_keepalive_time),
+                                          absl::GetFlag(FLAGS_keepalive_timeout));
+      !s.ok()) {
     ACCORD_LOG(ERROR) << s.message();
     return {nullptr, 2};
   }
@@ -359,20 +299,6 @@ class BoundsGauges {
   std::atomic<int64_t> waves_seen_{0};
 };
 
-// Waits for SIGTERM/SIGINT, reloading the tokens on each SIGHUP; returns the
-// signal.
-int ServeUntilSignal(JobTokens* tokens) {
-  int sig = 0;
-  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
-    if (tokens == nullptr) {
-      ACCORD_LOG(INFO) << "SIGHUP: no --tokens_file to reload";
-    } else if (absl::Status s = tokens->Reload(); !s.ok()) {
-      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
-    }
-  }
-  return sig;
-}
-
 void PrintStats(const CoordinatorStats& stats) {
   std::printf(
       "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
@@ -440,18 +366,17 @@ int Serve(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTok
     bounds.Set(coordinator.stats(), kv);
     return registry.Render();
   });
-  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
-    absl::StatusOr<int> bound = metrics_server.StartForDaemon(
-        "accord-coordinator", absl::GetFlag(FLAGS_metrics_host), metrics_port);
-    if (!bound.ok()) {
-      ACCORD_LOG(ERROR) << bound.status().message();
-      return 1;
-    }
+  if (absl::Status s = StartMetricsEndpoint(
+          metrics_server, "accord-coordinator",
+          MetricsFlags{absl::GetFlag(FLAGS_metrics_port), absl::GetFlag(FLAGS_metrics_host)});
+      !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return 1;
   }
   std::printf("accord-coordinator listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
 
-  const int sig = ServeUntilSignal(tokens.get());
+  const int sig = WaitForStopReloadingTokens(tokens.get());
   ACCORD_LOG(INFO) << "signal " << sig << ": stopping (finishing in-flight replies)";
   for (grpc::Server* srv : {main_server.server.get(), health.server.get()}) {
     if (srv == nullptr) continue;
@@ -482,9 +407,11 @@ int Main(int argc, char** argv) {
                       << " must be between 0 (one per hardware thread, at most 8) and 256";
     return 2;
   }
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentials();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+      ServerCredentials(ServerTlsFromFlags());
   absl::StatusOr<std::unique_ptr<JobTokens>> tokens =
-      creds.ok() ? LoadTokens() : absl::StatusOr<std::unique_ptr<JobTokens>>(creds.status());
+      creds.ok() ? LoadTokensFile(absl::GetFlag(FLAGS_tokens_file))
+                 : absl::StatusOr<std::unique_ptr<JobTokens>>(creds.status());
   absl::StatusOr<std::unique_ptr<EventLog>> event_log =
       tokens.ok() ? OpenEventLog() : absl::StatusOr<std::unique_ptr<EventLog>>(tokens.status());
   if (!event_log.ok()) {

@@ -2,7 +2,6 @@
 // (docs/ARCHITECTURE.md, "Relays"). Sidecars connect to it exactly as to a
 // coordinator (--coordinator=<relay>); it merges their node manifests per
 // (group, step) into one upstream manifest and fans decisions back out.
-#include <signal.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -18,13 +17,15 @@
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
 #include "daemon/common/flags_env.h"
+#include "daemon/common/metrics_flags.h"
+#include "daemon/common/server_credentials.h"
 #include "daemon/common/signals.h"
-#include "daemon/common/tls.h"
+#include "daemon/common/token_flags.h"
+#include "daemon/common/upstream_channel.h"
 #include "daemon/coordinator/grpc_coordinator_service.h"
 #include "daemon/relay/metrics_relay.h"
 #include "daemon/relay/relay.h"
 #include "daemon/sidecar/grpc_sidecar.h"
-#include "daemon/sidecar/upstream_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "observe/http_server.h"
@@ -87,36 +88,18 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics endpoint bi
 namespace accord::daemon {
 namespace {
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials() {
-  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
-  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
-  const std::string ca_path = absl::GetFlag(FLAGS_tls_ca);
-  const bool tls = !cert_path.empty() || !key_path.empty() || !ca_path.empty();
-  if (absl::Status s =
-          CheckServerPlaintext(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_plaintext), tls);
-      !s.ok()) {
-    return s;
-  }
-  if (!tls) return grpc::InsecureServerCredentials();
-  if (cert_path.empty() || key_path.empty()) {
-    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
-  }
-  absl::StatusOr<std::string> cert = ReadPemFile(cert_path, "tls_cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPemFile(key_path, "tls_key");
-  if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  if (!ca_path.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(ca_path, "tls_ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
-  return grpc::SslServerCredentials(ssl);
+// The --tls_* / --plaintext flags (daemon/common/server_credentials.h).
+ServerTlsFlags ServerTlsFromFlags() {
+  ServerTlsFlags tls;
+  tls.listen = absl::GetFlag(FLAGS_listen);
+  tls.plaintext = absl::GetFlag(FLAGS_plaintext);
+  tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
+  tls.key_path = absl::GetFlag(FLAGS_tls_key);
+  tls.ca_path = absl::GetFlag(FLAGS_tls_ca);
+  return tls;
 }
 
-// The upstream channel's flags (daemon/sidecar/upstream_channel.h).
+// The upstream channel's flags (daemon/common/upstream_channel.h).
 UpstreamFlags UpstreamFlagsFromFlags() {
   UpstreamFlags f;
   f.target = absl::GetFlag(FLAGS_coordinator);
@@ -147,29 +130,22 @@ RelayOptions RelayOptionsFromFlags(const std::string& token) {
   return options;
 }
 
-// --tokens_file's tokens; null without the flag.
-absl::StatusOr<std::unique_ptr<JobTokens>> TokensFromFlags() {
-  const std::string path = absl::GetFlag(FLAGS_tokens_file);
-  if (path.empty()) return std::unique_ptr<JobTokens>();
-  return JobTokens::Load(path);
-}
-
 // The sidecars' server on --listen (null when it cannot listen); its port
-// in `port`. It keeps alive as the upstream does.
+// in `port`. It keeps alive as the upstream does (the keepalive flags were
+// checked with the upstream channel).
 std::unique_ptr<grpc::Server> StartServer(const std::shared_ptr<grpc::ServerCredentials>& creds,
-                                          std::pair<int, int> keepalive,
                                           const std::vector<grpc::Service*>& services, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), creds, port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive.first);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive.second);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             keepalive.first / 2);
+  if (absl::Status s = AddServerKeepalive(builder, absl::GetFlag(FLAGS_keepalive_time),
+                                          absl::GetFlag(FLAGS_keepalive_timeout));
+      !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return nullptr;
+  }
   for (grpc::Service* service : services) builder.RegisterService(service);
   return builder.BuildAndStart();
 }
@@ -184,19 +160,6 @@ void PrintStats(const RelayStats& stats) {
       static_cast<long long>(stats.batch_repeats_up),
       static_cast<long long>(stats.decision_batches));
   std::fflush(stdout);
-}
-
-// Waits for a termination signal, re-reading --tokens_file (when given) on
-// each SIGHUP; returns the signal.
-int WaitForStop(JobTokens* tokens) {
-  int sig = 0;
-  while ((sig = WaitForTerminationOrReloadSignal()) == SIGHUP) {
-    if (tokens == nullptr) continue;
-    if (absl::Status s = tokens->Reload(); !s.ok()) {
-      ACCORD_LOG(ERROR) << "SIGHUP: " << s.message();
-    }
-  }
-  return sig;
 }
 
 // The error of a negative --upstream_loss_limit; OK otherwise.
@@ -222,18 +185,16 @@ int Main(int argc, char** argv) {
                     "be set as the environment variable ACCORD_<NAME> (the command line wins).");
   BlockTerminationSignals();
   const absl::Status log_level = ApplyLogLevel(absl::GetFlag(FLAGS_log_level));
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_creds = ServerCredentials();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_creds =
+      ServerCredentials(ServerTlsFromFlags());
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
       UpstreamChannel(UpstreamFlagsFromFlags());
   absl::StatusOr<std::string> token =
       JobTokenFrom(absl::GetFlag(FLAGS_token_file), absl::GetFlag(FLAGS_token));
-  // The server side keeps alive as the upstream does (the flags are checked
-  // with the channel).
-  absl::StatusOr<std::pair<int, int>> keepalive =
-      KeepaliveMillis(absl::GetFlag(FLAGS_keepalive_time), absl::GetFlag(FLAGS_keepalive_timeout));
-  absl::StatusOr<std::unique_ptr<JobTokens>> loaded = TokensFromFlags();
+  absl::StatusOr<std::unique_ptr<JobTokens>> loaded =
+      LoadTokensFile(absl::GetFlag(FLAGS_tokens_file));
   for (const absl::Status& s : {log_level, server_creds.status(), channel.status(), token.status(),
-                                keepalive.status(), loaded.status(), LossLimitFlagError()}) {
+                                loaded.status(), LossLimitFlagError()}) {
     if (!s.ok()) {
       ACCORD_LOG(ERROR) << s.message();
       return 2;
@@ -258,7 +219,7 @@ int Main(int argc, char** argv) {
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
   std::unique_ptr<grpc::Server> server =
-      StartServer(*server_creds, *keepalive, {&node_service, &kv_service}, &port);
+      StartServer(*server_creds, {&node_service, &kv_service}, &port);
   if (server == nullptr || port == 0) {
     ACCORD_LOG(ERROR) << "cannot listen on " << listen
                       << " (--listen); is the port in use or the address not local?";
@@ -270,20 +231,19 @@ int Main(int argc, char** argv) {
     metrics.Refresh(relay.stats());
     return registry.Render();
   });
-  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
-    absl::StatusOr<int> bound = metrics_server.StartForDaemon(
-        "accord-relay", absl::GetFlag(FLAGS_metrics_host), metrics_port);
-    if (!bound.ok()) {
-      ACCORD_LOG(ERROR) << bound.status().message();
-      return 1;
-    }
+  if (absl::Status s = StartMetricsEndpoint(
+          metrics_server, "accord-relay",
+          MetricsFlags{absl::GetFlag(FLAGS_metrics_port), absl::GetFlag(FLAGS_metrics_host)});
+      !s.ok()) {
+    ACCORD_LOG(ERROR) << s.message();
+    return 1;
   }
   upstream.Start();
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::printf("accord-relay listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
 
-  ACCORD_LOG(INFO) << "signal " << WaitForStop(tokens.get()) << ": stopping";
+  ACCORD_LOG(INFO) << "signal " << WaitForStopReloadingTokens(tokens.get()) << ": stopping";
   node_service.FinishAll();
   kv_service.Stop();  // forwarded key-value calls must not hold the stop
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));

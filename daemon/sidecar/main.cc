@@ -21,13 +21,14 @@
 #include "absl/time/time.h"
 #include "core/log.h"
 #include "daemon/common/flags_env.h"
+#include "daemon/common/metrics_flags.h"
 #include "daemon/common/signals.h"
-#include "daemon/common/tls.h"
+#include "daemon/common/token_flags.h"
+#include "daemon/common/upstream_channel.h"
 #include "daemon/sidecar/grpc_sidecar.h"
 #include "daemon/sidecar/metrics_sidecar.h"
 #include "daemon/sidecar/sidecar.h"
 #include "daemon/sidecar/sidecar_jobs.h"
-#include "daemon/sidecar/upstream_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "observe/http_server.h"
@@ -111,7 +112,8 @@ ABSL_FLAG(int, local_decision_lag, 4,
 namespace accord::daemon {
 namespace {
 
-// The upstream channel's flags (upstream_channel.h).
+// The upstream channel's flags: --tls_* here are client credentials
+// (daemon/common/upstream_channel.h).
 UpstreamFlags UpstreamFlagsFromFlags() {
   UpstreamFlags f;
   f.target = absl::GetFlag(FLAGS_coordinator);
@@ -272,10 +274,11 @@ int Main(int argc, char** argv) {
     metrics.Refresh(jobs.stats());
     return registry.Render();
   });
-  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
-    absl::StatusOr<int> bound = metrics_server.StartForDaemon(
-        "accord-sidecar", absl::GetFlag(FLAGS_metrics_host), metrics_port);
-    if (!bound.ok()) return Fail(1, bound.status());
+  if (absl::Status s = StartMetricsEndpoint(
+          metrics_server, "accord-sidecar",
+          MetricsFlags{absl::GetFlag(FLAGS_metrics_port), absl::GetFlag(FLAGS_metrics_host)});
+      !s.ok()) {
+    return Fail(1, s);
   }
   std::printf("accord-sidecar serving unix:%s\n", path.c_str());
   std::fflush(stdout);

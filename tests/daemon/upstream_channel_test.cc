@@ -1,13 +1,14 @@
-// The upstream channel's flag checks (daemon/sidecar/upstream_channel.h),
+// The upstream channel's flag checks (daemon/common/upstream_channel.h),
 // shared by the sidecar and the relay: each bad combination is refused with
 // a message naming the daemon's own flags.
-#include "daemon/sidecar/upstream_channel.h"
+#include "daemon/common/upstream_channel.h"
 
 #include <cstdio>
 #include <fstream>
 #include <string>
 
 #include "absl/strings/match.h"
+#include "daemon/common/token_flags.h"
 #include "gtest/gtest.h"
 
 namespace accord::daemon {

@@ -87,7 +87,7 @@ class DaemonsSecurityTest : public ::testing::Test {
   }
   void TearDown() override {
     if (HasFailure()) {
-      for (auto* p : {coordinator_.get(), sidecar_.get()}) {
+      for (auto* p : {coordinator_.get(), relay_.get(), sidecar_.get()}) {
         if (p != nullptr)
           std::fprintf(stderr, "--- %s:\n%s\n", p->name().c_str(), p->Output().c_str());
       }
@@ -269,6 +269,33 @@ TEST_F(DaemonsSecurityTest, NonLoopbackListenWithoutTlsNeedsExplicitPlaintext) {
   ASSERT_TRUE(rc.ok());
   EXPECT_EQ(*rc, 2);
   EXPECT_THAT((*s)->FinalOutput(), HasSubstr("--tls_ca"));
+}
+
+// Both daemons that serve TCP build their credentials in one place
+// (daemon/common/server_credentials.h) and say so when they serve in clear
+// text.
+TEST_F(DaemonsSecurityTest, TcpServingDaemonsWarnWhenServingWithoutTls) {
+  const std::string addr = StartCoordinator({"--plaintext"});
+  ASSERT_FALSE(addr.empty());
+  EXPECT_TRUE(coordinator_->WaitForLine("serving without TLS (--plaintext)", Deadline()).ok())
+      << coordinator_->Output();
+  ASSERT_FALSE(StartRelay(addr, {"--plaintext"}).empty());
+  EXPECT_TRUE(relay_->WaitForLine("serving without TLS (--plaintext)", Deadline()).ok())
+      << relay_->Output();
+}
+
+TEST_F(DaemonsSecurityTest, TcpServingDaemonsWarnOnTlsWithoutClientCa) {
+  REQUIRE_CERTS();
+  const std::vector<std::string> tls_no_ca = {"--tls_cert=" + F("server.crt"),
+                                              "--tls_key=" + F("server.key")};
+  const std::string addr = StartCoordinator(tls_no_ca);
+  ASSERT_FALSE(addr.empty());
+  EXPECT_TRUE(coordinator_->WaitForLine("TLS without --tls_ca", Deadline()).ok())
+      << coordinator_->Output();
+  std::vector<std::string> relay_flags = tls_no_ca;
+  relay_flags.push_back("--upstream_tls_ca=" + F("ca.crt"));
+  ASSERT_FALSE(StartRelay(addr, relay_flags).empty());
+  EXPECT_TRUE(relay_->WaitForLine("TLS without --tls_ca", Deadline()).ok()) << relay_->Output();
 }
 
 TEST_F(DaemonsSecurityTest, HealthPortServesPlaintextHealthBesideTls) {

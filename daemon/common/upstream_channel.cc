@@ -1,9 +1,8 @@
-#include "daemon/sidecar/upstream_channel.h"
+#include "daemon/common/upstream_channel.h"
 
 #include <cstdint>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/tls.h"
@@ -69,17 +68,6 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> UpstreamChannel(const UpstreamFla
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(absl::ToInt64Milliseconds(flags.reconnect_max_backoff)));
   return grpc::CreateCustomChannel(flags.target, *std::move(creds), args);
-}
-
-absl::StatusOr<std::string> JobTokenFrom(const std::string& token_file, const std::string& token) {
-  if (token_file.empty()) return token;
-  absl::StatusOr<std::string> text = ReadPemFile(token_file, "token_file");
-  if (!text.ok()) return text.status();
-  std::string trimmed(absl::StripAsciiWhitespace(*text));
-  if (trimmed.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--token_file=", token_file, " is empty"));
-  }
-  return trimmed;
 }
 
 }  // namespace accord::daemon

@@ -5,11 +5,12 @@
 // continue on an idle stream) and gRPC's own reconnect backoff kept within
 // ours (its default grows to 120 s), so a restarted coordinator is found
 // again quickly.
-#ifndef ACCORD_DAEMON_SIDECAR_UPSTREAM_CHANNEL_H_
-#define ACCORD_DAEMON_SIDECAR_UPSTREAM_CHANNEL_H_
+#ifndef ACCORD_DAEMON_COMMON_UPSTREAM_CHANNEL_H_
+#define ACCORD_DAEMON_COMMON_UPSTREAM_CHANNEL_H_
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -39,13 +40,9 @@ struct UpstreamFlags {
 absl::StatusOr<std::shared_ptr<grpc::Channel>> UpstreamChannel(const UpstreamFlags& flags);
 
 // Keepalive time and timeout in milliseconds; INVALID_ARGUMENT unless both
-// are between 1 ms and INT32_MAX ms (the relay also serves with them).
+// are between 1 ms and INT32_MAX ms (AddServerKeepalive serves with them).
 absl::StatusOr<std::pair<int, int>> KeepaliveMillis(absl::Duration time, absl::Duration timeout);
-
-// The job token: the contents of `token_file` (whitespace trimmed; an empty
-// file is INVALID_ARGUMENT) when set, else `token`.
-absl::StatusOr<std::string> JobTokenFrom(const std::string& token_file, const std::string& token);
 
 }  // namespace accord::daemon
 
-#endif  // ACCORD_DAEMON_SIDECAR_UPSTREAM_CHANNEL_H_
+#endif  // ACCORD_DAEMON_COMMON_UPSTREAM_CHANNEL_H_
