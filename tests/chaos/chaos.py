@@ -578,8 +578,8 @@ def touched_ranks(sched, faults):
     return out
 
 
-# The client's longest wait between reconnect attempts (kMaxBackoff in
-# client/grpc_client.cc): a sidecar back for less than this may be missed.
+# The client's longest wait between reconnect attempts (ClientConnection::kMaxBackoff in
+# client/connection.h): a sidecar back for less than this may be missed.
 CLIENT_BACKOFF_MAX_S = 1.0
 
 
