@@ -303,11 +303,89 @@ class CountingUpstream : public UpstreamSink {
   int64_t manifests = 0;
 };
 
+const char* ModeName(Mode mode) {
+  return mode == Mode::kFull ? "full form" : mode == Mode::kRepeat ? "repeat form" : "batch repeat";
+}
+
+// Opens one session per sidecar on `relay` (each saying its `s.rpn` ranks),
+// welcomes the relay from above and registers every group through each.
+std::vector<Relay::SessionId> JoinRelay(Relay& relay, std::vector<CountingSink>& sinks,
+                                        const Setup& s) {
+  std::vector<Relay::SessionId> ids(s.nodes);
+  for (int n = 0; n < s.nodes; ++n) {
+    ids[n] = relay.OpenSession(&sinks[n]);
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_job_id("bench");
+    hello.mutable_hello()->set_node_id(absl::StrCat("node", n));
+    hello.mutable_hello()->set_world_size(s.world);
+    for (int r = 0; r < s.rpn; ++r) hello.mutable_hello()->add_ranks(n * s.rpn + r);
+    relay.HandleMessage(ids[n], hello);
+  }
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_run_id("r");
+  relay.HandleCoordinatorMessage(&welcome);
+  for (int g = 0; g < s.groups; ++g) {
+    GroupSpec spec;
+    spec.group_id = absl::StrCat("group", g);
+    for (int p = 0; p < s.params; ++p) {
+      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
+    }
+    v1::NodeMessage reg;
+    *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());
+    for (int n = 0; n < s.nodes; ++n) relay.HandleMessage(ids[n], reg);
+  }
+  return ids;
+}
+
+// Each sidecar's node message at `step` in `mode`, serialized; full forms
+// record their keys in `keys`, repeats name them.
+std::vector<std::string> SidecarBatches(const Setup& s, Mode mode, int64_t step,
+                                        std::vector<std::vector<uint64_t>>& keys) {
+  std::vector<std::string> wire(s.nodes);
+  for (int n = 0; n < s.nodes; ++n) {
+    v1::NodeMessage msg;
+    if (mode == Mode::kBatchRepeat) {
+      // The sidecar's previous batch (full or per-manifest repeats) had
+      // these keys; the relay offers batch repeats downstream.
+      wire::BatchKeyHasher hasher;
+      for (int g = 0; g < s.groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
+      msg.mutable_manifests()->set_repeat_step(step);
+      msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+    }
+    for (int g = 0; mode != Mode::kBatchRepeat && g < s.groups; ++g) {
+      v1::Manifest* m = msg.mutable_manifests()->add_manifests();
+      if (mode == Mode::kRepeat) {
+        m->set_group_id(absl::StrCat("group", g));
+        m->set_step(step);
+        m->set_repeat(true);
+        m->set_cache_key(keys[n][g]);
+      } else {
+        *m = FullManifest(s, n, g, step, 0);
+        keys[n][g] = m->cache_key();
+      }
+    }
+    wire[n] = msg.SerializeAsString();
+  }
+  return wire;
+}
+
+// The coordinator's answer at `step`: every group the same as before.
+v1::CoordinatorMessage SameAsPreviousDecisions(int groups, int64_t step) {
+  v1::CoordinatorMessage decisions;
+  for (int g = 0; g < groups; ++g) {
+    v1::Decision* d = decisions.mutable_decisions()->add_decisions();
+    d->set_group_id(absl::StrCat("group", g));
+    d->set_step(step);
+    d->set_same_as_previous(true);
+  }
+  return decisions;
+}
+
 // One relay's own work per step: `fanin` sidecars' node manifests (each of
 // `rpn` ranks) merged into one upstream manifest per group, then one decision
 // batch fanned out. Full form or per-manifest repeat form.
 void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
-  Setup s{fanin, rpn, groups, params, fanin * rpn};
+  const Setup s{fanin, rpn, groups, params, fanin * rpn};
   RelayOptions o;
   o.relay_id = "relay0";
   o.start_timer_thread = false;
@@ -316,66 +394,15 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
   relay.SetUpstream(&up);
   relay.OnUpstreamConnected();
   std::vector<CountingSink> sinks(fanin);
-  std::vector<Relay::SessionId> ids(fanin);
-  for (int n = 0; n < fanin; ++n) {
-    ids[n] = relay.OpenSession(&sinks[n]);
-    v1::NodeMessage hello;
-    hello.mutable_hello()->set_job_id("bench");
-    hello.mutable_hello()->set_node_id(absl::StrCat("node", n));
-    hello.mutable_hello()->set_world_size(s.world);
-    for (int r = 0; r < rpn; ++r) hello.mutable_hello()->add_ranks(n * rpn + r);
-    relay.HandleMessage(ids[n], hello);
-  }
-  v1::CoordinatorMessage welcome;
-  welcome.mutable_welcome()->set_run_id("r");
-  relay.HandleCoordinatorMessage(&welcome);
-  for (int g = 0; g < groups; ++g) {
-    GroupSpec spec;
-    spec.group_id = absl::StrCat("group", g);
-    for (int p = 0; p < params; ++p)
-      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
-    v1::NodeMessage reg;
-    *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());
-    for (int n = 0; n < fanin; ++n) relay.HandleMessage(ids[n], reg);
-  }
+  const std::vector<Relay::SessionId> ids = JoinRelay(relay, sinks, s);
   std::vector<std::vector<uint64_t>> keys(fanin, std::vector<uint64_t>(groups));
   int64_t step = 0;
   for (Mode mode : {Mode::kFull, Mode::kRepeat, Mode::kBatchRepeat}) {
     double cpu = 0;
     const int64_t before = up.manifests;
     for (int i = 0; i < steps; ++i, ++step) {
-      std::vector<std::string> wire(fanin);
-      for (int n = 0; n < fanin; ++n) {
-        v1::NodeMessage msg;
-        if (mode == Mode::kBatchRepeat) {
-          // The sidecar's previous batch (full or per-manifest repeats) had
-          // these keys; the relay offers batch repeats downstream.
-          wire::BatchKeyHasher hasher;
-          for (int g = 0; g < groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
-          msg.mutable_manifests()->set_repeat_step(step);
-          msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
-        }
-        for (int g = 0; mode != Mode::kBatchRepeat && g < groups; ++g) {
-          v1::Manifest* m = msg.mutable_manifests()->add_manifests();
-          if (mode == Mode::kRepeat) {
-            m->set_group_id(absl::StrCat("group", g));
-            m->set_step(step);
-            m->set_repeat(true);
-            m->set_cache_key(keys[n][g]);
-          } else {
-            *m = FullManifest(s, n, g, step, 0);
-            keys[n][g] = m->cache_key();
-          }
-        }
-        wire[n] = msg.SerializeAsString();
-      }
-      v1::CoordinatorMessage decisions;
-      for (int g = 0; g < groups; ++g) {
-        v1::Decision* d = decisions.mutable_decisions()->add_decisions();
-        d->set_group_id(absl::StrCat("group", g));
-        d->set_step(step);
-        d->set_same_as_previous(true);
-      }
+      const std::vector<std::string> wire = SidecarBatches(s, mode, step, keys);
+      v1::CoordinatorMessage decisions = SameAsPreviousDecisions(groups, step);
       const double t0 = ThreadCpuSeconds();
       v1::NodeMessage msg;
       for (int n = 0; n < fanin; ++n) {
@@ -387,132 +414,177 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
     }
     std::printf(
         "relay fan-in %d x %d ranks, %-11s CPU/step %8.2f ms  upstream manifests/step %lld\n",
-        fanin, rpn,
-        mode == Mode::kFull     ? "full form"
-        : mode == Mode::kRepeat ? "repeat form"
-                                : "batch repeat",
-        1e3 * cpu / steps, static_cast<long long>((up.manifests - before) / steps));
+        fanin, rpn, ModeName(mode), 1e3 * cpu / steps,
+        static_cast<long long>((up.manifests - before) / steps));
   }
   relay.Stop();
 }
 
-int Main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  const int nodes = absl::GetFlag(FLAGS_nodes);
-  const int relays = absl::GetFlag(FLAGS_relays);
-  if (relays < 0 || (relays > 0 && nodes % relays != 0)) {
-    std::fprintf(stderr, "--relays must divide --nodes\n");
-    return 2;
-  }
-  const std::string ser = absl::GetFlag(FLAGS_serialize);
-  const Serialize serialize = ser == "once"         ? Serialize::kOnce
-                              : ser == "per_stream" ? Serialize::kPerStream
-                                                    : Serialize::kNone;
-  const int rpn = absl::GetFlag(FLAGS_ranks_per_node);
-  // The coordinator's peers: the nodes, or the relays.
-  const int peers = relays > 0 ? relays : nodes;
-  const bool torch_pattern = absl::StrContains(absl::GetFlag(FLAGS_modes), "torch");
-  // accord.torch's pattern adds the guard's step-window group to every batch.
-  Setup s{peers, nodes * rpn / peers, absl::GetFlag(FLAGS_groups) + (torch_pattern ? 1 : 0),
-          absl::GetFlag(FLAGS_params), 0};
-  s.world = nodes * rpn;
-  const int steps = absl::GetFlag(FLAGS_steps);
-  std::printf(
-      "coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params; the "
-      "coordinator sees %d %s; broadcast serialization: %s\n",
-      nodes, rpn, s.world, s.groups, s.params, peers, relays > 0 ? "relays" : "nodes", ser.c_str());
+// What the flags ask the bench to run.
+struct BenchConfig {
+  int nodes = 0;
+  int relays = 0;
+  int rpn = 0;
+  int steps = 0;
+  int feeders = 1;
+  std::string serialize_name;
+  Serialize serialize = Serialize::kNone;
   std::vector<Mode> modes;
   bool recover = false;
-  for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
-    if (m == "repeat") modes.push_back(Mode::kRepeat);
-    if (m == "batch" || m == "torch") modes.push_back(Mode::kBatchRepeat);
-    if (m == "full") modes.push_back(Mode::kFull);
-    if (m == "recover") recover = true;
-  }
-  std::vector<bool> waves;
-  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_repeat_waves), ',')) {
-    if (w == "on" || w == "off") waves.push_back(w == "on");
-  }
-  if (modes.empty()) waves.clear();
+  std::vector<bool> waves;  // repeat waves on or off, one coordinator each
   std::vector<int> decide_threads;
+  Setup setup{};  // as the coordinator sees it: its peers are the nodes, or the relays
+};
+
+// INVALID_ARGUMENT naming the flag for a bad --relays or --decide_threads.
+absl::StatusOr<BenchConfig> ConfigFromFlags() {
+  BenchConfig c;
+  c.nodes = absl::GetFlag(FLAGS_nodes);
+  c.relays = absl::GetFlag(FLAGS_relays);
+  if (c.relays < 0 || (c.relays > 0 && c.nodes % c.relays != 0)) {
+    return absl::InvalidArgumentError("--relays must divide --nodes");
+  }
+  c.serialize_name = absl::GetFlag(FLAGS_serialize);
+  c.serialize = c.serialize_name == "once"         ? Serialize::kOnce
+                : c.serialize_name == "per_stream" ? Serialize::kPerStream
+                                                   : Serialize::kNone;
+  c.rpn = absl::GetFlag(FLAGS_ranks_per_node);
+  c.steps = absl::GetFlag(FLAGS_steps);
+  c.feeders = std::max(1, absl::GetFlag(FLAGS_feeders));
+  const int peers = c.relays > 0 ? c.relays : c.nodes;
+  const bool torch_pattern = absl::StrContains(absl::GetFlag(FLAGS_modes), "torch");
+  // accord.torch's pattern adds the guard's step-window group to every batch.
+  c.setup =
+      Setup{peers, c.nodes * c.rpn / peers, absl::GetFlag(FLAGS_groups) + (torch_pattern ? 1 : 0),
+            absl::GetFlag(FLAGS_params), c.nodes * c.rpn};
+  for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
+    if (m == "repeat") c.modes.push_back(Mode::kRepeat);
+    if (m == "batch" || m == "torch") c.modes.push_back(Mode::kBatchRepeat);
+    if (m == "full") c.modes.push_back(Mode::kFull);
+    if (m == "recover") c.recover = true;
+  }
+  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_repeat_waves), ',')) {
+    if (w == "on" || w == "off") c.waves.push_back(w == "on");
+  }
+  if (c.modes.empty()) c.waves.clear();
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_decide_threads), ',')) {
     int n = 0;
     if (!absl::SimpleAtoi(t, &n) || n < 1) {
-      std::fprintf(stderr, "--decide_threads: \"%s\" is not a thread count of at least 1\n",
-                   std::string(t).c_str());
-      return 2;
+      return absl::InvalidArgumentError(
+          absl::StrCat("--decide_threads: \"", t, "\" is not a thread count of at least 1"));
     }
-    decide_threads.push_back(n);
+    c.decide_threads.push_back(n);
   }
-  const int feeders = std::max(1, absl::GetFlag(FLAGS_feeders));
-  for (bool waves_on : waves)
-    for (int threads : decide_threads) {
-      std::printf("repeat waves %s, decide threads %d, feeders %d\n",
-                  waves_on ? "on" : "off (baseline)", threads, feeders);
-      std::unique_ptr<Coordinator> c = NewCoordinator(waves_on, threads);
-      std::vector<CountingSink> sinks(s.nodes);
-      SharedSerialization shared;
-      Configure(sinks, serialize, &shared);
-      std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
-      std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
-      int64_t step = 0;
-      RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
-      for (Mode mode : modes) {
-        double cpu = 0, parse = 0, worst = 0, wall = 0, handling_wall = 0;
-        int64_t decisions = 0, bytes = 0, out_before = 0, out_after = 0;
-        for (auto& k : sinks) out_before += k.bytes_;
-        for (int i = 0; i < steps; ++i) {
-          const absl::Time w0 = absl::Now();
-          Result r = RunStep(*c, ids, s, step++, mode, keys, feeders);
-          wall += absl::ToDoubleSeconds(absl::Now() - w0);
-          handling_wall += r.wall_s;
-          cpu += r.cpu_s;
-          parse += r.parse_s;
-          worst = std::max(worst, r.cpu_s);
-          decisions += r.decisions;
-          bytes += r.bytes;
-        }
-        for (auto& k : sinks) out_after += k.bytes_;
-        CoordinatorStats st = c->stats();
-        if (serialize != Serialize::kNone) {
-          std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
-                      (out_after - out_before) / 1e3 / steps / s.nodes,
-                      (out_after - out_before) / 1e6 / steps);
-        }
-        std::printf(
-            "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  wall/step "
-            "%8.1f ms (incl. building the input %8.1f ms)  parallel decides %lld  decisions/s "
-            "%10.0f  node manifests/s %10.0f  in %6.1f "
-            "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
-            "%lld errors %lld waves %lld\n",
-            mode == Mode::kRepeat        ? "all-repeat"
-            : mode == Mode::kBatchRepeat ? "batch-repeat"
-                                         : "none-repeat",
-            1e3 * cpu / steps, 1e3 * worst, 1e3 * parse / steps, 1e3 * handling_wall / steps,
-            1e3 * wall / steps, static_cast<long long>(st.parallel_decides), decisions / cpu,
-            double(s.nodes) * s.groups * steps / cpu, bytes / 1e6 / steps,
-            static_cast<long long>(decisions), static_cast<long long>(int64_t{s.groups} * steps),
-            static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
-            static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
-            static_cast<long long>(st.repeat_waves));
-      }
-      int64_t sent = 0, out_bytes = 0;
-      for (auto& k : sinks) {
-        sent += k.count_.load();
-        out_bytes += k.bytes_;
-      }
-      std::printf(
-          "messages to sinks: %lld (one shared DecisionBatch per peer per completing batch); "
-          "broadcast bytes %lld, serializations %lld\n",
-          static_cast<long long>(sent), static_cast<long long>(out_bytes),
-          static_cast<long long>(serialize == Serialize::kPerStream ? sent
+  return c;
+}
+
+// One mode's steps on a coordinator, added up.
+struct ModeTotals {
+  double cpu = 0, parse = 0, worst = 0, wall = 0, handling_wall = 0;
+  int64_t decisions = 0, bytes = 0, out_bytes = 0;
+};
+
+ModeTotals TimeMode(Coordinator& c, const std::vector<Coordinator::SessionId>& ids,
+                    const std::vector<CountingSink>& sinks, const BenchConfig& cfg, Mode mode,
+                    int64_t& step, std::vector<std::vector<uint64_t>>& keys) {
+  ModeTotals t;
+  int64_t out_before = 0, out_after = 0;
+  for (const auto& k : sinks) out_before += k.bytes_;
+  for (int i = 0; i < cfg.steps; ++i) {
+    const absl::Time w0 = absl::Now();
+    Result r = RunStep(c, ids, cfg.setup, step++, mode, keys, cfg.feeders);
+    t.wall += absl::ToDoubleSeconds(absl::Now() - w0);
+    t.handling_wall += r.wall_s;
+    t.cpu += r.cpu_s;
+    t.parse += r.parse_s;
+    t.worst = std::max(t.worst, r.cpu_s);
+    t.decisions += r.decisions;
+    t.bytes += r.bytes;
+  }
+  for (const auto& k : sinks) out_after += k.bytes_;
+  t.out_bytes = out_after - out_before;
+  return t;
+}
+
+void PrintMode(const BenchConfig& cfg, Mode mode, const ModeTotals& t, const CoordinatorStats& st) {
+  const Setup& s = cfg.setup;
+  const int steps = cfg.steps;
+  if (cfg.serialize != Serialize::kNone) {
+    std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
+                t.out_bytes / 1e3 / steps / s.nodes, t.out_bytes / 1e6 / steps);
+  }
+  std::printf(
+      "%-12s CPU/step %8.1f ms (worst %8.1f ms; parse-only baseline %6.1f ms)  wall/step "
+      "%8.1f ms (incl. building the input %8.1f ms)  parallel decides %lld  decisions/s "
+      "%10.0f  node manifests/s %10.0f  in %6.1f "
+      "MB/step  decisions %lld (expected %lld)  cache hits %lld misses %lld same_as_previous "
+      "%lld errors %lld waves %lld\n",
+      mode == Mode::kRepeat        ? "all-repeat"
+      : mode == Mode::kBatchRepeat ? "batch-repeat"
+                                   : "none-repeat",
+      1e3 * t.cpu / steps, 1e3 * t.worst, 1e3 * t.parse / steps, 1e3 * t.handling_wall / steps,
+      1e3 * t.wall / steps, static_cast<long long>(st.parallel_decides), t.decisions / t.cpu,
+      double(s.nodes) * s.groups * steps / t.cpu, t.bytes / 1e6 / steps,
+      static_cast<long long>(t.decisions), static_cast<long long>(int64_t{s.groups} * steps),
+      static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
+      static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
+      static_cast<long long>(st.repeat_waves));
+}
+
+// Every mode on a fresh coordinator with these settings, after one warm-up
+// step that fills the cache.
+void RunModes(const BenchConfig& cfg, bool waves_on, int threads) {
+  const Setup& s = cfg.setup;
+  std::printf("repeat waves %s, decide threads %d, feeders %d\n",
+              waves_on ? "on" : "off (baseline)", threads, cfg.feeders);
+  std::unique_ptr<Coordinator> c = NewCoordinator(waves_on, threads);
+  std::vector<CountingSink> sinks(s.nodes);
+  SharedSerialization shared;
+  Configure(sinks, cfg.serialize, &shared);
+  std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
+  std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+  int64_t step = 0;
+  RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+  for (Mode mode : cfg.modes) {
+    const ModeTotals t = TimeMode(*c, ids, sinks, cfg, mode, step, keys);
+    PrintMode(cfg, mode, t, c->stats());
+  }
+  int64_t sent = 0, out_bytes = 0;
+  for (auto& k : sinks) {
+    sent += k.count_.load();
+    out_bytes += k.bytes_;
+  }
+  std::printf(
+      "messages to sinks: %lld (one shared DecisionBatch per peer per completing batch); "
+      "broadcast bytes %lld, serializations %lld\n",
+      static_cast<long long>(sent), static_cast<long long>(out_bytes),
+      static_cast<long long>(cfg.serialize == Serialize::kPerStream ? sent
                                                                     : shared.serializations));
-      c->Stop();
-    }
-  for (int threads : decide_threads) {
-    if (recover) RunRecovery(s, serialize, threads);
+  c->Stop();
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<BenchConfig> cfg = ConfigFromFlags();
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
+    return 2;
   }
-  if (relays > 0) RunRelayFanIn(nodes / relays, rpn, s.groups, s.params, steps);
+  const Setup& s = cfg->setup;
+  std::printf(
+      "coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params; the "
+      "coordinator sees %d %s; broadcast serialization: %s\n",
+      cfg->nodes, cfg->rpn, s.world, s.groups, s.params, s.nodes,
+      cfg->relays > 0 ? "relays" : "nodes", cfg->serialize_name.c_str());
+  for (bool waves_on : cfg->waves) {
+    for (int threads : cfg->decide_threads) RunModes(*cfg, waves_on, threads);
+  }
+  for (int threads : cfg->decide_threads) {
+    if (cfg->recover) RunRecovery(s, cfg->serialize, threads);
+  }
+  if (cfg->relays > 0) {
+    RunRelayFanIn(cfg->nodes / cfg->relays, cfg->rpn, s.groups, s.params, cfg->steps);
+  }
   std::printf("peak RSS %lld MiB\n", static_cast<long long>(PeakRssMiB()));
   return 0;
 }

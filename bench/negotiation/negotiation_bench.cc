@@ -22,6 +22,8 @@
 // waiting for the slowest rank, as the allreduce does).
 #include <algorithm>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -121,143 +123,206 @@ absl::StatusOr<Percentiles> PingPong(const std::string& listen, const std::strin
   return Summarize(std::move(us));
 }
 
-int RunRank() {
-  const int rank = absl::GetFlag(FLAGS_rank);
-  const int world = absl::GetFlag(FLAGS_ranks);
-  const int iters = absl::GetFlag(FLAGS_iterations);
-  const int n = absl::GetFlag(FLAGS_params);
-  const int ng = absl::GetFlag(FLAGS_batch_groups);
-  const int nbp = absl::GetFlag(FLAGS_batch_params);
+// The sizes of the cases a rank times.
+struct Cases {
+  int iters = 0;
+  int params = 0;        // of the single group "big"
+  int batch_groups = 0;  // groups "b<i>" in the batch case
+  int batch_params = 0;  // parameters of each
+};
 
+// Connects this rank and registers "big" and the batch groups.
+absl::StatusOr<std::unique_ptr<Client>> ConnectAndRegister(int rank, int world, const Cases& cases,
+                                                           absl::Duration wait) {
   ClientOptions o;
   o.socket_path = absl::GetFlag(FLAGS_socket);
   o.job_id = "bench";
   o.rank = rank;
   o.world_size = world;
   absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+  if (!c.ok()) return c.status();
+  GroupSpec big{"big", {}};
+  for (int i = 0; i < cases.params; ++i) {
+    big.params.push_back({absl::StrCat("p", i), 64, 64 * 64});
+  }
+  if (absl::Status s = (*c)->RegisterGroup(big, Policy(), absl::Now() + wait); !s.ok()) return s;
+  for (int g = 0; g < cases.batch_groups; ++g) {
+    GroupSpec spec{absl::StrCat("b", g), {}};
+    for (int i = 0; i < cases.batch_params; ++i) {
+      spec.params.push_back({absl::StrCat("q", i), 64, 64});
+    }
+    if (absl::Status s = (*c)->RegisterGroup(spec, Policy(), absl::Now() + wait); !s.ok()) {
+      return s;
+    }
+  }
+  return c;
+}
+
+// Times Submit -> Wait of "big" at successive steps; `vary` leaves a
+// different parameter unused each step, so every step is a cache miss.
+class SingleGroupTimer {
+ public:
+  SingleGroupTimer(Client& client, int params, absl::Duration wait)
+      : client_(client), params_(params), wait_(wait) {}
+
+  absl::StatusOr<double> One(bool vary) {
+    GroupSubmission sub{"big", step_, std::vector<std::optional<DType>>(params_, DType::kFloat32)};
+    if (vary) sub.grad_dtypes[step_ % params_] = std::nullopt;
+    const absl::Time t0 = absl::Now();
+    DecisionFuture f = client_.Submit(sub);
+    absl::StatusOr<Decision> d = client_.Wait(f, absl::Now() + wait_);
+    const absl::Time t1 = absl::Now();
+    ++step_;
+    if (!d.ok()) return d.status();
+    return Micros(t0, t1);
+  }
+  // `iters` timed steps.
+  absl::StatusOr<std::vector<double>> Many(bool vary, int iters) {
+    std::vector<double> us;
+    for (int i = 0; i < iters; ++i) {
+      absl::StatusOr<double> one = One(vary);
+      if (!one.ok()) return one.status();
+      us.push_back(*one);
+    }
+    return us;
+  }
+  int64_t step() const { return step_; }
+
+ private:
+  Client& client_;
+  const int params_;
+  const absl::Duration wait_;
+  int64_t step_ = 0;
+};
+
+// Times SubmitBatch -> every Wait of the batch groups from `step` on; the
+// first batch fills the cache and is not counted.
+absl::StatusOr<std::vector<double>> TimeBatches(Client& client, const Cases& cases, int64_t step,
+                                                absl::Duration wait) {
+  std::vector<double> batch;
+  for (int i = 0; i < cases.iters + 1; ++i, ++step) {
+    std::vector<GroupSubmission> subs;
+    for (int g = 0; g < cases.batch_groups; ++g) {
+      subs.push_back({absl::StrCat("b", g), step,
+                      std::vector<std::optional<DType>>(cases.batch_params, DType::kFloat32)});
+    }
+    const absl::Time t0 = absl::Now();
+    std::vector<DecisionFuture> fs = client.SubmitBatch(subs);
+    for (const DecisionFuture& f : fs) {
+      absl::StatusOr<Decision> d = client.Wait(f, absl::Now() + wait);
+      if (!d.ok()) return d.status();
+    }
+    if (i > 0) batch.push_back(Micros(t0, absl::Now()));
+  }
+  return batch;
+}
+
+// DDP's unused-parameter agreement: one Gloo allreduce of the usage flags and
+// dtype codes (int32 per parameter, as DDP's local_used_map).
+std::vector<double> TimeGlooAllreduce(int rank, int world, const Cases& cases) {
+  const int n = cases.params;
+  gloo::transport::tcp::attr attr;
+  attr.hostname = "127.0.0.1";
+  auto dev = gloo::transport::tcp::CreateDevice(attr);
+  gloo::rendezvous::FileStore store(absl::GetFlag(FLAGS_store_dir));
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, world);
+  ctx->connectFullMesh(store, dev);
+  std::vector<int32_t> buf(2 * n);
+  std::vector<double> us;
+  for (int i = 0; i < cases.iters + 10; ++i) {
+    for (int p = 0; p < n; ++p) {
+      buf[p] = 1;
+      buf[n + p] = static_cast<int32_t>(DType::kFloat32);
+    }
+    gloo::AllreduceOptions opts(ctx);
+    opts.setOutput(buf.data(), buf.size());
+    opts.setReduceFunction(
+        static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<int32_t>));
+    const absl::Time t0 = absl::Now();
+    gloo::allreduce(opts);
+    const absl::Time t1 = absl::Now();
+    if (i >= 10) us.push_back(Micros(t0, t1));
+  }
+  return us;
+}
+
+// What rank 0 measured, in microseconds per round.
+struct Timings {
+  std::vector<double> miss, hit, batch, gloo;
+};
+
+void PrintRows(int world, const Cases& cases, const Timings& t) {
+  const Percentiles m = Summarize(t.miss), h = Summarize(t.hit), b = Summarize(t.batch),
+                    g = Summarize(t.gloo);
+  const int n = cases.params;
+  const std::string label = absl::GetFlag(FLAGS_label);
+  printf("negotiation, %d ranks, 1 node, %d iterations (rank 0's view), %s path\n", world,
+         cases.iters, label.c_str());
+  printf("%-52s %10s %10s\n", "case", "p50 us", "p99 us");
+  printf("%-52s %10.1f %10.1f\n",
+         absl::StrCat("accord 1 group x ", n, " params, cache miss, ", label).c_str(), m.p50_us,
+         m.p99_us);
+  printf("%-52s %10.1f %10.1f\n",
+         absl::StrCat("accord 1 group x ", n, " params, cache hit, ", label).c_str(), h.p50_us,
+         h.p99_us);
+  printf("%-52s %10.1f %10.1f\n",
+         absl::StrCat("accord batch of ", cases.batch_groups, " groups x ", cases.batch_params,
+                      " params (hit), ", label)
+             .c_str(),
+         b.p50_us, b.p99_us);
+  if (!t.gloo.empty()) {
+    printf("%-52s %10.1f %10.1f\n",
+           absl::StrCat("gloo allreduce ", 2 * n, " x int32 (baseline)").c_str(), g.p50_us,
+           g.p99_us);
+    printf("%s: cache-hit p50 / gloo p50 = %.2fx (target <= 1.0x)\n", label.c_str(),
+           h.p50_us / g.p50_us);
+  }
+  const double hops = absl::GetFlag(FLAGS_hops_us);
+  if (hops > 0) {
+    printf("%s: cache-hit p50 / (UDS + TCP ping-pong p50) = %.2fx (target <= 1.3x)\n",
+           label.c_str(), h.p50_us / hops);
+  }
+  printf("%s: batch p50 / single-group hit p50 = %.2fx (target <= 5x)\n", label.c_str(),
+         b.p50_us / h.p50_us);
+  fflush(stdout);
+}
+
+// The accord cases in order: cache misses (after a warm-up), cache hits
+// (after one step that fills the cache), batches.
+absl::Status TimeAccord(Client& client, const Cases& cases, absl::Duration wait, Timings& t) {
+  SingleGroupTimer single(client, cases.params, wait);
+  for (int i = 0; i < 10; ++i) (void)single.One(true);  // warm-up
+  absl::StatusOr<std::vector<double>> miss = single.Many(true, cases.iters);
+  if (!miss.ok()) return miss.status();
+  t.miss = *std::move(miss);
+  (void)single.One(false);
+  absl::StatusOr<std::vector<double>> hit = single.Many(false, cases.iters);
+  if (!hit.ok()) return hit.status();
+  t.hit = *std::move(hit);
+  absl::StatusOr<std::vector<double>> batch = TimeBatches(client, cases, single.step(), wait);
+  if (!batch.ok()) return batch.status();
+  t.batch = *std::move(batch);
+  return absl::OkStatus();
+}
+
+int RunRank() {
+  const int rank = absl::GetFlag(FLAGS_rank);
+  const int world = absl::GetFlag(FLAGS_ranks);
+  const Cases cases{absl::GetFlag(FLAGS_iterations), absl::GetFlag(FLAGS_params),
+                    absl::GetFlag(FLAGS_batch_groups), absl::GetFlag(FLAGS_batch_params)};
+  const absl::Duration wait = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<Client>> c = ConnectAndRegister(rank, world, cases, wait);
   if (!c.ok()) {
     fprintf(stderr, "rank %d: %s\n", rank, c.status().ToString().c_str());
     return 1;
   }
-  const absl::Duration wait = absl::Seconds(60);
-  GroupSpec big{"big", {}};
-  for (int i = 0; i < n; ++i) big.params.push_back({absl::StrCat("p", i), 64, 64 * 64});
-  if (absl::Status s = (*c)->RegisterGroup(big, Policy(), absl::Now() + wait); !s.ok()) {
-    fprintf(stderr, "rank %d: %s\n", rank, s.ToString().c_str());
+  Timings t;
+  if (absl::Status s = TimeAccord(**c, cases, wait, t); !s.ok()) {
+    fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;
   }
-  for (int g = 0; g < ng; ++g) {
-    GroupSpec spec{absl::StrCat("b", g), {}};
-    for (int i = 0; i < nbp; ++i) spec.params.push_back({absl::StrCat("q", i), 64, 64});
-    if (absl::Status s = (*c)->RegisterGroup(spec, Policy(), absl::Now() + wait); !s.ok()) {
-      fprintf(stderr, "rank %d: %s\n", rank, s.ToString().c_str());
-      return 1;
-    }
-  }
-
-  int64_t step = 0;
-  auto one = [&](bool vary) -> absl::StatusOr<double> {
-    GroupSubmission sub{"big", step, std::vector<std::optional<DType>>(n, DType::kFloat32)};
-    // A changing unused parameter makes every step a cache miss.
-    if (vary) sub.grad_dtypes[step % n] = std::nullopt;
-    const absl::Time t0 = absl::Now();
-    DecisionFuture f = (*c)->Submit(sub);
-    absl::StatusOr<Decision> d = (*c)->Wait(f, absl::Now() + wait);
-    const absl::Time t1 = absl::Now();
-    ++step;
-    if (!d.ok()) return d.status();
-    return Micros(t0, t1);
-  };
-  std::vector<double> miss, hit, batch;
-  for (int i = 0; i < 10; ++i) (void)one(true);  // warm-up
-  for (int i = 0; i < iters; ++i) {
-    absl::StatusOr<double> us = one(true);
-    if (!us.ok()) return fprintf(stderr, "%s\n", us.status().ToString().c_str()), 1;
-    miss.push_back(*us);
-  }
-  (void)one(false);
-  for (int i = 0; i < iters; ++i) {
-    absl::StatusOr<double> us = one(false);
-    if (!us.ok()) return fprintf(stderr, "%s\n", us.status().ToString().c_str()), 1;
-    hit.push_back(*us);
-  }
-  for (int i = 0; i < iters + 1; ++i) {
-    std::vector<GroupSubmission> subs;
-    for (int g = 0; g < ng; ++g) {
-      subs.push_back(
-          {absl::StrCat("b", g), step, std::vector<std::optional<DType>>(nbp, DType::kFloat32)});
-    }
-    const absl::Time t0 = absl::Now();
-    std::vector<DecisionFuture> fs = (*c)->SubmitBatch(subs);
-    for (const DecisionFuture& f : fs) {
-      absl::StatusOr<Decision> d = (*c)->Wait(f, absl::Now() + wait);
-      if (!d.ok()) return fprintf(stderr, "%s\n", d.status().ToString().c_str()), 1;
-    }
-    const absl::Time t1 = absl::Now();
-    ++step;
-    if (i > 0) batch.push_back(Micros(t0, t1));  // the first batch fills the cache
-  }
-
-  // Baseline: DDP's unused-parameter agreement, one allreduce of the usage
-  // flags and dtype codes (int32 per parameter, as DDP's local_used_map).
-  std::vector<double> gloo_us;
-  if (absl::GetFlag(FLAGS_gloo)) {
-    gloo::transport::tcp::attr attr;
-    attr.hostname = "127.0.0.1";
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    gloo::rendezvous::FileStore store(absl::GetFlag(FLAGS_store_dir));
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, world);
-    ctx->connectFullMesh(store, dev);
-    std::vector<int32_t> buf(2 * n);
-    for (int i = 0; i < iters + 10; ++i) {
-      for (int p = 0; p < n; ++p) {
-        buf[p] = 1;
-        buf[n + p] = static_cast<int32_t>(DType::kFloat32);
-      }
-      gloo::AllreduceOptions opts(ctx);
-      opts.setOutput(buf.data(), buf.size());
-      opts.setReduceFunction(
-          static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<int32_t>));
-      const absl::Time t0 = absl::Now();
-      gloo::allreduce(opts);
-      const absl::Time t1 = absl::Now();
-      if (i >= 10) gloo_us.push_back(Micros(t0, t1));
-    }
-  }
-
-  if (rank == 0) {
-    const Percentiles m = Summarize(miss), h = Summarize(hit), b = Summarize(batch),
-                      g = Summarize(gloo_us);
-    const std::string label = absl::GetFlag(FLAGS_label);
-    printf("negotiation, %d ranks, 1 node, %d iterations (rank 0's view), %s path\n", world, iters,
-           label.c_str());
-    printf("%-52s %10s %10s\n", "case", "p50 us", "p99 us");
-    printf("%-52s %10.1f %10.1f\n",
-           absl::StrCat("accord 1 group x ", n, " params, cache miss, ", label).c_str(), m.p50_us,
-           m.p99_us);
-    printf("%-52s %10.1f %10.1f\n",
-           absl::StrCat("accord 1 group x ", n, " params, cache hit, ", label).c_str(), h.p50_us,
-           h.p99_us);
-    printf(
-        "%-52s %10.1f %10.1f\n",
-        absl::StrCat("accord batch of ", ng, " groups x ", nbp, " params (hit), ", label).c_str(),
-        b.p50_us, b.p99_us);
-    if (!gloo_us.empty()) {
-      printf("%-52s %10.1f %10.1f\n",
-             absl::StrCat("gloo allreduce ", 2 * n, " x int32 (baseline)").c_str(), g.p50_us,
-             g.p99_us);
-      printf("%s: cache-hit p50 / gloo p50 = %.2fx (target <= 1.0x)\n", label.c_str(),
-             h.p50_us / g.p50_us);
-    }
-    const double hops = absl::GetFlag(FLAGS_hops_us);
-    if (hops > 0) {
-      printf("%s: cache-hit p50 / (UDS + TCP ping-pong p50) = %.2fx (target <= 1.3x)\n",
-             label.c_str(), h.p50_us / hops);
-    }
-    printf("%s: batch p50 / single-group hit p50 = %.2fx (target <= 5x)\n", label.c_str(),
-           b.p50_us / h.p50_us);
-    fflush(stdout);
-  }
+  if (absl::GetFlag(FLAGS_gloo)) t.gloo = TimeGlooAllreduce(rank, world, cases);
+  if (rank == 0) PrintRows(world, cases, t);
   return 0;
 }
 

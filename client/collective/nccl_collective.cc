@@ -146,6 +146,58 @@ absl::Status CheckWireDTypesAtCreate(const NcclRuntimeInfo& info,
   return absl::OkStatus();
 }
 
+// Rank 0: draws the communicator's unique id and publishes it under `key`.
+// Write-once: an id already there is another rank 0 of this incarnation, or
+// an incarnation reused after a restart.
+absl::StatusOr<ncclUniqueId> PublishUniqueId(KeyValueStore& kv, const std::string& key,
+                                             const std::string& what) {
+  absl::StatusOr<std::vector<std::string>> existing = kv.Get({key}, std::chrono::milliseconds(0));
+  if (existing.ok()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        what, ": a unique id is already published under \"", key,
+        "\"; two ranks 0, or an incarnation reused by a restarted job (give each run a new "
+        "CollectiveOptions::incarnation)"));
+  }
+  if (existing.status().code() != absl::StatusCode::kDeadlineExceeded &&
+      existing.status().code() != absl::StatusCode::kNotFound) {
+    return absl::Status(existing.status().code(),
+                        absl::StrCat(what, ": checking \"", key,
+                                     "\" before publishing: ", existing.status().message()));
+  }
+  ncclUniqueId id;
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+    return NcclStatus(r, nullptr, absl::StrCat(what, ": ncclGetUniqueId"));
+  }
+  if (absl::Status s = kv.Set(key, std::string(id.internal, sizeof id.internal)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(what, ": publishing the unique id: ", s.message()));
+  }
+  return id;
+}
+
+// Another rank: waits until `deadline` for rank 0's unique id under `key`.
+absl::StatusOr<ncclUniqueId> FetchUniqueId(KeyValueStore& kv, const std::string& key,
+                                           const std::string& what, Clock::time_point deadline) {
+  ncclUniqueId id;
+  const auto left =
+      std::max(std::chrono::milliseconds(0),
+               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  absl::StatusOr<std::vector<std::string>> v = kv.Get({key}, left);
+  if (!v.ok()) {
+    return absl::Status(v.status().code(),
+                        absl::StrCat(what,
+                                     ": waiting for rank 0's unique id (is rank 0 up, with the "
+                                     "same key prefix and incarnation?): ",
+                                     v.status().message()));
+  }
+  if ((*v)[0].size() != sizeof id.internal) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": unique id under \"", key, "\" has ",
+                                                   (*v)[0].size(), " bytes, expected ",
+                                                   sizeof id.internal));
+  }
+  std::memcpy(id.internal, (*v)[0].data(), sizeof id.internal);
+  return id;
+}
+
 }  // namespace
 
 NcclCollective::NcclCollective(int rank, int world_size, std::unique_ptr<Comm> comm,
@@ -209,49 +261,9 @@ absl::StatusOr<std::unique_ptr<Collective>> NcclCollective::Create(
     return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
   }
 
-  ncclUniqueId id;
-  if (rank == 0) {
-    // Write-once: an id already there is another rank 0 of this
-    // incarnation, or an incarnation reused after a restart.
-    absl::StatusOr<std::vector<std::string>> existing = kv.Get({key}, std::chrono::milliseconds(0));
-    if (existing.ok()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          what, ": a unique id is already published under \"", key,
-          "\"; two ranks 0, or an incarnation reused by a restarted job (give each run a new "
-          "CollectiveOptions::incarnation)"));
-    }
-    if (existing.status().code() != absl::StatusCode::kDeadlineExceeded &&
-        existing.status().code() != absl::StatusCode::kNotFound) {
-      return absl::Status(existing.status().code(),
-                          absl::StrCat(what, ": checking \"", key,
-                                       "\" before publishing: ", existing.status().message()));
-    }
-    if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
-      return NcclStatus(r, nullptr, absl::StrCat(what, ": ncclGetUniqueId"));
-    }
-    if (absl::Status s = kv.Set(key, std::string(id.internal, sizeof id.internal)); !s.ok()) {
-      return absl::Status(s.code(),
-                          absl::StrCat(what, ": publishing the unique id: ", s.message()));
-    }
-  } else {
-    const auto left =
-        std::max(std::chrono::milliseconds(0),
-                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-    absl::StatusOr<std::vector<std::string>> v = kv.Get({key}, left);
-    if (!v.ok()) {
-      return absl::Status(v.status().code(),
-                          absl::StrCat(what,
-                                       ": waiting for rank 0's unique id (is rank 0 up, with the "
-                                       "same key prefix and incarnation?): ",
-                                       v.status().message()));
-    }
-    if ((*v)[0].size() != sizeof id.internal) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": unique id under \"", key, "\" has ",
-                                                     (*v)[0].size(), " bytes, expected ",
-                                                     sizeof id.internal));
-    }
-    std::memcpy(id.internal, (*v)[0].data(), sizeof id.internal);
-  }
+  absl::StatusOr<ncclUniqueId> id =
+      rank == 0 ? PublishUniqueId(kv, key, what) : FetchUniqueId(kv, key, what, deadline);
+  if (!id.ok()) return id.status();
 
   auto comm = std::make_unique<Comm>();
   if (const cudaError_t e = cudaEventCreateWithFlags(&comm->done, cudaEventDisableTiming);
@@ -260,7 +272,7 @@ absl::StatusOr<std::unique_ptr<Collective>> NcclCollective::Create(
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
-  const ncclResult_t r = ncclCommInitRankConfig(&comm->comm, world_size, id, rank, &config);
+  const ncclResult_t r = ncclCommInitRankConfig(&comm->comm, world_size, *id, rank, &config);
   absl::Status init;
   if (r != ncclSuccess && r != ncclInProgress) {
     init = NcclStatus(r, comm->comm, absl::StrCat(what, ": ncclCommInitRankConfig"));

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -133,263 +134,374 @@ void WaitAtGate(int rank, const std::string& where) {
   fflush(stdout);
 }
 
-int Run() {
-  const int rank = absl::GetFlag(FLAGS_rank);
-  const int world = absl::GetFlag(FLAGS_world);
-  const int num_groups = absl::GetFlag(FLAGS_groups);
-  const int num_params = absl::GetFlag(FLAGS_params);
-  const int steps = absl::GetFlag(FLAGS_steps);
-  const absl::Duration wait = absl::GetFlag(FLAGS_wait);
+// What the flags ask of this rank.
+struct Config {
+  int rank = 0;
+  int world = 1;
+  int groups = 1;
+  int params = 4;
+  int steps = 3;
+  absl::Duration wait;
+  DType default_dtype = DType::kFloat32;
+  std::vector<Rule> rules;
+  bool gated = false;  // --gate_rank or one of --gate_ranks
+  bool silent = false;
+  bool print_times = false;
+};
+
+// What the rank checks (--expect_*).
+struct Expectations {
+  std::optional<DType> wire;
+  std::optional<std::vector<bool>> skipped;  // per parameter
+  std::string error;                         // the first error's code name
+  std::string error_contains;
+};
+
+absl::StatusOr<Config> ConfigFromFlags() {
+  Config c;
+  c.rank = absl::GetFlag(FLAGS_rank);
+  c.world = absl::GetFlag(FLAGS_world);
+  c.groups = absl::GetFlag(FLAGS_groups);
+  c.params = absl::GetFlag(FLAGS_params);
+  c.steps = absl::GetFlag(FLAGS_steps);
+  c.wait = absl::GetFlag(FLAGS_wait);
   absl::StatusOr<DType> default_dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!default_dtype.ok()) return default_dtype.status();
+  c.default_dtype = *default_dtype;
   absl::StatusOr<std::vector<Rule>> rules = ParseRules(absl::GetFlag(FLAGS_rules));
-  if (!default_dtype.ok() || !rules.ok()) {
-    fprintf(stderr, "rank %d: %s\n", rank,
-            std::string((default_dtype.ok() ? rules.status() : default_dtype.status()).message())
-                .c_str());
-    return 2;
-  }
-  std::optional<DType> expect_wire;
-  if (!absl::GetFlag(FLAGS_expect_wire).empty()) {
-    absl::StatusOr<DType> d = ParseDType(absl::GetFlag(FLAGS_expect_wire));
-    if (!d.ok()) return 2;
-    expect_wire = *d;
-  }
-  std::optional<std::vector<bool>> expect_skipped;
-  if (!absl::GetFlag(FLAGS_expect_skipped).empty()) {
-    expect_skipped = std::vector<bool>(num_params, false);
-    for (absl::string_view s :
-         absl::StrSplit(absl::GetFlag(FLAGS_expect_skipped), ',', absl::SkipEmpty())) {
-      int i = 0;
-      if (s != "-" && absl::SimpleAtoi(s, &i) && i >= 0 && i < num_params)
-        (*expect_skipped)[i] = true;
-    }
-  }
-  const std::string expect_error = absl::GetFlag(FLAGS_expect_error);
-  const std::string expect_contains = absl::GetFlag(FLAGS_expect_error_contains);
-
-  ClientOptions opts;
-  opts.socket_path = rank == absl::GetFlag(FLAGS_proxied_rank) ? absl::GetFlag(FLAGS_proxy_socket)
-                                                               : absl::GetFlag(FLAGS_socket);
-  opts.job_id = absl::GetFlag(FLAGS_job);
-  opts.rank = rank;
-  opts.world_size = world;
-  opts.local_rank = absl::GetFlag(FLAGS_local_rank);
-  opts.connect_timeout = absl::GetFlag(FLAGS_connect_timeout).value_or(wait);
-  opts.reconnect_grace = absl::GetFlag(FLAGS_reconnect_grace);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(opts);
-  if (!client.ok()) {
-    printf("rank %d connect error %s: %s\n", rank, CodeName(client.status().code()).c_str(),
-           std::string(client.status().message()).c_str());
-    return 1;
-  }
-  Client& c = **client;
-
-  StableHasher digest;
-  std::optional<absl::Status> first_error;
-  bool ok = true;
-  auto note_error = [&](const std::string& where, const absl::Status& s) {
-    printf("rank %d %s: error %s: %s\n", rank, where.c_str(), CodeName(s.code()).c_str(),
-           std::string(s.message()).c_str());
-    digest.AddU64(static_cast<uint64_t>(s.code()));
-    digest.AddBytes(s.message());
-    if (!first_error) first_error = s;
-  };
-
-  const bool print_times = absl::GetFlag(FLAGS_print_times);
-  auto print_time = [&](const char* what, int step) {
-    if (!print_times) return;
-    printf("rank %d time %s step %d at_ms %lld\n", rank, what, step,
-           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
-  };
-  auto print_time_of = [&](const std::string& what) {
-    if (!print_times) return;
-    printf("rank %d time %s at_ms %lld\n", rank, what.c_str(),
-           static_cast<long long>(absl::ToUnixMillis(absl::Now())));
-  };
-  bool gated = rank == absl::GetFlag(FLAGS_gate_rank);
+  if (!rules.ok()) return rules.status();
+  c.rules = *std::move(rules);
+  c.gated = c.rank == absl::GetFlag(FLAGS_gate_rank);
   for (absl::string_view r :
        absl::StrSplit(absl::GetFlag(FLAGS_gate_ranks), ',', absl::SkipEmpty())) {
     int x = -1;
-    if (absl::SimpleAtoi(r, &x) && x == rank) gated = true;
+    if (absl::SimpleAtoi(r, &x) && x == c.rank) c.gated = true;
   }
+  c.silent = c.rank == absl::GetFlag(FLAGS_silent_rank);
+  c.print_times = absl::GetFlag(FLAGS_print_times);
+  return c;
+}
 
-  // Key-value rendezvous (before registering): one key one rank publishes,
-  // or every rank's key under a prefix.
+// nullopt when --expect_wire names no dtype.
+std::optional<Expectations> ExpectationsFromFlags(int num_params) {
+  Expectations e;
+  if (!absl::GetFlag(FLAGS_expect_wire).empty()) {
+    absl::StatusOr<DType> d = ParseDType(absl::GetFlag(FLAGS_expect_wire));
+    if (!d.ok()) return std::nullopt;
+    e.wire = *d;
+  }
+  if (!absl::GetFlag(FLAGS_expect_skipped).empty()) {
+    e.skipped = std::vector<bool>(num_params, false);
+    for (absl::string_view s :
+         absl::StrSplit(absl::GetFlag(FLAGS_expect_skipped), ',', absl::SkipEmpty())) {
+      int i = 0;
+      if (s != "-" && absl::SimpleAtoi(s, &i) && i >= 0 && i < num_params) (*e.skipped)[i] = true;
+    }
+  }
+  e.error = absl::GetFlag(FLAGS_expect_error);
+  e.error_contains = absl::GetFlag(FLAGS_expect_error_contains);
+  return e;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Connect(const Config& cfg) {
+  ClientOptions opts;
+  opts.socket_path = cfg.rank == absl::GetFlag(FLAGS_proxied_rank)
+                         ? absl::GetFlag(FLAGS_proxy_socket)
+                         : absl::GetFlag(FLAGS_socket);
+  opts.job_id = absl::GetFlag(FLAGS_job);
+  opts.rank = cfg.rank;
+  opts.world_size = cfg.world;
+  opts.local_rank = absl::GetFlag(FLAGS_local_rank);
+  opts.connect_timeout = absl::GetFlag(FLAGS_connect_timeout).value_or(cfg.wait);
+  opts.reconnect_grace = absl::GetFlag(FLAGS_reconnect_grace);
+  return Client::Connect(opts);
+}
+
+// One rank's scripted run over a connected client: what it printed so far
+// goes into a digest identical on every rank.
+class Scenario {
+ public:
+  Scenario(Config cfg, Expectations expect, Client& client)
+      : cfg_(std::move(cfg)), expect_(std::move(expect)), c_(client) {}
+
+  // The key-value rendezvous (before registering): one key one rank
+  // publishes, or every rank's key under a prefix. False when this rank
+  // withholds its key (it then exits at once).
+  bool KeyValueRendezvous();
+  // Registers every group, p_i with dim0 = 2*world+1 (padding) and 3 columns.
+  void RegisterGroups();
+  void RunSteps();
+  // Tells the others this rank is done.
+  void SayDone();
+  // The silent rank stays connected until every other rank is done (so its
+  // absence is a missing submission, not a departure); returns its exit code.
+  int AwaitOthers();
+  // The exit code by the expectations; prints the digest.
+  int Verdict();
+
+ private:
+  void NoteError(const std::string& where, const absl::Status& s);
+  void PrintTime(const char* what, int step) const;
+  void PrintTimeOf(const std::string& what) const;
+  std::vector<GroupSubmission> StepBatch(int step) const;
+  void CheckDecision(const std::string& where, const GroupSubmission& sub, const Decision& d);
+
+  const Config cfg_;
+  const Expectations expect_;
+  Client& c_;
+  StableHasher digest_;
+  std::optional<absl::Status> first_error_;
+  bool ok_ = true;
+};
+
+void Scenario::NoteError(const std::string& where, const absl::Status& s) {
+  printf("rank %d %s: error %s: %s\n", cfg_.rank, where.c_str(), CodeName(s.code()).c_str(),
+         std::string(s.message()).c_str());
+  digest_.AddU64(static_cast<uint64_t>(s.code()));
+  digest_.AddBytes(s.message());
+  if (!first_error_) first_error_ = s;
+}
+
+void Scenario::PrintTime(const char* what, int step) const {
+  if (!cfg_.print_times) return;
+  printf("rank %d time %s step %d at_ms %lld\n", cfg_.rank, what, step,
+         static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+}
+
+void Scenario::PrintTimeOf(const std::string& what) const {
+  if (!cfg_.print_times) return;
+  printf("rank %d time %s at_ms %lld\n", cfg_.rank, what.c_str(),
+         static_cast<long long>(absl::ToUnixMillis(absl::Now())));
+}
+
+bool Scenario::KeyValueRendezvous() {
+  const int rank = cfg_.rank;
   const std::string kv_key = absl::GetFlag(FLAGS_kv_key);
   const std::string kv_gather = absl::GetFlag(FLAGS_kv_gather);
-  if (!kv_key.empty() || !kv_gather.empty()) {
-    if (rank == absl::GetFlag(FLAGS_kv_withhold_rank)) {
-      WaitAtGate(rank, "kv");
-      return 0;
-    }
-    if (rank == absl::GetFlag(FLAGS_kv_late_rank)) WaitAtGate(rank, "kv");
-    std::vector<std::string> wanted;
-    absl::Status s;
-    if (!kv_key.empty()) {
-      if (rank == absl::GetFlag(FLAGS_kv_setter)) {
-        s = c.kv().Set(kv_key, absl::StrCat("value of ", kv_key));
-      } else {
-        wanted.push_back(kv_key);
-      }
-    } else {
-      s = c.kv().Set(absl::StrCat(kv_gather, "/", rank), absl::StrCat("rank ", rank));
-      for (int r = 0; r < world; ++r) wanted.push_back(absl::StrCat(kv_gather, "/", r));
-    }
-    if (s.ok() && !wanted.empty()) {
-      print_time_of("kv_wait");
-      printf("rank %d kv waiting\n", rank);
-      fflush(stdout);
-      absl::StatusOr<std::vector<std::string>> got =
-          c.kv().Get(wanted, std::chrono::milliseconds(absl::ToInt64Milliseconds(wait)));
-      if (!got.ok()) print_time_of("kv_error");
-      s = got.status();
-    }
-    if (!s.ok()) note_error("kv", s);
-    fflush(stdout);
+  if (kv_key.empty() && kv_gather.empty()) return true;
+  if (rank == absl::GetFlag(FLAGS_kv_withhold_rank)) {
+    WaitAtGate(rank, "kv");
+    return false;
   }
+  if (rank == absl::GetFlag(FLAGS_kv_late_rank)) WaitAtGate(rank, "kv");
+  std::vector<std::string> wanted;
+  absl::Status s;
+  if (!kv_key.empty()) {
+    if (rank == absl::GetFlag(FLAGS_kv_setter)) {
+      s = c_.kv().Set(kv_key, absl::StrCat("value of ", kv_key));
+    } else {
+      wanted.push_back(kv_key);
+    }
+  } else {
+    s = c_.kv().Set(absl::StrCat(kv_gather, "/", rank), absl::StrCat("rank ", rank));
+    for (int r = 0; r < cfg_.world; ++r) wanted.push_back(absl::StrCat(kv_gather, "/", r));
+  }
+  if (s.ok() && !wanted.empty()) {
+    PrintTimeOf("kv_wait");
+    printf("rank %d kv waiting\n", rank);
+    fflush(stdout);
+    absl::StatusOr<std::vector<std::string>> got =
+        c_.kv().Get(wanted, std::chrono::milliseconds(absl::ToInt64Milliseconds(cfg_.wait)));
+    if (!got.ok()) PrintTimeOf("kv_error");
+    s = got.status();
+  }
+  if (!s.ok()) NoteError("kv", s);
+  fflush(stdout);
+  return true;
+}
 
-  // Registration (all groups), p_i with dim0 = 2*world+1 (padding) and 3 columns.
-  if (gated && absl::GetFlag(FLAGS_gate_register) && !first_error) WaitAtGate(rank, "register");
-  for (int g = 0; g < num_groups && !first_error; ++g) {
+void Scenario::RegisterGroups() {
+  if (cfg_.gated && absl::GetFlag(FLAGS_gate_register) && !first_error_) {
+    WaitAtGate(cfg_.rank, "register");
+  }
+  for (int g = 0; g < cfg_.groups && !first_error_; ++g) {
     GroupSpec spec;
     spec.group_id = absl::StrCat("g", g);
-    for (int i = 0; i < num_params; ++i) {
-      const int64_t dim0 = 2 * world + 1 + i;
+    for (int i = 0; i < cfg_.params; ++i) {
+      const int64_t dim0 = 2 * cfg_.world + 1 + i;
       spec.params.push_back({absl::StrCat("p", i), dim0, dim0 * 3});
     }
-    if (rank == absl::GetFlag(FLAGS_mismatch_rank)) spec.params[0].numel += spec.params[0].dim0;
-    print_time_of(absl::StrCat("register group ", spec.group_id));
+    if (cfg_.rank == absl::GetFlag(FLAGS_mismatch_rank)) {
+      spec.params[0].numel += spec.params[0].dim0;
+    }
+    PrintTimeOf(absl::StrCat("register group ", spec.group_id));
     fflush(stdout);  // tests act once every rank sent its registration
-    absl::Status s = c.RegisterGroup(spec, Policy(), absl::Now() + wait);
+    absl::Status s = c_.RegisterGroup(spec, Policy(), absl::Now() + cfg_.wait);
     if (!s.ok()) {
-      print_time_of(absl::StrCat("register_error group ", spec.group_id));
-      note_error(absl::StrCat("register ", spec.group_id), s);
+      PrintTimeOf(absl::StrCat("register_error group ", spec.group_id));
+      NoteError(absl::StrCat("register ", spec.group_id), s);
     }
   }
+}
 
-  const bool silent = rank == absl::GetFlag(FLAGS_silent_rank);
+// Every group's manifest at `step`: --dtype, as the rules say.
+std::vector<GroupSubmission> Scenario::StepBatch(int step) const {
+  std::vector<GroupSubmission> batch;
+  for (int g = 0; g < cfg_.groups; ++g) {
+    GroupSubmission sub{absl::StrCat("g", g), step, {}};
+    for (int i = 0; i < cfg_.params; ++i) {
+      std::optional<DType> d = cfg_.default_dtype;
+      for (const Rule& r : cfg_.rules) {
+        if ((r.rank < 0 || r.rank == cfg_.rank) && (r.param < 0 || r.param == i) &&
+            (r.step < 0 || r.step == step)) {
+          d = r.dtype;
+        }
+      }
+      sub.grad_dtypes.push_back(d);
+    }
+    batch.push_back(std::move(sub));
+  }
+  return batch;
+}
+
+void Scenario::RunSteps() {
+  const int rank = cfg_.rank;
   const absl::Duration step_delay = absl::GetFlag(FLAGS_step_delay);
-  for (int step = 0; step < steps && !first_error && !silent; ++step) {
+  for (int step = 0; step < cfg_.steps && !first_error_ && !cfg_.silent; ++step) {
     if (step > 0 && step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
-    if (gated && !absl::GetFlag(FLAGS_gate_register) && step == absl::GetFlag(FLAGS_gate_step)) {
+    if (cfg_.gated && !absl::GetFlag(FLAGS_gate_register) &&
+        step == absl::GetFlag(FLAGS_gate_step)) {
       WaitAtGate(rank, absl::StrCat("step ", step));
     }
     if (rank == absl::GetFlag(FLAGS_skip_rank) && step == absl::GetFlag(FLAGS_skip_step)) {
       printf("rank %d skips step %d\n", rank, step);
       continue;
     }
-    std::vector<GroupSubmission> batch;
-    for (int g = 0; g < num_groups; ++g) {
-      GroupSubmission sub{absl::StrCat("g", g), step, {}};
-      for (int i = 0; i < num_params; ++i) {
-        std::optional<DType> d = *default_dtype;
-        for (const Rule& r : *rules) {
-          if ((r.rank < 0 || r.rank == rank) && (r.param < 0 || r.param == i) &&
-              (r.step < 0 || r.step == step)) {
-            d = r.dtype;
-          }
-        }
-        sub.grad_dtypes.push_back(d);
-      }
-      batch.push_back(std::move(sub));
-    }
-    std::vector<DecisionFuture> futures = c.SubmitBatch(batch);
-    print_time("submitted", step);
+    const std::vector<GroupSubmission> batch = StepBatch(step);
+    std::vector<DecisionFuture> futures = c_.SubmitBatch(batch);
+    PrintTime("submitted", step);
     printf("rank %d step %d submitted\n", rank, step);
     fflush(stdout);
-    for (int g = 0; g < num_groups; ++g) {
+    for (int g = 0; g < cfg_.groups; ++g) {
       const std::string where = absl::StrCat("step ", step, " group g", g);
-      absl::StatusOr<Decision> d = c.Wait(futures[g], absl::Now() + wait);
+      absl::StatusOr<Decision> d = c_.Wait(futures[g], absl::Now() + cfg_.wait);
       if (!d.ok()) {
-        print_time("error", step);
-        note_error(where, d.status());
+        PrintTime("error", step);
+        NoteError(where, d.status());
         continue;
       }
-      int included = 0, zero_fill_here = 0;
-      std::vector<std::string> skipped;
-      for (int i = 0; i < num_params; ++i) {
-        if (d->included[i]) {
-          ++included;
-          if (!batch[g].grad_dtypes[i].has_value()) ++zero_fill_here;
-        } else {
-          skipped.push_back(absl::StrCat("p", i));
-        }
-      }
-      printf("rank %d %s: wire=%s included=%d/%d zero_fill_here=%d skipped=[%s] fp=%016llx\n", rank,
-             where.c_str(), std::string(DTypeName(d->wire_dtype)).c_str(), included, num_params,
-             zero_fill_here, absl::StrJoin(skipped, ",").c_str(),
-             static_cast<unsigned long long>(d->layout_fingerprint));
-      digest.AddU64(static_cast<uint64_t>(d->step));
-      digest.AddU64(static_cast<uint64_t>(d->wire_dtype));
-      for (bool b : d->included) digest.AddU64(b ? 1 : 0);
-      digest.AddU64(d->layout_fingerprint);
-      if (expect_wire && d->wire_dtype != *expect_wire) {
-        printf("rank %d %s: EXPECTATION FAILED: wire %s, expected %s\n", rank, where.c_str(),
-               std::string(DTypeName(d->wire_dtype)).c_str(),
-               std::string(DTypeName(*expect_wire)).c_str());
-        ok = false;
-      }
-      if (expect_skipped) {
-        for (int i = 0; i < num_params; ++i) {
-          if (d->included[i] == (*expect_skipped)[i]) {
-            printf("rank %d %s: EXPECTATION FAILED: p%d %s\n", rank, where.c_str(), i,
-                   d->included[i] ? "included, expected skipped" : "skipped, expected included");
-            ok = false;
-          }
-        }
-      }
+      CheckDecision(where, batch[g], *d);
     }
     fflush(stdout);
   }
+}
 
-  // Tell the others this rank is done; the silent rank stays connected until
-  // every other rank is done (so its absence is a missing submission, not a
-  // departure).
+// Prints the decision, adds it to the digest and checks --expect_wire and
+// --expect_skipped.
+void Scenario::CheckDecision(const std::string& where, const GroupSubmission& sub,
+                             const Decision& d) {
+  const int rank = cfg_.rank;
+  int included = 0, zero_fill_here = 0;
+  std::vector<std::string> skipped;
+  for (int i = 0; i < cfg_.params; ++i) {
+    if (d.included[i]) {
+      ++included;
+      if (!sub.grad_dtypes[i].has_value()) ++zero_fill_here;
+    } else {
+      skipped.push_back(absl::StrCat("p", i));
+    }
+  }
+  printf("rank %d %s: wire=%s included=%d/%d zero_fill_here=%d skipped=[%s] fp=%016llx\n", rank,
+         where.c_str(), std::string(DTypeName(d.wire_dtype)).c_str(), included, cfg_.params,
+         zero_fill_here, absl::StrJoin(skipped, ",").c_str(),
+         static_cast<unsigned long long>(d.layout_fingerprint));
+  digest_.AddU64(static_cast<uint64_t>(d.step));
+  digest_.AddU64(static_cast<uint64_t>(d.wire_dtype));
+  for (bool b : d.included) digest_.AddU64(b ? 1 : 0);
+  digest_.AddU64(d.layout_fingerprint);
+  if (expect_.wire && d.wire_dtype != *expect_.wire) {
+    printf("rank %d %s: EXPECTATION FAILED: wire %s, expected %s\n", rank, where.c_str(),
+           std::string(DTypeName(d.wire_dtype)).c_str(),
+           std::string(DTypeName(*expect_.wire)).c_str());
+    ok_ = false;
+  }
+  if (expect_.skipped) {
+    for (int i = 0; i < cfg_.params; ++i) {
+      if (d.included[i] == (*expect_.skipped)[i]) {
+        printf("rank %d %s: EXPECTATION FAILED: p%d %s\n", rank, where.c_str(), i,
+               d.included[i] ? "included, expected skipped" : "skipped, expected included");
+        ok_ = false;
+      }
+    }
+  }
+}
+
+void Scenario::SayDone() {
   // Not an error of the run (the chaos oracle reads "error" lines): said in
   // its own words, which fault tests compare across ranks.
-  if (absl::Status done = c.kv().Set(absl::StrCat("scenario/done/", rank), "1"); !done.ok()) {
-    printf("rank %d done key refused %s: %s\n", rank, CodeName(done.code()).c_str(),
+  if (absl::Status done = c_.kv().Set(absl::StrCat("scenario/done/", cfg_.rank), "1"); !done.ok()) {
+    printf("rank %d done key refused %s: %s\n", cfg_.rank, CodeName(done.code()).c_str(),
            std::string(done.message()).c_str());
   }
-  if (silent) {
-    std::vector<std::string> keys;
-    for (int r = 0; r < world; ++r) {
-      if (r != rank) keys.push_back(absl::StrCat("scenario/done/", r));
-    }
-    // The coordinator ends each Get at its --deadline (naming who has not
-    // set the keys); the others may take longer, so ask again until --wait.
-    const absl::Time give_up = absl::Now() + wait;
-    absl::StatusOr<std::vector<std::string>> all;
-    do {
-      all = c.kv().Get(keys, std::chrono::milliseconds(std::max<int64_t>(
-                                 1, absl::ToInt64Milliseconds(give_up - absl::Now()))));
-    } while (!all.ok() && all.status().code() == absl::StatusCode::kDeadlineExceeded &&
-             absl::Now() < give_up);
-    printf("rank %d silent: others done: %s\n", rank, all.ok() ? "yes" : "no");
-    return all.ok() ? 0 : 1;
-  }
+}
 
-  if (!expect_error.empty()) {
-    if (!first_error) {
-      printf("rank %d EXPECTATION FAILED: no error, expected %s\n", rank, expect_error.c_str());
-      ok = false;
-    } else if (CodeName(first_error->code()) != expect_error) {
+int Scenario::AwaitOthers() {
+  std::vector<std::string> keys;
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r != cfg_.rank) keys.push_back(absl::StrCat("scenario/done/", r));
+  }
+  // The coordinator ends each Get at its --deadline (naming who has not set
+  // the keys); the others may take longer, so ask again until --wait.
+  const absl::Time give_up = absl::Now() + cfg_.wait;
+  absl::StatusOr<std::vector<std::string>> all;
+  do {
+    all = c_.kv().Get(keys, std::chrono::milliseconds(std::max<int64_t>(
+                                1, absl::ToInt64Milliseconds(give_up - absl::Now()))));
+  } while (!all.ok() && all.status().code() == absl::StatusCode::kDeadlineExceeded &&
+           absl::Now() < give_up);
+  printf("rank %d silent: others done: %s\n", cfg_.rank, all.ok() ? "yes" : "no");
+  return all.ok() ? 0 : 1;
+}
+
+int Scenario::Verdict() {
+  const int rank = cfg_.rank;
+  if (!expect_.error.empty()) {
+    if (!first_error_) {
+      printf("rank %d EXPECTATION FAILED: no error, expected %s\n", rank, expect_.error.c_str());
+      ok_ = false;
+    } else if (CodeName(first_error_->code()) != expect_.error) {
       printf("rank %d EXPECTATION FAILED: error %s, expected %s\n", rank,
-             CodeName(first_error->code()).c_str(), expect_error.c_str());
-      ok = false;
+             CodeName(first_error_->code()).c_str(), expect_.error.c_str());
+      ok_ = false;
     }
-  } else if (first_error) {
-    ok = false;
+  } else if (first_error_) {
+    ok_ = false;
   }
-  if (!expect_contains.empty() &&
-      (!first_error || first_error->message().find(expect_contains) == absl::string_view::npos)) {
+  if (!expect_.error_contains.empty() &&
+      (!first_error_ ||
+       first_error_->message().find(expect_.error_contains) == absl::string_view::npos)) {
     printf("rank %d EXPECTATION FAILED: error does not contain \"%s\"\n", rank,
-           expect_contains.c_str());
-    ok = false;
+           expect_.error_contains.c_str());
+    ok_ = false;
   }
-  printf("rank %d digest %016llx\n", rank, static_cast<unsigned long long>(digest.Finish()));
+  printf("rank %d digest %016llx\n", rank, static_cast<unsigned long long>(digest_.Finish()));
   fflush(stdout);
-  return ok ? 0 : 1;
+  return ok_ ? 0 : 1;
+}
+
+int Run() {
+  absl::StatusOr<Config> cfg = ConfigFromFlags();
+  if (!cfg.ok()) {
+    fprintf(stderr, "rank %d: %s\n", absl::GetFlag(FLAGS_rank),
+            std::string(cfg.status().message()).c_str());
+    return 2;
+  }
+  std::optional<Expectations> expect = ExpectationsFromFlags(cfg->params);
+  if (!expect.has_value()) return 2;
+  absl::StatusOr<std::unique_ptr<Client>> client = Connect(*cfg);
+  if (!client.ok()) {
+    printf("rank %d connect error %s: %s\n", cfg->rank, CodeName(client.status().code()).c_str(),
+           std::string(client.status().message()).c_str());
+    return 1;
+  }
+  const bool silent = cfg->silent;
+  Scenario scenario(*std::move(cfg), *std::move(expect), **client);
+  if (!scenario.KeyValueRendezvous()) return 0;
+  scenario.RegisterGroups();
+  scenario.RunSteps();
+  scenario.SayDone();
+  if (silent) return scenario.AwaitOthers();
+  return scenario.Verdict();
 }
 
 }  // namespace
