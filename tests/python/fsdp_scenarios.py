@@ -402,9 +402,9 @@ class DeepNet(nn.Module):
         return y
 
 
-def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=True, steps=2):
-    """Case 5: gradients with and without speculation (`overlap`, its earlier
-    name; bit-identical expected)."""
+def deep_speculation(rank, world_size, agreement="accord", cluster=None, speculate=True,
+                     steps=2):
+    """Case 5: gradients with and without speculation (bit-identical expected)."""
     torch.manual_seed(0)
     ref_model = DeepNet()
     model = copy.deepcopy(ref_model)
@@ -413,7 +413,7 @@ def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=Tru
     ag = make_agreement(agreement, rank, world_size, cluster)
     import accord.torch
 
-    inst = accord.torch.install(model, ag, overlap=overlap)
+    inst = accord.torch.install(model, ag, speculate=speculate)
     spy = WireSpy()
     try:
         for k in range(steps):
@@ -437,7 +437,7 @@ def deep_overlap(rank, world_size, agreement="accord", cluster=None, overlap=Tru
         "wire": spy.calls,
         "stats": _stats(inst),
         "timing": (t.exposed_s, t.waits, t.held, t.speculated),
-        "overlap": inst.overlap,
+        "speculate": inst.speculate,
     }
 
 

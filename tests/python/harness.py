@@ -43,6 +43,9 @@ def _entry(fn, rank, world_size, tmpdir, kwargs):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    import boundary_audit
+
+    boundary_audit.install_if_asked()
     # Keep this rank's stderr (also what a dying process writes) for the parent.
     err = os.open(os.path.join(tmpdir, f"stderr.{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
     os.dup2(err, 2)

@@ -84,10 +84,10 @@ def test_fp16_and_bf16_grads_go_as_fp32(cluster, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_speculation_keeps_grads_bit_identical(cluster, world_size):
-    on = run(cluster, sc.deep_overlap, world_size, overlap=True)
-    off = run(cluster, sc.deep_overlap, world_size, overlap=False)
+    on = run(cluster, sc.deep_speculation, world_size, speculate=True)
+    off = run(cluster, sc.deep_speculation, world_size, speculate=False)
     for rank, (a, b) in enumerate(zip(on, off)):
-        assert a["overlap"] and not b["overlap"]
+        assert a["speculate"] and not b["speculate"]
         # Without speculation every turn carries every trainable parameter.
         assert len(a["wire"]) == len(b["wire"]), (rank, a["wire"], b["wire"])
         assert sum(n for _, n in a["wire"]) <= sum(n for _, n in b["wire"])
@@ -96,7 +96,7 @@ def test_speculation_keeps_grads_bit_identical(cluster, world_size):
             if g is None:
                 assert b["grads"][name] is None, name
                 continue
-            assert torch.equal(g, b["grads"][name]), f"rank {rank} {name} differs with overlap"
+            assert torch.equal(g, b["grads"][name]), f"rank {rank} {name} differs with speculation"
         assert_grads_match(a, rtol=1e-5, atol=1e-6)
         assert a["stats"] == b["stats"]
         # The six blocks' post-backwards run inside autograd (block 2's twice);

@@ -6,12 +6,15 @@ agreement (sub-second)."""
 import dataclasses
 import random
 
+import types
+
 import pytest
 
 import accord
 import accord.torch
 from accord.torch import windows
-from accord.torch.installation import Installation, join_dtypes
+from accord.torch.negotiation import Negotiation, NegotiationTiming, join_dtypes
+from accord.torch.release import Release
 from accord.torch.plan import History, Layout, ReleaseSchedule, complete, turn_layout
 
 
@@ -275,9 +278,27 @@ class FakeGroup:
         self.turn, self.post_backwarded = None, False
 
 
+class FakeInstallation:
+    """What a Release reads and writes of its installation."""
+
+    def __init__(self, agreement):
+        self.groups = {}
+        self.timing = NegotiationTiming()
+        self.negotiation = Negotiation(agreement, "p", self.groups, self.timing)
+        self.backward_all_gathers = None
+        self.release_index = 0
+        self.current = None
+
+    def backward(self):
+        if self.current is None:
+            order = list(reversed(self.groups.values()))
+            self.current = Release(self, order, self.backward_all_gathers)
+        return self.current
+
+
 def make(decide, names=("a", "b", "c")):
     agreement = FakeAgreement(decide)
-    inst = Installation(model=None, agreement=agreement, prefix="p", speculate=True)
+    inst = FakeInstallation(agreement)
     log = []
     for n in names:
         inst.groups[n] = FakeGroup(n, log)
@@ -498,7 +519,7 @@ def test_an_all_gather_that_fails_in_its_copy_out_is_explained():
     """FSDP2 waits for its asynchronous all-gathers in the copy-out: a peer's
     death shows there, and the installation's explain() (the job's verdict,
     if accord has one) replaces Gloo's error."""
-    from accord.torch import guarding
+    from accord.torch import all_gathers, fsdp2
 
     class Explained(Exception):
         pass
@@ -507,19 +528,22 @@ def test_an_all_gather_that_fails_in_its_copy_out_is_explained():
         def explain(self, failure):
             raise Explained(str(failure))
 
-    fp = object()
-    guarding._GUARDED[id(fp)] = (Inst(), "blocks.2", None)
-    try:
-        def gloo_copy_out(result, fsdp_params, group):
-            raise RuntimeError("Connection closed by peer")
+    class Hooked:
+        installation = Inst()
 
-        with pytest.raises(Explained, match="Connection closed by peer"):
-            guarding._route_copy_out(gloo_copy_out)(None, [fp], None)
-        # Not accord's unit: Gloo's error as it came.
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
-            guarding._route_copy_out(gloo_copy_out)(None, [object()], None)
-    finally:
-        del guarding._GUARDED[id(fp)]
+    class Group:
+        fsdp_params = [types.SimpleNamespace()]
+
+    fsdp2.route_all_gathers(Group, Hooked())
+
+    def gloo_copy_out(result, params, group):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(Explained, match="Connection closed by peer"):
+        all_gathers._route_copy_out(gloo_copy_out)(None, Group.fsdp_params, None)
+    # Not accord's unit: Gloo's error as it came.
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        all_gathers._route_copy_out(gloo_copy_out)(None, [types.SimpleNamespace()], None)
 
 
 class DecidedThenVerdictAgreement:
@@ -567,3 +591,17 @@ def test_a_failed_collective_after_the_steps_item_was_decided_asks_with_the_next
         assert str(again.value) == DecidedThenVerdictAgreement.VERDICT
     finally:
         watch.close()
+
+
+def test_the_deprecated_overlap_names_still_choose_speculation_and_warn(monkeypatch):
+    from accord.torch.installation import _speculate
+
+    monkeypatch.delenv("ACCORD_TORCH_OVERLAP", raising=False)
+    monkeypatch.delenv("ACCORD_TORCH_SPECULATE", raising=False)
+    assert _speculate(None, None) is True
+    assert _speculate(False, None) is False
+    with pytest.warns(DeprecationWarning, match="overlap"):
+        assert _speculate(None, False) is False
+    monkeypatch.setenv("ACCORD_TORCH_OVERLAP", "0")
+    with pytest.warns(DeprecationWarning, match="ACCORD_TORCH_OVERLAP"):
+        assert _speculate(None, None) is False

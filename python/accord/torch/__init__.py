@@ -10,30 +10,19 @@ Each FSDP parameter group (one reduce-scatter) is registered with accord
 under ``"<prefix>/<module path>"`` with its parameters' names, dim-0 sizes
 and element counts, all groups in one batch at ``install``.
 
-One order, computed locally. During autograd a group's post-backward never
-reduce-scatters and never waits: it does what FSDP2 does without gradient
-sync (reshard, keep the gradient). At the end of each backward, FSDP2's
-end-of-backward callback first releases every group that reduces, in module order
-reversed (root last), the same on every rank: the step's manifests (which parameters have a
-gradient, in which dtype) go up as one batch; each group then applies its
-decision, the same on every rank (zero-fill where another rank has a
-gradient, parameters used on no rank left out with gradient None, one wire
-dtype), and FSDP2's own post-backward reduce-scatters it. Whatever order
-autograd ran the post-backwards in, every rank issues the same
-reduce-scatters in the same order.
-
-Speculation (on by default). A group whose previous step needed no repair
-applies its previous decision without waiting; the real decisions are
-checked after the step's reduce-scatters, before the callback returns, and a
-difference is repaired on every rank alike: parameters carried as zeros
-everywhere get their gradient back to None, anything else is reduce-scattered
-again with the real decision. ``installation.timing`` counts speculated
-group-steps and repairs.
-
-The wire dtype is the group's FSDP2 ``reduce_dtype`` when set, otherwise the
-lossless join of every rank's gradient dtypes. FSDP2's
-``set_reduce_scatter_unused_params`` is turned off while accord
-reduce-scatters (accord zero-fills, never twice) and restored afterwards.
+One order during the backward. A group's post-backward never waits: each
+group takes one *turn* per backward, in release order (module order
+reversed, root last), at points placed among the backward's all-gathers by a
+rule of the all-gathers alone, so every rank issues the same reduce-scatters
+in the same order whatever order autograd ran the post-backwards in. At its
+turn FSDP2's own post-backward reduce-scatters the group with the layout
+its previous decision gives (zeros where this rank has no gradient) and
+frees the unsharded gradient, as it does alone. The step's manifests go up
+as one batch at the end-of-backward point; once the decisions are in, each
+group is completed alike on every rank: parameters no rank used get their
+gradient back to None, and a gradient that came after its turn goes in one
+delta reduce-scatter. The wire dtype of each group is agreed once at
+install. ``installation.timing`` counts turns, repairs and deltas.
 
 Units whose forward runs on some ranks only (``optional=``) are all-gathered
 by every rank at one fixed point and kept unsharded for the step
@@ -44,10 +33,9 @@ rank that stops or dies mid-step. However a rank learns the job's verdict,
 it raises (or, blocked in a collective, ends with) an ``AccordJobError``
 holding the coordinator's words, the same on every rank (accord.torch.errors).
 
-Costs and limits: every group's unsharded gradient is kept until the end of
-the backward (FSDP2 without accord frees each after its reduce-scatter), and
-reduce-scatters do not overlap backward compute. Install right after
-``fully_shard`` and before the first forward. Every private FSDP2 name is in
+Costs: at most one group's unsharded gradient beyond plain FSDP2 (none in
+the steady state); one batch per step. Install right after ``fully_shard``
+and before the first forward. Every private FSDP2 name is in
 accord.torch.fsdp2, checked at install; ``uninstall()`` restores everything.
 """
 
@@ -59,8 +47,9 @@ from accord.torch.fsdp2 import (  # noqa: F401
 )
 from accord.torch.errors import AccordDivergenceError, AccordJobError, AccordPeerError  # noqa: F401
 from accord.torch.group import AccordFSDPError, GroupStats, dtype_name, torch_dtype  # noqa: F401
-from accord.torch.install import fix_transformers_output_capture, install  # noqa: F401
-from accord.torch.installation import Installation, NegotiationTiming  # noqa: F401
+from accord.torch.transformers_capture import fix_transformers_output_capture  # noqa: F401
+from accord.torch.installation import Installation, install  # noqa: F401
+from accord.torch.negotiation import NegotiationTiming  # noqa: F401
 from accord.torch.optional import UnitParticipation  # noqa: F401
 
 __all__ = [

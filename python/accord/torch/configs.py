@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import List
 
+from accord.client import error_code
 from accord.torch import fsdp2
 
 
@@ -99,46 +100,31 @@ def refuse(model, optional_names: List[str]) -> None:
             raise _split_backward_error(optional_names, "is_last_backward is False at install")
 
 
-class _Override:
-    """An instance attribute shadowing a method of one module; remove()
-    restores the class's method (kept in the installation's handles)."""
-
-    def __init__(self, module, name: str, fn):
-        self.module, self.name = module, name
-        module.__dict__[name] = fn
-
-    def remove(self) -> None:
-        self.module.__dict__.pop(self.name, None)
-
-
-def watch(installation) -> None:
-    """Refuses the configurations turned on after install, at the setter."""
+def watch(installation) -> list:
+    """Refuses the configurations turned on after install, at the setter.
+    Returns the setter checks (each has remove())."""
     model = installation.model
     hsdp = _hsdp_units(model)
+    handles = []
     for name, m in model.named_modules():
         if not fsdp2.is_fsdp_module(m):
             continue
+        unit = name or "<root>"
         if hsdp:
-            original = m.set_requires_all_reduce  # bound to the module
 
-            def set_requires_all_reduce(requires_all_reduce, *args, _original=original,
-                                        _name=name or "<root>", **kwargs):
+            def check_all_reduce(requires_all_reduce, _unit=unit):
                 if not requires_all_reduce:
-                    raise _all_reduce_error(hsdp, f"set_requires_all_reduce(False) on '{_name}'")
-                return _original(requires_all_reduce, *args, **kwargs)
+                    raise _all_reduce_error(hsdp, f"set_requires_all_reduce(False) on '{_unit}'")
 
-            installation._handles.append(
-                _Override(m, "set_requires_all_reduce", set_requires_all_reduce))
-        original_last = m.set_is_last_backward
+            handles.append(fsdp2.check_set_requires_all_reduce(m, check_all_reduce))
 
-        def set_is_last_backward(is_last_backward, *args, _original=original_last,
-                                 _name=name or "<root>", **kwargs):
+        def check_last_backward(is_last_backward, _unit=unit):
             if not is_last_backward and installation.optional:
                 names = [u.name for u in installation.optional]
-                raise _split_backward_error(names, f"set_is_last_backward(False) on '{_name}'")
-            return _original(is_last_backward, *args, **kwargs)
+                raise _split_backward_error(names, f"set_is_last_backward(False) on '{_unit}'")
 
-        installation._handles.append(_Override(m, "set_is_last_backward", set_is_last_backward))
+        handles.append(fsdp2.check_set_is_last_backward(m, check_last_backward))
+    return handles
 
 
 def registration_hint(model, world_size: int) -> str:
@@ -161,3 +147,17 @@ def registration_hint(model, world_size: int) -> str:
                     f"(accord.connect(job_id=<job>-stage<s>, rank=<dp rank>, "
                     f"world_size=<dp size>)) and install each stage module with it")
     return ""
+
+
+def with_registration_hint(e: BaseException, model, world_size: int) -> BaseException:
+    """A registration that never completed (the coordinator's deadline), with
+    why it may not: groups whose FSDP mesh is smaller than the job."""
+    if not isinstance(e, Exception) or error_code(e) != "DEADLINE_EXCEEDED":
+        return e
+    hint = registration_hint(model, world_size)
+    if not hint:
+        return e
+    try:
+        return type(e)(f"{e} [{hint}]")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return e

@@ -70,22 +70,24 @@ class HookedGroup:
         self.group_id = group_id
         self.unit = group_id.split("/", 1)[1] if "/" in group_id else group_id
         self.params: List[ParamTuple] = []
-        for name, fp in zip(names, group.fsdp_params):
+        for name, fp in zip(names, fsdp2.group_params(group)):
             dim0, numel = fsdp2.param_shape(fp)
             self.params.append((name, dim0, numel))
         self.sizes = [p[2] for p in self.params]
-        self.trainable = [fsdp2.trainable(fp) for fp in group.fsdp_params]
+        self.trainable = [fsdp2.trainable(fp) for fp in fsdp2.group_params(group)]
         self.wire = dtype_name(fsdp2.widest_grad_dtype(group))  # agreed at install
         self.step = 0
         self.stats = GroupStats()
         self.history = History()
-        self.original = group.post_backward  # FSDP2's, bound to the group
-        self.original_pre_backward = group.pre_backward
         self.optional = None  # the _OptionalUnit this group belongs to, if any
         self.turn: Optional[Turn] = None  # this backward's, once the group had it
         self.post_backwarded = False  # in this backward
         self.passed_unready = False  # deferred: not ready where its turn would have been
         self.reducing = False  # FSDP2's own post-backward is reduce-scattering
+        self.all_gather_entries: Dict[tuple, str] = {}  # the guard's records, by shape
+        # FSDP2's own post- and pre-backward, bound to the group; accord's replace them.
+        self.original, self.original_pre_backward = fsdp2.hook_group(
+            group, self, self.post_backward, self.pre_backward)
 
     def registration(self) -> tuple:
         return (self.group_id, self.params, None, False)
@@ -123,7 +125,7 @@ class HookedGroup:
         and keeps its unit as it is (its gradient goes in the delta)."""
         inst = self.installation
         layout = turn_layout(self.history, self.trainable, self.wire, inst.speculate)
-        fsdp_params = self.group.fsdp_params
+        fsdp_params = fsdp2.group_params(self.group)
         ready = self.post_backwarded or not in_backward
         turn = Turn(self.step, layout if any(layout.included) else None,
                     [fsdp2.sharded_param(fp).grad is None for fp in fsdp_params],
@@ -156,7 +158,7 @@ class HookedGroup:
         parameters, in the group's wire dtype."""
         wire = torch_dtype(layout.wire_dtype)
         fills = []
-        for i, fp in enumerate(self.group.fsdp_params):
+        for i, fp in enumerate(fsdp2.group_params(self.group)):
             grad = local[i] if local is not None else None
             if not layout.included[i]:
                 fills.append(None)
@@ -243,7 +245,7 @@ class HookedGroup:
                        midway=False, suffix=" (late)")
         for i in completion.trimmed:
             if turn.was_none[i]:
-                fsdp2.sharded_param(self.group.fsdp_params[i]).grad = None
+                fsdp2.sharded_param(fsdp2.group_params(self.group)[i]).grad = None
         turn.owed.clear()
 
     def settle(self, decision, dtypes: List[Optional[str]], late_somewhere: bool) -> None:
@@ -266,7 +268,40 @@ class HookedGroup:
         self.history.grew_last = any(r and not a for a, r in zip(applied, layout.included))
         self.history.deferred = late_somewhere
 
+    def unhook(self) -> None:
+        """Gives the group FSDP2's own post- and pre-backward back."""
+        fsdp2.unhook_group(self.group)
+
     def end_backward(self) -> None:
         self.turn = None
         self.post_backwarded = False
         self.passed_unready = False
+
+
+def hook_groups(installation, model, prefix: str) -> Dict[str, HookedGroup]:
+    """A HookedGroup for every FSDP parameter group of `model`, by group id
+    (install order: module order). Raises ValueError, hooking nothing, when a
+    group is hooked by another installation or there is none."""
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    found = []  # (group id, group, names)
+    for module_name, module in model.named_modules():
+        if not fsdp2.is_fsdp_module(module):
+            continue
+        groups = fsdp2.param_groups(module)
+        for gi, group in enumerate(groups):
+            if any(g is group for _, g, _ in found):
+                continue  # fully_shard([a, b]): one state, listed under each member module
+            if fsdp2.hooked_by(group) is not None:
+                raise ValueError(f"accord.torch.install: FSDP group of "
+                                 f"'{module_name or '<root>'}' is already hooked by another "
+                                 f"installation")
+            base = f"{prefix}/{module_name or '<root>'}"
+            names = []
+            for j, fp in enumerate(fsdp2.group_params(group)):
+                n = param_names.get(id(fsdp2.sharded_param(fp)))
+                names.append(n if n is not None else f"{module_name}.param{j}")
+            found.append((base if len(groups) == 1 else f"{base}#{gi}", group, names))
+    if not found:
+        raise ValueError("accord.torch.install: the model has no FSDP2 parameter groups; call "
+                         "fully_shard(...) on it (and its submodules) first")
+    return {gid: HookedGroup(installation, group, gid, names) for gid, group, names in found}

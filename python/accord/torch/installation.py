@@ -1,99 +1,120 @@
-"""accord hooked into one FSDP2 model: the hooks that feed each backward's
-release (accord.torch.release) and the agreement calls it makes.
+"""install(), and the Installation it builds: accord hooked into one FSDP2
+model.
 
 Every group's reduce-scatter goes out during the backward, at a turn whose
-position among the backward's all-gathers is the same on every rank; the
-step's manifests go up as one batch at the end-of-backward point, and each
-group is completed there once its decision is in (docs/PARTICIPATION.md,
-"One order during the backward").
+position among the backward's all-gathers is the same on every rank
+(accord.torch.release); the step's manifests go up as one batch at the
+end-of-backward point (accord.torch.negotiation), and each group is
+completed there once its decision is in (docs/PARTICIPATION.md, "One order
+during the backward").
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import threading
-import time
-from typing import Dict, List, Optional
+import warnings
+from typing import Optional, Sequence
+
+import torch
 
 import accord
+from accord.agreement import as_agreement
 from accord.torch import configs, fsdp2
-from accord.torch.errors import waited
-from accord.torch.group import GroupStats, HookedGroup
+from accord.torch.all_gathers import Routes
+from accord.torch.group import hook_groups
+from accord.torch.negotiation import Negotiation, NegotiationTiming
+from accord.torch.optional import OptionalUnits, resolve
 from accord.torch.release import Release
+from accord.torch.transformers_capture import fix_transformers_output_capture
 
 
-@dataclasses.dataclass
-class NegotiationTiming:
-    """Where this rank waited for decisions (for benchmarks and dashboards)."""
-
-    exposed_s: float = 0.0  # training thread blocked waiting for decisions
-    waits: int = 0
-    blocked: int = 0  # waits whose decision had not arrived yet (a round trip exposed)
-    held: int = 0  # post-backwards run without their reduce-scatter (sent at the turn)
-    releases: int = 0  # end-of-backward points with groups to reduce
-    speculated: int = 0  # turns that carried the previous decision's layout
-    repairs: int = 0  # group-steps completed with a trim or a delta
-    redone: int = 0  # of those, group-steps with a delta reduce-scatter
-    during: int = 0  # turns during autograd that carried this rank's gradient
-    at_end: int = 0  # turns at the end-of-backward point
-    late: int = 0  # group-steps whose gradient came after the group's turn
-    late_bytes: int = 0  # their unsharded gradients' bytes, held to the end
-
-    @property
-    def deferred(self) -> int:  # the name before the release design
-        return self.held
-
-
-def join_dtypes(names: List[str]) -> str:
-    """The narrowest of WIRE_DTYPES that holds each of `names` exactly."""
-    names = set(names)
-    if "float64" in names:
-        return "float64"
-    if "float32" in names or len(names) > 1:
-        return "float32"
-    return next(iter(names))
-
-
-class _Blocking(tuple):
-    """A manifest not yet submitted: an agreement without submit_async
-    submits and waits in one call, at wait()."""
+def env_flag(name: str, default: bool = True) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() not in ("0", "false", "off", "no")
 
 
 class Installation:
-    """accord hooked into one FSDP2 model. `stats` maps group id to GroupStats."""
+    """accord hooked into one FSDP2 model, built complete by the constructor
+    (every hook installed; nothing sent yet: register() does that). Owned
+    by the training thread; uninstall() may come from any thread."""
 
-    def __init__(self, model, agreement, prefix: str, speculate: bool):
+    def __init__(self, model, agreement, *, prefix: str, speculate: bool, optional: Sequence,
+                 guard: bool, learn_optional: bool, watch: bool, timeout_s: float):
         self.model = model
         self.agreement = agreement
         self.prefix = prefix
         self.rank = agreement.rank
-        self.groups: Dict[str, HookedGroup] = {}
-        self.optional: list = []  # _OptionalUnit, see accord.torch.optional
         self.speculate = speculate
         self.timing = NegotiationTiming()
         self.current: Optional[Release] = None  # this backward's release
         # All-gathers in the last backward that reduced (none yet: None). A
         # one-rank job has none, ever: FSDP2 does not all-gather at W = 1.
-        self.backward_all_gathers: Optional[int] = 0 if self.agreement.world_size == 1 else None
-        self._late = None  # the ~late item's handle, from submit to wait
+        self.backward_all_gathers: Optional[int] = 0 if agreement.world_size == 1 else None
         self.release_index = 0  # releases so far: the step of the batch's other items
-        self.guard = None
+        self.optional: list = []  # OptionalUnit, given or learned, in the order added
+        self.learned: list = []  # names of the units the guard made optional
+        self.groups: dict = {}  # group id -> HookedGroup, install order
+        self.units: Optional[OptionalUnits] = None
+        self.guard = None  # accord.torch.guard.SequenceGuard
         self.watch = None  # accord.torch.watchdog.StepWatch
-        self.attached = False
-        self.learned: List[str] = []
-        self.units = None  # accord.torch.optional.OptionalUnits
-        self._handles: list = []
-        self._patched_states: list = []
+        self.negotiation: Optional[Negotiation] = None
+        self._handles: list = []  # each has remove(): routes, setter checks
+        self._patched_states: list = []  # FSDP states whose final callback is wrapped
         self._lock = threading.Lock()
-        self._reported = (0, 0, 0)  # (speculated, repairs, redone) sent by _report
+        try:
+            self.groups = hook_groups(self, model, prefix)
+            configs.refuse_post_accumulate_grad_hooks(self.groups.values(), "at install")
+            self.units = OptionalUnits(self, optional)
+            many = getattr(agreement, "client", None) is not None and agreement.world_size > 1
+            if guard and many:
+                self.guard = self._sequence_guard(timeout_s, learn_optional)
+            if watch and many:
+                self.watch = self._step_watch(timeout_s)
+            self.negotiation = Negotiation(agreement, prefix, self.groups, self.timing,
+                                           self.units, self.guard, self.watch)
+            self._handles.append(Routes(self))
+            self._handles.extend(configs.watch(self))
+            self._hook_states()
+        except BaseException:
+            self.uninstall()
+            raise
 
-    # The name of the previous design's switch: overlapping the decision wait.
+    def _sequence_guard(self, timeout_s: float, learn: bool):
+        from accord.torch.guard import SequenceGuard
+
+        return SequenceGuard(self.agreement.client, self.rank, self.agreement.world_size,
+                             f"{self.prefix}/~collective-sequence", timeout_s,
+                             learner=self.units if learn else None, in_forward=fsdp2.in_forward)
+
+    def _step_watch(self, timeout_s: float):
+        from accord.torch.watchdog import StepWatch
+
+        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+        return StepWatch(self.agreement, f"{self.prefix}/~step", timeout_s, stall_s=stall_s)
+
+    def _hook_states(self) -> None:
+        for module in self.model.modules():
+            if fsdp2.is_fsdp_module(module):
+                state = fsdp2.state_of(module)
+                if fsdp2.wrap_final_callback(state, self.final_callback):
+                    self._patched_states.append(state)
+
+    def register(self) -> None:
+        """Registers every group and check with the agreement, in one batch."""
+        self.negotiation.register()
+
     @property
     def overlap(self) -> bool:
+        """Deprecated name of `speculate`."""
+        warnings.warn("accord.torch: Installation.overlap is now Installation.speculate",
+                      DeprecationWarning, stacklevel=2)
         return self.speculate
 
     @property
-    def release_order(self) -> List[HookedGroup]:
+    def release_order(self) -> list:
         """The order of every release: install order reversed (so the root,
         installed first, goes last), which is the order autograd runs a
         sequential model's post-backwards in; any order that every rank
@@ -101,75 +122,39 @@ class Installation:
         return list(reversed(self.groups.values()))
 
     @property
-    def stats(self) -> Dict[str, GroupStats]:
+    def stats(self) -> dict:
+        """Group id -> GroupStats."""
         return {gid: h.stats for gid, h in self.groups.items()}
 
     @property
-    def participation(self):
+    def participation(self) -> dict:
         """Per optional unit (module path): this rank's forward calls per step."""
         return {u.name: u.participation for u in self.optional}
 
-    # ------------------------------------------------------------ agreement
-
-    def register_all(self, extra=()) -> None:
-        """Every group (and `extra` registrations), in one batched round trip
-        where the agreement has one, before the first forward: no
-        registration is ever lazy, so none waits at a data-dependent point."""
-        regs = [h.registration() for h in self.groups.values()] + list(extra)
-        batch = getattr(self.agreement, "register_all", None)
-        if callable(batch):
-            batch(regs)
-        else:
-            for r in regs:
-                self.agreement.register(*r)
-
-    def _submit(self, items: List[tuple]) -> list:
-        batch = getattr(self.agreement, "submit_batch", None)
-        if callable(batch):
-            return list(batch(items))
-        if callable(getattr(self.agreement, "submit_async", None)):
-            return [self.agreement.submit_async(*i) for i in items]
-        return [_Blocking(i) for i in items]
-
-    def wait(self, handle):
-        t0 = time.perf_counter()
-        if isinstance(handle, _Blocking):
-            self.timing.blocked += 1
-            decision = self.agreement.submit(*handle)
-        else:
-            ready = getattr(self.agreement, "ready", None)
-            if ready is None or not ready(handle):
-                self.timing.blocked += 1
-            decision = waited(self.agreement, handle,
-                              "accord.torch: learned in this rank's release (a group's decision)")
-        self.timing.exposed_s += time.perf_counter() - t0
-        self.timing.waits += 1
-        return decision
-
-    # ------------------------------------------------------------ hooks
+    # ------------------------------------------------------------ FSDP2's events
 
     def backward(self) -> Release:
         """This backward's release, begun at its first event."""
         if self.current is None:
-            order = [h for h in self.release_order if fsdp2.reduces(h.group)]
-            configs.refuse_post_accumulate_grad_hooks(order, "seen at a backward")
-            self.current = Release(self, order, self.backward_all_gathers)
+            release = Release(self, self.release_order, self.backward_all_gathers)
+            configs.refuse_post_accumulate_grad_hooks(release.order, "seen at a backward")
+            self.current = release
         return self.current
 
-    def post_backward(self, hooked: HookedGroup) -> bool:
+    def post_backward(self, hooked) -> bool:
         """Whether the group's turn came at its post-backward (then it is
         reduce-scattered there; otherwise the caller holds it)."""
         return self.backward().post_backward(hooked)
 
-    def pre_backward(self, hooked: HookedGroup) -> None:
+    def pre_backward(self, hooked) -> None:
         if fsdp2.in_backward():
             self.backward().pre_backward(hooked)
 
-    def before_all_gather(self, hooked: HookedGroup) -> None:
+    def before_all_gather(self, hooked) -> None:
         if fsdp2.in_backward():
             self.backward().before_all_gather(hooked)
 
-    def after_all_gather(self, hooked: HookedGroup) -> None:
+    def after_all_gather(self, hooked) -> None:
         if fsdp2.in_backward():
             self.backward().after_all_gather(hooked)
 
@@ -205,124 +190,138 @@ class Installation:
 
         return callback
 
-    def begin_forward(self) -> None:
-        """A root forward outside the backward: a release left by a backward
-        that never reached its end (it raised) is dropped."""
+    def begin_step(self) -> None:
+        """The root's pre-forward outside the backward: a release left by a
+        backward that never reached its end (it raised) is dropped, and the
+        guard and the watch hear of the step's start."""
+        if fsdp2.in_backward():
+            return  # recomputation inside the backward (activation checkpointing)
         if self.current is not None:
             self.current.end()
             self.current = None
-
-    # ------------------------------------------------------------ the step's batch
-
-    def submit_step(self, index: int, manifests: List[tuple], late: tuple) -> list:
-        """Submits the step's manifests as one batch, with each optional
-        unit's participation, the guard's window, the step watch's item and
-        the `~late` item: all at one step in the steady state, so that an
-        unchanged step is one batch repeat upstream. Returns the manifests'
-        handles."""
-        extra = self.units.release_items() if self.units is not None else []
-        window = None
+        if self.watch is not None:
+            self.watch.begin_step(self.release_index)
         if self.guard is not None:
-            item, window = self.guard.release_item(index)
-            extra.append((item, None))
-        live = self.watch.item(index) if self.watch is not None else None
-        if live is not None:
-            extra.insert(0, (live, None))
-        handles = self._submit(list(manifests) + [item for item, _ in extra] + [late])
-        n = len(manifests)
-        for (_, reporter), handle in zip(extra, handles[n:]):
-            if reporter is not None:
-                reporter.handed(handle)
-        if live is not None:
-            self.watch.handed(index, handles[n])
-        if window is not None:
-            self.guard.release_handle(window, handles[-2])
-        self._late = handles[-1]
-        return handles[:n]
+            self.guard.begin_step()
 
-    def late_registration(self) -> tuple:
-        return (f"{self.prefix}/~late", [(gid, 1, 1) for gid in self.groups], None, False)
-
-    def late_item(self, index: int, order: list, late: List[bool]) -> tuple:
-        """This rank's `~late` manifest: one slot per group (install order),
-        present when the group's gradient came after its turn here."""
-        mine = {h.group_id for h, l in zip(order, late) if l}
-        return (f"{self.prefix}/~late", index,
-                ["float32" if gid in mine else None for gid in self.groups])
-
-    def wait_late(self) -> Dict[str, bool]:
-        """Which groups some rank was late for, from the `~late` decision."""
-        decision = self.wait(self._late)
-        self._late = None
-        return {gid: bool(inc) for gid, inc in zip(self.groups, decision.included)}
-
-    WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
-
-    def wire_registration(self) -> tuple:
-        return (f"{self.prefix}/~wire",
-                [(f"{gid}:{dt}", 1, 1) for gid in self.groups for dt in self.WIRE_DTYPES],
-                None, False)
-
-    def agree_wire_dtypes(self) -> None:
-        """Each group's wire dtype, fixed for the run, so that no turn is
-        ever sent in a dtype its decision widens: the `~wire` group's one
-        step carries, per group, the dtype FSDP2 reduce-scatters it in on
-        this rank (a slot per dtype); the ranks' dtypes are joined (fp16 on
-        one rank and bf16 on another: float32)."""
-        mine = []
-        for h in self.groups.values():
-            mine += ["float32" if dt == h.wire else None for dt in self.WIRE_DTYPES]
-        decision = self.wait(self._submit([(f"{self.prefix}/~wire", 0, mine)])[0])
-        used = list(decision.included)
-        k = len(self.WIRE_DTYPES)
-        for i, h in enumerate(self.groups.values()):
-            h.wire = join_dtypes([dt for dt, u in zip(self.WIRE_DTYPES, used[i * k:(i + 1) * k])
-                                  if u] or [h.wire])
-
-    def report(self) -> None:
-        """Sends the counts added since the last report to the sidecar's
-        metrics (an agreement that can), after each release and at
-        uninstall: one small message, queued without waiting (a report held
-        back for later is lost when the process exits first)."""
-        report = getattr(self.agreement, "report", None)
-        t, last = self.timing, self._reported
-        more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
-        if report is None or more == (0, 0, 0):
-            return
-        report(*more)
-        self._reported = (t.speculated, t.repairs, t.redone)
-
-    # ------------------------------------------------------------ wiring
-
-    def hook_states(self) -> None:
-        for module in self.model.modules():
-            if fsdp2.is_fsdp_module(module):
-                state = fsdp2.state_of(module)
-                if fsdp2.wrap_final_callback(state, self.final_callback):
-                    self._patched_states.append(state)
+    # ------------------------------------------------------------ the end
 
     def uninstall(self) -> None:
         """Restores everything accord changed in FSDP2 and in the model."""
         with self._lock:
-            from accord.torch import guarding
-
-            try:
-                self.report()
-            except accord.Error:
-                pass  # the client is closed: its sidecar keeps what it was sent
-            guarding.detach(self)
-            if self.units is not None:
-                self.units.remove()
-                self.units = None
+            if self.negotiation is not None:
+                try:
+                    self.negotiation.report()
+                except accord.Error:
+                    pass  # the client is closed: its sidecar keeps what it was sent
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            if self.units is not None:
+                self.units.remove()
+                self.units = None
+            for part in ("guard", "watch"):
+                if getattr(self, part) is not None:
+                    getattr(self, part).close()
+                    setattr(self, part, None)
             for state in self._patched_states:
                 fsdp2.unwrap_final_callback(state)
             self._patched_states.clear()
             for h in self.groups.values():
-                fsdp2.clear_method(h.group, "post_backward")
-                fsdp2.clear_method(h.group, "pre_backward")
-                fsdp2.clear_method(h.group, "_accord_hook")
+                h.unhook()
             self.groups.clear()
             self.model.__dict__.pop("_accord_installation", None)
+
+
+def _existing(model, client_or_agreement, units):
+    existing = model.__dict__.get("_accord_installation")
+    if existing is None:
+        return None
+    same = existing.agreement is client_or_agreement or getattr(
+        existing.agreement, "client", None) is client_or_agreement or client_or_agreement is None
+    if not same:
+        raise ValueError("accord.torch.install: this model is already hooked with another "
+                         "client; call installation.uninstall() first")
+    if [m for _, m in units] != [u.module for u in existing.optional
+                                 if u.name not in existing.learned]:
+        raise ValueError("accord.torch.install: this model is already hooked with other "
+                         "optional units; call installation.uninstall() first")
+    return existing
+
+
+def _speculate(speculate: Optional[bool], overlap: Optional[bool]) -> bool:
+    if overlap is not None or os.environ.get("ACCORD_TORCH_OVERLAP") is not None:
+        warnings.warn("accord.torch: `overlap` and ACCORD_TORCH_OVERLAP are deprecated names "
+                      "of `speculate` and ACCORD_TORCH_SPECULATE", DeprecationWarning,
+                      stacklevel=3)
+    if speculate is None:
+        speculate = overlap if overlap is not None else (
+            env_flag("ACCORD_TORCH_SPECULATE") and env_flag("ACCORD_TORCH_OVERLAP"))
+    return bool(speculate)
+
+
+def install(
+    model: torch.nn.Module,
+    client_or_agreement=None,
+    *,
+    prefix: str = "fsdp",
+    timeout_s: float = 300.0,
+    optional: Sequence = (),
+    speculate: Optional[bool] = None,
+    overlap: Optional[bool] = None,
+    guard: Optional[bool] = None,
+    learn_optional: Optional[bool] = None,
+    watch: Optional[bool] = None,
+) -> Installation:
+    """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
+
+    `client_or_agreement`: an accord client (accord.connect()), any
+    accord.Agreement, or None for accord.connect() with its defaults. Call
+    after fully_shard and before the model's first forward, on every rank.
+    `optional`: FSDP units (modules or paths) whose forward may run a
+    different number of times on different ranks. `speculate` (default on;
+    ACCORD_TORCH_SPECULATE=0 turns it off; `overlap` is a deprecated name)
+    applies each group's previous decision at once and repairs after the
+    real one arrives. `guard` (default on with an accord client and more
+    than one rank; ACCORD_TORCH_GUARD=0) checks that every rank issues the
+    same FSDP collectives; with `learn_optional` (default on;
+    ACCORD_TORCH_LEARN_OPTIONAL=0) a unit whose forward runs on some ranks
+    only from its first step becomes optional instead of an error. `watch`
+    (default on with an accord client and more than one rank;
+    ACCORD_TORCH_WATCH=0) names a rank that stops or dies mid-step on every
+    other rank within the coordinator's deadline (accord.torch.watchdog).
+    Idempotent for the same client and units; raises ValueError for another,
+    UnsupportedTorchError for a torch whose FSDP2 accord.torch cannot hook,
+    and accord.torch.configs.UnsupportedConfigurationError (a ValueError) for
+    an FSDP2 configuration it cannot keep correct, then or when it is turned
+    on later (python/README.md, "Configurations").
+    """
+    fsdp2.probe()
+    units = resolve(model, optional)
+    existing = _existing(model, client_or_agreement, units)
+    if existing is not None:
+        return existing
+    if any(fsdp2.is_fsdp_module(m) and fsdp2.has_run_forward(m) for m in model.modules()):
+        raise ValueError(
+            "accord.torch.install: the model has already run a forward under FSDP2; "
+            "install accord right after fully_shard, before the first forward, on "
+            "every rank (each group's step count must start at the same point)")
+    configs.refuse(model, [name for name, _ in units])
+    if client_or_agreement is None:
+        client_or_agreement = accord.connect()
+    agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
+    inst = Installation(
+        model, agreement, prefix=prefix, speculate=_speculate(speculate, overlap),
+        optional=units, timeout_s=timeout_s,
+        guard=env_flag("ACCORD_TORCH_GUARD") if guard is None else guard,
+        learn_optional=(env_flag("ACCORD_TORCH_LEARN_OPTIONAL") if learn_optional is None
+                        else learn_optional),
+        watch=env_flag("ACCORD_TORCH_WATCH") if watch is None else watch)
+    try:
+        inst.register()
+    except BaseException as e:
+        inst.uninstall()
+        raise configs.with_registration_hint(e, model, agreement.world_size)
+    fix_transformers_output_capture(model)
+    model.__dict__["_accord_installation"] = inst
+    return inst

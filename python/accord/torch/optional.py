@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from accord.torch import fsdp2
 from accord.torch.errors import waited
@@ -79,19 +79,15 @@ class OptionalUnit:
         self.reported = False  # this step's participation went with the release
         self.participation = UnitParticipation()
         for g in groups:
-            original = g.reshard  # bound method
 
-            def reshard(g=g, original=original):
+            def reshard(original, g=g):
                 if self.pinned and fsdp2.in_step(g):
                     return None  # kept unsharded until end_step
                 if not fsdp2.in_step(g):
                     self.pinned = False  # an explicit reshard (state_dict, .to())
                 return original()
 
-            fsdp2.set_method(g, "reshard", reshard)
-            # Not in FSDP2's forward order: the other units' implicit backward
-            # prefetch must not depend on this unit.
-            fsdp2.set_method(g, "_record_post_forward", lambda: None)
+            fsdp2.override_reshard(g, reshard)
         self._handle = module.register_forward_pre_hook(self._count)
 
     def _count(self, module, args):
@@ -106,7 +102,7 @@ class OptionalUnit:
     def end_step(self, count: bool = True) -> None:
         self.pinned = False
         for g in self.groups:
-            g.reshard()
+            fsdp2.reshard(g)
         p = self.participation
         self.reported = False
         if count:
@@ -124,23 +120,24 @@ class OptionalUnit:
             self.end_step(count=False)
         self._handle.remove()
         for g in self.groups:
-            fsdp2.clear_method(g, "reshard")
-            fsdp2.clear_method(g, "_record_post_forward")
+            fsdp2.restore_reshard(g)
 
 
 class OptionalUnits:
     """The installation's optional units, their step hooks on the root, and
     the guard's learner. Training thread, except can_learn (pure)."""
 
-    def __init__(self, installation):
+    def __init__(self, installation, units: Sequence[Tuple[str, object]] = ()):
         self.inst = installation
         self._order: Dict[str, int] = {}
-        self._hooked = False
+        self._handles: list = []  # the root's step hooks, once a unit is added
         # Units that may become optional: every FSDP unit below the root with
         # one group, by module path, in module order.
         for i, (name, module) in enumerate(installation.model.named_modules()):
             if name and fsdp2.is_fsdp_module(module) and len(fsdp2.param_groups(module)) == 1:
                 self._order.setdefault(name, i)
+        for name, module in units:
+            self.add(name, module)
 
     def add(self, name: str, module, register_now: bool = False) -> OptionalUnit:
         inst = self.inst
@@ -156,12 +153,11 @@ class OptionalUnits:
             if any(h.group is g for g in groups):
                 h.optional = unit
         inst.optional.append(unit)
-        if not self._hooked:
+        if not self._handles:
             # After FSDP2's root pre-forward (its hook is prepended; this one
             # is appended), before any other unit's all-gather.
-            inst._handles.append(inst.model.register_forward_pre_hook(self._begin_step))
-            inst._handles.append(inst.model.register_forward_hook(self._after_forward))
-            self._hooked = True
+            self._handles = [inst.model.register_forward_pre_hook(self._begin_step),
+                             inst.model.register_forward_hook(self._after_forward)]
         return unit
 
     def registrations(self) -> List[tuple]:
@@ -209,6 +205,9 @@ class OptionalUnits:
         for unit in self.inst.optional:
             unit.remove()
         self.inst.optional.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     # The guard's learner (accord.torch.guard.SequenceGuard.record).
     def can_learn(self, units: List[str]) -> Optional[List[str]]:

@@ -25,17 +25,21 @@ sent yet, and trims of parameters no rank used.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
+from accord.torch import fsdp2
 from accord.torch.plan import Layout, ReleaseSchedule, complete
 
 
 class Release:
     """One backward's turns and completion. Training thread only."""
 
-    def __init__(self, installation, order: list, expected: Optional[int]):
+    def __init__(self, installation, release_order: list, expected: Optional[int]):
+        """`release_order`: every group; those without gradient sync this
+        backward (set_requires_gradient_sync(False)) take no turn."""
         self.inst = installation
-        self.order = order
+        self.order = [h for h in release_order if fsdp2.reduces(h.group)]
+        order = self.order
         self.index = {id(h): i for i, h in enumerate(order)}
         self.schedule = ReleaseSchedule(len(order), expected)
 
@@ -111,10 +115,12 @@ class Release:
         unsent = [h.unsent() for h in self.order]
         manifests = [(h.group_id, h.turn.step, h.manifest(u)) for h, u in zip(self.order, unsent)]
         late = [h.late_here(u) for h, u in zip(self.order, unsent)]
-        handles = inst.submit_step(index, manifests, inst.late_item(index, self.order, late))
-        late_any = inst.wait_late()
+        negotiation = inst.negotiation
+        handles = negotiation.submit_step(index, manifests,
+                                          negotiation.late_item(index, self.order, late))
+        late_any = negotiation.wait_late()
         for h, handle, u, (_, _, dtypes) in zip(self.order, handles, unsent, manifests):
-            decision = inst.wait(handle)
+            decision = negotiation.wait(handle)
             real = Layout.of(decision)
             # A deferred group's turn came at the end, after its gradient: its
             # `~late` slot only says whether to keep it deferred.
@@ -127,7 +133,7 @@ class Release:
                 if completion.delta:
                     inst.timing.redone += 1
             h.settle(decision, dtypes, late_any.get(h.group_id, False))
-        inst.report()
+        negotiation.report()
 
     def end(self) -> None:
         for h in self.order:

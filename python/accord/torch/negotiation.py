@@ -1,0 +1,190 @@
+"""The agreement calls of one installation: registration at install, the
+wire dtypes (`~wire`), each step's one batch (the manifests, each optional
+unit's participation, the guard's window, the step watch's item and
+`~late`), the waits for decisions and the counts reported to the sidecar."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List
+
+from accord.torch.errors import waited
+
+
+@dataclasses.dataclass
+class NegotiationTiming:
+    """Where this rank waited for decisions (for benchmarks and dashboards)."""
+
+    exposed_s: float = 0.0  # training thread blocked waiting for decisions
+    waits: int = 0
+    blocked: int = 0  # waits whose decision had not arrived yet (a round trip exposed)
+    held: int = 0  # post-backwards run without their reduce-scatter (sent at the turn)
+    releases: int = 0  # end-of-backward points with groups to reduce
+    speculated: int = 0  # turns that carried the previous decision's layout
+    repairs: int = 0  # group-steps completed with a trim or a delta
+    redone: int = 0  # of those, group-steps with a delta reduce-scatter
+    during: int = 0  # turns during autograd that carried this rank's gradient
+    at_end: int = 0  # turns at the end-of-backward point
+    late: int = 0  # group-steps whose gradient came after the group's turn
+    late_bytes: int = 0  # their unsharded gradients' bytes, held to the end
+
+
+WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def join_dtypes(names: List[str]) -> str:
+    """The narrowest of WIRE_DTYPES that holds each of `names` exactly."""
+    names = set(names)
+    if "float64" in names:
+        return "float64"
+    if "float32" in names or len(names) > 1:
+        return "float32"
+    return next(iter(names))
+
+
+class _Blocking(tuple):
+    """A manifest not yet submitted: an agreement without submit_async
+    submits and waits in one call, at wait()."""
+
+
+class Negotiation:
+    """One installation's agreement calls. `groups` maps group id to
+    HookedGroup (install order); `units`, `guard` and `watch` may be None.
+    Training thread only."""
+
+    def __init__(self, agreement, prefix: str, groups: dict, timing: NegotiationTiming,
+                 units=None, guard=None, watch=None):
+        self.agreement = agreement
+        self.prefix = prefix
+        self.groups = groups
+        self.timing = timing
+        self.units = units
+        self.guard = guard
+        self.watch = watch
+        self._late = None  # the ~late item's handle, from submit to wait
+        self._reported = (0, 0, 0)  # (speculated, repairs, redone) sent by report()
+
+    # ------------------------------------------------------------ install
+
+    def registrations(self) -> List[tuple]:
+        regs = [h.registration() for h in self.groups.values()]
+        if self.units is not None:
+            regs += self.units.registrations()
+        regs.append((f"{self.prefix}/~late", [(gid, 1, 1) for gid in self.groups], None, False))
+        regs.append((f"{self.prefix}/~wire",
+                     [(f"{gid}:{dt}", 1, 1) for gid in self.groups for dt in WIRE_DTYPES],
+                     None, False))
+        if self.guard is not None:
+            regs += self.guard.registrations()
+        if self.watch is not None:
+            regs.append(self.watch.registration())
+        return regs
+
+    def register(self) -> None:
+        """Every registration in one batched round trip where the agreement
+        has one, before the first forward: no registration is ever lazy, so
+        none waits at a data-dependent point. Then the wire dtypes."""
+        regs = self.registrations()
+        batch = getattr(self.agreement, "register_all", None)
+        if callable(batch):
+            batch(regs)
+        else:
+            for r in regs:
+                self.agreement.register(*r)
+        self._agree_wire_dtypes()
+        if self.guard is not None:
+            self.guard.registered()
+
+    def _agree_wire_dtypes(self) -> None:
+        """Each group's wire dtype, fixed for the run, so that no turn is
+        ever sent in a dtype its decision widens: the `~wire` group's one
+        step carries, per group, the dtype FSDP2 reduce-scatters it in on
+        this rank (a slot per dtype); the ranks' dtypes are joined (fp16 on
+        one rank and bf16 on another: float32)."""
+        mine = []
+        for h in self.groups.values():
+            mine += ["float32" if dt == h.wire else None for dt in WIRE_DTYPES]
+        decision = self.wait(self.submit([(f"{self.prefix}/~wire", 0, mine)])[0])
+        used = list(decision.included)
+        k = len(WIRE_DTYPES)
+        for i, h in enumerate(self.groups.values()):
+            h.wire = join_dtypes([dt for dt, u in zip(WIRE_DTYPES, used[i * k:(i + 1) * k])
+                                  if u] or [h.wire])
+
+    # ------------------------------------------------------------ each step
+
+    def submit(self, items: List[tuple]) -> list:
+        batch = getattr(self.agreement, "submit_batch", None)
+        if callable(batch):
+            return list(batch(items))
+        if callable(getattr(self.agreement, "submit_async", None)):
+            return [self.agreement.submit_async(*i) for i in items]
+        return [_Blocking(i) for i in items]
+
+    def wait(self, handle):
+        t0 = time.perf_counter()
+        if isinstance(handle, _Blocking):
+            self.timing.blocked += 1
+            decision = self.agreement.submit(*handle)
+        else:
+            ready = getattr(self.agreement, "ready", None)
+            if ready is None or not ready(handle):
+                self.timing.blocked += 1
+            decision = waited(self.agreement, handle,
+                              "accord.torch: learned in this rank's release (a group's decision)")
+        self.timing.exposed_s += time.perf_counter() - t0
+        self.timing.waits += 1
+        return decision
+
+    def submit_step(self, index: int, manifests: List[tuple], late: tuple) -> list:
+        """Submits the step's manifests as one batch, with each optional
+        unit's participation, the guard's window, the step watch's item and
+        the `~late` item: all at one step in the steady state, so that an
+        unchanged step is one batch repeat upstream. Returns the manifests'
+        handles."""
+        extra = self.units.release_items() if self.units is not None else []
+        window = None
+        if self.guard is not None:
+            item, window = self.guard.release_item(index)
+            extra.append((item, None))
+        live = self.watch.item(index) if self.watch is not None else None
+        if live is not None:
+            extra.insert(0, (live, None))
+        handles = self.submit(list(manifests) + [item for item, _ in extra] + [late])
+        n = len(manifests)
+        for (_, reporter), handle in zip(extra, handles[n:]):
+            if reporter is not None:
+                reporter.handed(handle)
+        if live is not None:
+            self.watch.handed(index, handles[n])
+        if window is not None:
+            self.guard.release_handle(window, handles[-2])
+        self._late = handles[-1]
+        return handles[:n]
+
+    def late_item(self, index: int, order: list, late: List[bool]) -> tuple:
+        """This rank's `~late` manifest: one slot per group (install order),
+        present when the group's gradient came after its turn here."""
+        mine = {h.group_id for h, l in zip(order, late) if l}
+        return (f"{self.prefix}/~late", index,
+                ["float32" if gid in mine else None for gid in self.groups])
+
+    def wait_late(self) -> Dict[str, bool]:
+        """Which groups some rank was late for, from the `~late` decision."""
+        decision = self.wait(self._late)
+        self._late = None
+        return {gid: bool(inc) for gid, inc in zip(self.groups, decision.included)}
+
+    def report(self) -> None:
+        """Sends the counts added since the last report to the sidecar's
+        metrics (an agreement that can), after each release and at
+        uninstall: one small message, queued without waiting (a report held
+        back for later is lost when the process exits first)."""
+        report = getattr(self.agreement, "report", None)
+        t, last = self.timing, self._reported
+        more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
+        if report is None or more == (0, 0, 0):
+            return
+        report(*more)
+        self._reported = (t.speculated, t.repairs, t.redone)
