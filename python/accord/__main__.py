@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import sys
+from typing import Tuple
 
 PROGRAMS = ("accord-coordinator", "accord-sidecar", "accord-relay", "accordctl")
 
@@ -48,9 +49,72 @@ def _torch_report() -> dict:
     return out
 
 
+def _connect_report(programs: dict) -> Tuple[dict, bool]:
+    """What accord.connect() with nothing passed would do here, and whether
+    it can."""
+    from accord import embedded
+
+    ok = True
+    choice = embedded.choose_mode()
+    mode = {"mode": choice.mode, "why": choice.reason}
+    if choice.socket_path:
+        answers, why = embedded.probe_socket(choice.socket_path)
+        mode["socket"] = choice.socket_path
+        mode["socket answers"] = answers
+        if not answers:
+            mode["socket problem"] = why
+            ok = False
+    if choice.mode == embedded.EMBEDDED:
+        missing = [n for n in ("accord-coordinator", "accord-sidecar") if not programs[n]["bundled"]
+                   and not programs[n]["on PATH"]]
+        mode["needs"] = ["torch.distributed initialized before accord.connect()",
+                         "RANK, WORLD_SIZE and LOCAL_RANK (torchrun sets them)"]
+        if missing:
+            mode["missing"] = missing
+            ok = False
+    mode["environment"] = {k: os.environ[k] for k in (
+        "ACCORD_SOCKET", "ACCORD_JOB_ID", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE",
+        "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE") if k in os.environ}
+    job = os.environ.get("ACCORD_JOB_ID") or (
+        os.environ.get("TORCHELASTIC_RUN_ID")
+        if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none" else None)
+    mode["job id"] = job or "drawn by rank 0 and shared through the torch.distributed store"
+    return mode, ok
+
+
+def _print_report(report: dict, ok: bool) -> None:
+    a, mode = report["accord"], report["connect()"]
+    print(f"accord {a['version']} at {a['location']} (Python {report['python']}, "
+          f"{report['platform']})")
+    print(f"  extension: HAVE_CLIENT={a['HAVE_CLIENT']} HAVE_KERNELS={a['HAVE_KERNELS']} "
+          f"HAVE_CLUSTER={a['HAVE_CLUSTER']}")
+    print("programs:")
+    for name, p in report["programs"].items():
+        print(f"  {name:<20} bundled: {p['bundled'] or 'not found'}; on PATH: "
+              f"{p['on PATH'] or 'no'}")
+    t = report["torch"]
+    print(f"torch: {t['version'] or 'not installed'}; accord.torch: {t['accord.torch']}")
+    if "fsdp2" in t:
+        print(f"  FSDP2: {t['fsdp2']}")
+    print(f"accord.connect() with nothing passed would use: {mode['mode']}")
+    print(f"  why: {mode['why']}")
+    if "socket" in mode:
+        print(f"  socket {mode['socket']}: "
+              f"{'answers' if mode['socket answers'] else mode['socket problem']}")
+    for need in mode.get("needs", []):
+        print(f"  needs: {need}")
+    if mode.get("missing"):
+        print(f"  MISSING: {', '.join(mode['missing'])}")
+    print(f"  job id: {mode['job id']}")
+    if mode["environment"]:
+        print("  environment: " + " ".join(f"{k}={v}" for k, v in mode["environment"].items()))
+    d = report["deployed sidecar"]
+    print(f"deployed sidecar on {d['socket']}: {'answers' if d['answers'] else d['detail']}")
+    print("doctor: OK" if ok else "doctor: PROBLEMS above")
+
+
 def doctor(as_json: bool = False) -> int:
     report: dict = {"python": sys.version.split()[0], "platform": platform.platform()}
-    ok = True
     try:
         import accord
         from accord import embedded
@@ -74,71 +138,15 @@ def doctor(as_json: bool = False) -> int:
         programs[name] = {"bundled": bundled, "on PATH": shutil.which(name)}
     report["programs"] = programs
     report["torch"] = _torch_report()
-
-    choice = embedded.choose_mode()
-    mode = {"mode": choice.mode, "why": choice.reason}
-    if choice.socket_path:
-        answers, why = embedded.probe_socket(choice.socket_path)
-        mode["socket"] = choice.socket_path
-        mode["socket answers"] = answers
-        if not answers:
-            mode["socket problem"] = why
-            ok = False
-    if choice.mode == embedded.EMBEDDED:
-        missing = [n for n in ("accord-coordinator", "accord-sidecar") if not programs[n]["bundled"]
-                   and not programs[n]["on PATH"]]
-        needs = ["torch.distributed initialized before accord.connect()",
-                 "RANK, WORLD_SIZE and LOCAL_RANK (torchrun sets them)"]
-        mode["needs"] = needs
-        if missing:
-            mode["missing"] = missing
-            ok = False
-    env = {k: os.environ[k] for k in ("ACCORD_SOCKET", "ACCORD_JOB_ID", "TORCHELASTIC_RUN_ID",
-                                      "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
-                                      "LOCAL_WORLD_SIZE") if k in os.environ}
-    mode["environment"] = env
-    job = os.environ.get("ACCORD_JOB_ID") or (
-        os.environ.get("TORCHELASTIC_RUN_ID")
-        if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none" else None)
-    mode["job id"] = job or "drawn by rank 0 and shared through the torch.distributed store"
-    report["connect()"] = mode
+    report["connect()"], ok = _connect_report(programs)
     answers, why = embedded.probe_socket(embedded.DEFAULT_SOCKET)
     report["deployed sidecar"] = {"socket": embedded.DEFAULT_SOCKET, "answers": answers,
                                   "detail": why}
-    if not accord.HAVE_CLIENT:
-        ok = False
-
+    ok = ok and accord.HAVE_CLIENT
     if as_json:
         print(json.dumps(report, indent=2))
-        return 0 if ok else 1
-    a = report["accord"]
-    print(f"accord {a['version']} at {a['location']} (Python {report['python']}, "
-          f"{report['platform']})")
-    print(f"  extension: HAVE_CLIENT={a['HAVE_CLIENT']} HAVE_KERNELS={a['HAVE_KERNELS']} "
-          f"HAVE_CLUSTER={a['HAVE_CLUSTER']}")
-    print("programs:")
-    for name, p in programs.items():
-        print(f"  {name:<20} bundled: {p['bundled'] or 'not found'}; on PATH: "
-              f"{p['on PATH'] or 'no'}")
-    t = report["torch"]
-    print(f"torch: {t['version'] or 'not installed'}; accord.torch: {t['accord.torch']}")
-    if "fsdp2" in t:
-        print(f"  FSDP2: {t['fsdp2']}")
-    print(f"accord.connect() with nothing passed would use: {mode['mode']}")
-    print(f"  why: {mode['why']}")
-    if "socket" in mode:
-        print(f"  socket {mode['socket']}: "
-              f"{'answers' if mode['socket answers'] else mode['socket problem']}")
-    for need in mode.get("needs", []):
-        print(f"  needs: {need}")
-    if mode.get("missing"):
-        print(f"  MISSING: {', '.join(mode['missing'])}")
-    print(f"  job id: {mode['job id']}")
-    if env:
-        print("  environment: " + " ".join(f"{k}={v}" for k, v in env.items()))
-    d = report["deployed sidecar"]
-    print(f"deployed sidecar on {d['socket']}: {'answers' if d['answers'] else d['detail']}")
-    print("doctor: OK" if ok else "doctor: PROBLEMS above")
+    else:
+        _print_report(report, ok)
     return 0 if ok else 1
 
 

@@ -17,6 +17,18 @@ _log = logging.getLogger("accord")
 _announced = False
 
 
+def error_code(e: BaseException) -> Optional[str]:
+    """The canonical status code of an accord.Error ("DEADLINE_EXCEEDED"),
+    or None for any other exception."""
+    if not isinstance(e, _accord.Error):
+        return None
+    code = getattr(e, "code", None)
+    if isinstance(code, str):
+        return code
+    head = str(e).split(":", 1)[0]
+    return head if head.isupper() and head.replace("_", "").isalpha() else None
+
+
 def _param(name: str, value, dist_value, conv=int) -> Tuple[Optional[object], str]:
     """(value, where it came from): the argument, the environment variable,
     or torch.distributed."""
@@ -91,6 +103,48 @@ def _announce(rank: int, boot: "embedded.Bootstrap", choice: "embedded.ModeChoic
         print(line, file=sys.stderr, flush=True)
 
 
+def _bootstrap(dist, choice, job, job_src, rank, world_size, local_rank, timeout_s):
+    """Where the sidecar is and the job id: agreed through torch.distributed's
+    store when it is initialized (starting the embedded daemons there), else
+    from the arguments and the environment alone."""
+    if dist is not None and (choice.mode != embedded.ARGUMENT or job is None):
+        if choice.mode == embedded.EMBEDDED and local_rank is None and world_size > 1:
+            raise ValueError(
+                "accord.connect (embedded mode): LOCAL_RANK is not set, so this rank cannot tell "
+                "whether it starts its node's sidecar; run under torchrun (it sets LOCAL_RANK), "
+                "set LOCAL_RANK, or pass local_rank="
+            )
+        return embedded.bootstrap(choice, job, job_src, rank, world_size, local_rank or 0,
+                                  timeout_s)
+    if choice.mode == embedded.EMBEDDED:
+        raise ValueError(
+            f"accord.connect: no sidecar to connect to ({choice.reason}), and embedded mode "
+            f"needs torch.distributed initialized to share the daemons' addresses: call "
+            f"torch.distributed.init_process_group(...) before accord.connect(), or set "
+            f"ACCORD_SOCKET to a running sidecar's socket"
+        )
+    if job is None:
+        raise ValueError(
+            "accord.connect: ACCORD_JOB_ID is not set; pass job_id, set ACCORD_JOB_ID, run under "
+            "torchrun (TORCHELASTIC_RUN_ID), or initialize torch.distributed so that the ranks "
+            "agree on one"
+        )
+    return embedded.Bootstrap(mode=choice.mode, job_id=job, socket_path=choice.socket_path)
+
+
+def _with_socket_hint(e: BaseException, choice, path: str) -> BaseException:
+    """A failed connection to a named or deployed socket, with why nothing
+    answers there."""
+    if choice.mode in (embedded.ENV, embedded.DEPLOYED):
+        answers, why = embedded.probe_socket(path)
+        if not answers:
+            hint = (", or unset ACCORD_SOCKET to let the job start its own daemons"
+                    if choice.mode == embedded.ENV else "")
+            return _accord.Error(f"{e} [{choice.reason}: {why}; start accord-sidecar "
+                                 f"--socket={path}{hint}]")
+    return e
+
+
 def connect(
     socket_path: Optional[str] = None,
     job_id: Optional[str] = None,
@@ -131,32 +185,8 @@ def connect(
     local_rank, _ = _param("LOCAL_RANK", local_rank, None)
     job, job_src = _job_id(job_id)
     choice = embedded.choose_mode(socket_path)
-
-    if dist is not None and (choice.mode != embedded.ARGUMENT or job is None):
-        if choice.mode == embedded.EMBEDDED and local_rank is None and world_size > 1:
-            raise ValueError(
-                "accord.connect (embedded mode): LOCAL_RANK is not set, so this rank cannot tell "
-                "whether it starts its node's sidecar; run under torchrun (it sets LOCAL_RANK), "
-                "set LOCAL_RANK, or pass local_rank="
-            )
-        boot = embedded.bootstrap(choice, job, job_src, rank, world_size, local_rank or 0,
-                                  connect_timeout_s)
-    elif choice.mode == embedded.EMBEDDED:
-        raise ValueError(
-            f"accord.connect: no sidecar to connect to ({choice.reason}), and embedded mode "
-            f"needs torch.distributed initialized to share the daemons' addresses: call "
-            f"torch.distributed.init_process_group(...) before accord.connect(), or set "
-            f"ACCORD_SOCKET to a running sidecar's socket"
-        )
-    elif job is None:
-        raise ValueError(
-            "accord.connect: ACCORD_JOB_ID is not set; pass job_id, set ACCORD_JOB_ID, run under "
-            "torchrun (TORCHELASTIC_RUN_ID), or initialize torch.distributed so that the ranks "
-            "agree on one"
-        )
-    else:
-        boot = embedded.Bootstrap(mode=choice.mode, job_id=job, socket_path=choice.socket_path)
-
+    boot = _bootstrap(dist, choice, job, job_src, rank, world_size, local_rank,
+                      connect_timeout_s)
     if boot.mode == embedded.EMBEDDED:
         token = boot.token
     elif token is None:
@@ -173,15 +203,6 @@ def connect(
             reconnect_grace_s=0.0 if boot.mode == embedded.EMBEDDED else reconnect_grace_s,
         )
     except _accord.Error as e:
-        if choice.mode in (embedded.ENV, embedded.DEPLOYED):
-            answers, why = embedded.probe_socket(boot.socket_path)
-            if not answers:
-                hint = (", or unset ACCORD_SOCKET to let the job start its own daemons"
-                        if choice.mode == embedded.ENV else "")
-                raise _accord.Error(
-                    f"{e} [{choice.reason}: {why}; start accord-sidecar --socket="
-                    f"{boot.socket_path}{hint}]"
-                ) from None
-        raise
+        raise _with_socket_hint(e, choice, boot.socket_path) from None
     _announce(rank, boot, choice)
     return client
