@@ -206,11 +206,22 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
             ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
             fwd = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
 
-        def step(name):
+        profile = None
+        if args.profile and rank == 0:
+            import cProfile
+
+            profile = cProfile.Profile()
+
+        def step(name, timed=False):
             m = models[name]
+            on = profile is not None and timed and name != "plain"
+            if on:
+                profile.enable()
             fwd(m).backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
+            if on:
+                profile.disable()
 
         for name in modes(args):  # warm-up (first steps register groups, fill caches)
             for _ in range(args.warmup):
@@ -244,7 +255,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                 gc0 = in_gc[1]
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    step(name)
+                    step(name, timed=True)
                 c1 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
                 dist.barrier()
                 totals[name] += time.perf_counter() - t0
@@ -259,6 +270,8 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                     waits[name] += insts[name].timing.blocked - waits_before
                     repairs[name] += insts[name].timing.repairs - repairs_before
         groups = len(insts["speculative"].groups)
+        if profile is not None:
+            profile.dump_stats(args.profile)
         q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs, per_round,
                             attributed, gc_s)))
         dist.barrier()
@@ -394,6 +407,9 @@ def main():
     ap.add_argument("--pin", action="store_true",
                     help="pin rank r to the r-th core this process may use")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--profile", default="",
+                    help="write rank 0's cProfile of the accord modes' timed steps here "
+                         "(timings are then not comparable)")
     ap.add_argument("--modes", default="",
                     help="comma-separated subset of plain,blocking,speculative,unguarded"
                          "(,optional,control); speculative is always run")

@@ -52,8 +52,7 @@ void Coordinator::EndRunLocked(const std::string& job_id, const absl::Status& wh
   const Run ended = *run;  // as it was: ids and aliases, remembered below
   // A run that failed ends with its failure, whatever ends it now (a restart
   // superseding it, say): its ranks were told that, and one that is late
-  // (stopped, or slow) must get the same words (chaos seed 6311), not news
-  // of the restart.
+  // (stopped, or slow) must get the same words, not news of the restart.
   absl::Status why = why_given;
   if (ended.state == RunState::kFailed) {
     why = wire::ErrorToStatus(ended.failure);
@@ -85,8 +84,7 @@ namespace {
 
 // The refusal of a RESUME of run `run_id`, which has ended (`current`: the
 // job's current run, if any). Every node of the old run gets the same words,
-// so its ranks end with one error (chaos seed 7591: each node's ranks used to
-// read their own node's name); the log names the node.
+// so its ranks end with one error; the log names the node.
 absl::Status ResumedRunEnded(const std::string& job_id, const std::string& run_id,
                              const std::string& node_id, const std::string& current) {
   ACCORD_LOG(WARNING) << "job " << job_id << ": node \"" << node_id << "\" resumes run " << run_id

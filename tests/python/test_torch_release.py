@@ -548,8 +548,7 @@ def test_an_all_gather_that_fails_in_its_copy_out_is_explained():
 
 class DecidedThenVerdictAgreement:
     """Step 0's item was decided before the failure (every rank had sent it);
-    the next step's item gets the job's verdict: the peer is gone (chaos seed
-    7688)."""
+    the next step's item gets the job's verdict: the peer is gone."""
 
     VERDICT = ('DEADLINE_EXCEEDED: job j group "fsdp/<root>": not every rank registered the '
                'group within 2s of its first registration (--deadline); missing ranks 0')

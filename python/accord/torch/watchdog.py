@@ -42,7 +42,7 @@ STALL_S = 1.0  # no progress this long inside a step starts the coordinator's cl
 # their time inside accord's C++ waits with the GIL released. If the
 # interpreter finalizes while one is there, the thread is ended as it takes
 # the GIL back, which aborts the process ("terminate called without an active
-# exception": a chaos finding, docs/RELIABILITY.md "Chaos"). So at exit,
+# exception"). So at exit,
 # before finalization, each is stopped and joined: its waits last at most
 # its stall_s.
 _threads_to_stop: "weakref.WeakSet" = weakref.WeakSet()
@@ -144,7 +144,7 @@ class StepWatch:
         that named error is raised instead of the collective's. When every
         rank had sent the step's item already (the peer died after its
         release, say with the job's verdict, while this rank's node could not
-        hear it yet: chaos seed 7688), the next step's item asks again: a
+        hear it yet), the next step's item asks again: a
         peer that is gone never sends it, so the coordinator answers with the
         job's verdict or names that peer, within its deadline."""
         self.check()
