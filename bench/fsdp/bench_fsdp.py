@@ -61,6 +61,7 @@ ends (exit status 1) instead of hanging.
 
 import argparse
 import asyncio
+import collections
 import copy
 import gc
 import math
@@ -71,6 +72,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 MODES = ("plain", "blocking", "speculative", "unguarded")
@@ -92,6 +94,25 @@ def cpu_of(pid):
         except (OSError, ValueError, IndexError):
             pass  # the thread ended
     return total
+
+
+def threads_cpu(pid="self"):
+    """{thread name: CPU seconds} of a process's live threads (schedstat)."""
+    out = collections.Counter()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    py = {t.native_id: f"py:{t.name}" for t in threading.enumerate()} if pid == "self" else {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = py.get(int(tid), f.read().strip())
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[name] += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended
+    return out
 
 
 def other_threads_cpu():
@@ -206,21 +227,21 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
             ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
             fwd = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
 
-        profile = None
+        profiles = {}
         if args.profile and rank == 0:
             import cProfile
 
-            profile = cProfile.Profile()
+            profiles = {n: cProfile.Profile() for n in modes(args)}
 
         def step(name, timed=False):
             m = models[name]
-            on = profile is not None and timed and name != "plain"
-            if on:
+            profile = profiles.get(name) if timed else None
+            if profile is not None:
                 profile.enable()
             fwd(m).backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
-            if on:
+            if profile is not None:
                 profile.disable()
 
         for name in modes(args):  # warm-up (first steps register groups, fill caches)
@@ -242,6 +263,7 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
         gc.callbacks.append(gc_clock)
         repairs = {n: 0 for n in insts}
         per_round = {n: [] for n in modes(args)}  # seconds of each round (paired stats)
+        thread_cpu = {n: collections.Counter() for n in modes(args)}  # --profile only
         # Per round: the CPU seconds of this rank (all its threads) and of the
         # daemons, plus the time blocked in accord (the attributed cost).
         attributed = {n: [] for n in modes(args)}
@@ -251,12 +273,16 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                 before = insts[name].timing.exposed_s if name in insts else 0.0
                 waits_before = insts[name].timing.blocked if name in insts else 0
                 repairs_before = insts[name].timing.repairs if name in insts else 0
+                per_thread0 = threads_cpu() if profiles else None
                 c0 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
                 gc0 = in_gc[1]
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     step(name, timed=True)
                 c1 = (time.thread_time(), other_threads_cpu(), sum(cpu_of(p) for p in daemons))
+                if per_thread0 is not None:
+                    thread_cpu[name].update(threads_cpu())
+                    thread_cpu[name].subtract(per_thread0)
                 dist.barrier()
                 totals[name] += time.perf_counter() - t0
                 per_round[name].append(time.perf_counter() - t0)
@@ -270,8 +296,15 @@ def rank_main(rank, world, tmpdir, sock, local_rank, job, args, q, daemons=()):
                     waits[name] += insts[name].timing.blocked - waits_before
                     repairs[name] += insts[name].timing.repairs - repairs_before
         groups = len(insts["speculative"].groups)
-        if profile is not None:
-            profile.dump_stats(args.profile)
+        for n, profile in profiles.items():
+            profile.dump_stats(f"{args.profile}.{n}")
+        if args.profile and rank == 0:
+            steps = args.rounds * args.steps
+            with open(f"{args.profile}.threads", "w") as f:
+                for n, per in thread_cpu.items():
+                    f.write(f"{n}: CPU ms per timed step, by thread\n")
+                    for thread, sec in per.most_common():
+                        f.write(f"  {1000.0 * sec / steps:10.2f}  {thread}\n")
         q.put((rank, "ok", (totals, exposed, groups, waits, cpu, repairs, per_round,
                             attributed, gc_s)))
         dist.barrier()
@@ -408,8 +441,8 @@ def main():
                     help="pin rank r to the r-th core this process may use")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--profile", default="",
-                    help="write rank 0's cProfile of the accord modes' timed steps here "
-                         "(timings are then not comparable)")
+                    help="write rank 0's cProfile of each mode's timed steps to PROFILE.<mode> "
+                         "(timings are then not comparable; call counts are)")
     ap.add_argument("--modes", default="",
                     help="comma-separated subset of plain,blocking,speculative,unguarded"
                          "(,optional,control); speculative is always run")
