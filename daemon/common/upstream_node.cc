@@ -79,12 +79,6 @@ size_t InflightManifests::CountBefore(int64_t step) const {
   return n;
 }
 
-void RepeatForm::Sent(uint64_t key, absl::string_view shape) {
-  held_ = true;
-  key_ = key;
-  if (shape != shape_) shape_ = std::string(shape);
-}
-
 v1::NodeMessage PartialReport(absl::string_view group_id, int64_t step, absl::Duration waited,
                               const std::vector<int>& reported) {
   v1::NodeMessage up;

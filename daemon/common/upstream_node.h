@@ -117,16 +117,21 @@ class InflightManifests {
 };
 
 // Whether the stream holds a group's previous manifest, so that the next one
-// with the same content may go in repeat form (cache key only).
-class RepeatForm {
+// with the same content may go in repeat form (cache key only). `Shape` is
+// what besides the key tells two manifests apart (rank bits, rank detail).
+template <typename Shape>
+class RepeatFormOf {
  public:
-  // Whether a manifest with `key` and `shape` (what besides the key tells
-  // two manifests apart: rank bits, rank detail) may go in repeat form.
-  bool Repeats(uint64_t key, absl::string_view shape) const {
+  // Whether a manifest with `key` and `shape` may go in repeat form.
+  bool Repeats(uint64_t key, const Shape& shape) const {
     return held_ && key == key_ && shape == shape_;
   }
   // A manifest went, in either form: the stream's previous one now.
-  void Sent(uint64_t key, absl::string_view shape);
+  void Sent(uint64_t key, const Shape& shape) {
+    held_ = true;
+    key_ = key;
+    if (!(shape == shape_)) shape_ = shape;
+  }
   // The stream does not hold it (a new stream; a repeat it could not resolve).
   void Forget() { held_ = false; }
   bool held() const { return held_; }
@@ -135,8 +140,11 @@ class RepeatForm {
  private:
   bool held_ = false;
   uint64_t key_ = 0;
-  std::string shape_;
+  Shape shape_{};
 };
+// The relay's: its shape is the merged manifest's rank bits and detail as
+// they go on the wire.
+using RepeatForm = RepeatFormOf<std::string>;
 
 // NodeProgress{partial} (docs/ARCHITECTURE.md, "Silent ranks"): some of the
 // node's ranks (`reported`) submitted (group, step) `waited` ago, and the

@@ -417,7 +417,7 @@ void Relay::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
   switch (message->body_case()) {
     case v1::CoordinatorMessage::kWelcome:
       node_.OnWelcome(message->welcome());
-      upstream_loss_.unanswered_since = absl::InfiniteFuture();
+      upstream_loss_.Answered();
       for (auto& [id, node] : nodes_) WelcomeLocked(node);
       return;
     case v1::CoordinatorMessage::kDecisions:
@@ -523,8 +523,7 @@ void Relay::ResetJobLocked() {
                    << "\"; its state is dropped";
   node_.EndJob();
   dropped_epochs_.clear();
-  upstream_loss_.unanswered_since = absl::InfiniteFuture();
-  upstream_loss_.reported = false;
+  upstream_loss_.EndJob();
   ++membership_epoch_;
   nodes_.clear();
   groups_.clear();
@@ -538,38 +537,26 @@ void Relay::CheckTimers() {
 }
 
 void Relay::StartUnansweredLocked() {
-  if (upstream_loss_.unanswered_since != absl::InfiniteFuture() || upstream_loss_.reported) return;
-  upstream_loss_.unanswered_since = clock_->Now();
-  if (options_.upstream_loss_limit > absl::ZeroDuration()) {
-    timer_.Arm(upstream_loss_.unanswered_since + options_.upstream_loss_limit);
-  }
+  const absl::Time due = upstream_loss_.Start(clock_->Now());
+  if (due != absl::InfiniteFuture()) timer_.Arm(due);
 }
 
 absl::Time Relay::CheckUpstreamLossLocked(absl::Time now) {
-  const absl::Duration limit = options_.upstream_loss_limit;
-  if (limit <= absl::ZeroDuration() || !node_.has_job() ||
-      upstream_loss_.unanswered_since == absl::InfiniteFuture()) {
-    return absl::InfiniteFuture();
-  }
-  const absl::Time due = upstream_loss_.unanswered_since + limit;
-  if (due > now) return due;
+  absl::Time next;
+  std::optional<v1::DecisionError> lost =
+      upstream_loss_.Check(now, node_.has_job(), node_.job_id(), &next);
+  if (!lost.has_value()) return next;
   // Every wait of the sidecars here needs the coordinator, and they hear
   // from the relay, so their own limit never runs: the relay tells them,
   // in a sidecar's words, so every rank that lost the coordinator ends alike.
-  v1::CoordinatorMessage lost;
-  v1::DecisionError* e = lost.mutable_error();
-  e->set_kind(v1::UNAVAILABLE);
-  e->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-  e->set_job_id(node_.job_id());
-  e->set_message(UpstreamHealth::LostMessage(node_.job_id(), limit));
-  ACCORD_LOG(ERROR) << e->message();
-  upstream_loss_.unanswered_since = absl::InfiniteFuture();
-  upstream_loss_.reported = true;  // said once per job
-  auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(lost));
+  ACCORD_LOG(ERROR) << lost->message();
+  v1::CoordinatorMessage message;
+  *message.mutable_error() = *std::move(lost);
+  auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(message));
   for (auto& [id, node] : nodes_) {
     if (node.sink != nullptr) node.sink->Send(shared);
   }
-  return absl::InfiniteFuture();
+  return next;
 }
 
 absl::Time Relay::CheckTimersLocked() {

@@ -80,6 +80,7 @@
 #include "daemon/common/node_session.h"
 #include "daemon/common/upstream.h"
 #include "daemon/common/upstream_health.h"
+#include "daemon/common/upstream_loss.h"
 #include "daemon/common/upstream_node.h"
 #include "proto/wire.h"
 
@@ -307,7 +308,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // due.
   absl::Time CheckTimersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job's clock against options_.upstream_loss_limit starts now, unless
-  // it runs already.
+  // it counts already or the loss was reported; the timer is armed for it.
   void StartUnansweredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Past the limit: every sidecar of the job gets the error, once per job.
   // Returns when it will be due (InfiniteFuture: not counting).
@@ -326,15 +327,11 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
   // Moves whenever a sidecar's ranks or the announced ranks change (merges
   // depend on both).
   uint64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  struct UpstreamLoss {
-    // Since when the coordinator has gone unanswered while a job is served (a
-    // new stream until its Welcome, or the job's first sidecar before any);
-    // InfiniteFuture: it answers, or the loss was reported.
-    absl::Time unanswered_since = absl::InfiniteFuture();
-    // The job's sidecars were told the coordinator is lost (once per job).
-    bool reported = false;
-  };
-  UpstreamLoss upstream_loss_ ABSL_GUARDED_BY(mu_);
+  // Since when the coordinator has gone unanswered while a job is served (a
+  // new stream until its Welcome, or the job's first sidecar before any);
+  // the job's sidecars are told once past the limit.
+  UpstreamLossClock upstream_loss_ ABSL_GUARDED_BY(mu_) =
+      UpstreamLossClock(options_.upstream_loss_limit);
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   // The epoch of each sidecar of the job dropped past its grace: one that
   // comes back NEW under another epoch had its ranks restarted

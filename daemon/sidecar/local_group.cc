@@ -99,4 +99,22 @@ void LocalGroups::Clear() {
   by_id_.clear();
 }
 
+void UsageDetailOf(const LocalStep& st, size_t num_params, UsageDetail* detail) {
+  detail->clear();
+  for (size_t k = 0; k < st.ranks.size(); ++k) {
+    const DTypeMask* row = st.rows.data() + k * num_params;
+    bool differs = false;
+    for (size_t i = 0; i < num_params && !differs; ++i) {
+      differs = (row[i] != 0) != (st.merged[i] != 0);
+    }
+    if (!differs) continue;
+    RankUsageBits& u = detail->emplace_back();
+    u.rank = st.ranks[k];
+    u.used_bits.assign((num_params + 7) / 8, '\0');
+    for (size_t i = 0; i < num_params; ++i) {
+      if (row[i] != 0) u.used_bits[i / 8] = static_cast<char>(u.used_bits[i / 8] | (1 << (i % 8)));
+    }
+  }
+}
+
 }  // namespace accord::daemon

@@ -65,18 +65,32 @@ struct StepCollection {
   static Row AddRow(LocalStep& st, int rank, const std::vector<DTypeMask>& content);
 };
 
-// The last node manifest produced for the group (content, detail signature,
+// One local rank whose used parameters differ from the node's merged usage,
+// as v1::RankUsage carries it: bit i of `used_bits` is set when parameter i
+// has a gradient.
+struct RankUsageBits {
+  int rank = 0;
+  std::string used_bits;
+  bool operator==(const RankUsageBits&) const = default;
+};
+// A step's per-rank detail: its ranks whose usage differs, ascending.
+using UsageDetail = std::vector<RankUsageBits>;
+
+// Fills `detail` with the ranks of `st` whose usage differs from its merge.
+void UsageDetailOf(const LocalStep& st, size_t num_params, UsageDetail* detail);
+
+// The last node manifest produced for the group (content, per-rank detail,
 // whether it carried rank_bits, its full form), and whether the stream
 // upstream holds it as this node's previous manifest (repeat form allowed).
 struct NodeForm {
   uint64_t key = 0;
   std::vector<int> covered;
   std::vector<DTypeMask> merged;
-  std::string detail;
+  UsageDetail detail;
   bool with_ranks = false;
   std::shared_ptr<const v1::Manifest> full;
   uint64_t content_gen = 0;  // bumped when the content above changes
-  RepeatForm repeat;
+  RepeatFormOf<UsageDetail> repeat;
 };
 
 // What the group's ranks were given: the last decided step, its ok body (what

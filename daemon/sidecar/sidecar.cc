@@ -1,7 +1,6 @@
 #include "daemon/sidecar/sidecar.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -527,26 +526,9 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
     }
     if (!complete) break;  // later steps wait for this one (per-stream order)
     st.sent = true;
-    // Ranks whose usage differs from the node's merged usage travel as detail;
-    // their (rank, used bits) pairs form the detail signature.
-    std::string& detail = scratch_.detail;
-    detail.clear();
-    for (size_t k = 0; k < st.ranks.size(); ++k) {
-      const DTypeMask* row = st.rows.data() + k * num_params;
-      bool differs = false;
-      for (size_t i = 0; i < num_params && !differs; ++i) {
-        differs = (row[i] != 0) != (st.merged[i] != 0);
-      }
-      if (!differs) continue;
-      const int r = st.ranks[k];
-      detail.append(reinterpret_cast<const char*>(&r), sizeof(r));
-      const size_t at = detail.size();
-      detail.append((num_params + 7) / 8, '\0');
-      for (size_t i = 0; i < num_params; ++i) {
-        if (row[i] != 0)
-          detail[at + i / 8] = static_cast<char>(detail[at + i / 8] | (1 << (i % 8)));
-      }
-    }
+    // Ranks whose usage differs from the node's merged usage travel as detail.
+    UsageDetail& detail = scratch_.detail;
+    UsageDetailOf(st, num_params, &detail);
     const bool with_ranks = !std::equal(st.ranks.begin(), st.ranks.end(), node_.announced().begin(),
                                         node_.announced().end());
     const bool same_content = g.form.full != nullptr && st.ranks == g.form.covered &&
@@ -562,14 +544,10 @@ void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
       auto full = std::make_shared<v1::Manifest>();
       wire::ManifestToProto(g.group_id, merged, with_ranks, full.get());
       full->clear_step();
-      for (size_t at = 0; at < detail.size();) {
-        int r;
-        std::memcpy(&r, detail.data() + at, sizeof(r));
-        at += sizeof(r);
+      for (const RankUsageBits& d : detail) {
         v1::RankUsage* u = full->add_rank_detail();
-        u->set_rank(r);
-        u->set_used_bits(detail.substr(at, (num_params + 7) / 8));
-        at += (num_params + 7) / 8;
+        u->set_rank(d.rank);
+        u->set_used_bits(d.used_bits);
       }
       g.form.key = full->cache_key();
       g.form.covered = st.ranks;
@@ -639,6 +617,7 @@ void Sidecar::CloseRank(SessionId id) {
 void Sidecar::ResetJobLocked() {
   ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
   node_.EndJob();
+  upstream_.loss.EndJob();
   resume_ = ResumeState();
   job_failure_.reset();
   late_.clear();

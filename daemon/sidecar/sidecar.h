@@ -77,6 +77,7 @@
 #include "daemon/common/due_timer.h"
 #include "daemon/common/upstream.h"
 #include "daemon/common/upstream_health.h"
+#include "daemon/common/upstream_loss.h"
 #include "daemon/common/upstream_node.h"
 #include "daemon/sidecar/local_group.h"
 #include "proto/wire.h"
@@ -322,7 +323,7 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
     std::vector<LocalGroup*> touched;
     std::vector<Outgoing> outgoing;  // collected node manifests (SendOutgoingLocked)
     v1::DecisionBatch local_batch;   // DecideLocallyLocked's output
-    std::string detail;              // CollectCompleteLocked's detail signature
+    UsageDetail detail;              // CollectCompleteLocked's per-rank detail
   };
 
   // Accepts the rank of a RankHello on session `id`, or refuses it and
@@ -446,7 +447,8 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   // The node above answered this stream: its run, its deadline (partial
   // reports at half of it), and the loss limit's clock stopped.
   void HandleWelcomeLocked(const v1::Welcome& welcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The job's clock against options_.upstream_loss_limit starts now.
+  // The job's clock against options_.upstream_loss_limit starts now, unless
+  // it counts already (UpstreamLossClock::Start); the timer is armed for it.
   void StartUnansweredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the job's ranks here once the node above has gone unanswered for
   // options_.upstream_loss_limit; returns when that will be (InfiniteFuture:
@@ -458,17 +460,17 @@ class Sidecar final : public UpstreamHandler, public RankSessionHandler {
   accord::Mutex mu_;
   // The stream to the node above, as this node sees it.
   struct UpstreamState {
+    explicit UpstreamState(absl::Duration loss_limit) : loss(loss_limit) {}
     // Half the coordinator's deadline (Welcome.deadline_ms) on the current
     // stream; zero: partial steps are not reported.
     absl::Duration report_after = absl::ZeroDuration();
     // The current stream got its Welcome: the node above answers.
     bool welcomed = false;
-    // Since when the node above has not answered while this node served a
-    // job (InfiniteFuture: it answers, or no job): counted against
-    // SidecarOptions::upstream_loss_limit.
-    absl::Time unanswered_since = absl::InfiniteFuture();
+    // Since when the node above has not answered while this node serves a
+    // job, against SidecarOptions::upstream_loss_limit.
+    UpstreamLossClock loss;
   };
-  UpstreamState upstream_ ABSL_GUARDED_BY(mu_);
+  UpstreamState upstream_ ABSL_GUARDED_BY(mu_) = UpstreamState(options_.upstream_loss_limit);
   Ranks ranks_ ABSL_GUARDED_BY(mu_);
   // The node upstream: the job served now (none before the first rank and
   // after the last), its run and epoch (drawn at the job's first local

@@ -35,33 +35,19 @@ absl::Time Sidecar::CheckTimersLocked() {
 }
 
 void Sidecar::StartUnansweredLocked() {
-  upstream_.unanswered_since = clock_->Now();
-  if (options_.upstream_loss_limit > absl::ZeroDuration()) {
-    timer_.Arm(upstream_.unanswered_since + options_.upstream_loss_limit);
-  }
+  const absl::Time due = upstream_.loss.Start(clock_->Now());
+  if (due != absl::InfiniteFuture()) timer_.Arm(due);
 }
 
 absl::Time Sidecar::CheckUpstreamLossLocked(absl::Time now) {
-  const absl::Duration limit = options_.upstream_loss_limit;
-  if (limit <= absl::ZeroDuration() || !node_.has_job() ||
-      upstream_.unanswered_since == absl::InfiniteFuture()) {
-    return absl::InfiniteFuture();
+  absl::Time next;
+  std::optional<v1::DecisionError> lost =
+      upstream_.loss.Check(now, node_.has_job(), node_.job_id(), &next);
+  if (lost.has_value()) {
+    ACCORD_LOG(ERROR) << lost->message();
+    FailRanksLocked(*lost);
   }
-  const absl::Time due = upstream_.unanswered_since + limit;
-  if (due > now) return due;
-  // Every wait of the job's ranks here (registration results, decisions,
-  // keys) needs the node above; none can end another way. The words are
-  // the same on every node of the job, so ranks that lost the same
-  // coordinator end alike.
-  v1::DecisionError e;
-  e.set_kind(v1::UNAVAILABLE);
-  e.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-  e.set_job_id(node_.job_id());
-  e.set_message(UpstreamHealth::LostMessage(node_.job_id(), limit));
-  ACCORD_LOG(ERROR) << e.message();
-  upstream_.unanswered_since = absl::InfiniteFuture();  // said once per job
-  FailRanksLocked(e);
-  return absl::InfiniteFuture();
+  return next;
 }
 
 absl::Time Sidecar::CheckPartialStepsLocked() {
@@ -153,9 +139,7 @@ void Sidecar::OnUpstreamConnected() {
   // until its Welcome; the loss limit counts while a job is served.
   upstream_.welcomed = false;
   if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
-  if (node_.has_job() && upstream_.unanswered_since == absl::InfiniteFuture()) {
-    StartUnansweredLocked();
-  }
+  if (node_.has_job()) StartUnansweredLocked();
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
@@ -187,7 +171,7 @@ void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
     }
   }
   upstream_.welcomed = true;
-  upstream_.unanswered_since = absl::InfiniteFuture();
+  upstream_.loss.Answered();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
   // Steps that began before this stream are checked now.
   if (upstream_.report_after > absl::ZeroDuration()) timer_.Arm(clock_->Now());

@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "daemon/common/clock.h"
@@ -567,6 +568,32 @@ TEST_F(SidecarTest, AdapterCountsAddUpOverRanksAndOverARanksNewProcess) {
   EXPECT_EQ(s.adapter_repaired, 6);
   EXPECT_EQ(s.adapter_redone, 3);
   EXPECT_FALSE(r0_.closed.has_value()) << "counts never end a rank's stream";
+}
+
+TEST(UsageDetailTest, ListsOnlyTheRanksWhoseUsageDiffersFromTheMergeWithTheirUsedBits) {
+  LocalStep st;
+  st.ranks = {2, 5, 7};
+  // 9 parameters (two bytes of bits): rank 2 uses all, rank 5 none of 1 and
+  // 8, rank 7 all but 0.
+  const DTypeMask f = MaskOf(DType::kFloat32);
+  std::vector<DTypeMask> all(9, f);
+  std::vector<DTypeMask> r5 = all;
+  r5[1] = r5[8] = 0;
+  std::vector<DTypeMask> r7 = all;
+  r7[0] = 0;
+  for (const auto* row : {&all, &r5, &r7}) st.rows.insert(st.rows.end(), row->begin(), row->end());
+  st.merged = all;
+  UsageDetail detail;
+  UsageDetailOf(st, 9, &detail);
+  ASSERT_EQ(detail.size(), 2u);
+  EXPECT_EQ(detail[0].rank, 5);
+  EXPECT_EQ(detail[0].used_bits, std::string("\xfd\x00", 2));
+  EXPECT_EQ(detail[1].rank, 7);
+  EXPECT_EQ(detail[1].used_bits, std::string("\xfe\x01", 2));
+  // Called again, it starts over.
+  st.rows = std::vector<DTypeMask>(27, f);
+  UsageDetailOf(st, 9, &detail);
+  EXPECT_TRUE(detail.empty());
 }
 
 }  // namespace
