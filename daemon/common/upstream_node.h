@@ -12,7 +12,7 @@
 // (wire::StreamBatchRecord). Per group, its owner keeps the distinct
 // registrations (GroupRegistrations), the manifests sent and not yet decided
 // (InflightManifests) and whether the stream holds the group's previous
-// manifest (RepeatForm); Connected() takes what they resend.
+// manifest (RepeatFormOf); Connected() takes what they resend.
 //
 // Not thread-safe: its owner (Sidecar, Relay) calls it with its own lock
 // held. The UpstreamSink is not owned.
@@ -116,6 +116,26 @@ class InflightManifests {
   std::vector<Entry> decided_;
 };
 
+// One rank whose used parameters differ from its node's merged usage, as
+// v1::RankUsage carries it: bit i of `used_bits` is set when parameter i has
+// a gradient.
+struct RankUsageBits {
+  int rank = 0;
+  std::string used_bits;
+  bool operator==(const RankUsageBits&) const = default;
+};
+// A node manifest's per-rank detail: the ranks whose usage differs, ascending.
+using UsageDetail = std::vector<RankUsageBits>;
+
+// What besides the cache key tells two node manifests apart (the key covers
+// dtypes and ranks only): the ranks named (rank_bits, empty when the hello's
+// ranks) and the per-rank detail.
+struct ManifestShape {
+  std::string rank_bits;
+  UsageDetail detail;
+  bool operator==(const ManifestShape&) const = default;
+};
+
 // Whether the stream holds a group's previous manifest, so that the next one
 // with the same content may go in repeat form (cache key only). `Shape` is
 // what besides the key tells two manifests apart (rank bits, rank detail).
@@ -142,9 +162,6 @@ class RepeatFormOf {
   uint64_t key_ = 0;
   Shape shape_{};
 };
-// The relay's: its shape is the merged manifest's rank bits and detail as
-// they go on the wire.
-using RepeatForm = RepeatFormOf<std::string>;
 
 // NodeProgress{partial} (docs/ARCHITECTURE.md, "Silent ranks"): some of the
 // node's ranks (`reported`) submitted (group, step) `waited` ago, and the

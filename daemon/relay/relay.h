@@ -222,7 +222,7 @@ class Relay final : public NodeSessionHandler, public UpstreamHandler {
     std::optional<v1::Decision> last_decision;  // with an ok or error body
     // Whether the upstream stream holds the previous merge sent (its shape:
     // rank_bits + rank_detail), for repeat form.
-    RepeatForm repeat;
+    RepeatFormOf<ManifestShape> repeat;
     // The last merge: a signature of its parts (PartsSignatureLocked; 0:
     // none) and its result (full form, step cleared). A step whose parts are
     // all repeats with the same signature merges to the same manifest.

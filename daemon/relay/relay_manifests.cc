@@ -29,12 +29,12 @@ void RankUsageOf(const v1::Manifest& m, const std::vector<int>& ranks,
   }
 }
 
-// What besides the cache key tells two merged manifests apart: the ranks
-// they name and the per-rank detail (the key covers dtypes and ranks only).
-std::string ShapeOf(const v1::Manifest& m) {
-  std::string shape = m.rank_bits();
+ManifestShape ShapeOf(const v1::Manifest& m) {
+  ManifestShape shape;
+  shape.rank_bits = m.rank_bits();
+  shape.detail.reserve(m.rank_detail_size());
   for (const v1::RankUsage& u : m.rank_detail()) {
-    absl::StrAppend(&shape, "|", u.rank(), ":", u.used_bits());
+    shape.detail.push_back(RankUsageBits{u.rank(), u.used_bits()});
   }
   return shape;
 }
@@ -224,7 +224,7 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   g.last_merged_announced = node_.announced().size();
   g.inflight.Add(step, std::move(full), g.last_merged_announced, decided);
   merged->set_decided(decided);
-  const std::string shape = ShapeOf(*merged);
+  const ManifestShape shape = ShapeOf(*merged);
   if (g.repeat.Repeats(merged->cache_key(), shape)) {
     v1::Manifest* r = out->add_manifests();
     r->set_group_id(g.group_id);

@@ -65,17 +65,6 @@ struct StepCollection {
   static Row AddRow(LocalStep& st, int rank, const std::vector<DTypeMask>& content);
 };
 
-// One local rank whose used parameters differ from the node's merged usage,
-// as v1::RankUsage carries it: bit i of `used_bits` is set when parameter i
-// has a gradient.
-struct RankUsageBits {
-  int rank = 0;
-  std::string used_bits;
-  bool operator==(const RankUsageBits&) const = default;
-};
-// A step's per-rank detail: its ranks whose usage differs, ascending.
-using UsageDetail = std::vector<RankUsageBits>;
-
 // Fills `detail` with the ranks of `st` whose usage differs from its merge.
 void UsageDetailOf(const LocalStep& st, size_t num_params, UsageDetail* detail);
 

@@ -221,14 +221,17 @@ TEST_F(UpstreamNodeTest, EndJobForgetsTheJobTheRanksAndTheStreamsBatch) {
 }
 
 TEST(RepeatFormTest, RepeatsOnlyTheHeldKeyAndShape) {
-  RepeatForm f;
-  EXPECT_FALSE(f.Repeats(1, ""));
-  f.Sent(1, "s");
-  EXPECT_TRUE(f.Repeats(1, "s"));
-  EXPECT_FALSE(f.Repeats(1, "t"));
-  EXPECT_FALSE(f.Repeats(2, "s"));
+  RepeatFormOf<ManifestShape> f;
+  const ManifestShape s{"", {RankUsageBits{3, "\x01"}}};
+  const ManifestShape t{"", {RankUsageBits{3, "\x02"}}};
+  EXPECT_FALSE(f.Repeats(1, ManifestShape{}));
+  f.Sent(1, s);
+  EXPECT_TRUE(f.Repeats(1, s));
+  EXPECT_FALSE(f.Repeats(1, t));
+  EXPECT_FALSE(f.Repeats(1, ManifestShape{"\x0f", s.detail})) << "other ranks named";
+  EXPECT_FALSE(f.Repeats(2, s));
   f.Forget();
-  EXPECT_FALSE(f.Repeats(1, "s"));
+  EXPECT_FALSE(f.Repeats(1, s));
 }
 
 }  // namespace
