@@ -1,5 +1,6 @@
 #include "daemon/common/tls.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -68,17 +69,22 @@ absl::Status CheckServerPlaintext(absl::string_view listen, bool plaintext_flag,
 }
 
 absl::Status CheckClientPlaintext(absl::string_view target, bool plaintext_flag,
-                                  bool tls_flags_given) {
+                                  bool tls_flags_given, absl::string_view tls_flag_prefix) {
+  const std::string p(tls_flag_prefix);
+  // "tls_" -> --plaintext, "upstream_tls_" -> --upstream_plaintext.
+  const std::string plaintext = absl::StrCat(
+      absl::string_view(p).substr(0, p.size() - std::min<size_t>(p.size(), 4)), "plaintext");
   if (tls_flags_given && plaintext_flag) {
-    return absl::FailedPreconditionError(
-        "--plaintext contradicts --tls_ca/--tls_cert/--tls_key; give one or the other");
+    return absl::FailedPreconditionError(absl::StrCat("--", plaintext, " contradicts --", p,
+                                                      "ca/--", p, "cert/--", p,
+                                                      "key; give one or the other"));
   }
   if (tls_flags_given || plaintext_flag || IsLoopbackAddress(target)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "--coordinator=", target,
-      " is not on this machine and no TLS is configured: give --tls_ca (the CA that signed the "
-      "coordinator's certificate; plus --tls_cert/--tls_key when the coordinator requires "
-      "client certificates), or --plaintext to send the job token and manifests in clear text"));
+      "--coordinator=", target, " is not on this machine and no TLS is configured: give --", p,
+      "ca (the CA that signed the coordinator's certificate; plus --", p, "cert/--", p,
+      "key when the coordinator requires client certificates), or --", plaintext,
+      " to send the job token and manifests in clear text"));
 }
 
 }  // namespace accord::daemon

@@ -29,9 +29,12 @@ bool IsLoopbackAddress(absl::string_view address);
 // the flags otherwise.
 absl::Status CheckServerPlaintext(absl::string_view listen, bool plaintext_flag,
                                   bool tls_flags_given);
-// Client side: OK to dial `target` without TLS?
+// Client side: OK to dial `target` without TLS? The messages name the
+// daemon's flags: `tls_flag_prefix` "tls_" (the sidecar's --tls_ca and
+// --plaintext) or "upstream_tls_" (the relay's --upstream_tls_ca and
+// --upstream_plaintext).
 absl::Status CheckClientPlaintext(absl::string_view target, bool plaintext_flag,
-                                  bool tls_flags_given);
+                                  bool tls_flags_given, absl::string_view tls_flag_prefix = "tls_");
 
 }  // namespace accord::daemon
 

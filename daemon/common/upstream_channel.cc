@@ -12,7 +12,10 @@ namespace {
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const UpstreamFlags& f) {
   const bool tls = !f.ca_path.empty() || !f.cert_path.empty() || !f.key_path.empty();
-  if (absl::Status s = CheckClientPlaintext(f.target, f.plaintext, tls); !s.ok()) return s;
+  if (absl::Status s = CheckClientPlaintext(f.target, f.plaintext, tls, f.tls_flag_prefix);
+      !s.ok()) {
+    return s;
+  }
   if (!tls) return grpc::InsecureChannelCredentials();
   const std::string& p = f.tls_flag_prefix;
   grpc::SslCredentialsOptions ssl;

@@ -51,6 +51,23 @@ TEST(UpstreamChannelTest, HalfAKeyPairNamesTheDaemonsOwnFlags) {
       << c.status();
 }
 
+TEST(UpstreamChannelTest, PlaintextRuleNamesTheRelaysUpstreamFlags) {
+  UpstreamFlags f;
+  f.target = "coordinator.example:7070";
+  f.tls_flag_prefix = "upstream_tls_";
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> c = UpstreamChannel(f);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "give --upstream_tls_ca")) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "or --upstream_plaintext")) << c.status();
+  f.plaintext = true;
+  f.ca_path = "/nonexistent/ca.pem";
+  c = UpstreamChannel(f);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(
+      absl::StrContains(c.status().message(), "--upstream_plaintext contradicts --upstream_tls_ca"))
+      << c.status();
+}
+
 TEST(UpstreamChannelTest, UnreadableCaNamesTheFlagAndThePath) {
   UpstreamFlags f;
   f.target = "127.0.0.1:7070";
