@@ -9,51 +9,23 @@
 
 namespace accord {
 
+namespace {
+
+ScratchBuffer::Memory MemoryFor(GroupReducer::Device device) {
+  return device == GroupReducer::Device::kCpu ? ScratchBuffer::Memory::kHost
+                                              : ScratchBuffer::Memory::kDevice;
+}
+
+}  // namespace
+
 GroupReducer::GroupReducer(GroupSpec spec, Collective& collective, Options options)
-    : spec_(std::move(spec)), collective_(collective), options_(options) {}
+    : spec_(std::move(spec)),
+      collective_(collective),
+      options_(options),
+      packed_(MemoryFor(options.device)),
+      shard_(MemoryFor(options.device)) {}
 
-GroupReducer::~GroupReducer() {
-#if ACCORD_WITH_CUDA_KERNELS
-  DeviceFree(device_packed_);
-  DeviceFree(device_shard_);
-#endif
-}
-
-absl::Status GroupReducer::Reserve(size_t packed_bytes, size_t shard_bytes) {
-  if (options_.device == Device::kCpu) {
-    if (host_packed_.size() < packed_bytes) host_packed_.resize(packed_bytes);
-    if (host_shard_.size() < shard_bytes) host_shard_.resize(shard_bytes);
-    packed_ = host_packed_.data();
-    shard_ = host_shard_.data();
-    return absl::OkStatus();
-  }
-#if ACCORD_WITH_CUDA_KERNELS
-  if (device_packed_bytes_ < packed_bytes) {
-    DeviceFree(device_packed_);
-    device_packed_ = nullptr;
-    device_packed_bytes_ = 0;
-    absl::StatusOr<void*> p = DeviceAlloc(packed_bytes);
-    if (!p.ok()) return p.status();
-    device_packed_ = *p;
-    device_packed_bytes_ = packed_bytes;
-  }
-  if (device_shard_bytes_ < shard_bytes) {
-    DeviceFree(device_shard_);
-    device_shard_ = nullptr;
-    device_shard_bytes_ = 0;
-    absl::StatusOr<void*> p = DeviceAlloc(shard_bytes);
-    if (!p.ok()) return p.status();
-    device_shard_ = *p;
-    device_shard_bytes_ = shard_bytes;
-  }
-  packed_ = device_packed_;
-  shard_ = device_shard_;
-  return absl::OkStatus();
-#else
-  return absl::UnimplementedError(absl::StrCat(
-      "group \"", spec_.group_id, "\": CUDA device requested but this build has no CUDA kernels"));
-#endif
-}
+GroupReducer::~GroupReducer() = default;
 
 absl::Status GroupReducer::CheckBackend() const {
   const Backend want = options_.device == Device::kCpu ? Backend::kGloo : Backend::kNccl;
@@ -95,8 +67,8 @@ absl::Status GroupReducer::CheckPointers(absl::Span<const void* const> pointers,
   return absl::OkStatus();
 }
 
-absl::Status GroupReducer::Reduce(const Decision& decision, absl::Span<const GradSource> sources) {
-  reduced_ = false;
+absl::Status GroupReducer::CheckDecision(const Decision& decision,
+                                         absl::Span<const GradSource> sources) const {
   if (absl::Status s = CheckBackend(); !s.ok()) return s;
   if (absl::Status s = collective_.CheckWireDType(decision.wire_dtype); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("group \"", spec_.group_id, "\" step ",
@@ -109,38 +81,50 @@ absl::Status GroupReducer::Reduce(const Decision& decision, absl::Span<const Gra
   }
   const int w = collective_.world_size();
   const uint64_t mine = LayoutFingerprint(spec_, w, decision.included, decision.wire_dtype);
-  if (mine != decision.layout_fingerprint) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec_.group_id, "\" step ", decision.step, " on rank ", collective_.rank(),
-        ": the decision's layout fingerprint ", decision.layout_fingerprint,
-        " differs from this rank's ", mine, " (world size ", w, ", wire dtype ",
-        DTypeName(decision.wire_dtype),
-        "); this rank registered a different group spec or world size than the coordinator "
-        "used; not launching the collective"));
+  if (mine == decision.layout_fingerprint) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group \"", spec_.group_id, "\" step ", decision.step, " on rank ", collective_.rank(),
+      ": the decision's layout fingerprint ", decision.layout_fingerprint,
+      " differs from this rank's ", mine, " (world size ", w, ", wire dtype ",
+      DTypeName(decision.wire_dtype),
+      "); this rank registered a different group spec or world size than the coordinator "
+      "used; not launching the collective"));
+}
+
+absl::Status GroupReducer::UpdateLayout(const Decision& decision) {
+  if (have_layout_ && layout_.fingerprint == decision.layout_fingerprint) return absl::OkStatus();
+  absl::StatusOr<Layout> layout =
+      ComputeLayout(spec_, collective_.world_size(), decision.included, decision.wire_dtype);
+  if (!layout.ok()) return layout.status();
+  layout_ = *std::move(layout);
+  have_layout_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status GroupReducer::Reduce(const Decision& decision, absl::Span<const GradSource> sources) {
+  reduced_ = false;
+  if (absl::Status s = CheckDecision(decision, sources); !s.ok()) return s;
+  if (absl::Status s = UpdateLayout(decision); !s.ok()) return s;
+  absl::Status reserved = packed_.Reserve(static_cast<size_t>(layout_.total_bytes()));
+  if (reserved.ok()) {
+    reserved =
+        shard_.Reserve(static_cast<size_t>(layout_.row_numel) * DTypeSize(layout_.wire_dtype));
   }
-  if (!have_layout_ || layout_.fingerprint != mine) {
-    absl::StatusOr<Layout> layout = ComputeLayout(spec_, w, decision.included, decision.wire_dtype);
-    if (!layout.ok()) return layout.status();
-    layout_ = *std::move(layout);
-    have_layout_ = true;
-  }
-  const size_t esize = DTypeSize(layout_.wire_dtype);
-  if (absl::Status s = Reserve(static_cast<size_t>(layout_.total_bytes()),
-                               static_cast<size_t>(layout_.row_numel) * esize);
-      !s.ok()) {
-    return s;
+  if (!reserved.ok()) {
+    return absl::Status(reserved.code(),
+                        absl::StrCat("group \"", spec_.group_id, "\": ", reserved.message()));
   }
   absl::Status packed;
   if (options_.device == Device::kCpu) {
-    packed = PackCpu(spec_, layout_, sources, packed_, options_.pack);
+    packed = PackCpu(spec_, layout_, sources, packed_.data(), options_.pack);
   } else {
 #if ACCORD_WITH_CUDA_KERNELS
-    packed = PackCuda(spec_, layout_, sources, packed_, options_.stream, options_.pack);
+    packed = PackCuda(spec_, layout_, sources, packed_.data(), options_.stream, options_.pack);
 #endif
   }
   if (!packed.ok()) return packed;
-  if (absl::Status s = collective_.ReduceScatterSum(packed_, shard_, layout_.row_numel,
-                                                    layout_.wire_dtype, options_.stream);
+  if (absl::Status s = collective_.ReduceScatterSum(
+          packed_.data(), shard_.data(), layout_.row_numel, layout_.wire_dtype, options_.stream);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("group \"", spec_.group_id, "\" step ",
                                                decision.step, ": ", s.message()));
@@ -161,10 +145,11 @@ absl::Status GroupReducer::Unpack(absl::Span<const UnpackTarget> targets,
     if (absl::Status s = CheckPointers(pointers, "unpack target"); !s.ok()) return s;
   }
   if (options_.device == Device::kCpu) {
-    return UnpackCpu(spec_, layout_, collective_.rank(), shard_, targets, options);
+    return UnpackCpu(spec_, layout_, collective_.rank(), shard_.data(), targets, options);
   }
 #if ACCORD_WITH_CUDA_KERNELS
-  return UnpackCuda(spec_, layout_, collective_.rank(), shard_, targets, options_.stream, options);
+  return UnpackCuda(spec_, layout_, collective_.rank(), shard_.data(), targets, options_.stream,
+                    options);
 #else
   return absl::UnimplementedError("no CUDA kernels in this build");
 #endif

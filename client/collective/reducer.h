@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "client/collective/collective.h"
+#include "client/collective/scratch_buffer.h"
 #include "core/decide.h"
 #include "core/group.h"
 #include "kernels/pack.h"
@@ -53,30 +54,28 @@ class GroupReducer {
 
   // The layout and this rank's reduced row (wire dtype) of the last Reduce.
   const Layout& layout() const { return layout_; }
-  const void* shard() const { return shard_; }
+  const void* shard() const { return shard_.data(); }
 
  private:
-  absl::Status Reserve(size_t packed_bytes, size_t shard_bytes);
+  // The checks before any work: backend, wire dtype, gradient placement and
+  // the decision's layout fingerprint against this rank's.
+  absl::Status CheckDecision(const Decision& decision, absl::Span<const GradSource> sources) const;
   absl::Status CheckBackend() const;
   // `pointers[i]` belongs to parameter i; `kind` names it in errors.
   absl::Status CheckPointers(absl::Span<const void* const> pointers, const char* kind) const;
+  // The layout of `decision`, computed again only when its fingerprint changes.
+  absl::Status UpdateLayout(const Decision& decision);
 
   const GroupSpec spec_;
   Collective& collective_;
   const Options options_;
   Layout layout_;
   bool have_layout_ = false;
-  bool reduced_ = false;
-  // Host buffers (kCpu) or device buffers (kCuda; unused in builds without
-  // the CUDA kernels).
-  std::vector<char> host_packed_;
-  std::vector<char> host_shard_;
-  [[maybe_unused]] void* device_packed_ = nullptr;
-  [[maybe_unused]] void* device_shard_ = nullptr;
-  [[maybe_unused]] size_t device_packed_bytes_ = 0;
-  [[maybe_unused]] size_t device_shard_bytes_ = 0;
-  void* packed_ = nullptr;
-  void* shard_ = nullptr;
+  bool reduced_ = false;  // the last Reduce succeeded: `shard_` holds its row
+  // The packed rows and this rank's reduced row, in host memory (kCpu) or
+  // device memory (kCuda).
+  ScratchBuffer packed_;
+  ScratchBuffer shard_;
 };
 
 // The job's policy with each wire dtype it configures (the reduce dtype, the
