@@ -1,0 +1,146 @@
+"""accord hooked into one DeepSpeed ZeRO-1/2 engine (docs/DEEPSPEED.md).
+
+[Note: one reduction order]
+DeepSpeed reduces a parameter's gradient from its autograd hook, in this
+rank's autograd order and only where the parameter got a gradient, packing
+gradients into buckets by size: which parameters share a bucket, and so the
+number and sizes of the all-reduces, follow the rank's data. Here the hook
+does nothing (the gradient stays where DeepSpeed keeps it, as without
+overlap), and no accord call is made inside autograd. At DeepSpeed's
+end-of-backward epilogue, which every rank reaches once per backward, the
+rank submits one manifest (which parameters have a gradient, in which
+dtype) and waits for the decision, the same on every rank; then it hands
+DeepSpeed, in parameter order, every parameter the decision includes, with a
+zero gradient where this rank has none. DeepSpeed's own bucketing then sees
+the same parameters with the same sizes in the same order on every rank.
+
+A parameter no rank used in the accumulation window is not reduced;
+DeepSpeed counts it as a zero gradient in its flat partition, which would
+still move it (weight decay, moment decay). Its slice of this rank's fp32
+partition and of each optimizer state tensor is copied before the base
+optimizer's step and put back after it, so it and its moments are bitwise
+unchanged (DeepSpeed copies the fp32 partition into the model's parameters
+after the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from accord.deepspeed import zero
+
+
+@dataclasses.dataclass
+class Stats:
+    """What accord did (for tests, logs and dashboards)."""
+
+    releases: int = 0  # epilogues that reduced, each after one agreement
+    reduced: int = 0  # parameter-reductions handed to DeepSpeed
+    zero_filled: int = 0  # of those, with a zero gradient from this rank
+    skipped: int = 0  # parameter-releases left out (no rank had a gradient)
+    restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
+    restored_bytes: int = 0  # bytes copied for those (each way)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class Installation:
+    """One ZeRO-1/2 engine under accord. Training thread only."""
+
+    def __init__(self, engine, agreement, prefix: str):
+        self.engine = engine
+        self.opt = engine.optimizer
+        self.agreement = agreement
+        self.rank = agreement.rank
+        self.group_id = f"{prefix}/zero"
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        # (group index, parameter), in DeepSpeed's group order: the release order.
+        self.order = [(i, p) for i, g in enumerate(zero.param_groups(self.opt)) for p in g
+                      if p.requires_grad]
+        self.names = [names.get(id(p), f"group{i}.param{k}") for k, (i, p) in
+                      enumerate(self.order)]
+        self.index = {id(p): k for k, (_, p) in enumerate(self.order)}
+        self.step = 0  # agreement steps so far (one per reducing epilogue)
+        self.used = [False] * len(self.order)  # in this accumulation window, on some rank
+        self.window_closed = False  # the last release ended an accumulation window
+        self.stats = Stats()
+        self.decisions: List[object] = []  # the last decision, for tests
+        self._reduce = zero.original(self.opt, "reduce_ready_partitions_and_remove_grads")
+        self._epilogue = zero.original(self.opt, "independent_gradient_partition_epilogue")
+        self._optimizer_step = zero.original(self.opt, "_optimizer_step")
+
+    def registration(self) -> tuple:
+        params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
+                  for n, (_, p) in zip(self.names, self.order)]
+        return (self.group_id, params, None, False)
+
+    # ------------------------------------------------------------ DeepSpeed's hooks
+
+    def held(self, param, i) -> None:
+        """Replaces the hook-time reduction: the gradient stays with DeepSpeed
+        until the epilogue (no collective, no accord call, inside autograd)."""
+
+    def epilogue(self) -> None:
+        """DeepSpeed's end-of-backward epilogue, with accord's release first."""
+        if zero.reduces_now(self.opt):
+            self.release()
+        self._epilogue()
+
+    def release(self) -> None:
+        """One agreement, then every included parameter to DeepSpeed's
+        bucketing in release order, zero-filled where this rank has none."""
+        if self.window_closed:
+            self.used = [False] * len(self.order)
+        grads = [zero.gradient(self.opt, p) for _, p in self.order]
+        manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
+        decision = self.agreement.submit(self.group_id, self.step, manifest)
+        self.step += 1
+        self.decisions = [decision]
+        included = list(decision.included)
+        s = self.stats
+        s.releases += 1
+        for k, ((i, p), g, inc) in enumerate(zip(self.order, grads, included)):
+            if not inc:
+                s.skipped += 1
+                continue
+            self.used[k] = True
+            if g is None:
+                zero.zero_fill(self.opt, p)
+                s.zero_filled += 1
+            self._reduce(p, i)
+            s.reduced += 1
+        self.window_closed = bool(self.opt.is_gradient_accumulation_boundary())
+
+    def optimizer_step(self, group_no: int) -> None:
+        """The base optimizer's step on one flat partition, with the slices of
+        parameters no rank used put back afterwards."""
+        zero.link_optimizer_state(self.opt)
+        group = set(id(p) for p in zero.param_groups(self.opt)[group_no])
+        kept = []
+        for k, (_, p) in enumerate(self.order):
+            if id(p) in group and not self.used[k]:
+                for t in zero.state_slices(p):
+                    kept.append((t, t.detach().clone()))
+                self.stats.restored += 1
+        self._optimizer_step(group_no)
+        for t, saved in kept:
+            t.data.copy_(saved)
+            self.stats.restored_bytes += saved.numel() * saved.element_size()
+
+    # ------------------------------------------------------------ wiring
+
+    def hook(self) -> None:
+        zero.patch(self.opt, "reduce_ready_partitions_and_remove_grads", self.held)
+        zero.patch(self.opt, "independent_gradient_partition_epilogue", self.epilogue)
+        zero.patch(self.opt, "_optimizer_step", self.optimizer_step)
+        self.engine.__dict__["_accord_installation"] = self
+
+    def uninstall(self) -> None:
+        """Restores DeepSpeed's own methods."""
+        zero.unpatch(self.opt)
+        self.engine.__dict__.pop("_accord_installation", None)

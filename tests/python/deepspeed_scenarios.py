@@ -1,0 +1,222 @@
+"""DeepSpeed ZeRO scenarios for tests/python/test_deepspeed.py.
+
+`run_ds_ranks(fn, world_size, timeout_s, **kwargs)` starts `world_size`
+processes (spawn), each calling `deepspeed.init_distributed` on Gloo over a
+file store with a short process-group `timeout`, then fn(rank, world_size,
+**kwargs). Results, RankFailure, RankDied and RanksTimedOut are those of
+harness.py. DS_ACCELERATOR=cpu; the optimizer is torch's AdamW (no DeepSpeed
+C++ extension is built).
+
+The model: `embed` and `body` run on every batch; `tower` only on batches
+with an image; `head` last. `usage(case, rank, step, micro)` says whether a
+rank's microbatch has an image.
+"""
+
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from harness import RankDied, RankFailure, RanksTimedOut  # noqa: E402,F401
+
+IN, HID, IMG = 8, 16, 4
+
+
+def _entry(fn, rank, world_size, tmpdir, pg_timeout_s, kwargs):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
+    err = os.open(os.path.join(tmpdir, f"stderr.{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(err, 2)
+    os.dup2(err, 1)  # DeepSpeed logs to stdout
+    out = os.path.join(tmpdir, f"result.{rank}")
+    try:
+        import torch
+        import deepspeed
+
+        torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{tmpdir}/store",
+                                   rank=rank, world_size=world_size, verbose=False, auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=pg_timeout_s))
+        result = fn(rank, world_size, **kwargs)
+    except BaseException as e:  # reported to the parent, which fails the test
+        result = RankFailure(rank, repr(e), traceback.format_exc())
+    with open(out + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(out + ".tmp", out)
+    os._exit(0)
+
+
+def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="accord-ds-") as tmpdir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, tmpdir, pg_timeout_s, kwargs),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"result.{r}")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                with open(os.path.join(tmpdir, f"stderr.{r}"), errors="replace") as f:
+                    results.append(RankDied(r, procs[r].exitcode, f.read()[-4000:]))
+        if stuck:
+            raise RanksTimedOut(f"ranks {stuck} of {world_size} still running after "
+                                f"{timeout_s}s; results so far: {results}")
+        return results
+
+
+# ---------------------------------------------------------------- the model
+
+
+def make_model():
+    import torch
+    from torch import nn
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(IN, HID)
+            self.tower = nn.Linear(IMG, HID)
+            self.body = nn.Linear(HID, HID)
+            self.head = nn.Linear(HID, 1)
+
+        def forward(self, x, image=None):
+            h = self.embed(x)
+            if image is not None:
+                h = h + self.tower(image).mean(0, keepdim=True)
+            return self.head(torch.tanh(self.body(h))).pow(2).mean()
+
+    torch.manual_seed(0)
+    return Toy()
+
+
+def usage(case, rank, step, micro=0):
+    """Whether this rank's microbatch carries an image."""
+    if case == "all":
+        return True
+    if case == "never_on_1":
+        return rank != 1
+    if case == "skip_at_3":
+        return not (rank == 1 and step == 3)
+    if case == "nowhere_at_1":  # no rank uses the tower at step 1
+        return step != 1
+    if case == "one_micro":  # only rank 0's last microbatch
+        return rank == 0 and micro == 1
+    raise ValueError(case)
+
+
+def batch(rank, step, micro, case):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    x = torch.randn(3, IN, generator=g)
+    image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
+    return x, image
+
+
+def ds_config(stage, world_size, gas=1, dtype="fp32"):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": world_size * gas,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _grad_of(model_state, rank_batches, world_size, gas):
+    import torch
+
+    model = make_model()
+    model.load_state_dict(model_state)
+    for x, image in rank_batches:
+        loss = model(x, image) / (world_size * gas)
+        loss.backward()
+    return {n: (p.grad.clone() if p.grad is not None else None)
+            for n, p in model.named_parameters()}
+
+
+def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
+          cluster=None, wd=0.1):
+    """Trains `steps` steps; returns per step the full reduced gradients (read
+    before engine.step()), the reference gradients, and the parameters and
+    Adam moments of the tower before and after the step."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
+        safe_get_full_optimizer_state
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           config=ds_config(stage, world_size, gas, dtype))
+    inst = None
+    if accord != "none":
+        import accord as accord_pkg
+        import accord.deepspeed
+
+        client = None
+        if accord == "cluster":
+            client = accord_pkg.connect(socket_path=cluster["sockets"][rank],
+                                        job_id=cluster["job_id"], rank=rank,
+                                        world_size=world_size,
+                                        local_rank=cluster["local_ranks"][rank])
+        inst = accord.deepspeed.install(engine, client, timeout_s=30.0)
+    names = [n for n, _ in engine.module.named_parameters()]
+    params = dict(engine.module.named_parameters())
+    out = []
+    for step in range(steps):
+        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        # Every rank's batches, for the reference.
+        all_batches = [batch(r, step, m, case) for r in range(world_size) for m in range(gas)]
+        ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas)
+        for m in range(gas):
+            x, image = batch(rank, step, m, case)
+            loss = engine(x.to(next(engine.module.parameters()).dtype),
+                          None if image is None else image.to(
+                              next(engine.module.parameters()).dtype))
+            engine.backward(loss)
+            if m < gas - 1:
+                engine.step()  # a micro-step: no optimizer step
+        grads = {}
+        for n in names:
+            g = safe_get_full_grad(params[n])
+            grads[n] = None if g is None else g.detach().float().clone()
+        moments = {key: None if step == 0 else  # no optimizer state before the first step
+                   {n: safe_get_full_optimizer_state(params[n], key).clone() for n in names}
+                   for key in ("exp_avg", "exp_avg_sq")}
+        engine.step()
+        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        after_moments = {key: {n: safe_get_full_optimizer_state(params[n], key).clone()
+                               for n in names} for key in ("exp_avg", "exp_avg_sq")}
+        lp_after = {n: params[n].detach().clone() for n in names}
+        out.append({"grads": grads, "ref": ref, "start": start, "after": after,
+                    "moments": moments, "after_moments": after_moments, "lp_after": lp_after})
+    if inst is not None:
+        import dataclasses
+        out.append({"stats": dataclasses.asdict(inst.stats)})
+        inst.uninstall()
+    return out
