@@ -14,6 +14,7 @@ rank's microbatch has an image.
 
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -23,6 +24,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from harness import RankDied, RankFailure, RanksTimedOut  # noqa: E402,F401
 
 IN, HID, IMG = 8, 16, 4
+DONE = [0]  # steps this rank finished, reported with a failure
 
 
 def _entry(fn, rank, world_size, tmpdir, pg_timeout_s, kwargs):
@@ -43,7 +45,8 @@ def _entry(fn, rank, world_size, tmpdir, pg_timeout_s, kwargs):
                                    timeout=timedelta(seconds=pg_timeout_s))
         result = fn(rank, world_size, **kwargs)
     except BaseException as e:  # reported to the parent, which fails the test
-        result = RankFailure(rank, repr(e), traceback.format_exc())
+        result = RankFailure(rank, repr(e),
+                             f"{traceback.format_exc()}\naccord-test: steps done {DONE[0]}")
     with open(out + ".tmp", "wb") as f:
         pickle.dump(result, f)
     os.replace(out + ".tmp", out)
@@ -120,6 +123,8 @@ def usage(case, rank, step, micro=0):
         return step != 1
     if case == "one_micro":  # only rank 0's last microbatch
         return rank == 0 and micro == 1
+    if case == "first_micro":  # only rank 0's first microbatch
+        return rank == 0 and micro == 0
     raise ValueError(case)
 
 
@@ -147,16 +152,25 @@ def ds_config(stage, world_size, gas=1, dtype="fp32"):
     return cfg
 
 
-def _grad_of(model_state, rank_batches, world_size, gas):
+def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32"):
+    """The reference: each microbatch's gradient (in the training dtype, from
+    the same starting parameters), summed in float32, divided by W x GAS."""
     import torch
 
     model = make_model()
     model.load_state_dict(model_state)
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model.to(tdtype)
+    total = {n: None for n, _ in model.named_parameters()}
     for x, image in rank_batches:
-        loss = model(x, image) / (world_size * gas)
-        loss.backward()
-    return {n: (p.grad.clone() if p.grad is not None else None)
-            for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        loss = model(x.to(tdtype), None if image is None else image.to(tdtype))
+        (loss / (world_size * gas)).backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.float()
+                total[n] = g if total[n] is None else total[n] + g
+    return total
 
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
@@ -175,16 +189,16 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                            config=ds_config(stage, world_size, gas, dtype))
     inst = None
     if accord != "none":
-        import accord as accord_pkg
-        import accord.deepspeed
+        from accord import connect
+        from accord import deepspeed as accord_ds
 
         client = None
-        if accord == "cluster":
-            client = accord_pkg.connect(socket_path=cluster["sockets"][rank],
+        if accord == "cluster":  # the real daemons of a LocalCluster
+            client = connect(socket_path=cluster["sockets"][rank],
                                         job_id=cluster["job_id"], rank=rank,
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
-        inst = accord.deepspeed.install(engine, client, timeout_s=30.0)
+        inst = accord_ds.install(engine, client, timeout_s=30.0)
     names = [n for n, _ in engine.module.named_parameters()]
     params = dict(engine.module.named_parameters())
     out = []
@@ -192,7 +206,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
         # Every rank's batches, for the reference.
         all_batches = [batch(r, step, m, case) for r in range(world_size) for m in range(gas)]
-        ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas)
+        ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas, dtype)
         for m in range(gas):
             x, image = batch(rank, step, m, case)
             loss = engine(x.to(next(engine.module.parameters()).dtype),
@@ -213,10 +227,16 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         after_moments = {key: {n: safe_get_full_optimizer_state(params[n], key).clone()
                                for n in names} for key in ("exp_avg", "exp_avg_sq")}
         lp_after = {n: params[n].detach().clone() for n in names}
+        DONE[0] = step + 1
+        print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
         out.append({"grads": grads, "ref": ref, "start": start, "after": after,
                     "moments": moments, "after_moments": after_moments, "lp_after": lp_after})
     if inst is not None:
         import dataclasses
-        out.append({"stats": dataclasses.asdict(inst.stats)})
+        stats = dataclasses.asdict(inst.stats)
         inst.uninstall()
+        from accord.deepspeed import zero
+
+        left = [n for n in zero._PATCHED if n in engine.optimizer.__dict__]
+        out.append({"stats": stats, "left_patched": left})
     return out

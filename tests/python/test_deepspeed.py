@@ -1,0 +1,165 @@
+"""accord.deepspeed against real DeepSpeed ZeRO on CPU/Gloo (2 and 3 ranks).
+
+Without accord, the cases where a rank does not use the tower fail in Gloo
+(pinned: a DeepSpeed release that changes this is noticed). With
+accord.deepspeed.install, ZeRO-1/2 train: the gradients DeepSpeed hands the
+optimizer equal a single-process reference and are identical on every rank;
+a parameter no rank used keeps its fp32 value, its model value and its Adam
+moments bitwise through engine.step(). Each launch has a short process-group
+timeout, so a pinned failure costs seconds.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch  # noqa: E402
+
+import deepspeed_scenarios as sc  # noqa: E402
+from cluster_fixture import cluster_info, start_cluster  # noqa: E402
+from harness import RankDied, RankFailure, RanksTimedOut  # noqa: E402
+
+TOWER = ("tower.weight", "tower.bias")
+MISMATCH = "doesn't match expected size"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_cluster(num_sidecars=2) as c:
+        yield c
+
+
+def _failures(results):
+    return [r for r in results if isinstance(r, (RankFailure, RankDied))]
+
+
+def _text(r):
+    return r.stderr if isinstance(r, RankDied) else f"{r.error}\n{r.traceback}"
+
+
+def _steps_done(r):
+    import re
+
+    found = re.findall(r"accord-test: steps done (\d+)", _text(r))
+    return int(found[-1]) if found else 0
+
+
+def _steps(results):
+    """Per rank: the list of step records (without the trailing stats)."""
+    out = []
+    for r in results:
+        assert not isinstance(r, (RankFailure, RankDied)), repr(r)
+        out.append([s for s in r if "grads" in s])
+    return out
+
+
+def _check_against_reference(results, dtype="fp32"):
+    per_rank = _steps(results)
+    for step, records in enumerate(zip(*per_rank)):
+        first = records[0]
+        for other in records[1:]:  # identical on every rank
+            for n, g in first["grads"].items():
+                assert torch.equal(g, other["grads"][n]), (step, n)
+        for n, g in first["grads"].items():
+            ref = first["ref"][n]
+            if ref is None:
+                assert torch.count_nonzero(g) == 0, (step, n)
+                continue
+            if dtype == "fp32":
+                torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7, msg=f"step {step} {n}")
+            else:  # the same bf16 math, reduced in another order
+                err = (g - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert err < 2e-2, (step, n, float(err))
+
+
+def _check_unused_unchanged(results, step):
+    """The tower (used on no rank at `step`) is bitwise unchanged by that step."""
+    for records in _steps(results):
+        rec = records[step]
+        for n in TOWER:
+            assert rec["ref"][n] is None
+            assert torch.equal(rec["after"][n], rec["start"][n]), n
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(rec["after_moments"][key][n], rec["moments"][key][n]), (key, n)
+        # and the used parameters did move
+        assert not torch.equal(rec["after"]["body.weight"], rec["start"]["body.weight"])
+        prev = records[step - 1]
+        for n in TOWER:  # the model's own parameter too
+            assert torch.equal(rec["lp_after"][n], prev["lp_after"][n]), n
+
+
+# ---------------------------------------------------------------- without accord (pinned)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage):
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2)
+    failed = _failures(results)
+    assert failed, "DeepSpeed trained without accord: the pinned failure changed"
+    assert any(MISMATCH in _text(r) for r in failed), [_text(r)[-800:] for r in failed]
+    assert all(_steps_done(r) == 0 for r in failed)  # in step 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_without_accord_skipping_the_tower_at_step_3_kills_the_job_at_step_3(stage):
+    """ZeRO-1/2: a size mismatch in step 3's gradient all-reduce. ZeRO-3 (this
+    model's parameters are under the persistence threshold): a mismatch, or
+    the ranks block in different collectives until the process group's
+    timeout (20 s here)."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="skip_at_3", steps=4)
+    failed = _failures(results)
+    assert failed, "DeepSpeed trained without accord: the pinned failure changed"
+    signs = (MISMATCH,) if stage < 3 else (MISMATCH, "Timed out waiting")
+    assert any(any(s in _text(r) for s in signs) for r in failed), \
+        [_text(r)[-800:] for r in failed]
+    assert all(_steps_done(r) == 3 for r in failed)  # in step 3
+
+
+# ---------------------------------------------------------------- with accord
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["never_on_1", "skip_at_3"])
+def test_zero12_fp32_tower_skipped_trains_with_reference_gradients(stage, case):
+    """Embedded default daemons (install(engine) with no client)."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case=case, steps=4, accord="embedded")
+    _check_against_reference(results)
+    for r in results:
+        assert r[-1]["left_patched"] == []  # uninstall restored DeepSpeed's methods
+        assert r[-1]["stats"]["releases"] == 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_fp32_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(stage, cluster):
+    info = cluster_info(cluster, 2, f"ds-nowhere-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="nowhere_at_1", steps=3,
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _check_unused_unchanged(results, step=1)
+    for r in results:
+        assert r[-1]["stats"]["restored"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["one_micro", "first_micro"])
+def test_zero12_bf16_accumulation_tower_in_one_microbatch_of_one_rank(stage, case, cluster):
+    info = cluster_info(cluster, 2, f"ds-bf16-{stage}-{case}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case=case, steps=2, gas=2,
+                              dtype="bf16", accord="cluster", cluster=info)
+    _check_against_reference(results, dtype="bf16")
+
+
+def test_zero2_three_ranks_tower_never_on_rank_1(cluster):
+    info = cluster_info(cluster, 3, "ds-w3")
+    results = sc.run_ds_ranks(sc.train, 3, timeout_s=150, stage=2, case="never_on_1", steps=2,
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+
+
+def test_zero3_is_refused_at_install_with_a_named_error():
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=1, accord="embedded")
+    for r in results:
+        assert isinstance(r, RankFailure), r
+        assert "UnsupportedDeepSpeedError" in r.error and "ZeRO-3" in r.error, r.error
