@@ -174,7 +174,7 @@ def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32"):
 
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
-          cluster=None, wd=0.1):
+          cluster=None, wd=0.1, coalesce=0):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -205,16 +205,26 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     for step in range(steps):
         start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
         # Every rank's batches, for the reference.
-        all_batches = [batch(r, step, m, case) for r in range(world_size) for m in range(gas)]
+        # `coalesce` backwards in one engine.coalesce_grad_reduction() block,
+        # else `gas` microbatches with a micro-step between them.
+        micros = coalesce or gas
+        all_batches = [batch(r, step, m, case) for r in range(world_size) for m in range(micros)]
         ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas, dtype)
-        for m in range(gas):
+        dt = next(engine.module.parameters()).dtype
+
+        def micro(m):
             x, image = batch(rank, step, m, case)
-            loss = engine(x.to(next(engine.module.parameters()).dtype),
-                          None if image is None else image.to(
-                              next(engine.module.parameters()).dtype))
-            engine.backward(loss)
-            if m < gas - 1:
-                engine.step()  # a micro-step: no optimizer step
+            engine.backward(engine(x.to(dt), None if image is None else image.to(dt)))
+
+        if coalesce:
+            with engine.coalesce_grad_reduction():
+                for m in range(micros):
+                    micro(m)
+        else:
+            for m in range(micros):
+                micro(m)
+                if m < micros - 1:
+                    engine.step()  # a micro-step: no optimizer step
         grads = {}
         for n in names:
             g = safe_get_full_grad(params[n])

@@ -151,6 +151,19 @@ def test_zero12_bf16_accumulation_tower_in_one_microbatch_of_one_rank(stage, cas
     _check_against_reference(results, dtype="bf16")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_coalesce_grad_reduction_tower_in_one_backward_of_one_rank(stage):
+    """engine.coalesce_grad_reduction(): two backwards, one reduction pass at
+    the block's end; without accord it dies there (pinned), with accord the
+    gradients equal the reference."""
+    failed = _failures(sc.run_ds_ranks(sc.train, 2, stage=stage, case="one_micro", steps=1,
+                                       coalesce=2))
+    assert failed and any(MISMATCH in _text(r) for r in failed), failed
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="one_micro", steps=2, coalesce=2,
+                              accord="embedded")
+    _check_against_reference(results)
+
+
 def test_zero2_three_ranks_tower_never_on_rank_1(cluster):
     info = cluster_info(cluster, 3, "ds-w3")
     results = sc.run_ds_ranks(sc.train, 3, timeout_s=150, stage=2, case="never_on_1", steps=2,

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from accord.deepspeed import zero
+from accord.torch.errors import waited
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ class Installation:
             self.used = [False] * len(self.order)
         grads = [zero.gradient(self.opt, p) for _, p in self.order]
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
-        decision = self.agreement.submit(self.group_id, self.step, manifest)
+        decision = self._decide(manifest)
         self.step += 1
         self.decisions = [decision]
         included = list(decision.included)
@@ -115,6 +116,16 @@ class Installation:
             self._reduce(p, i)
             s.reduced += 1
         self.window_closed = bool(self.opt.is_gradient_accumulation_boundary())
+
+    def _decide(self, manifest) -> object:
+        """This release's decision; the job's verdict (a rank lost, say) is
+        raised as accord.torch's AccordJobError, the same text on every rank."""
+        submit_async = getattr(self.agreement, "submit_async", None)
+        if not callable(submit_async):
+            return self.agreement.submit(self.group_id, self.step, manifest)
+        handle = submit_async(self.group_id, self.step, manifest)
+        return waited(self.agreement, handle,
+                      "accord.deepspeed: learned at the end-of-backward release")
 
     def optimizer_step(self, group_no: int) -> None:
         """The base optimizer's step on one flat partition, with the slices of
