@@ -34,6 +34,9 @@ def _entry(fn, rank, world_size, tmpdir, pg_timeout_s, kwargs):
     err = os.open(os.path.join(tmpdir, f"stderr.{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
     os.dup2(err, 2)
     os.dup2(err, 1)  # DeepSpeed logs to stdout
+    import faulthandler
+
+    faulthandler.enable()  # Gloo aborts the process: say where
     out = os.path.join(tmpdir, f"result.{rank}")
     try:
         import torch
@@ -72,7 +75,12 @@ def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
                 p.kill()
                 p.join()
         results = []
+        keep = os.environ.get("ACCORD_TEST_KEEP_STDERR")  # a folder: each rank's stderr
         for r in range(world_size):
+            if keep:
+                import shutil
+
+                shutil.copy(os.path.join(tmpdir, f"stderr.{r}"), os.path.join(keep, f"stderr.{r}"))
             path = os.path.join(tmpdir, f"result.{r}")
             if os.path.exists(path):
                 with open(path, "rb") as f:
@@ -137,7 +145,7 @@ def batch(rank, step, micro, case):
     return x, image
 
 
-def ds_config(stage, world_size, gas=1, dtype="fp32"):
+def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None):
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -149,6 +157,8 @@ def ds_config(stage, world_size, gas=1, dtype="fp32"):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if persistence is not None:  # ZeRO-3: parameters at most this large stay gathered
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
     return cfg
 
 
@@ -173,8 +183,29 @@ def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32"):
     return total
 
 
+def _trace_collectives():
+    """Prints each torch.distributed collective with its element count (debugging)."""
+    import torch.distributed as dist
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
+                 "all_gather", "reduce_scatter", "_all_gather_base", "_reduce_scatter_base",
+                 "all_to_all_single", "all_gather_coalesced", "barrier"):
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def wrap(fn=fn, name=name):
+            def traced(*args, **kwargs):
+                sizes = [a.numel() for a in args if hasattr(a, "numel")]
+                print(f"accord-trace: {name} {sizes}", file=sys.stderr, flush=True)
+                return fn(*args, **kwargs)
+            return traced
+
+        setattr(dist, name, wrap())
+
+
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
-          cluster=None, wd=0.1, coalesce=0):
+          cluster=None, wd=0.1, coalesce=0, persistence=None, optional=()):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -183,10 +214,13 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
         safe_get_full_optimizer_state
 
+    if os.environ.get("ACCORD_TEST_TRACE"):
+        _trace_collectives()
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=ds_config(stage, world_size, gas, dtype))
+                                           config=ds_config(stage, world_size, gas, dtype,
+                                                                   persistence))
     inst = None
     if accord != "none":
         from accord import connect
@@ -198,8 +232,12 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         job_id=cluster["job_id"], rank=rank,
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0)
+        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional)
     names = [n for n, _ in engine.module.named_parameters()]
+    if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
+        for n, p in engine.module.named_parameters():
+            print(f"accord-trace: {n} persist={p.ds_persist} status={p.ds_status}",
+                  file=sys.stderr, flush=True)
     params = dict(engine.module.named_parameters())
     out = []
     for step in range(steps):

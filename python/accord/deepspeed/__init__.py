@@ -23,7 +23,7 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
-            timeout_s: float = 300.0) -> Installation:
+            timeout_s: float = 300.0, optional=()) -> Installation:
     """Hooks the gradient reduction of a ZeRO-1/2 engine (after
     deepspeed.initialize, before the first backward, on every rank).
 
@@ -31,11 +31,14 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     accord.Agreement, or None for accord.connect() with its defaults (the
     embedded daemons under torchrun or the deepspeed launcher). Raises
     UnsupportedDeepSpeedError naming what this DeepSpeed or configuration
-    lacks; ValueError when the engine is already hooked."""
+    lacks; ValueError when the engine is already hooked. `optional` (ZeRO-3):
+    modules (or their paths in engine.module) whose forward runs on some
+    ranks only; their parameters become persistent and are all-gathered at
+    install on every rank, with every other persistent parameter."""
     from accord.agreement import as_agreement
     from accord.deepspeed import zero
 
-    zero.probe(engine)
+    adapter = zero.probe(engine)
     if engine.__dict__.get("_accord_installation") is not None:
         raise ValueError("accord.deepspeed.install: this engine is already hooked; call "
                          "installation.uninstall() first")
@@ -44,12 +47,14 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
 
         client_or_agreement = accord.connect()
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
-    inst = Installation(engine, agreement, prefix)
+    inst = Installation(engine, adapter, agreement, prefix)
     batch = getattr(agreement, "register_all", None)
     if callable(batch):
         batch([inst.registration()])
     else:
         agreement.register(*inst.registration())
+    modules = [engine.module.get_submodule(m) if isinstance(m, str) else m for m in optional]
+    adapter.pin(modules)
     inst.hook()
     return inst
 

@@ -1,4 +1,4 @@
-"""accord hooked into one DeepSpeed ZeRO-1/2 engine (docs/DEEPSPEED.md).
+"""accord hooked into one DeepSpeed ZeRO engine (docs/DEEPSPEED.md).
 
 [Note: one reduction order]
 DeepSpeed reduces a parameter's gradient from its autograd hook, in this
@@ -30,7 +30,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-from accord.deepspeed import zero
 from accord.torch.errors import waited
 
 
@@ -51,29 +50,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class Installation:
-    """One ZeRO-1/2 engine under accord. Training thread only."""
+    """One ZeRO engine under accord. Training thread only."""
 
-    def __init__(self, engine, agreement, prefix: str):
+    def __init__(self, engine, adapter, agreement, prefix: str):
         self.engine = engine
-        self.opt = engine.optimizer
+        self.zero = adapter
         self.agreement = agreement
         self.rank = agreement.rank
         self.group_id = f"{prefix}/zero"
         names = {id(p): n for n, p in engine.module.named_parameters()}
         # (group index, parameter), in DeepSpeed's group order: the release order.
-        self.order = [(i, p) for i, g in enumerate(zero.param_groups(self.opt)) for p in g
+        self.order = [(i, p) for i, g in enumerate(adapter.param_groups()) for p in g
                       if p.requires_grad]
         self.names = [names.get(id(p), f"group{i}.param{k}") for k, (i, p) in
                       enumerate(self.order)]
         self.index = {id(p): k for k, (_, p) in enumerate(self.order)}
         self.step = 0  # agreement steps so far (one per reducing epilogue)
         self.used = [False] * len(self.order)  # in this accumulation window, on some rank
-        self.window_closed = False  # the last release ended an accumulation window
+        self.window_closed = True  # the next release opens an accumulation window
         self.stats = Stats()
         self.decisions: List[object] = []  # the last decision, for tests
-        self._reduce = zero.original(self.opt, "reduce_ready_partitions_and_remove_grads")
-        self._epilogue = zero.original(self.opt, "independent_gradient_partition_epilogue")
-        self._optimizer_step = zero.original(self.opt, "_optimizer_step")
+        self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
+        self._epilogue = adapter.original("independent_gradient_partition_epilogue")
+        self._optimizer_step = adapter.original("_optimizer_step")
 
     def registration(self) -> tuple:
         params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
@@ -82,22 +81,23 @@ class Installation:
 
     # ------------------------------------------------------------ DeepSpeed's hooks
 
-    def held(self, param, i) -> None:
+    def held(self, param, i=None) -> None:
         """Replaces the hook-time reduction: the gradient stays with DeepSpeed
         until the epilogue (no collective, no accord call, inside autograd)."""
 
     def epilogue(self) -> None:
         """DeepSpeed's end-of-backward epilogue, with accord's release first."""
-        if zero.reduces_now(self.opt):
+        if self.zero.reduces_now():
             self.release()
         self._epilogue()
 
     def release(self) -> None:
         """One agreement, then every included parameter to DeepSpeed's
         bucketing in release order, zero-filled where this rank has none."""
-        if self.window_closed:
+        opening = self.window_closed
+        if opening:
             self.used = [False] * len(self.order)
-        grads = [zero.gradient(self.opt, p) for _, p in self.order]
+        grads = [self.zero.gradient(p) for _, p in self.order]
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
         decision = self._decide(manifest)
         self.step += 1
@@ -108,14 +108,16 @@ class Installation:
         for k, ((i, p), g, inc) in enumerate(zip(self.order, grads, included)):
             if not inc:
                 s.skipped += 1
+                if opening:
+                    self.zero.clear_partition(p)
                 continue
             self.used[k] = True
             if g is None:
-                zero.zero_fill(self.opt, p)
+                self.zero.zero_fill(p)
                 s.zero_filled += 1
-            self._reduce(p, i)
+            self.zero.reduce(self._reduce, p, i)
             s.reduced += 1
-        self.window_closed = bool(self.opt.is_gradient_accumulation_boundary())
+        self.window_closed = self.zero.boundary()
 
     def _decide(self, manifest) -> object:
         """This release's decision; the job's verdict (a rank lost, say) is
@@ -130,12 +132,11 @@ class Installation:
     def optimizer_step(self, group_no: int) -> None:
         """The base optimizer's step on one flat partition, with the slices of
         parameters no rank used put back afterwards."""
-        zero.link_optimizer_state(self.opt)
-        group = set(id(p) for p in zero.param_groups(self.opt)[group_no])
+        group = set(id(p) for p in self.zero.param_groups()[group_no])
         kept = []
         for k, (_, p) in enumerate(self.order):
             if id(p) in group and not self.used[k]:
-                for t in zero.state_slices(p):
+                for t in self.zero.state_slices(p):
                     kept.append((t, t.detach().clone()))
                 self.stats.restored += 1
         self._optimizer_step(group_no)
@@ -146,12 +147,13 @@ class Installation:
     # ------------------------------------------------------------ wiring
 
     def hook(self) -> None:
-        zero.patch(self.opt, "reduce_ready_partitions_and_remove_grads", self.held)
-        zero.patch(self.opt, "independent_gradient_partition_epilogue", self.epilogue)
-        zero.patch(self.opt, "_optimizer_step", self.optimizer_step)
+        self.zero.patch("reduce_ready_partitions_and_remove_grads", self.held)
+        self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
+        self.zero.patch("_optimizer_step", self.optimizer_step)
         self.engine.__dict__["_accord_installation"] = self
 
     def uninstall(self) -> None:
         """Restores DeepSpeed's own methods."""
-        zero.unpatch(self.opt)
+        self.zero.unpatch()
+        self.zero.unpin()
         self.engine.__dict__.pop("_accord_installation", None)

@@ -1,44 +1,45 @@
 """Every private DeepSpeed name accord.deepspeed reads or writes, and nowhere
 else. `probe(engine)` checks them on the installed DeepSpeed at install and
 names each one missing, so a DeepSpeed release that moves them breaks here,
-loudly.
+loudly. One adapter per optimizer: `Zero12` (`DeepSpeedZeroOptimizer`) and
+`Zero3` (`DeepSpeedZeroOptimizer_Stage3`), with the same methods.
 
-ZeRO-1/2 (`DeepSpeedZeroOptimizer`, runtime/zero/stage_1_and_2.py):
-- `reduce_ready_partitions_and_remove_grads(param, i)`: called from each
+Both optimizers (runtime/zero/stage_1_and_2.py, stage3.py):
+- `reduce_ready_partitions_and_remove_grads(param[, i])`: called from each
   parameter's gradient hook (during autograd, in this rank's autograd order,
-  only for parameters that got a gradient) and from `reduce_gradients`; it
-  puts the gradient in DeepSpeed's bucket and reduces the bucket when full.
+  only for parameters that got a gradient); puts the gradient in DeepSpeed's
+  bucket and reduces the bucket when full.
 - `independent_gradient_partition_epilogue()`: the end-of-backward point
-  (engine `_backward_epilogue` -> `allreduce_gradients`), reached once per
-  backward on every rank; reduces the last bucket.
-- `_optimizer_step(group_no)`: the base optimizer's step on one flat fp32
+  (the engine's post-backward callback -> `allreduce_gradients`), reached
+  once per backward on every rank; reduces the last bucket.
+- `_optimizer_step(group)`: the base optimizer's step on one flat fp32
   partition, before DeepSpeed copies it back into the model's parameters.
-- `bit16_groups`, `partition_gradients`, `use_grad_accum_attribute`,
-  `get_gradient_for_reduction`, `_gradient_reduction_buffer_dtype`,
-  `is_gradient_accumulation_boundary`; a parameter's `_hp_mapping`
-  (utils/tensor_fragment.py: its slice of this rank's fp32 partition and of
-  the optimizer state).
+ZeRO-1/2: `bit16_groups`, `partition_gradients`, `use_grad_accum_attribute`,
+`get_gradient_for_reduction`, `_gradient_reduction_buffer_dtype`,
+`is_gradient_accumulation_boundary`, a parameter's `_hp_mapping`
+(utils/tensor_fragment.py). ZeRO-3: `fp16_groups`, `grad_position`,
+`fp32_partitioned_groups_flat`, `get_param_id`, `persistent_parameters`,
+`__param_id_to_grad_partition`, `reduce_independent_p_g_buckets_and_remove_grads`,
+a parameter's `ds_shape`, `ds_persist`, `all_gather`; the `parameter_offload`'s
+four sub-module functions (`pre_sub_module_forward_function`, ...), through
+which every module's forward and backward fetch and release go and its
+coordinator records the module trace that `reset_step` requires to be the
+same on every rank (`assert_ints_same_as_other_ranks`), and
+`parameter_offload.FWD_MODULE_STACK`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 SUPPORTED_DEEPSPEED = ("0.19.8",)
 
-_ZERO12_METHODS = (
-    "reduce_ready_partitions_and_remove_grads",
-    "independent_gradient_partition_epilogue",
-    "_optimizer_step",
-    "get_gradient_for_reduction",
-    "_gradient_reduction_buffer_dtype",
-    "is_gradient_accumulation_boundary",
-)
-_ZERO12_FIELDS = ("bit16_groups", "partition_gradients", "use_grad_accum_attribute")
 _PATCHED = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue",
             "_optimizer_step")
+_SUB_MODULE_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+                         "pre_sub_module_backward_function", "post_sub_module_backward_function")
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -56,100 +57,241 @@ def stage(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def probe(engine) -> int:
-    """The engine's ZeRO stage, once every name accord hooks is there;
-    raises UnsupportedDeepSpeedError naming what is missing."""
+class _Adapter:
+    METHODS: Tuple[str, ...] = ()
+    FIELDS: Tuple[str, ...] = ()
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    @classmethod
+    def missing(cls, opt) -> List[str]:
+        out = [f"{type(opt).__name__}.{m}" for m in _PATCHED + cls.METHODS
+               if not callable(getattr(opt, m, None))]
+        return out + [f"{type(opt).__name__}.{f}" for f in cls.FIELDS if not hasattr(opt, f)]
+
+    def patch(self, name: str, fn) -> None:
+        """Replaces `opt.<name>` on this instance (restored by unpatch)."""
+        self.opt.__dict__[name] = fn
+
+    def original(self, name: str):
+        """The class's own method, bound to the optimizer."""
+        return getattr(type(self.opt), name).__get__(self.opt)
+
+    def unpatch(self) -> None:
+        for name in _PATCHED:
+            self.opt.__dict__.pop(name, None)
+
+
+class Zero12(_Adapter):
+    METHODS = ("get_gradient_for_reduction", "_gradient_reduction_buffer_dtype",
+               "is_gradient_accumulation_boundary")
+    FIELDS = ("bit16_groups", "partition_gradients", "use_grad_accum_attribute")
+
+    @classmethod
+    def missing(cls, opt) -> List[str]:
+        out = super().missing(opt)
+        if not out and any(not hasattr(p, "_hp_mapping") for g in opt.bit16_groups for p in g):
+            out.append("parameter._hp_mapping")
+        return out
+
+    def param_groups(self) -> List[List[torch.nn.Parameter]]:
+        """The optimizer's parameter groups, in DeepSpeed's order (the same on every rank)."""
+        return [list(g) for g in self.opt.bit16_groups]
+
+    def gradient(self, param) -> Optional[torch.Tensor]:
+        """The gradient DeepSpeed would reduce for `param` (its accumulation
+        attribute where DeepSpeed keeps one), or None."""
+        return self.opt.get_gradient_for_reduction(param)
+
+    def zero_fill(self, param) -> None:
+        """A zero gradient where DeepSpeed reads it, in DeepSpeed's gradient dtype."""
+        zeros = torch.zeros(param.shape, dtype=self.opt._gradient_reduction_buffer_dtype(),
+                            device=param.device)
+        if self.opt.use_grad_accum_attribute:
+            param.grad_accum = zeros
+        else:
+            param.grad = zeros
+
+    def reduce(self, reduce_ready, param, group_index: int) -> None:
+        reduce_ready(param, group_index)
+
+    def reduces_now(self) -> bool:
+        """Whether this backward's epilogue reduces: every backward with
+        partitioned gradients (ZeRO-2), else at the accumulation boundary."""
+        return bool(self.opt.partition_gradients or self.opt.is_gradient_accumulation_boundary())
+
+    def boundary(self) -> bool:
+        return bool(self.opt.is_gradient_accumulation_boundary())
+
+    def clear_partition(self, param) -> None:
+        """Nothing: DeepSpeed rebuilds the flat gradient partition at each
+        boundary, with zeros for parameters it did not reduce."""
+
+    def pin(self, modules) -> None:
+        if modules:
+            raise UnsupportedDeepSpeedError(
+                "accord.deepspeed: optional= is for ZeRO-3 (ZeRO-1/2 fetch no parameters)")
+
+    def unpin(self) -> None:
+        pass
+
+    def state_slices(self, param) -> List[torch.Tensor]:
+        """Views of `param`'s slice of this rank's fp32 partition and of each
+        optimizer state tensor shaped like it (Adam's moments); empty where
+        this rank's partition holds none of `param`."""
+        linker = getattr(self.opt, "_lazy_init_hp_params_optimizer_state", None)
+        if callable(linker) and self.opt.optimizer.state:
+            linker()  # DeepSpeed links the state lazily, after the first step
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return []
+        out = [mapping.hp_fragment]
+        optim = getattr(mapping, "optim_fragment", None) or {}
+        return out + [v for v in optim.values() if torch.is_tensor(v)]
+
+
+class Zero3(_Adapter):
+    METHODS = ("reduce_independent_p_g_buckets_and_remove_grads", "get_param_id",
+               "is_gradient_accumulation_boundary")
+    FIELDS = ("fp16_groups", "grad_position", "fp32_partitioned_groups_flat",
+              "persistent_parameters", "parameter_offload",
+              "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+
+    @classmethod
+    def missing(cls, opt) -> List[str]:
+        out = super().missing(opt)
+        offload = getattr(opt, "parameter_offload", None)
+        if offload is not None:
+            out += [f"{type(offload).__name__}.{f}" for f in _SUB_MODULE_FUNCTIONS
+                    if not callable(getattr(offload, f, None))]
+            import deepspeed.runtime.zero.parameter_offload as po
+
+            if not isinstance(getattr(po, "FWD_MODULE_STACK", None), list):
+                out.append("deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK")
+        return out
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.pinned: List[torch.nn.Parameter] = []  # made persistent by accord
+        self.bypassed: set = set()  # ids of the pinned modules and their descendants
+
+    def pin(self, modules) -> None:
+        """Makes the parameters of `modules` persistent (`ds_persist`: never
+        released after a forward or backward, all-gathered again after each
+        step by DeepSpeed's `_post_step`), then all-gathers every persistent
+        parameter not yet gathered, now, on every rank alike: no forward or
+        backward fetch of them ever follows one rank's data."""
+        persistent = self.opt.persistent_parameters
+        for m in modules:
+            for p in m.parameters():
+                if not p.ds_persist:
+                    p.ds_persist = True
+                    persistent.append(p)
+                    self.pinned.append(p)
+        if persistent:
+            persistent[0].all_gather(persistent)
+        self.bypassed = {id(d) for m in modules for d in m.modules()}
+        if self.bypassed:
+            self._bypass_sub_module_functions()
+
+    def _bypass_sub_module_functions(self) -> None:
+        """A pinned module's forward and backward skip DeepSpeed's per-module
+        fetch, release and trace: its parameters are all there on every rank,
+        and the module trace (which every rank must record alike) leaves it
+        out on every rank."""
+        import deepspeed.runtime.zero.parameter_offload as po
+
+        offload = self.opt.parameter_offload
+        for name in _SUB_MODULE_FUNCTIONS:
+            own = getattr(type(offload), name).__get__(offload)
+            pushes = name == "pre_sub_module_forward_function"
+
+            def bypass(sub_module, own=own, pushes=pushes):
+                if id(sub_module) not in self.bypassed:
+                    return own(sub_module)
+                if pushes:  # the forward hook's post pops it
+                    po.FWD_MODULE_STACK.append(sub_module)
+                return None
+
+            offload.__dict__[name] = bypass
+
+    def unpin(self) -> None:
+        persistent = self.opt.persistent_parameters
+        for p in self.pinned:
+            p.ds_persist = False
+            if any(q is p for q in persistent):
+                persistent.remove(p)
+        self.pinned.clear()
+        offload = getattr(self.opt, "parameter_offload", None)
+        if offload is not None:
+            for name in _SUB_MODULE_FUNCTIONS:
+                offload.__dict__.pop(name, None)
+        self.bypassed = set()
+
+    def param_groups(self) -> List[List[torch.nn.Parameter]]:
+        return [list(g) for g in self.opt.fp16_groups]
+
+    def gradient(self, param) -> Optional[torch.Tensor]:
+        return param.grad
+
+    def zero_fill(self, param) -> None:
+        """A full-size zero gradient on a partitioned parameter: torch checks a
+        gradient's shape against the parameter's, so the parameter briefly
+        holds a stride-0 view of the full shape (no memory)."""
+        zeros = torch.zeros(param.ds_shape, dtype=param.dtype, device=param.device)
+        data = param.data
+        param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.ds_shape)
+        try:
+            param.grad = zeros
+        finally:
+            param.data = data
+
+    def reduce(self, reduce_ready, param, group_index: int) -> None:
+        reduce_ready(param)
+
+    def reduces_now(self) -> bool:
+        return True  # ZeRO-3 reduce-scatters every backward
+
+    def clear_partition(self, param) -> None:
+        """Zeroes `param`'s slice of the flat gradient partition, which keeps
+        the last reduced value when a backward does not reduce it."""
+        parts = self.opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        part = parts.get(param.ds_id)
+        if part is not None:
+            part.zero_()
+
+    def boundary(self) -> bool:
+        return bool(self.opt.is_gradient_accumulation_boundary())
+
+    def state_slices(self, param) -> List[torch.Tensor]:
+        pos = self.opt.grad_position.get(self.opt.get_param_id(param))
+        if pos is None or pos[2] == 0:
+            return []
+        group, offset, numel = pos
+        flat = self.opt.fp32_partitioned_groups_flat[group]
+        out = [flat.narrow(0, offset, numel)]
+        state = self.opt.optimizer.state.get(flat, {})
+        out += [v.narrow(0, offset, numel) for v in state.values()
+                if torch.is_tensor(v) and v.shape == flat.shape]
+        return out
+
+
+def probe(engine) -> _Adapter:
+    """The adapter for the engine's optimizer, once every name accord hooks is
+    there; raises UnsupportedDeepSpeedError naming what is missing."""
     version = deepspeed_version()
     s = stage(engine)
-    if s == 3:
+    if s not in (1, 2, 3):
         raise UnsupportedDeepSpeedError(
-            f"accord.deepspeed: ZeRO-3 is not supported yet (DeepSpeed {version}); ZeRO-1 and "
-            f"ZeRO-2 are")
-    if s not in (1, 2):
-        raise UnsupportedDeepSpeedError(
-            f"accord.deepspeed: ZeRO stage {s} is not supported; use ZeRO-1 or ZeRO-2")
+            f"accord.deepspeed: ZeRO stage {s} is not supported; use ZeRO-1, -2 or -3")
+    cls = Zero3 if s == 3 else Zero12
     opt = engine.optimizer
-    missing = [f"{type(opt).__name__}.{m}" for m in _ZERO12_METHODS
-               if not callable(getattr(opt, m, None))]
-    missing += [f"{type(opt).__name__}.{f}" for f in _ZERO12_FIELDS if not hasattr(opt, f)]
-    if not missing:
-        for group in opt.bit16_groups:
-            for p in group:
-                if not hasattr(p, "_hp_mapping"):
-                    missing.append("parameter._hp_mapping")
-                    break
-            if missing:
-                break
+    missing = cls.missing(opt)
     if missing:
         raise UnsupportedDeepSpeedError(
-            f"accord.deepspeed: DeepSpeed {version} with this configuration (optimizer "
-            f"{type(opt).__name__}) lacks what accord hooks: {', '.join(missing)}; supported: "
-            f"DeepSpeed {', '.join(SUPPORTED_DEEPSPEED)} with ZeRO-1/2 (fp32, bf16, fp16)")
-    return s
-
-
-# ------------------------------------------------------------ ZeRO-1/2
-
-
-def param_groups(opt) -> List[List[torch.nn.Parameter]]:
-    """The optimizer's parameter groups, in DeepSpeed's order (the same on every rank)."""
-    return [list(g) for g in opt.bit16_groups]
-
-
-def gradient(opt, param) -> Optional[torch.Tensor]:
-    """The gradient DeepSpeed would reduce for `param` (its accumulation
-    attribute where DeepSpeed keeps one), or None."""
-    return opt.get_gradient_for_reduction(param)
-
-
-def zero_fill(opt, param) -> None:
-    """Gives `param` a zero gradient where DeepSpeed reads it, in the dtype
-    DeepSpeed keeps gradients in."""
-    zeros = torch.zeros(param.shape, dtype=opt._gradient_reduction_buffer_dtype(),
-                        device=param.device)
-    if opt.use_grad_accum_attribute:
-        param.grad_accum = zeros
-    else:
-        param.grad = zeros
-
-
-def reduces_now(opt) -> bool:
-    """Whether this backward's epilogue reduces: every backward with
-    partitioned gradients (ZeRO-2), else at the accumulation boundary."""
-    return bool(opt.partition_gradients or opt.is_gradient_accumulation_boundary())
-
-
-def state_slices(param) -> List[torch.Tensor]:
-    """Views of `param`'s slice of this rank's fp32 partition and of each
-    optimizer state tensor shaped like it (Adam's moments); empty where this
-    rank's partition holds none of `param`."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:
-        return []
-    out = [mapping.hp_fragment]
-    optim = getattr(mapping, "optim_fragment", None) or {}
-    out.extend(v for v in optim.values() if torch.is_tensor(v))
-    return out
-
-
-def link_optimizer_state(opt) -> None:
-    """Makes each parameter's `_hp_mapping` see the optimizer state (DeepSpeed
-    links it lazily after the first step)."""
-    linker = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
-    if callable(linker) and opt.optimizer.state:
-        linker()
-
-
-def patch(opt, name: str, fn) -> None:
-    """Replaces `opt.<name>` on this instance (restored by unpatch)."""
-    opt.__dict__[name] = fn
-
-
-def original(opt, name: str):
-    """The class's own method, bound to `opt`."""
-    return getattr(type(opt), name).__get__(opt)
-
-
-def unpatch(opt) -> None:
-    for name in _PATCHED:
-        opt.__dict__.pop(name, None)
+            f"accord.deepspeed: DeepSpeed {version} with this configuration (ZeRO-{s}, "
+            f"optimizer {type(opt).__name__}) lacks what accord hooks: {', '.join(missing)}; "
+            f"supported: DeepSpeed {', '.join(SUPPORTED_DEEPSPEED)}, ZeRO-1/2/3 with "
+            f"DeepSpeed's ZeRO optimizers")
+    return cls(opt)
