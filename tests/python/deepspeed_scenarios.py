@@ -286,5 +286,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         from accord.deepspeed import zero
 
         left = [n for n in zero._PATCHED if n in engine.optimizer.__dict__]
+        offload = getattr(engine.optimizer, "parameter_offload", None)
+        if offload is not None:
+            left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
         out.append({"stats": stats, "left_patched": left})
     return out
