@@ -1,13 +1,14 @@
 """accord for DeepSpeed ZeRO: one call makes every rank issue the same
-gradient reductions, whatever parameters its data used.
+collectives, whatever parameters its data used.
 
     import accord.deepspeed
     engine, optimizer, _, _ = deepspeed.initialize(model=model, ...)
-    accord.deepspeed.install(engine)     # or install(engine, accord.connect(...))
+    accord.deepspeed.install(engine)                      # ZeRO-1/2
+    accord.deepspeed.install(engine, optional=["tower"])  # ZeRO-3: modules run on some ranks only
 
-Supported: ZeRO-1 and ZeRO-2 (fp32, bf16, fp16), gradient accumulation, on
-the DeepSpeed versions in SUPPORTED_DEEPSPEED. ZeRO-3 is refused at install.
-How it works and what it costs: docs/DEEPSPEED.md. Every private DeepSpeed
+ZeRO-1, -2 and -3 on the DeepSpeed versions in SUPPORTED_DEEPSPEED, with
+DeepSpeed's ZeRO optimizers (tested: fp32, bf16, gradient accumulation,
+engine.coalesce_grad_reduction()). How it works and what it costs: docs/DEEPSPEED.md. Every private DeepSpeed
 name is in accord.deepspeed.zero, checked at install; `uninstall()` restores
 DeepSpeed's own methods.
 """
@@ -24,8 +25,9 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
             timeout_s: float = 300.0, optional=()) -> Installation:
-    """Hooks the gradient reduction of a ZeRO-1/2 engine (after
-    deepspeed.initialize, before the first backward, on every rank).
+    """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
+    modules) of a ZeRO engine, after deepspeed.initialize and before the first
+    forward, on every rank.
 
     `client_or_agreement`: an accord client (accord.connect()), any
     accord.Agreement, or None for accord.connect() with its defaults (the
@@ -39,6 +41,10 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     from accord.deepspeed import zero
 
     adapter = zero.probe(engine)
+    modules = [engine.module.get_submodule(m) if isinstance(m, str) else m for m in optional]
+    if modules and zero.stage(engine) != 3:
+        raise ValueError("accord.deepspeed.install: optional= is for ZeRO-3 (ZeRO-1/2 fetch no "
+                         "parameters in the forward)")
     if engine.__dict__.get("_accord_installation") is not None:
         raise ValueError("accord.deepspeed.install: this engine is already hooked; call "
                          "installation.uninstall() first")
@@ -53,7 +59,6 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
         batch([inst.registration()])
     else:
         agreement.register(*inst.registration())
-    modules = [engine.module.get_submodule(m) if isinstance(m, str) else m for m in optional]
     adapter.pin(modules)
     inst.hook()
     return inst

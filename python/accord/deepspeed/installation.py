@@ -14,13 +14,22 @@ DeepSpeed, in parameter order, every parameter the decision includes, with a
 zero gradient where this rank has none. DeepSpeed's own bucketing then sees
 the same parameters with the same sizes in the same order on every rank.
 
+ZeRO-3 reduce-scatters the same way (its epilogue runs every backward).
+Its forward and backward fetches follow each rank's module trace, which
+DeepSpeed also requires to be the same on every rank: modules given as
+optional are made persistent, all-gathered at install on every rank, and
+kept out of DeepSpeed's per-module fetch, release and trace
+(accord.deepspeed.zero.Zero3.pin).
+
 A parameter no rank used in the accumulation window is not reduced;
 DeepSpeed counts it as a zero gradient in its flat partition, which would
 still move it (weight decay, moment decay). Its slice of this rank's fp32
 partition and of each optimizer state tensor is copied before the base
 optimizer's step and put back after it, so it and its moments are bitwise
 unchanged (DeepSpeed copies the fp32 partition into the model's parameters
-after the step).
+after the step). ZeRO-3 keeps the last reduced value in its flat gradient
+partition for a parameter it does not reduce: that slice is zeroed at the
+window's first release.
 """
 
 from __future__ import annotations

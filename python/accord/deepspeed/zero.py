@@ -129,9 +129,7 @@ class Zero12(_Adapter):
         boundary, with zeros for parameters it did not reduce."""
 
     def pin(self, modules) -> None:
-        if modules:
-            raise UnsupportedDeepSpeedError(
-                "accord.deepspeed: optional= is for ZeRO-3 (ZeRO-1/2 fetch no parameters)")
+        """Nothing: ZeRO-1/2 fetch no parameters in the forward."""
 
     def unpin(self) -> None:
         pass
