@@ -223,3 +223,33 @@ def test_zero3_without_optional_still_fails_in_deepspeeds_fetch():
     assert failed
     assert any(MISMATCH in _text(r) or "fetch_sub_module" in _text(r) for r in failed), \
         [_text(r)[-800:] for r in failed]
+
+
+# ---------------------------------------------------------------- the boundary
+
+
+def test_probe_names_every_missing_deepspeed_name():
+    """An optimizer without what accord hooks (a DeepSpeed that moved them) is
+    refused at install, each missing name listed."""
+    from accord.deepspeed import UnsupportedDeepSpeedError, zero
+
+    class Optimizer:
+        bit16_groups = []
+
+    class Engine:
+        optimizer = Optimizer()
+
+        def zero_optimization_stage(self):
+            return 2
+
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    for name in ("Optimizer.reduce_ready_partitions_and_remove_grads",
+                 "Optimizer.independent_gradient_partition_epilogue",
+                 "Optimizer._optimizer_step", "Optimizer.partition_gradients"):
+        assert name in str(e.value)
+    Engine.zero_optimization_stage = lambda self: 3
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    assert "Optimizer.persistent_parameters" in str(e.value)
+    assert "Optimizer.fp16_groups" in str(e.value)
