@@ -87,7 +87,14 @@ def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
                     results.append(pickle.load(f))
             else:
                 with open(os.path.join(tmpdir, f"stderr.{r}"), errors="replace") as f:
-                    results.append(RankDied(r, procs[r].exitcode, f.read()[-4000:]))
+                    text = f.read()
+                # The last progress line and the C++ error that ended it, then
+                # the end (the fault dump after them can be long).
+                lines = text.splitlines()
+                done = [line for line in lines if line.startswith("accord-test:")][-1:]
+                what = [line for line in lines if "what():" in line][-1:]
+                results.append(RankDied(r, procs[r].exitcode,
+                                        "\n".join(done + what + [text[-4000:]])))
         if stuck:
             raise RanksTimedOut(f"ranks {stuck} of {world_size} still running after "
                                 f"{timeout_s}s; results so far: {results}")
@@ -290,4 +297,67 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         if offload is not None:
             left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
         out.append({"stats": stats, "left_patched": left})
+    return out
+
+
+# ---------------------------------------------------------------- a real VLM
+
+
+LLAVA_OPTIONAL = ("model.vision_tower", "model.multi_modal_projector")
+
+
+def llava(rank, world_size, stage=3, steps=2, gas=2, accord="embedded", cluster=None,
+          persistence=0):
+    """transformers' LlavaForConditionalGeneration from a tiny config (CLIP
+    tower, Llama decoder; model_scenarios.build_llava) under ZeRO: even ranks
+    see an image in one microbatch per step, odd ranks are text-only. Returns
+    per step the reduced gradients, a single-process reference, and the
+    parameters before and after the step."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    import model_scenarios as ms
+
+    model = ms.build_llava()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=ds_config(stage, world_size, gas, "fp32", persistence))
+    inst = None
+    if accord != "none":
+        from accord import connect
+        from accord import deepspeed as accord_ds
+
+        client = None
+        if accord == "cluster":
+            client = connect(socket_path=cluster["sockets"][rank], job_id=cluster["job_id"],
+                             rank=rank, world_size=world_size,
+                             local_rank=cluster["local_ranks"][rank])
+        inst = accord_ds.install(engine, client, timeout_s=30.0,
+                                 optional=LLAVA_OPTIONAL if stage == 3 else ())
+    params = dict(engine.module.named_parameters())
+    names = list(params)
+    out = []
+    for step in range(steps):
+        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        ref_model = ms.build_llava()
+        ref_model.load_state_dict(start if step else init, strict=False)
+        for r in range(world_size):
+            for k in range(gas):
+                (ref_model(**ms.llava_batch(r, step, k)).loss / (world_size * gas)).backward()
+        ref = {n: (p.grad.clone() if p.grad is not None else None)
+               for n, p in ref_model.named_parameters()}
+        for k in range(gas):
+            engine.backward(engine(**ms.llava_batch(rank, step, k)).loss)
+            if k < gas - 1:
+                engine.step()
+        grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
+        engine.step()
+        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        DONE[0] = step + 1
+        print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
+        out.append({"grads": grads, "ref": ref, "start": start, "after": after})
+    if inst is not None:
+        inst.uninstall()
     return out
