@@ -300,26 +300,40 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     return out
 
 
-# ---------------------------------------------------------------- a real VLM
+# ---------------------------------------------------------------- real model code
 
 
 LLAVA_OPTIONAL = ("model.vision_tower", "model.multi_modal_projector")
 
 
-def llava(rank, world_size, stage=3, steps=2, gas=2, accord="embedded", cluster=None,
-          persistence=0):
-    """transformers' LlavaForConditionalGeneration from a tiny config (CLIP
-    tower, Llama decoder; model_scenarios.build_llava) under ZeRO: even ranks
-    see an image in one microbatch per step, odd ranks are text-only. Returns
-    per step the reduced gradients, a single-process reference, and the
-    parameters before and after the step."""
+def _family(name):
+    """(build, batch(rank, step, k), loss(model, batch), ZeRO-3 optional paths)."""
+    import model_scenarios as ms
+
+    if name == "llava":
+        return ms.build_llava, ms.llava_batch, lambda m, b: m(**b).loss, LLAVA_OPTIONAL
+    if name == "custom_moe":  # one module per expert; some get no tokens on a rank
+        experts = tuple(f"layers.{i}.moe.experts.{e}" for i in range(2)
+                        for e in range(ms.CustomMoELM.N_EXPERTS))
+        return ms.build_custom_moe, ms.custom_moe_batch, lambda m, b: m(**b), experts
+    raise ValueError(name)
+
+
+def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embedded",
+           cluster=None, persistence=0):
+    """Real model code from model_scenarios (tiny configs, random weights) under
+    ZeRO. llava: transformers' LlavaForConditionalGeneration (CLIP tower,
+    Llama decoder), even ranks see an image in one microbatch per step, odd
+    ranks are text-only. custom_moe: an MoE language model with one module
+    per expert, experts without tokens on some ranks and one on no rank.
+    Returns per step the reduced gradients, a single-process reference, and
+    the parameters before and after the step."""
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    import model_scenarios as ms
-
-    model = ms.build_llava()
+    build, make_batch, loss_of, optional = _family(name)
+    model = build()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, _, _, _ = deepspeed.initialize(
@@ -335,21 +349,22 @@ def llava(rank, world_size, stage=3, steps=2, gas=2, accord="embedded", cluster=
                              rank=rank, world_size=world_size,
                              local_rank=cluster["local_ranks"][rank])
         inst = accord_ds.install(engine, client, timeout_s=30.0,
-                                 optional=LLAVA_OPTIONAL if stage == 3 else ())
+                                 optional=optional if stage == 3 else ())
     params = dict(engine.module.named_parameters())
     names = list(params)
     out = []
     for step in range(steps):
         start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
-        ref_model = ms.build_llava()
-        ref_model.load_state_dict(start if step else init, strict=False)
+        ref_model = build()
+        missing, unexpected = ref_model.load_state_dict(start if step else init, strict=False)
+        assert not unexpected and not set(missing) & set(start), (missing, unexpected)
         for r in range(world_size):
             for k in range(gas):
-                (ref_model(**ms.llava_batch(r, step, k)).loss / (world_size * gas)).backward()
+                (loss_of(ref_model, make_batch(r, step, k)) / (world_size * gas)).backward()
         ref = {n: (p.grad.clone() if p.grad is not None else None)
                for n, p in ref_model.named_parameters()}
         for k in range(gas):
-            engine.backward(engine(**ms.llava_batch(rank, step, k)).loss)
+            engine.backward(loss_of(engine, make_batch(rank, step, k)))
             if k < gas - 1:
                 engine.step()
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}

@@ -237,14 +237,37 @@ def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
     1e-8 absolute for a gradient that is zero in exact arithmetic, such as a
     key bias's), identical on both ranks, and the tower's last layer (fed to
     nothing: vision_feature_layer=-2) is bitwise unchanged."""
-    failed = _failures(sc.run_ds_ranks(sc.llava, 2, timeout_s=150, steps=1, accord="none"))
+    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, steps=1, accord="none"))
     assert failed and all(_steps_done(r) == 0 for r in failed), failed
     info = cluster_info(cluster, 2, "ds-llava")
-    results = sc.run_ds_ranks(sc.llava, 2, timeout_s=200, steps=2, accord="cluster", cluster=info)
+    results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, steps=2, accord="cluster",
+                              cluster=info)
+    unused = _check_family(results)
+    assert unused and all(".layers.1." in n or "post_layernorm" in n for n in unused), unused
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage):
+    """An MoE language model with one module per expert (model_scenarios'
+    custom_moe): experts 1 and 2 get no tokens on one rank, expert 3 on no
+    rank. Without accord the job dies in step 0 (pinned); ZeRO-3 marks every
+    expert optional (persistent)."""
+    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe",
+                                       stage=stage, steps=1, accord="none"))
+    assert failed and all(_steps_done(r) == 0 for r in failed), failed
+    results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, name="custom_moe", stage=stage,
+                              steps=2, accord="embedded")
+    unused = _check_family(results)
+    assert unused and all(".experts.3." in n for n in unused), unused
+
+
+def _check_family(results):
+    """Gradients = reference, identical on both ranks; parameters used on no
+    rank have zero gradient and are bitwise unchanged. Returns those."""
     per_rank = _steps(results)
+    unused = []
     for step, (mine, other) in enumerate(zip(*per_rank)):
         unused = [n for n, g in mine["ref"].items() if g is None]
-        assert unused and all(".layers.1." in n or "post_layernorm" in n for n in unused), unused
         for n, g in mine["grads"].items():
             assert torch.equal(g, other["grads"][n]), (step, n)
             ref = mine["ref"][n]
@@ -253,6 +276,7 @@ def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
                 assert torch.equal(mine["after"][n], mine["start"][n]), (step, n)
             else:
                 assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (step, n)
+    return unused
 
 
 # ---------------------------------------------------------------- the boundary
