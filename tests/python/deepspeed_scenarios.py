@@ -376,3 +376,72 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
     if inst is not None:
         inst.uninstall()
     return out
+
+
+# ---------------------------------------------------------------- the HF Trainer
+
+
+def hf_trainer(rank, world_size, out_dir, stage=2, accord="none", steps=2, accumulation=2):
+    """transformers' Trainer(deepspeed=<config>) on the tiny LLaVA of
+    hf_scenarios (even ranks image+text, odd ranks text only), with
+    accord.deepspeed.hf.AccordDeepSpeedCallback when `accord` is "embedded".
+    Returns the losses and, at the first optimizer step, every parameter's
+    full gradient and the batches this rank trained on."""
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hf_scenarios as hs
+    import model_scenarios as ms
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
+    model = ms.build_llava()
+    seen = []
+
+    def collate(items):
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        seen.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+    class Recorder(TrainerCallback):
+        """Every parameter's full gradient at the first ZeRO optimizer step
+        (Accelerate steps the engine inside its backward, before the Trainer's
+        on_pre_optimizer_step, so the step itself is wrapped)."""
+
+        grads = None
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            zero_optimizer = optimizer.optimizer
+            own = zero_optimizer.step
+
+            def step(*a, **k):
+                if self.grads is None:
+                    self.grads = {n: safe_get_full_grad(p).detach().float().clone()
+                                  for n, p in model.named_parameters()}
+                return own(*a, **k)
+
+            zero_optimizer.step = step
+
+    recorder = Recorder()
+    callbacks = [recorder]
+    accord_cb = None
+    if accord != "none":
+        from accord.deepspeed.hf import AccordDeepSpeedCallback
+
+        accord_cb = AccordDeepSpeedCallback(
+            optional=LLAVA_OPTIONAL if stage == 3 else (), timeout_s=30.0)
+        callbacks.insert(0, accord_cb)
+    cfg = ds_config(stage, world_size, accumulation, "fp32", 0 if stage == 3 else None)
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=accumulation,
+        max_steps=steps, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        max_grad_norm=0.0, learning_rate=1e-3, dataloader_num_workers=0, seed=0,
+        disable_tqdm=True, deepspeed=cfg)
+    trainer = Trainer(model=model, args=args, train_dataset=hs.RankDataset(rank),
+                      data_collator=collate, callbacks=callbacks)
+    out = trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "training_loss": out.training_loss, "grads": recorder.grads,
+            "batches": seen[:accumulation],
+            "stats": None if accord_cb is None else
+            __import__("dataclasses").asdict(accord_cb.installation.stats)}

@@ -279,6 +279,40 @@ def _check_family(results):
     return unused
 
 
+# ---------------------------------------------------------------- the HF Trainer
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(stage, tmp_path):
+    """Trainer(args=TrainingArguments(deepspeed=config)) on the tiny LLaVA,
+    rank 0 image+text, rank 1 text-only, 2 accumulated microbatches: without
+    accord it dies in step 0 (pinned, ZeRO-2); with AccordDeepSpeedCallback
+    (ZeRO-3: optional=[vision tower, projector]) the first step's gradients
+    equal the full-batch reference of test_hf.py (max error <= 1e-5 of the
+    largest element, or 1e-8 absolute for a gradient zero in exact
+    arithmetic), identical on both ranks."""
+    import hf_scenarios as hs
+
+    if stage == 2:
+        failed = _failures(sc.run_ds_ranks(sc.hf_trainer, 2, timeout_s=200,
+                                           out_dir=str(tmp_path / "plain"), stage=stage))
+        assert failed and any(MISMATCH in _text(r) for r in failed), failed
+    results = sc.run_ds_ranks(sc.hf_trainer, 2, timeout_s=200, out_dir=str(tmp_path / "run"),
+                              stage=stage, accord="embedded")
+    assert not _failures(results), results
+    hs.save_checkpoint(str(tmp_path / "ckpt"))  # the same weights (seed 0)
+    ref = hs.reference(str(tmp_path / "ckpt"), [r["batches"] for r in results])
+    for n, want in ref.items():
+        got = [r["grads"][n] for r in results]
+        assert torch.equal(got[0], got[1]), n
+        if want is None:
+            assert torch.count_nonzero(got[0]) == 0, n
+            continue
+        diff = (got[0] - want).abs().max()
+        assert diff <= 1e-5 * want.abs().max() + 1e-8, (n, float(diff))
+    assert results[0]["stats"]["releases"] > 0
+
+
 # ---------------------------------------------------------------- the boundary
 
 

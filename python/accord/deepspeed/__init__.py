@@ -18,6 +18,7 @@ from __future__ import annotations
 from accord.deepspeed.installation import Installation, Stats
 from accord.deepspeed.zero import (  # noqa: F401
     SUPPORTED_DEEPSPEED,
+    EngineParts,
     UnsupportedDeepSpeedError,
     deepspeed_version,
 )
@@ -26,8 +27,8 @@ from accord.deepspeed.zero import (  # noqa: F401
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
             timeout_s: float = 300.0, optional=()) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
-    modules) of a ZeRO engine, after deepspeed.initialize and before the first
-    forward, on every rank.
+    modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
+    deepspeed.initialize and before the first forward, on every rank.
 
     `client_or_agreement`: an accord client (accord.connect()), any
     accord.Agreement, or None for accord.connect() with its defaults (the
@@ -64,5 +65,5 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     return inst
 
 
-__all__ = ["Installation", "SUPPORTED_DEEPSPEED", "Stats", "UnsupportedDeepSpeedError",
+__all__ = ["EngineParts", "Installation", "SUPPORTED_DEEPSPEED", "Stats", "UnsupportedDeepSpeedError",
            "deepspeed_version", "install"]

@@ -275,6 +275,28 @@ class Zero3(_Adapter):
         return out
 
 
+class EngineParts:
+    """What accord.deepspeed reads of an engine (its module, its ZeRO optimizer,
+    its stage), for callers that hold those but not the engine (the HF
+    Trainer's callbacks)."""
+
+    def __init__(self, module, optimizer):
+        self.module = module
+        self.optimizer = optimizer
+        name = type(optimizer).__name__
+        if name == "DeepSpeedZeroOptimizer_Stage3":
+            self.stage = 3
+        elif name == "DeepSpeedZeroOptimizer":
+            self.stage = 2 if getattr(optimizer, "partition_gradients", False) else 1
+        else:
+            raise UnsupportedDeepSpeedError(
+                f"accord.deepspeed: {name} is not a DeepSpeed ZeRO optimizer (ZeRO-1/2/3 "
+                f"with DeepSpeed's ZeRO optimizers are supported)")
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+
 def probe(engine) -> _Adapter:
     """The adapter for the engine's optimizer, once every name accord hooks is
     there; raises UnsupportedDeepSpeedError naming what is missing."""
