@@ -212,7 +212,7 @@ def _trace_collectives():
 
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
-          cluster=None, wd=0.1, coalesce=0, persistence=None, optional=()):
+          cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -259,7 +259,12 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
 
         def micro(m):
             x, image = batch(rank, step, m, case)
-            engine.backward(engine(x.to(dt), None if image is None else image.to(dt)))
+            if die == (rank, step, "forward"):
+                os._exit(1)
+            loss = engine(x.to(dt), None if image is None else image.to(dt))
+            if die == (rank, step, "backward"):
+                os._exit(1)
+            engine.backward(loss)
 
         if coalesce:
             with engine.coalesce_grad_reduction():

@@ -279,6 +279,36 @@ def _check_family(results):
     return unused
 
 
+# ---------------------------------------------------------------- a rank lost
+
+
+@pytest.fixture(scope="module")
+def deadline_cluster():
+    import accord
+
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=["--deadline=5s"]) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stage,where", [(2, "backward"), (3, "forward")])
+def test_a_rank_that_dies_mid_step_is_named_on_the_survivor(stage, where, deadline_cluster):
+    """Rank 1 exits at step 1 (ZeRO-2: after its forward; ZeRO-3: before it,
+    so rank 0 is inside a parameter all-gather). Rank 0 raises the
+    coordinator's named error (accord.torch's AccordJobError: rank 1 missing),
+    not Gloo's, through the step watch (coordinator deadline 5 s)."""
+    info = cluster_info(deadline_cluster, 2, f"ds-die-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=3,
+                              accord="cluster", cluster=info, die=(1, 1, where),
+                              persistence=0 if stage == 3 else None,
+                              optional=("tower",) if stage == 3 else ())
+    survivor, victim = results
+    assert isinstance(victim, RankDied) and _steps_done(victim) == 1, victim
+    assert isinstance(survivor, RankFailure), survivor
+    assert survivor.error.startswith("AccordJobError("), survivor.error
+    assert "missing ranks 1: rank 1" in survivor.error, survivor.error
+    assert _steps_done(survivor) == 1
+
+
 # ---------------------------------------------------------------- the HF Trainer
 
 

@@ -15,6 +15,8 @@ DeepSpeed's own methods.
 
 from __future__ import annotations
 
+import os
+
 from accord.deepspeed.installation import Installation, Stats
 from accord.deepspeed.zero import (  # noqa: F401
     SUPPORTED_DEEPSPEED,
@@ -25,7 +27,7 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
-            timeout_s: float = 300.0, optional=()) -> Installation:
+            timeout_s: float = 300.0, optional=(), watch=None) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
     modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
     deepspeed.initialize and before the first forward, on every rank.
@@ -54,12 +56,28 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
 
         client_or_agreement = accord.connect()
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
-    inst = Installation(engine, adapter, agreement, prefix)
-    batch = getattr(agreement, "register_all", None)
-    if callable(batch):
-        batch([inst.registration()])
-    else:
-        agreement.register(*inst.registration())
+    step_watch = None
+    if watch is None:
+        watch = os.environ.get("ACCORD_DEEPSPEED_WATCH", "1").strip().lower() not in (
+            "0", "false", "off", "no")
+    if watch and getattr(agreement, "client", None) is not None and agreement.world_size > 1:
+        from accord.torch.watchdog import StepWatch
+
+        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+        step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
+    inst = Installation(engine, adapter, agreement, prefix, step_watch)
+    regs = [inst.registration()] + ([step_watch.registration()] if step_watch else [])
+    try:
+        batch = getattr(agreement, "register_all", None)
+        if callable(batch):
+            batch(regs)
+        else:
+            for r in regs:
+                agreement.register(*r)
+    except BaseException:
+        if step_watch is not None:
+            step_watch.close()
+        raise
     adapter.pin(modules)
     inst.hook()
     return inst

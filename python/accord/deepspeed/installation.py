@@ -34,6 +34,7 @@ window's first release.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, List, Optional
 
@@ -61,10 +62,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Installation:
     """One ZeRO engine under accord. Training thread only."""
 
-    def __init__(self, engine, adapter, agreement, prefix: str):
+    def __init__(self, engine, adapter, agreement, prefix: str, watch=None):
         self.engine = engine
         self.zero = adapter
         self.agreement = agreement
+        self.watch = watch  # accord.torch.watchdog.StepWatch, or None
         self.rank = agreement.rank
         self.group_id = f"{prefix}/zero"
         names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -82,6 +84,8 @@ class Installation:
         self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
         self._epilogue = adapter.original("independent_gradient_partition_epilogue")
         self._optimizer_step = adapter.original("_optimizer_step")
+        self._handles: list = []  # hooks on the model, removed at uninstall
+        self._wrapped: List[str] = []  # engine methods wrapped on the instance
 
     def registration(self) -> tuple:
         params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
@@ -93,12 +97,35 @@ class Installation:
     def held(self, param, i=None) -> None:
         """Replaces the hook-time reduction: the gradient stays with DeepSpeed
         until the epilogue (no collective, no accord call, inside autograd)."""
+        if self.watch is not None:
+            self.watch.progress("the backward")
 
     def epilogue(self) -> None:
         """DeepSpeed's end-of-backward epilogue, with accord's release first."""
         if self.zero.reduces_now():
             self.release()
-        self._epilogue()
+        with self.explaining():
+            self._epilogue()
+        if self.watch is not None and self.zero.reduces_now():
+            self.watch.end_step()
+
+    def begin_forward(self, module, args) -> None:
+        """A forward of the model: the step watch's step begins (the index of
+        the next release, the same on every rank)."""
+        if self.watch is not None:
+            self.watch.begin_step(self.step)
+            self.watch.progress("the forward")
+
+    @contextlib.contextmanager
+    def explaining(self):
+        """A collective that fails because a peer stopped or died raises the
+        coordinator's named error (the step watch asks), when it has one."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.watch is not None:
+                self.watch.explain(e)
+            raise
 
     def release(self) -> None:
         """One agreement, then every included parameter to DeepSpeed's
@@ -109,6 +136,11 @@ class Installation:
         grads = [self.zero.gradient(p) for _, p in self.order]
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
         decision = self._decide(manifest)
+        with self.explaining():
+            self._reduce_included(decision, grads, opening)
+        self.window_closed = self.zero.boundary()
+
+    def _reduce_included(self, decision, grads, opening: bool) -> None:
         self.step += 1
         self.decisions = [decision]
         included = list(decision.included)
@@ -124,19 +156,25 @@ class Installation:
             if g is None:
                 self.zero.zero_fill(p)
                 s.zero_filled += 1
+            if self.watch is not None:
+                self.watch.progress(f"the reduction of '{self.names[k]}'")
             self.zero.reduce(self._reduce, p, i)
             s.reduced += 1
-        self.window_closed = self.zero.boundary()
 
     def _decide(self, manifest) -> object:
         """This release's decision; the job's verdict (a rank lost, say) is
-        raised as accord.torch's AccordJobError, the same text on every rank."""
-        submit_async = getattr(self.agreement, "submit_async", None)
-        if not callable(submit_async):
-            return self.agreement.submit(self.group_id, self.step, manifest)
-        handle = submit_async(self.group_id, self.step, manifest)
-        return waited(self.agreement, handle,
-                      "accord.deepspeed: learned at the end-of-backward release")
+        raised as accord.torch's AccordJobError, the same text on every rank.
+        The step watch's item goes in the same batch."""
+        item = self.watch.item(self.step) if self.watch is not None else None
+        submit_batch = getattr(self.agreement, "submit_batch", None)
+        if callable(submit_batch):
+            items = [(self.group_id, self.step, manifest)] + ([item] if item else [])
+            handles = list(submit_batch(items))
+            if item:
+                self.watch.handed(self.step, handles[1])
+            return waited(self.agreement, handles[0],
+                          "accord.deepspeed: learned at the end-of-backward release")
+        return self.agreement.submit(self.group_id, self.step, manifest)
 
     def optimizer_step(self, group_no: int) -> None:
         """The base optimizer's step on one flat partition, with the slices of
@@ -159,10 +197,35 @@ class Installation:
         self.zero.patch("reduce_ready_partitions_and_remove_grads", self.held)
         self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
         self.zero.patch("_optimizer_step", self.optimizer_step)
+        if self.watch is not None:
+            self._handles.append(
+                self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))
+            # The engine's own calls (an engine, not EngineParts): a peer's
+            # death inside them is named.
+            for name in ("forward", "backward", "step"):
+                own = getattr(type(self.engine), name, None)
+                if own is None or not callable(own):
+                    continue
+
+                def wrapped(*args, __own=own.__get__(self.engine), **kwargs):
+                    with self.explaining():
+                        return __own(*args, **kwargs)
+
+                self.engine.__dict__[name] = wrapped
+                self._wrapped.append(name)
         self.engine.__dict__["_accord_installation"] = self
 
     def uninstall(self) -> None:
         """Restores DeepSpeed's own methods."""
         self.zero.unpatch()
         self.zero.unpin()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for name in self._wrapped:
+            self.engine.__dict__.pop(name, None)
+        self._wrapped.clear()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         self.engine.__dict__.pop("_accord_installation", None)
