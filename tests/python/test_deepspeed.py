@@ -9,7 +9,6 @@ moments bitwise through engine.step(). Each launch has a short process-group
 timeout, so a pinned failure costs seconds.
 """
 
-import os
 
 import pytest
 
@@ -19,7 +18,7 @@ import torch  # noqa: E402
 
 import deepspeed_scenarios as sc  # noqa: E402
 from cluster_fixture import cluster_info, start_cluster  # noqa: E402
-from harness import RankDied, RankFailure, RanksTimedOut  # noqa: E402
+from harness import RankDied, RankFailure  # noqa: E402
 
 TOWER = ("tower.weight", "tower.bias")
 MISMATCH = "doesn't match expected size"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 
@@ -75,7 +75,6 @@ class Installation:
                       if p.requires_grad]
         self.names = [names.get(id(p), f"group{i}.param{k}") for k, (i, p) in
                       enumerate(self.order)]
-        self.index = {id(p): k for k, (_, p) in enumerate(self.order)}
         self.step = 0  # agreement steps so far (one per reducing epilogue)
         self.used = [False] * len(self.order)  # in this accumulation window, on some rank
         self.window_closed = True  # the next release opens an accumulation window
