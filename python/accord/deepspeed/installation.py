@@ -53,6 +53,10 @@ class Stats:
     skipped: int = 0  # parameter-releases left out (no rank had a gradient)
     restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
     restored_bytes: int = 0  # bytes copied for those (each way)
+    # The most gradient bytes held at one epilogue (every gradient of the
+    # backward: what DeepSpeed alone would have reduced bucket by bucket).
+    held_bytes: int = 0
+    zero_filled_bytes: int = 0  # zeros this rank sent for parameters others used
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -134,6 +138,8 @@ class Installation:
             self.used = [False] * len(self.order)
         grads = [self.zero.gradient(p) for _, p in self.order]
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
+        held = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        self.stats.held_bytes = max(self.stats.held_bytes, held)
         decision = self._decide(manifest)
         with self.explaining():
             self._reduce_included(decision, grads, opening)
@@ -155,6 +161,8 @@ class Installation:
             if g is None:
                 self.zero.zero_fill(p)
                 s.zero_filled += 1
+                s.zero_filled_bytes += self.zero.gradient(p).numel() * \
+                    self.zero.gradient(p).element_size()
             if self.watch is not None:
                 self.watch.progress(f"the reduction of '{self.names[k]}'")
             self.zero.reduce(self._reduce, p, i)
