@@ -1,0 +1,238 @@
+"""accord hooked into one DeepSpeed ZeRO engine (docs/DEEPSPEED.md).
+
+[Note: one reduction order]
+DeepSpeed reduces a parameter's gradient from its autograd hook, in this
+rank's autograd order and only where the parameter got a gradient, packing
+gradients into buckets by size: which parameters share a bucket, and so the
+number and sizes of the all-reduces, follow the rank's data. Here the hook
+does nothing (the gradient stays where DeepSpeed keeps it, as without
+overlap), and no accord call is made inside autograd. At DeepSpeed's
+end-of-backward epilogue, which every rank reaches once per backward, the
+rank submits one manifest (which parameters have a gradient, in which
+dtype) and waits for the decision, the same on every rank; then it hands
+DeepSpeed, in parameter order, every parameter the decision includes, with a
+zero gradient where this rank has none. DeepSpeed's own bucketing then sees
+the same parameters with the same sizes in the same order on every rank.
+
+ZeRO-3 reduce-scatters the same way (its epilogue runs every backward).
+Its forward and backward fetches follow each rank's module trace, which
+DeepSpeed also requires to be the same on every rank: modules given as
+optional are made persistent, all-gathered at install on every rank, and
+kept out of DeepSpeed's per-module fetch, release and trace
+(accord.deepspeed.zero.Zero3.pin).
+
+A parameter no rank used in the accumulation window is not reduced;
+DeepSpeed counts it as a zero gradient in its flat partition, which would
+still move it (weight decay, moment decay). Its slice of this rank's fp32
+partition and of each optimizer state tensor is copied before the base
+optimizer's step and put back after it, so it and its moments are bitwise
+unchanged (DeepSpeed copies the fp32 partition into the model's parameters
+after the step). ZeRO-3 keeps the last reduced value in its flat gradient
+partition for a parameter it does not reduce: that slice is zeroed at the
+window's first release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import List
+
+import torch
+
+from accord.torch.errors import waited
+
+
+@dataclasses.dataclass
+class Stats:
+    """What accord did (for tests, logs and dashboards)."""
+
+    releases: int = 0  # epilogues that reduced, each after one agreement
+    reduced: int = 0  # parameter-reductions handed to DeepSpeed
+    zero_filled: int = 0  # of those, with a zero gradient from this rank
+    skipped: int = 0  # parameter-releases left out (no rank had a gradient)
+    restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
+    restored_bytes: int = 0  # bytes copied for those (each way)
+    # The most gradient bytes held at one epilogue (every gradient of the
+    # backward: what DeepSpeed alone would have reduced bucket by bucket).
+    held_bytes: int = 0
+    zero_filled_bytes: int = 0  # zeros this rank sent for parameters others used
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class Installation:
+    """One ZeRO engine under accord. Training thread only."""
+
+    def __init__(self, engine, adapter, agreement, prefix: str, watch=None):
+        self.engine = engine
+        self.zero = adapter
+        self.agreement = agreement
+        self.watch = watch  # accord.torch.watchdog.StepWatch, or None
+        self.rank = agreement.rank
+        self.group_id = f"{prefix}/zero"
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        # (group index, parameter), in DeepSpeed's group order: the release order.
+        self.order = [(i, p) for i, g in enumerate(adapter.param_groups()) for p in g
+                      if p.requires_grad]
+        self.names = [names.get(id(p), f"group{i}.param{k}") for k, (i, p) in
+                      enumerate(self.order)]
+        self.step = 0  # agreement steps so far (one per reducing epilogue)
+        self.used = [False] * len(self.order)  # in this accumulation window, on some rank
+        self.window_closed = True  # the next release opens an accumulation window
+        self.stats = Stats()
+        self.decisions: List[object] = []  # the last decision, for tests
+        self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
+        self._epilogue = adapter.original("independent_gradient_partition_epilogue")
+        self._optimizer_step = adapter.original("_optimizer_step")
+        self._handles: list = []  # hooks on the model, removed at uninstall
+        self._wrapped: List[str] = []  # engine methods wrapped on the instance
+
+    def registration(self) -> tuple:
+        params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
+                  for n, (_, p) in zip(self.names, self.order)]
+        return (self.group_id, params, None, False)
+
+    # ------------------------------------------------------------ DeepSpeed's hooks
+
+    def held(self, param, i=None) -> None:
+        """Replaces the hook-time reduction: the gradient stays with DeepSpeed
+        until the epilogue (no collective, no accord call, inside autograd)."""
+        if self.watch is not None:
+            self.watch.progress("the backward")
+
+    def epilogue(self) -> None:
+        """DeepSpeed's end-of-backward epilogue, with accord's release first."""
+        if self.zero.reduces_now():
+            self.release()
+        with self.explaining():
+            self._epilogue()
+        if self.watch is not None and self.zero.reduces_now():
+            self.watch.end_step()
+
+    def begin_forward(self, module, args) -> None:
+        """A forward of the model: the step watch's step begins (the index of
+        the next release, the same on every rank)."""
+        if self.watch is not None:
+            self.watch.begin_step(self.step)
+            self.watch.progress("the forward")
+
+    @contextlib.contextmanager
+    def explaining(self):
+        """A collective that fails because a peer stopped or died raises the
+        coordinator's named error (the step watch asks), when it has one."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.watch is not None:
+                self.watch.explain(e)
+            raise
+
+    def release(self) -> None:
+        """One agreement, then every included parameter to DeepSpeed's
+        bucketing in release order, zero-filled where this rank has none."""
+        opening = self.window_closed
+        if opening:
+            self.used = [False] * len(self.order)
+        grads = [self.zero.gradient(p) for _, p in self.order]
+        manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
+        held = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        self.stats.held_bytes = max(self.stats.held_bytes, held)
+        decision = self._decide(manifest)
+        with self.explaining():
+            self._reduce_included(decision, grads, opening)
+        self.window_closed = self.zero.boundary()
+
+    def _reduce_included(self, decision, grads, opening: bool) -> None:
+        self.step += 1
+        self.decisions = [decision]
+        included = list(decision.included)
+        s = self.stats
+        s.releases += 1
+        for k, ((i, p), g, inc) in enumerate(zip(self.order, grads, included)):
+            if not inc:
+                s.skipped += 1
+                if opening:
+                    self.zero.clear_partition(p)
+                continue
+            self.used[k] = True
+            if g is None:
+                self.zero.zero_fill(p)
+                s.zero_filled += 1
+                s.zero_filled_bytes += self.zero.gradient(p).numel() * \
+                    self.zero.gradient(p).element_size()
+            if self.watch is not None:
+                self.watch.progress(f"the reduction of '{self.names[k]}'")
+            self.zero.reduce(self._reduce, p, i)
+            s.reduced += 1
+
+    def _decide(self, manifest) -> object:
+        """This release's decision; the job's verdict (a rank lost, say) is
+        raised as accord.torch's AccordJobError, the same text on every rank.
+        The step watch's item goes in the same batch."""
+        item = self.watch.item(self.step) if self.watch is not None else None
+        submit_batch = getattr(self.agreement, "submit_batch", None)
+        if callable(submit_batch):
+            items = [(self.group_id, self.step, manifest)] + ([item] if item else [])
+            handles = list(submit_batch(items))
+            if item:
+                self.watch.handed(self.step, handles[1])
+            return waited(self.agreement, handles[0],
+                          "accord.deepspeed: learned at the end-of-backward release")
+        return self.agreement.submit(self.group_id, self.step, manifest)
+
+    def optimizer_step(self, group_no: int) -> None:
+        """The base optimizer's step on one flat partition, with the slices of
+        parameters no rank used put back afterwards."""
+        group = set(id(p) for p in self.zero.param_groups()[group_no])
+        kept = []
+        for k, (_, p) in enumerate(self.order):
+            if id(p) in group and not self.used[k]:
+                for t in self.zero.state_slices(p):
+                    kept.append((t, t.detach().clone()))
+                self.stats.restored += 1
+        self._optimizer_step(group_no)
+        for t, saved in kept:
+            t.data.copy_(saved)
+            self.stats.restored_bytes += saved.numel() * saved.element_size()
+
+    # ------------------------------------------------------------ wiring
+
+    def hook(self) -> None:
+        self.zero.patch("reduce_ready_partitions_and_remove_grads", self.held)
+        self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
+        self.zero.patch("_optimizer_step", self.optimizer_step)
+        if self.watch is not None:
+            self._handles.append(
+                self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))
+            # The engine's own calls (an engine, not EngineParts): a peer's
+            # death inside them is named.
+            for name in ("forward", "backward", "step"):
+                own = getattr(type(self.engine), name, None)
+                if own is None or not callable(own):
+                    continue
+
+                def wrapped(*args, __own=own.__get__(self.engine), **kwargs):
+                    with self.explaining():
+                        return __own(*args, **kwargs)
+
+                self.engine.__dict__[name] = wrapped
+                self._wrapped.append(name)
+        self.engine.__dict__["_accord_installation"] = self
+
+    def uninstall(self) -> None:
+        """Restores DeepSpeed's own methods."""
+        self.zero.unpatch()
+        self.zero.unpin()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for name in self._wrapped:
+            self.engine.__dict__.pop(name, None)
+        self._wrapped.clear()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        self.engine.__dict__.pop("_accord_installation", None)

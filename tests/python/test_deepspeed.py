@@ -1,0 +1,372 @@
+"""accord.deepspeed against real DeepSpeed ZeRO on CPU/Gloo (2 and 3 ranks).
+
+Without accord, the cases where a rank does not use the tower fail in Gloo
+(pinned: a DeepSpeed release that changes this is noticed). With
+accord.deepspeed.install (ZeRO-3: optional=["tower"]), ZeRO-1/2/3 train: the gradients DeepSpeed hands the
+optimizer equal a single-process reference and are identical on every rank;
+a parameter no rank used keeps its fp32 value, its model value and its Adam
+moments bitwise through engine.step(). Each launch has a short process-group
+timeout, so a pinned failure costs seconds.
+"""
+
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch  # noqa: E402
+
+import deepspeed_scenarios as sc  # noqa: E402
+from cluster_fixture import cluster_info, start_cluster  # noqa: E402
+from harness import RankDied, RankFailure  # noqa: E402
+
+TOWER = ("tower.weight", "tower.bias")
+MISMATCH = "doesn't match expected size"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_cluster(num_sidecars=2) as c:
+        yield c
+
+
+def _failures(results):
+    return [r for r in results if isinstance(r, (RankFailure, RankDied))]
+
+
+def _text(r):
+    return r.stderr if isinstance(r, RankDied) else f"{r.error}\n{r.traceback}"
+
+
+def _steps_done(r):
+    import re
+
+    found = re.findall(r"accord-test: steps done (\d+)", _text(r))
+    return int(found[-1]) if found else 0
+
+
+def _steps(results):
+    """Per rank: the list of step records (without the trailing stats)."""
+    out = []
+    for r in results:
+        assert not isinstance(r, (RankFailure, RankDied)), repr(r)
+        out.append([s for s in r if "grads" in s])
+    return out
+
+
+def _check_against_reference(results, dtype="fp32"):
+    per_rank = _steps(results)
+    for step, records in enumerate(zip(*per_rank)):
+        first = records[0]
+        for other in records[1:]:  # identical on every rank
+            for n, g in first["grads"].items():
+                assert torch.equal(g, other["grads"][n]), (step, n)
+        for n, g in first["grads"].items():
+            ref = first["ref"][n]
+            if ref is None:
+                assert torch.count_nonzero(g) == 0, (step, n)
+                continue
+            if dtype == "fp32":
+                torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7, msg=f"step {step} {n}")
+            else:  # the same bf16 math, reduced in another order
+                err = (g - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert err < 2e-2, (step, n, float(err))
+
+
+def _check_unused_unchanged(results, step):
+    """The tower (used on no rank at `step`) is bitwise unchanged by that step."""
+    for records in _steps(results):
+        rec = records[step]
+        for n in TOWER:
+            assert rec["ref"][n] is None
+            assert torch.equal(rec["after"][n], rec["start"][n]), n
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(rec["after_moments"][key][n], rec["moments"][key][n]), (key, n)
+        # and the used parameters did move
+        assert not torch.equal(rec["after"]["body.weight"], rec["start"]["body.weight"])
+        prev = records[step - 1]
+        for n in TOWER:  # the model's own parameter too
+            assert torch.equal(rec["lp_after"][n], prev["lp_after"][n]), n
+
+
+# ---------------------------------------------------------------- without accord (pinned)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage):
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2)
+    failed = _failures(results)
+    assert failed, "DeepSpeed trained without accord: the pinned failure changed"
+    assert any(MISMATCH in _text(r) for r in failed), [_text(r)[-800:] for r in failed]
+    assert all(_steps_done(r) == 0 for r in failed)  # in step 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_without_accord_skipping_the_tower_at_step_3_kills_the_job_at_step_3(stage):
+    """ZeRO-1/2: a size mismatch in step 3's gradient all-reduce. ZeRO-3 (this
+    model's parameters are under the persistence threshold): a mismatch, or
+    the ranks block in different collectives until the process group's
+    timeout (20 s here)."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="skip_at_3", steps=4)
+    failed = _failures(results)
+    assert failed, "DeepSpeed trained without accord: the pinned failure changed"
+    signs = (MISMATCH,) if stage < 3 else (MISMATCH, "Timed out waiting")
+    assert any(any(s in _text(r) for s in signs) for r in failed), \
+        [_text(r)[-800:] for r in failed]
+    assert all(_steps_done(r) == 3 for r in failed)  # in step 3
+
+
+# ---------------------------------------------------------------- with accord
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["never_on_1", "skip_at_3"])
+def test_zero12_fp32_tower_skipped_trains_with_reference_gradients(stage, case):
+    """Embedded default daemons (install(engine) with no client)."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case=case, steps=4, accord="embedded")
+    _check_against_reference(results)
+    for r in results:
+        assert r[-1]["left_patched"] == []  # uninstall restored DeepSpeed's methods
+        assert r[-1]["stats"]["releases"] == 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_fp32_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(stage, cluster):
+    info = cluster_info(cluster, 2, f"ds-nowhere-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="nowhere_at_1", steps=3,
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _check_unused_unchanged(results, step=1)
+    for r in results:
+        assert r[-1]["stats"]["restored"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["one_micro", "first_micro"])
+def test_zero12_bf16_accumulation_tower_in_one_microbatch_of_one_rank(stage, case, cluster):
+    info = cluster_info(cluster, 2, f"ds-bf16-{stage}-{case}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case=case, steps=2, gas=2,
+                              dtype="bf16", accord="cluster", cluster=info)
+    _check_against_reference(results, dtype="bf16")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_coalesce_grad_reduction_tower_in_one_backward_of_one_rank(stage):
+    """engine.coalesce_grad_reduction(): two backwards, one reduction pass at
+    the block's end; without accord it dies there (pinned), with accord the
+    gradients equal the reference."""
+    failed = _failures(sc.run_ds_ranks(sc.train, 2, stage=stage, case="one_micro", steps=1,
+                                       coalesce=2))
+    assert failed and any(MISMATCH in _text(r) for r in failed), failed
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="one_micro", steps=2, coalesce=2,
+                              accord="embedded")
+    _check_against_reference(results)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_three_ranks_tower_never_on_rank_1(stage, cluster):
+    info = cluster_info(cluster, 3, f"ds-w3-{stage}")
+    results = sc.run_ds_ranks(sc.train, 3, timeout_s=150, stage=stage, case="never_on_1",
+                              steps=2, accord="cluster", cluster=info,
+                              persistence=0 if stage == 3 else None,
+                              optional=("tower",) if stage == 3 else ())
+    _check_against_reference(results)
+
+
+# ---------------------------------------------------------------- ZeRO-3
+
+
+@pytest.mark.parametrize("case,persistence", [("never_on_1", None), ("never_on_1", 0),
+                                              ("skip_at_3", 0)])
+def test_zero3_optional_tower_trains_with_reference_gradients(case, persistence):
+    """optional=["tower"]; persistence 0: every other module is fetched per
+    forward and backward (DeepSpeed's module trace and prefetch at work);
+    None: DeepSpeed's default threshold keeps this small model gathered."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case=case, steps=4 if case == "skip_at_3" else 2,
+                              accord="embedded", persistence=persistence, optional=("tower",))
+    _check_against_reference(results)
+    for r in results:
+        assert r[-1]["left_patched"] == []  # uninstall restored DeepSpeed's functions
+
+
+def test_zero3_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(cluster):
+    info = cluster_info(cluster, 2, "ds-z3-nowhere")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="nowhere_at_1", steps=3,
+                              accord="cluster", cluster=info, persistence=0,
+                              optional=("tower",))
+    # The gradient DeepSpeed hands the optimizer for the tower at step 1 is
+    # zero (not step 0's, which its partition would otherwise still hold).
+    _check_against_reference(results)
+    _check_unused_unchanged(results, step=1)
+
+
+@pytest.mark.parametrize("case", ["one_micro", "first_micro"])
+def test_zero3_bf16_accumulation_tower_in_one_microbatch_of_one_rank(case, cluster):
+    info = cluster_info(cluster, 2, f"ds-z3-bf16-{case}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case=case, steps=2, gas=2, dtype="bf16",
+                              accord="cluster", cluster=info, persistence=0,
+                              optional=("tower",))
+    _check_against_reference(results, dtype="bf16")
+
+
+def test_zero3_coalesce_grad_reduction_with_an_optional_tower():
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="one_micro", steps=2, coalesce=2,
+                              accord="embedded", persistence=0, optional=("tower",))
+    _check_against_reference(results)
+
+
+def test_zero3_without_optional_still_fails_in_deepspeeds_fetch():
+    """A limit, pinned: accord.deepspeed does not learn optional modules; a
+    module that runs on some ranks only and is not marked still makes
+    DeepSpeed's parameter fetch diverge (Gloo), before any accord call."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
+                              accord="embedded", persistence=0)
+    failed = _failures(results)
+    assert failed
+    assert any(MISMATCH in _text(r) or "fetch_sub_module" in _text(r) for r in failed), \
+        [_text(r)[-800:] for r in failed]
+
+
+def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
+    """transformers' LLaVA (CLIP tower, Llama decoder) from a tiny config under
+    ZeRO-3 with every module fetched (persistence 0): rank 1 text-only, rank 0
+    an image in one of 2 accumulated microbatches. Without accord the job
+    dies in step 0 (pinned); with optional=[vision tower, projector] the
+    gradients equal the reference (relative error <= 1e-5 per parameter, or
+    1e-8 absolute for a gradient that is zero in exact arithmetic, such as a
+    key bias's), identical on both ranks, and the tower's last layer (fed to
+    nothing: vision_feature_layer=-2) is bitwise unchanged."""
+    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, steps=1, accord="none"))
+    assert failed and all(_steps_done(r) == 0 for r in failed), failed
+    info = cluster_info(cluster, 2, "ds-llava")
+    results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, steps=2, accord="cluster",
+                              cluster=info)
+    unused = _check_family(results)
+    assert unused and all(".layers.1." in n or "post_layernorm" in n for n in unused), unused
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage):
+    """An MoE language model with one module per expert (model_scenarios'
+    custom_moe): experts 1 and 2 get no tokens on one rank, expert 3 on no
+    rank. Without accord the job dies in step 0 (pinned); ZeRO-3 marks every
+    expert optional (persistent)."""
+    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe",
+                                       stage=stage, steps=1, accord="none"))
+    assert failed and all(_steps_done(r) == 0 for r in failed), failed
+    results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, name="custom_moe", stage=stage,
+                              steps=2, accord="embedded")
+    unused = _check_family(results)
+    assert unused and all(".experts.3." in n for n in unused), unused
+
+
+def _check_family(results):
+    """Gradients = reference, identical on both ranks; parameters used on no
+    rank have zero gradient and are bitwise unchanged. Returns those."""
+    per_rank = _steps(results)
+    unused = []
+    for step, (mine, other) in enumerate(zip(*per_rank)):
+        unused = [n for n, g in mine["ref"].items() if g is None]
+        for n, g in mine["grads"].items():
+            assert torch.equal(g, other["grads"][n]), (step, n)
+            ref = mine["ref"][n]
+            if ref is None:
+                assert torch.count_nonzero(g) == 0, (step, n)
+                assert torch.equal(mine["after"][n], mine["start"][n]), (step, n)
+            else:
+                assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (step, n)
+    return unused
+
+
+# ---------------------------------------------------------------- a rank lost
+
+
+@pytest.fixture(scope="module")
+def deadline_cluster():
+    import accord
+
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=["--deadline=5s"]) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stage,where", [(2, "backward"), (3, "forward")])
+def test_a_rank_that_dies_mid_step_is_named_on_the_survivor(stage, where, deadline_cluster):
+    """Rank 1 exits at step 1 (ZeRO-2: after its forward; ZeRO-3: before it,
+    so rank 0 is inside a parameter all-gather). Rank 0 raises the
+    coordinator's named error (accord.torch's AccordJobError: rank 1 missing),
+    not Gloo's, through the step watch (coordinator deadline 5 s)."""
+    info = cluster_info(deadline_cluster, 2, f"ds-die-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=3,
+                              accord="cluster", cluster=info, die=(1, 1, where),
+                              persistence=0 if stage == 3 else None,
+                              optional=("tower",) if stage == 3 else ())
+    survivor, victim = results
+    assert isinstance(victim, RankDied) and _steps_done(victim) == 1, victim
+    assert isinstance(survivor, RankFailure), survivor
+    assert survivor.error.startswith("AccordJobError("), survivor.error
+    assert "missing ranks 1: rank 1" in survivor.error, survivor.error
+    assert _steps_done(survivor) == 1
+
+
+# ---------------------------------------------------------------- the HF Trainer
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(stage, tmp_path):
+    """Trainer(args=TrainingArguments(deepspeed=config)) on the tiny LLaVA,
+    rank 0 image+text, rank 1 text-only, 2 accumulated microbatches: without
+    accord it dies in step 0 (pinned, ZeRO-2); with AccordDeepSpeedCallback
+    (ZeRO-3: optional=[vision tower, projector]) the first step's gradients
+    equal the full-batch reference of test_hf.py (max error <= 1e-5 of the
+    largest element, or 1e-8 absolute for a gradient zero in exact
+    arithmetic), identical on both ranks."""
+    import hf_scenarios as hs
+
+    if stage == 2:
+        failed = _failures(sc.run_ds_ranks(sc.hf_trainer, 2, timeout_s=200,
+                                           out_dir=str(tmp_path / "plain"), stage=stage))
+        assert failed and any(MISMATCH in _text(r) for r in failed), failed
+    results = sc.run_ds_ranks(sc.hf_trainer, 2, timeout_s=200, out_dir=str(tmp_path / "run"),
+                              stage=stage, accord="embedded")
+    assert not _failures(results), results
+    hs.save_checkpoint(str(tmp_path / "ckpt"))  # the same weights (seed 0)
+    ref = hs.reference(str(tmp_path / "ckpt"), [r["batches"] for r in results])
+    for n, want in ref.items():
+        got = [r["grads"][n] for r in results]
+        assert torch.equal(got[0], got[1]), n
+        if want is None:
+            assert torch.count_nonzero(got[0]) == 0, n
+            continue
+        diff = (got[0] - want).abs().max()
+        assert diff <= 1e-5 * want.abs().max() + 1e-8, (n, float(diff))
+    assert results[0]["stats"]["releases"] > 0
+
+
+# ---------------------------------------------------------------- the boundary
+
+
+def test_probe_names_every_missing_deepspeed_name():
+    """An optimizer without what accord hooks (a DeepSpeed that moved them) is
+    refused at install, each missing name listed."""
+    from accord.deepspeed import UnsupportedDeepSpeedError, zero
+
+    class Optimizer:
+        bit16_groups = []
+
+    class Engine:
+        optimizer = Optimizer()
+
+        def zero_optimization_stage(self):
+            return 2
+
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    for name in ("Optimizer.reduce_ready_partitions_and_remove_grads",
+                 "Optimizer.independent_gradient_partition_epilogue",
+                 "Optimizer._optimizer_step", "Optimizer.partition_gradients"):
+        assert name in str(e.value)
+    Engine.zero_optimization_stage = lambda self: 3
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    assert "Optimizer.persistent_parameters" in str(e.value)
+    assert "Optimizer.fp16_groups" in str(e.value)
