@@ -9,24 +9,13 @@ from typing import Optional, Tuple
 
 from accord import _accord
 from accord import embedded
+from accord.errors import error_code
 
 Client = _accord.Client
 DecisionFuture = _accord.DecisionFuture
 
 _log = logging.getLogger("accord")
 _announced = False
-
-
-def error_code(e: BaseException) -> Optional[str]:
-    """The canonical status code of an accord.Error ("DEADLINE_EXCEEDED"),
-    or None for any other exception."""
-    if not isinstance(e, _accord.Error):
-        return None
-    code = getattr(e, "code", None)
-    if isinstance(code, str):
-        return code
-    head = str(e).split(":", 1)[0]
-    return head if head.isupper() and head.replace("_", "").isalpha() else None
 
 
 def _param(name: str, value, dist_value, conv=int) -> Tuple[Optional[object], str]:
@@ -140,8 +129,10 @@ def _with_socket_hint(e: BaseException, choice, path: str) -> BaseException:
         if not answers:
             hint = (", or unset ACCORD_SOCKET to let the job start its own daemons"
                     if choice.mode == embedded.ENV else "")
-            return _accord.Error(f"{e} [{choice.reason}: {why}; start accord-sidecar "
-                                 f"--socket={path}{hint}]")
+            hinted = _accord.Error(f"{e} [{choice.reason}: {why}; start accord-sidecar "
+                                   f"--socket={path}{hint}]")
+            hinted.code = error_code(e)
+            return hinted
     return e
 
 

@@ -58,44 +58,45 @@ std::unique_ptr<Client> ConnectOrThrow(const std::string& socket_path, const std
   return ValueOrThrow(std::move(client));
 }
 
-}  // namespace
+using PyClient = nb::class_<Client>;
 
-void BindClient(nb::module_& m) {
-  nb::class_<DecisionFuture>(m, "DecisionFuture", "A submitted manifest's eventual decision.")
-      .def("ready", &DecisionFuture::Ready)
-      .def_prop_ro("valid", &DecisionFuture::valid);
+// Connecting and the session's identity.
+void BindSession(PyClient& cls) {
+  cls.def_static("connect", &ConnectOrThrow, nb::arg("socket_path"), nb::arg("job_id"),
+                 nb::arg("rank"), nb::arg("world_size"), nb::arg("local_rank") = 0,
+                 nb::arg("token") = "", nb::arg("connect_timeout_s") = 30.0,
+                 nb::arg("reconnect_grace_s") = 10.0,
+                 "Connects to the sidecar at socket_path and joins the job. When the stream "
+                 "ends (the sidecar restarted), the client reconnects for reconnect_grace_s "
+                 "(0: not at all) and resumes.")
+      .def_prop_ro("rank", [](const Client& c) { return c.options().rank; })
+      .def_prop_ro("world_size", [](const Client& c) { return c.options().world_size; })
+      .def_prop_ro("job_id", [](const Client& c) { return c.options().job_id; });
+}
 
-  nb::class_<Client>(m, "Client",
-                     "One rank's connection to its node's sidecar. Thread-safe; blocking calls "
-                     "release the GIL.")
-      .def_static("connect", &ConnectOrThrow, nb::arg("socket_path"), nb::arg("job_id"),
-                  nb::arg("rank"), nb::arg("world_size"), nb::arg("local_rank") = 0,
-                  nb::arg("token") = "", nb::arg("connect_timeout_s") = 30.0,
-                  nb::arg("reconnect_grace_s") = 10.0,
-                  "Connects to the sidecar at socket_path and joins the job. When the stream "
-                  "ends (the sidecar restarted), the client reconnects for reconnect_grace_s "
-                  "(0: not at all) and resumes.")
-      .def(
-          "register_group",
-          [](Client& c, const std::string& group_id, const std::vector<PyParam>& params,
-             const std::optional<std::string>& reduce_dtype, bool reduce_dtype_exact,
-             double timeout_s) {
-            Policy policy;
-            policy.reduce_dtype = OptionalDType(reduce_dtype);
-            // "Exact" only means something with a configured dtype; the daemons reject it
-            // otherwise.
-            policy.reduce_dtype_exact = reduce_dtype_exact && policy.reduce_dtype.has_value();
-            GroupSpec spec = SpecFromPy(group_id, params);
-            absl::Status status;
-            {
-              GilReleased release;
-              status = c.RegisterGroup(spec, policy, DeadlineIn(timeout_s));
-            }
-            ThrowIfError(status);
-          },
-          nb::arg("group_id"), nb::arg("params"), nb::arg("reduce_dtype") = nb::none(),
-          nb::arg("reduce_dtype_exact") = true, nb::arg("timeout_s") = 60.0,
-          "Registers a group: params are (name, dim0, numel) in group order.")
+// Group registrations, one or many in one round trip.
+void BindRegistration(PyClient& cls) {
+  cls.def(
+         "register_group",
+         [](Client& c, const std::string& group_id, const std::vector<PyParam>& params,
+            const std::optional<std::string>& reduce_dtype, bool reduce_dtype_exact,
+            double timeout_s) {
+           Policy policy;
+           policy.reduce_dtype = OptionalDType(reduce_dtype);
+           // "Exact" only means something with a configured dtype; the daemons reject it
+           // otherwise.
+           policy.reduce_dtype_exact = reduce_dtype_exact && policy.reduce_dtype.has_value();
+           GroupSpec spec = SpecFromPy(group_id, params);
+           absl::Status status;
+           {
+             GilReleased release;
+             status = c.RegisterGroup(spec, policy, DeadlineIn(timeout_s));
+           }
+           ThrowIfError(status);
+         },
+         nb::arg("group_id"), nb::arg("params"), nb::arg("reduce_dtype") = nb::none(),
+         nb::arg("reduce_dtype_exact") = true, nb::arg("timeout_s") = 60.0,
+         "Registers a group: params are (name, dim0, numel) in group order.")
       .def(
           "register_groups",
           [](Client& c,
@@ -119,20 +120,24 @@ void BindClient(nb::module_& m) {
           },
           nb::arg("groups"), nb::arg("timeout_s") = 60.0,
           "Registers many (group_id, params, reduce_dtype, reduce_dtype_exact) with one round "
-          "trip.")
-      .def(
-          "submit",
-          [](Client& c, const std::string& group_id, int64_t step,
-             const std::vector<std::optional<std::string>>& dtypes) {
-            GroupSubmission s;
-            s.group_id = group_id;
-            s.step = step;
-            s.grad_dtypes = GradDTypesFromPy(dtypes);
-            GilReleased release;
-            return c.Submit(s);
-          },
-          nb::arg("group_id"), nb::arg("step"), nb::arg("dtypes"),
-          "Submits one manifest (a dtype name or None per parameter); never blocks.")
+          "trip.");
+}
+
+// Manifests, decisions and the adapter's counts.
+void BindSubmission(PyClient& cls) {
+  cls.def(
+         "submit",
+         [](Client& c, const std::string& group_id, int64_t step,
+            const std::vector<std::optional<std::string>>& dtypes) {
+           GroupSubmission s;
+           s.group_id = group_id;
+           s.step = step;
+           s.grad_dtypes = GradDTypesFromPy(dtypes);
+           GilReleased release;
+           return c.Submit(s);
+         },
+         nb::arg("group_id"), nb::arg("step"), nb::arg("dtypes"),
+         "Submits one manifest (a dtype name or None per parameter); never blocks.")
       .def(
           "submit_batch",
           [](Client& c, const std::vector<PySubmission>& batch) {
@@ -162,19 +167,23 @@ void BindClient(nb::module_& m) {
           },
           nb::arg("speculated"), nb::arg("repaired"), nb::arg("redone"),
           "Adds to this process's adapter counts and sends the totals to the sidecar, for "
-          "its metrics (accord_speculated_reduces_total, accord_repairs_total); never blocks.")
-      .def(
-          "kv_set",
-          [](Client& c, const std::string& key, nb::bytes value) {
-            std::string v(value.c_str(), value.size());
-            absl::Status status;
-            {
-              GilReleased release;
-              status = c.kv().Set(key, v);
-            }
-            ThrowIfError(status);
-          },
-          nb::arg("key"), nb::arg("value"))
+          "its metrics (accord_speculated_reduces_total, accord_repairs_total); never blocks.");
+}
+
+// The job's key-value store.
+void BindKeyValue(PyClient& cls) {
+  cls.def(
+         "kv_set",
+         [](Client& c, const std::string& key, nb::bytes value) {
+           std::string v(value.c_str(), value.size());
+           absl::Status status;
+           {
+             GilReleased release;
+             status = c.kv().Set(key, v);
+           }
+           ThrowIfError(status);
+         },
+         nb::arg("key"), nb::arg("value"))
       .def(
           "kv_get",
           [](Client& c, const std::vector<std::string>& keys, double timeout_s) {
@@ -189,10 +198,22 @@ void BindClient(nb::module_& m) {
             for (const auto& s : v) out.append(nb::bytes(s.data(), s.size()));
             return out;
           },
-          nb::arg("keys"), nb::arg("timeout_s") = 60.0)
-      .def_prop_ro("rank", [](const Client& c) { return c.options().rank; })
-      .def_prop_ro("world_size", [](const Client& c) { return c.options().world_size; })
-      .def_prop_ro("job_id", [](const Client& c) { return c.options().job_id; });
+          nb::arg("keys"), nb::arg("timeout_s") = 60.0);
+}
+
+}  // namespace
+
+void BindClient(nb::module_& m) {
+  nb::class_<DecisionFuture>(m, "DecisionFuture", "A submitted manifest's eventual decision.")
+      .def("ready", &DecisionFuture::Ready)
+      .def_prop_ro("valid", &DecisionFuture::valid);
+  PyClient cls(m, "Client",
+               "One rank's connection to its node's sidecar. Thread-safe; blocking calls "
+               "release the GIL.");
+  BindSession(cls);
+  BindRegistration(cls);
+  BindSubmission(cls);
+  BindKeyValue(cls);
 }
 
 }  // namespace accord::python

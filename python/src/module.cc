@@ -7,7 +7,22 @@ namespace nb = nanobind;
 
 NB_MODULE(_accord, m) {
   m.doc() = "accord: agreement on reduce-scatter layout and dtype (compiled core)";
-  nb::exception<accord::python::StatusError>(m, "Error", PyExc_RuntimeError);
+  nb::exception<accord::python::StatusError> error(m, "Error", PyExc_RuntimeError);
+  // Registered after nb::exception's own, so tried first: the raised Error
+  // carries the canonical status code as `code` ("DEADLINE_EXCEEDED"), for
+  // callers that branch on it (never on the message's text).
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void* type) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const accord::python::StatusError& e) {
+          nb::handle error_type(static_cast<PyObject*>(type));
+          nb::object raised = error_type(nb::str(e.what()));
+          raised.attr("code") = nb::str(e.code().c_str());
+          PyErr_SetObject(error_type.ptr(), raised.ptr());
+        }
+      },
+      error.ptr());
   // Decisions and futures legitimately outlive the interpreter's teardown
   // (held by a model's accord.torch installation, or by a daemon thread that
   // exits with the process); nanobind would report each as a leak at exit.

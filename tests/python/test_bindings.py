@@ -32,10 +32,14 @@ def test_decide_uses_configured_reduce_dtype_when_exact():
 
 
 def test_errors_carry_the_canonical_code():
-    with pytest.raises(accord.Error, match="INVALID_ARGUMENT"):
+    with pytest.raises(accord.Error, match="INVALID_ARGUMENT") as raised:
         accord.parse_dtype("int8")
-    with pytest.raises(accord.Error, match="rank 1 gave 1 dtypes"):
+    assert raised.value.code == "INVALID_ARGUMENT"
+    assert accord.error_code(raised.value) == "INVALID_ARGUMENT"
+    with pytest.raises(accord.Error, match="rank 1 gave 1 dtypes") as raised:
         accord.decide("g", P, 0, [[None] * 3, [None]], None, True)
+    assert accord.error_code(raised.value) == raised.value.code != ""
+    assert accord.error_code(ValueError("DEADLINE_EXCEEDED: text is not a code")) is None
 
 
 def fsdp_layout_reference(grads, params, world, wire):
@@ -87,8 +91,9 @@ def test_pack_cpu_matches_fsdp2_copy_in_and_unpack_inverts(world):
 
 @pytest.mark.skipif(not accord.HAVE_CLIENT, reason="built without the client")
 def test_connect_to_missing_socket_says_unavailable(tmp_path):
-    with pytest.raises(accord.Error, match="UNAVAILABLE"):
+    with pytest.raises(accord.Error, match="UNAVAILABLE") as raised:
         accord.connect(str(tmp_path / "nope.sock"), "job", 0, 1, connect_timeout_s=2.0)
+    assert accord.error_code(raised.value) == "UNAVAILABLE"
 
 
 @pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import List
 
-from accord.client import error_code
+from accord.errors import error_code
 from accord.torch import fsdp2
 
 
