@@ -84,6 +84,9 @@ class HookedGroup:
         self.post_backwarded = False  # in this backward
         self.passed_unready = False  # deferred: not ready where its turn would have been
         self.reducing = False  # FSDP2's own post-backward is reduce-scattering
+        self.held_after_turn = False  # a post-backward held a gradient after the turn
+        self.found_unsent = False  # unsent() found a gradient FSDP2 still held
+        self.sent_late = False  # ... of a parameter the turn kept no owed gradient for
         self.all_gather_entries: Dict[tuple, str] = {}  # the guard's records, by shape
         # FSDP2's own post- and pre-backward, bound to the group; accord's replace them.
         self.original, self.original_pre_backward = fsdp2.hook_group(
@@ -112,6 +115,8 @@ class HookedGroup:
         the gradient)."""
         fsdp2.hold(self.group, self.original)
         self.post_backwarded = True
+        if self.turn is not None:
+            self.held_after_turn = True  # a gradient after the turn: unsent() looks
 
     def pre_backward(self, *args, **kwargs):
         self.installation.pre_backward(self)
@@ -198,8 +203,16 @@ class HookedGroup:
         """At the end of the backward, every post-backward done: gradients of
         this step not sent at the turn (a late gradient, a second use after
         the turn, the owed ones)."""
-        local = fsdp2.local_grads(self.group)
         turn = self.turn
+        if turn.late or self.held_after_turn or self.passed_unready:
+            local = fsdp2.local_grads(self.group)
+        else:
+            # The turn carried every gradient there was (FSDP2 took them), and
+            # a gradient after it comes only with a post-backward (hold()).
+            local = [None] * len(self.params)
+        self.found_unsent = any(g is not None for g in local)
+        self.sent_late = self.found_unsent and any(
+            g is not None for i, g in enumerate(local) if i not in turn.owed)
         for i, g in turn.owed.items():
             local[i] = g if local[i] is None else local[i] + g
         return local
@@ -209,11 +222,13 @@ class HookedGroup:
         deferred, would have: the turn's place passed before it came)."""
         if self.passed_unready:
             return any(dt is not None for dt in self.turn.dtypes)
-        return any(g is not None for i, g in enumerate(unsent) if i not in self.turn.owed)
+        return self.sent_late
 
     def manifest(self, unsent: List[Optional[torch.Tensor]]) -> List[Optional[str]]:
         """This rank's manifest of the step: each parameter's gradient dtype
         (sent at the turn or not), None where it had none."""
+        if not self.found_unsent and not self.turn.owed:
+            return list(self.turn.dtypes)
         out = []
         for sent, late in zip(self.turn.dtypes, unsent):
             if late is None:
@@ -238,7 +253,8 @@ class HookedGroup:
             self.stats.late_bytes += nbytes
             self.installation.timing.late += 1
             self.installation.timing.late_bytes += nbytes
-        fsdp2.drop_local_grads(self.group)
+        if self.found_unsent:
+            fsdp2.drop_local_grads(self.group)  # kept in `unsent` for the delta
         if completion.delta:
             chosen = set(completion.delta)
             self._send(Layout(tuple(i in chosen for i in range(n)), self.wire), unsent,
@@ -276,6 +292,9 @@ class HookedGroup:
         self.turn = None
         self.post_backwarded = False
         self.passed_unready = False
+        self.held_after_turn = False
+        self.found_unsent = False
+        self.sent_late = False
 
 
 def hook_groups(installation, model, prefix: str) -> Dict[str, HookedGroup]:
