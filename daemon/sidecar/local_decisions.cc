@@ -18,12 +18,12 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "daemon/common/decision_errors.h"
-#include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/sidecar_job.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
 
-bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
+bool SidecarJob::LocalDecisionAllowed(const LocalGroup& g) const {
   // Every rank of the job is here (ranks are distinct and in range) and
   // registered the group, with one registration the coordinator accepted.
   const int world = node_.world_size();
@@ -33,8 +33,8 @@ bool Sidecar::LocalDecisionAllowedLocked(const LocalGroup& g) const {
          g.result.has_value() && !g.result->has_error();
 }
 
-void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
-  if (!LocalDecisionAllowedLocked(g) ||
+void SidecarJob::DecideLocally(LocalGroup& g, const LocalStep& st) {
+  if (!LocalDecisionAllowed(g) ||
       static_cast<int>(g.local.unconfirmed.size()) >= options_.local_decision_lag) {
     return;
   }
@@ -59,7 +59,7 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   v1::Decision* d = scratch_.local_batch.add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(st.step);
-  d->set_wait_us(absl::ToInt64Microseconds(clock_->Now() - st.first_seen));
+  d->set_wait_us(absl::ToInt64Microseconds(scratch_.now - st.first_seen));
   d->set_local(true);
   if (g.decided.ok.has_value() && g.local.delivered == g.local.ok_bytes) {
     d->set_same_as_previous(true);  // the ranks' last decision of the group
@@ -71,13 +71,13 @@ void Sidecar::DecideLocallyLocked(LocalGroup& g, const LocalStep& st) {
   ++stats_.local_decisions;
 }
 
-void Sidecar::DeliverLocalDecisionsLocked() {
+void SidecarJob::DeliverLocalDecisions() {
   if (scratch_.local_batch.decisions_size() == 0) return;
-  HandleDecisionsLocked(scratch_.local_batch, &scratch_.local_batch, /*local=*/true);
+  HandleDecisions(scratch_.local_batch, &scratch_.local_batch, /*local=*/true);
   scratch_.local_batch.Clear();
 }
 
-bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
+bool SidecarJob::ConfirmLocal(LocalGroup& g, const v1::Decision& d) {
   if (g.local.unconfirmed.empty() || d.step() < g.local.unconfirmed.front().step) return false;
   // Decisions come in step order: earlier local steps without one were
   // decided by the coordinator in a batch this one belongs to.
@@ -122,17 +122,13 @@ bool Sidecar::ConfirmLocalLocked(LocalGroup& g, const v1::Decision& d) {
     e.set_step(d.step());
   }
   ACCORD_LOG(ERROR) << e.message();
-  FailRanksLocked(e);
+  FailRanks(e);
   return true;
 }
 
-void Sidecar::FailRanksLocked(const v1::DecisionError& e) {
+void SidecarJob::FailRanks(const v1::DecisionError& e) {
   for (auto& [r, rs] : ranks_.connected) {
-    if (rs.sink == nullptr) continue;
-    v1::RankReply reply;
-    *reply.mutable_error() = e;
-    rs.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
-    rs.sink->Close(wire::ErrorToStatus(e));
+    SendErrorAndClose(rs.session, e);
   }
 }
 

@@ -1,27 +1,16 @@
 #include "daemon/sidecar/sidecar.h"
 
-#include <algorithm>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
-#include "core/log.h"
-#include "daemon/common/auth_tokens.h"
-#include "daemon/common/decision_errors.h"
-#include "proto/wire.h"
-
 namespace accord::daemon {
-namespace {
-
-absl::Status ErrorStatus(const v1::DecisionError& e) { return wire::ErrorToStatus(e); }
-
-}  // namespace
 
 Sidecar::Sidecar(SidecarOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      node_(options_.node_id),
-      timer_(&mu_, clock_,
-             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return CheckTimersLocked(); }) {
+      job_(options_, *this),
+      timer_(&mu_, clock_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return job_.CheckTimers(clock_->Now());
+      }) {
   if (options_.start_timer_thread) timer_.Start();
 }
 
@@ -31,686 +20,95 @@ void Sidecar::Stop() { timer_.Stop(); }
 
 void Sidecar::SetUpstream(UpstreamSink* upstream) {
   accord::MutexLock l(&mu_);
-  node_.SetSink(upstream);
+  job_.SetUpstream(upstream);
 }
 
 Sidecar::RunStamp Sidecar::CurrentRun() {
   accord::MutexLock l(&mu_);
-  return RunStamp{node_.job_id(), node_.run_id(), options_.node_id, node_.epoch()};
+  const UpstreamNode& node = job_.node();
+  return RunStamp{node.job_id(), node.run_id(), options_.node_id, node.epoch()};
 }
 
 void Sidecar::ContinueIncarnation(std::string run_id, uint64_t node_epoch) {
   accord::MutexLock l(&mu_);
-  resume_.continued_run = std::move(run_id);
-  resume_.continued_epoch = node_epoch;
+  job_.ContinueIncarnation(std::move(run_id), node_epoch);
 }
 
 SidecarStats Sidecar::stats() {
   accord::MutexLock l(&mu_);
-  SidecarStats s = stats_;
-  s.ranks = static_cast<int>(ranks_.connected.size());
-  s.sessions = static_cast<int>(ranks_.sessions.size());
-  return s;
-}
-
-Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
-  accord::MutexLock l(&mu_);
-  const SessionId id = ranks_.next_session++;
-  ranks_.sessions[id].sink = sink;
-  return id;
-}
-
-void Sidecar::SendToRankLocked(int rank, v1::RankReply reply) {
-  auto it = ranks_.connected.find(rank);
-  if (it == ranks_.connected.end() || it->second.sink == nullptr) return;
-  it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
-}
-
-void Sidecar::HandleRankMessage(SessionId id, const v1::RankMessage& message) {
-  accord::MutexLock l(&mu_);
-  auto it = ranks_.sessions.find(id);
-  if (it == ranks_.sessions.end()) return;
-  Session& s = it->second;
-  if (message.has_hello()) {
-    HandleHelloLocked(id, s, message.hello());
-    return;
-  }
-  if (s.rank < 0) {
-    v1::RankReply reply;
-    *reply.mutable_error() = OutOfOrderError(v1::INVALID_REQUEST, "send RankHello first");
-    s.sink->Send(std::make_shared<const v1::RankReply>(reply));
-    s.sink->Close(ErrorStatus(reply.error()));
-    return;
-  }
-  if (message.has_registration()) {
-    HandleRegistrationLocked(s.rank, message.registration());
-  } else if (message.has_manifests()) {
-    HandleManifestsLocked(s.rank, message.manifests());
-  } else if (message.has_adapter_counts()) {
-    HandleAdapterCountsLocked(s.rank, message.adapter_counts());
-  }
-}
-
-void Sidecar::HandleAdapterCountsLocked(int rank, const v1::AdapterCounts& counts) {
-  if (counts.redone() < 0 || counts.redone() > counts.repaired() ||
-      counts.repaired() > counts.speculated()) {
-    ACCORD_LOG(WARNING) << "job " << node_.job_id() << " rank " << rank
-                        << ": ignored adapter counts that do not hold 0 <= redone <= repaired "
-                           "<= speculated ("
-                        << counts.ShortDebugString() << ")";
-    return;
-  }
-  v1::AdapterCounts& last = adapter_last_[rank];
-  const bool same_process = counts.speculated() >= last.speculated() &&
-                            counts.repaired() >= last.repaired() &&
-                            counts.redone() >= last.redone();
-  if (!same_process) last.Clear();
-  stats_.adapter_speculated += counts.speculated() - last.speculated();
-  stats_.adapter_repaired += counts.repaired() - last.repaired();
-  stats_.adapter_redone += counts.redone() - last.redone();
-  last = counts;
-}
-
-namespace {
-
-// A RankHello token that is not `expected` (the job's), or missing where
-// one is required: the refusal, else nullopt.
-std::optional<v1::DecisionError> TokenRefusal(const v1::RankHello& hello,
-                                              const std::string& expected, bool required) {
-  if ((!hello.token().empty() && !expected.empty() && !TokensEqual(hello.token(), expected)) ||
-      (hello.token().empty() && required)) {
-    ACCORD_LOG(WARNING) << "permission denied: job " << hello.job_id() << " rank " << hello.rank()
-                        << ": RankHello token "
-                        << (hello.token().empty() ? "missing" : "differs from the job's");
-    return KindedError(
-        v1::PERMISSION_DENIED,
-        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                     hello.token().empty()
-                         ? " sent no token and this sidecar requires one (--require_rank_token)"
-                         : " sent a token that is not the one this sidecar holds for the job",
-                     "; check ACCORD_TOKEN / ClientOptions.token of the rank"));
-  }
-  return std::nullopt;
-}
-
-// Adds to `errors` (a rank's reply to its batch) the error decision for its
-// manifest `about`.
-void AddManifestError(v1::RankReply& errors, const std::string& job_id, int rank,
-                      const v1::Manifest& about, v1::DecisionError error) {
-  v1::Decision* d = errors.mutable_decisions()->add_decisions();
-  d->set_group_id(about.group_id());
-  d->set_step(about.step());
-  *d->mutable_error() = std::move(error);
-  d->mutable_error()->set_job_id(job_id);
-  d->mutable_error()->set_group_id(about.group_id());
-  d->mutable_error()->set_step(about.step());
-  d->mutable_error()->add_ranks(rank);
-}
-
-}  // namespace
-
-std::optional<v1::DecisionError> Sidecar::CheckHello(const SidecarOptions& options,
-                                                     const v1::RankHello& hello) {
-  if (hello.job_id().empty()) {
-    return KindedError(v1::INVALID_REQUEST, "RankHello without a job_id");
-  }
-  if (!options.job.empty() && hello.job_id() != options.job) {
-    return KindedError(v1::PERMISSION_DENIED,
-                       absl::StrCat("this sidecar serves job ", options.job, " (--job) only; rank ",
-                                    hello.rank(), " belongs to job ", hello.job_id()));
-  }
-  if (!options.token.empty() || options.require_rank_token) {
-    if (auto refused = TokenRefusal(hello, options.token, options.require_rank_token)) {
-      return refused;
-    }
-  }
-  if (hello.world_size() < 1) {
-    return KindedError(v1::INVALID_REQUEST,
-                       absl::StrCat("job ", hello.job_id(), ": world size ", hello.world_size()));
-  }
-  if (hello.rank() < 0 || hello.rank() >= hello.world_size()) {
-    return KindedError(v1::INVALID_REQUEST,
-                       absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " outside 0..",
-                                    hello.world_size() - 1));
-  }
-  return std::nullopt;
+  return job_.stats();
 }
 
 bool Sidecar::HadRank(int rank) {
   accord::MutexLock l(&mu_);
-  return node_.announced().count(rank) != 0;
+  return job_.HadRank(rank);
 }
 
 std::vector<int> Sidecar::ConnectedRanks() {
   accord::MutexLock l(&mu_);
-  std::vector<int> out;
-  for (const auto& [r, rs] : ranks_.connected) out.push_back(r);
-  return out;
+  return job_.ConnectedRanks();
 }
 
-void Sidecar::HandleHelloLocked(SessionId id, Session& s, const v1::RankHello& hello) {
-  if (std::optional<v1::DecisionError> refused = HelloRefusalLocked(s, hello)) {
-    v1::RankReply reply;
-    *reply.mutable_error() = *std::move(refused);
-    reply.mutable_error()->set_job_id(hello.job_id());
-    reply.mutable_error()->add_ranks(hello.rank());
-    s.sink->Send(std::make_shared<const v1::RankReply>(reply));
-    s.sink->Close(ErrorStatus(reply.error()));
-    return;
-  }
-  AcceptRankLocked(id, s, hello);
-}
-
-std::optional<v1::DecisionError> Sidecar::HelloRefusalLocked(const Session& s,
-                                                             const v1::RankHello& hello) {
-  if (s.rank >= 0) {
-    return OutOfOrderError(v1::INVALID_REQUEST,
-                           absl::StrCat("rank ", s.rank, " sent a second RankHello"));
-  }
-  if (std::optional<v1::DecisionError> refused = CheckHello(options_, hello)) return refused;
-  if (node_.has_job() && hello.job_id() != node_.job_id()) {
-    // SidecarJobs gives each job its own Sidecar; only a caller that drives
-    // one Sidecar directly gets here.
-    return OutOfOrderError(v1::INVALID_REQUEST,
-                           absl::StrCat("this Sidecar holds the state of job ", node_.job_id(),
-                                        "; rank ", hello.rank(), " of job ", hello.job_id(),
-                                        " needs a Sidecar of its own (SidecarJobs)"));
-  }
-  if (options_.token.empty()) {
-    // The job's token upstream is then the first rank's.
-    if (auto refused = TokenRefusal(hello, node_.token(), /*required=*/false)) return refused;
-  }
-  if (std::optional<v1::DecisionError> refused = CheckResumeLocked(hello)) return refused;
-  if (node_.has_job() && hello.world_size() != node_.world_size()) {
-    return KindedError(
-        v1::WORLD_SIZE_MISMATCH,
-        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " says world size ",
-                     hello.world_size(), " but this node's other ranks say ", node_.world_size(),
-                     "; check WORLD_SIZE of the launcher"));
-  }
-  if (ranks_.connected.count(hello.rank())) {
-    return KindedError(
-        v1::DUPLICATE_RANK,
-        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(),
-                     " is already connected to this sidecar; check RANK of the local processes"));
-  }
-  if (static_cast<int>(ranks_.connected.size()) >= options_.max_ranks) {
-    return KindedError(v1::LIMIT_EXCEEDED,
-                       absl::StrCat("this sidecar already serves ", ranks_.connected.size(),
-                                    " ranks (--max_ranks)"));
-  }
-  return std::nullopt;
-}
-
-void Sidecar::AcceptRankLocked(SessionId id, Session& s, const v1::RankHello& hello) {
-  if (!node_.has_job()) {
-    // A rank that resumes a run creates this state: the sidecar was
-    // restarted under the run, so it rejoins it (RESUME) as the same node
-    // instead of starting a new run, and as the same incarnation of the
-    // node's ranks (their epoch), so that even a sidecar restarted before it
-    // learned the run is not taken for restarted ranks (chaos seed 7502).
-    // A late rank of a launch whose ranks have all left continues their
-    // incarnation the same way (ContinueIncarnation, chaos seed 7713).
-    const bool continues = !hello.has_resume() && resume_.continued_epoch != 0;
-    const std::string resume_run = hello.has_resume() ? hello.resume().run_id()
-                                   : continues        ? resume_.continued_run
-                                                      : "";
-    const uint64_t resume_epoch = hello.has_resume() ? hello.resume().node_epoch()
-                                  : continues        ? resume_.continued_epoch
-                                                     : 0;
-    node_.StartJob(hello.job_id(), hello.world_size(),
-                   options_.token.empty() ? hello.token() : options_.token, resume_run,
-                   resume_epoch);
-    stats_.job_id = hello.job_id();
-    resume_.fresh = !resume_run.empty();
-    resume_.continued_run.clear();
-    resume_.continued_epoch = 0;
-    // The job's wait for the node above starts now, unless it answers.
-    if (!upstream_.welcomed) StartUnansweredLocked();
-  }
-  s.rank = hello.rank();
-  RankState& rs = ranks_.connected[s.rank];
-  rs.session = id;
-  rs.sink = s.sink;
-  rs.key_scratch = Manifest();
-  rs.key_scratch.ranks = RankSet(node_.world_size());
-  rs.key_scratch.ranks.Add(s.rank);
-  rs.resumed = hello.has_resume();
-  rs.reconnects = hello.reconnects();
-  ranks_.detached.erase(s.rank);
-  rs.resume_decided.clear();
-  for (const v1::GroupResume& g : hello.resume().groups()) {
-    rs.resume_decided[g.group_id()] = g.decided_step();
-  }
-  if (rs.resumed) {
-    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << s.rank << " resumed run "
-                     << hello.resume().run_id() << " (" << hello.resume().groups_size()
-                     << " groups)" << (resume_.fresh ? " on this restarted sidecar" : "");
-  }
-  v1::RankReply welcome;
-  welcome.mutable_welcome()->set_node_id(options_.node_id);
-  welcome.mutable_welcome()->set_server_version(kServerVersion);
-  welcome.mutable_welcome()->set_run_id(node_.run_id());
-  welcome.mutable_welcome()->set_node_epoch(node_.epoch());
-  s.sink->Send(std::make_shared<const v1::RankReply>(std::move(welcome)));
-  if (rs.resumed && node_.announced().count(s.rank) != 0) {
-    // A resumed rank this sidecar announced before left when its stream
-    // ended: it joins again.
-    v1::RankEvent joined;
-    joined.set_rank(s.rank);
-    joined.set_joined(true);
-    node_.ForwardRankEvent(joined);
-  } else {
-    node_.AnnounceRanks({s.rank});
-  }
-}
-
-void Sidecar::HandleRegistrationLocked(int rank, const v1::GroupRegistration& reg) {
-  RankState& rs = ranks_.connected[rank];
-  auto reply_error = [&](v1::DecisionError e) {
-    v1::RankReply reply;
-    reply.mutable_registration()->set_group_id(reg.group_id());
-    e.set_job_id(node_.job_id());
-    e.set_group_id(reg.group_id());
-    *reply.mutable_registration()->mutable_error() = std::move(e);
-    SendToRankLocked(rank, std::move(reply));
-  };
-  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
-  if (!spec.ok()) {
-    reply_error(ErrorFromStatus(v1::INVALID_REQUEST, spec.status(),
-                                absl::StrCat("job ", node_.job_id(), " rank ", rank, ": ")));
-    return;
-  }
-  if (absl::StatusOr<Policy> p = wire::PolicyFromProto(reg.policy()); !p.ok()) {
-    reply_error(ErrorFromStatus(
-        v1::INVALID_REQUEST, p.status(),
-        absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", reg.group_id(), "\": ")));
-    return;
-  }
-  LocalGroup& g = groups_.FindOrAdd(reg.group_id());
-  if (g.registrations.size() == 0) g.spec = *spec;
-  g.registrations.Add(reg, {rank});
-  if (auto it = std::lower_bound(g.ranks.begin(), g.ranks.end(), rank);
-      it == g.ranks.end() || *it != rank) {
-    g.ranks.insert(it, rank);
-  }
-  rs.got_result[reg.group_id()] = false;
-  if (auto d = rs.resume_decided.find(reg.group_id()); d != rs.resume_decided.end()) {
-    // What this rank holds: a `same_as_previous` is passed to it as is.
-    int64_t& delivered = rs.DeliveredSlot(g.index, groups_.size());
-    delivered = std::max(delivered, d->second);
-  }
-  v1::NodeMessage up;
-  *up.mutable_registration()->mutable_registration() = reg;
-  up.mutable_registration()->add_ranks(rank);
-  node_.Send(std::move(up));
-}
-
-void Sidecar::HandleManifestsLocked(int rank, const v1::ManifestBatch& batch) {
-  RankState& rs = ranks_.connected[rank];
-  v1::RankReply errors;
-  if (batch.repeat_batch_key() != 0) {
-    // Batch repeats are a sidecar -> coordinator form only.
-    v1::RankReply reply;
-    *reply.mutable_error() = KindedError(
-        v1::INVALID_REQUEST,
-        absl::StrCat("job ", node_.job_id(), " rank ", rank, " step ", batch.repeat_step(),
-                     ": a rank must send manifests, not a batch repeat record; check "
-                     "the client library's version"));
-    reply.mutable_error()->add_ranks(rank);
-    SendToRankLocked(rank, std::move(reply));
-    return;
-  }
-  const uint64_t epoch = ++scratch_.touch_epoch;
-  scratch_.touched.clear();
-  for (const v1::Manifest& m : batch.manifests()) {
-    HandleRankManifestLocked(rank, rs, m, epoch, errors);
-  }
-  if (errors.decisions().decisions_size() > 0) SendToRankLocked(rank, std::move(errors));
-  SendLateLocked();
-  if (scratch_.touched.empty()) return;
-  // Registration order: the same groups go up in the same order every step,
-  // whichever rank completes them (what batch repeats match on).
-  std::sort(scratch_.touched.begin(), scratch_.touched.end(),
-            [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
-  // Collected as (group, step, key) first: a batch that repeats the previous
-  // one goes up as a batch repeat without building its manifests.
-  for (LocalGroup* g : scratch_.touched) CollectCompleteLocked(*g, &scratch_.outgoing);
-  DeliverLocalDecisionsLocked();
-  SendOutgoingLocked(scratch_.outgoing);
-}
-
-// One manifest of a rank's batch: added to its group's local step (the group
-// noted in scratch_.touched once per batch, `epoch`), or an answer for the
-// rank in `errors`.
-void Sidecar::HandleRankManifestLocked(int rank, RankState& rs, const v1::Manifest& m,
-                                       uint64_t epoch, v1::RankReply& errors) {
-  ++stats_.rank_manifests;
-  LocalGroup* g = groups_.Find(m.group_id());
-  if (g == nullptr || !std::binary_search(g->ranks.begin(), g->ranks.end(), rank)) {
-    AddManifestError(
-        errors, node_.job_id(), rank, m,
-        KindedError(v1::UNKNOWN_GROUP,
-                    absl::StrCat("job ", node_.job_id(), " rank ", rank, ": manifest for group \"",
-                                 m.group_id(), "\" which this rank has not registered")));
-    return;
-  }
-  if (m.step() <= g->decided.step) {
-    AnswerDecidedStepLocked(rank, rs, *g, m, errors);
-    return;
-  }
-  if (job_failure_.has_value()) {
-    *errors.mutable_decisions()->add_decisions() = JobFailureAt(*g, m.step());
-    return;
-  }
-  uint64_t full_key = 0;
-  v1::DecisionError refused;
-  const std::vector<DTypeMask>* content = RankContentLocked(rank, rs, *g, m, &full_key, &refused);
-  if (content == nullptr) {
-    AddManifestError(errors, node_.job_id(), rank, m, std::move(refused));
-    return;
-  }
-  if (!AddRankRowLocked(rank, *g, m, *content, errors)) return;
-  if (!m.repeat()) g->collect.RememberFull(rank, full_key, *content);
-  rs.last_step = std::max(rs.last_step, m.step());
-  int64_t& submitted = rs.SubmittedSlot(g->index, groups_.size());
-  submitted = std::max(submitted, m.step());
-  if (g->collect.touched_epoch != epoch) {
-    g->collect.touched_epoch = epoch;
-    scratch_.touched.push_back(g);
-  }
-}
-
-void Sidecar::AnswerDecidedStepLocked(int rank, RankState& rs, const LocalGroup& g,
-                                      const v1::Manifest& m, v1::RankReply& errors) {
-  if (m.step() == g.decided.step && g.decided.error.has_value()) {
-    // The step already failed for the job (e.g. missing ranks) before this
-    // rank submitted it: the same error every other rank got.
-    *errors.mutable_decisions()->add_decisions() = *g.decided.error;
-    return;
-  }
-  if (rs.resumed && m.step() == g.decided.step && g.decided.ok.has_value()) {
-    // A resumed rank resends a step this sidecar saw decided (its decision
-    // was lost with the rank's previous stream): the same decision.
-    v1::Decision* d = errors.mutable_decisions()->add_decisions();
-    d->set_group_id(g.group_id);
-    d->set_step(m.step());
-    *d->mutable_ok() = *g.decided.ok;
-    int64_t& delivered = rs.DeliveredSlot(g.index, groups_.size());
-    delivered = std::max(delivered, m.step());
-    return;
-  }
-  AddManifestError(
-      errors, node_.job_id(), rank, m,
-      KindedError(v1::STEP_REGRESSION,
-                  absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", m.group_id(),
-                               "\" step ", m.step(), ": older than the last decided step ",
-                               g.decided.step)));
-}
-
-bool Sidecar::AddRankRowLocked(int rank, LocalGroup& g, const v1::Manifest& m,
-                               const std::vector<DTypeMask>& content, v1::RankReply& errors) {
-  LocalStep& st = g.collect.StepFor(m.step());
-  if (st.ranks.empty()) NoteStepStartedLocked(st);
-  switch (StepCollection::AddRow(st, rank, content)) {
-    case StepCollection::Row::kAdded:
-      if (st.sent) {
-        // The step's node manifest went up without this rank (it resumed
-        // after its node-mates): its part goes up alone (SendLateLocked).
-        late_.push_back(Late{&g, m.step(), rank, content});
-      }
-      return true;
-    case StepCollection::Row::kSame:
-      return false;  // a resend of the same content: a no-op
-    case StepCollection::Row::kDiffers:
-      AddManifestError(errors, node_.job_id(), rank, m,
-                       OutOfOrderError(v1::INVALID_MANIFEST,
-                                       absl::StrCat("job ", node_.job_id(), " rank ", rank,
-                                                    " group \"", m.group_id(), "\" step ", m.step(),
-                                                    ": a second, different manifest for the "
-                                                    "same step")));
-      return false;
-  }
-  return false;
-}
-
-const std::vector<DTypeMask>* Sidecar::RankContentLocked(int rank, RankState& rs,
-                                                         const LocalGroup& g, const v1::Manifest& m,
-                                                         uint64_t* full_key,
-                                                         v1::DecisionError* refused) {
-  if (m.repeat()) {
-    // A repeat names this rank's previous full manifest for the group by its
-    // key (validated when it arrived).
-    const LastFull* last = g.collect.LastFullOf(rank);
-    if (last == nullptr || last->key != m.cache_key()) {
-      *refused = OutOfOrderError(
-          v1::INVALID_MANIFEST,
-          absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", m.group_id(),
-                       "\" step ", m.step(), ": repeat of cache key ", m.cache_key(),
-                       " which is not this rank's previous manifest; send the full form"));
-      return nullptr;
-    }
-    return &last->dtypes;
-  }
-  std::vector<DTypeMask>& parsed = rs.key_scratch.dtypes;
-  absl::Status valid = wire::ManifestDTypesFromProto(m, g.spec.params.size(), &parsed);
-  if (valid.ok() && !m.rank_bits().empty()) {
-    valid = absl::InvalidArgumentError(
-        absl::StrCat("manifest for group \"", m.group_id(), "\" step ", m.step(),
-                     ": a rank's manifest must not carry rank_bits"));
-  }
-  if (!valid.ok()) {
-    const bool non_float = wire::KindOf(valid) == v1::NON_FLOAT_DTYPE;
-    *refused =
-        KindedError(non_float ? v1::NON_FLOAT_DTYPE : v1::INVALID_MANIFEST,
-                    absl::StrCat("job ", node_.job_id(), " rank ", rank, ": ", valid.message()));
-    return nullptr;
-  }
-  // The key covers content, not the step; recompute it so a client that did
-  // not set one still gets repeats resolved correctly.
-  *full_key = ManifestKey(rs.key_scratch);
-  return &parsed;
-}
-
-void Sidecar::CollectCompleteLocked(LocalGroup& g, std::vector<Outgoing>* out) {
-  const size_t num_params = g.spec.params.size();
-  for (LocalStep& st : g.collect.steps) {
-    if (st.sent || st.ranks.empty()) continue;
-    bool complete = true;
-    for (int r : g.ranks) {
-      if (ranks_.connected.count(r) && !std::binary_search(st.ranks.begin(), st.ranks.end(), r) &&
-          !HoldsDecisionLocked(r, g, st.step)) {
-        complete = false;
-        break;
-      }
-    }
-    if (!complete) break;  // later steps wait for this one (per-stream order)
-    st.sent = true;
-    // Ranks whose usage differs from the node's merged usage travel as detail.
-    UsageDetail& detail = scratch_.detail;
-    UsageDetailOf(st, num_params, &detail);
-    const bool with_ranks = !std::equal(st.ranks.begin(), st.ranks.end(), node_.announced().begin(),
-                                        node_.announced().end());
-    const bool same_content = g.form.full != nullptr && st.ranks == g.form.covered &&
-                              st.merged == g.form.merged && detail == g.form.detail;
-    if (!same_content || with_ranks != g.form.with_ranks) {
-      // A new node manifest: build its full form once; later steps with the
-      // same content share it.
-      Manifest merged;
-      merged.step = st.step;
-      merged.dtypes = st.merged;
-      merged.ranks = RankSet(node_.world_size());
-      for (int r : st.ranks) merged.ranks.Add(r);
-      auto full = std::make_shared<v1::Manifest>();
-      wire::ManifestToProto(g.group_id, merged, with_ranks, full.get());
-      full->clear_step();
-      for (const RankUsageBits& d : detail) {
-        v1::RankUsage* u = full->add_rank_detail();
-        u->set_rank(d.rank);
-        u->set_used_bits(d.used_bits);
-      }
-      g.form.key = full->cache_key();
-      g.form.covered = st.ranks;
-      g.form.merged = st.merged;
-      g.form.detail = detail;
-      g.form.with_ranks = with_ranks;
-      g.form.full = std::move(full);
-      ++g.form.content_gen;
-    }
-    g.inflight.Add(st.step, g.form.full, node_.announced().size());
-    if (g.form.repeat.Repeats(g.form.key, detail)) {
-      out->push_back(Outgoing{&g, st.step, /*repeat=*/true, g.form.key, nullptr});
-      ++stats_.node_manifests_repeat;
-    } else {
-      out->push_back(Outgoing{&g, st.step, /*repeat=*/false, g.form.key, g.form.full});
-      ++stats_.node_manifests_full;
-    }
-    g.form.repeat.Sent(g.form.key, detail);
-    if (options_.local_decisions) DecideLocallyLocked(g, st);
-  }
-}
-
-void Sidecar::CloseRank(SessionId id) {
+Sidecar::SessionId Sidecar::OpenRank(RankSink* sink) {
   accord::MutexLock l(&mu_);
-  auto it = ranks_.sessions.find(id);
-  if (it == ranks_.sessions.end()) return;
-  const int rank = it->second.rank;
-  ranks_.sessions.erase(it);
-  auto rit = ranks_.connected.find(rank);
-  if (rank < 0 || rit == ranks_.connected.end() || rit->second.session != id) return;
-  const int64_t last_step = rit->second.last_step;
-  const bool detach =
-      rit->second.reconnects && options_.rank_reconnect_grace > absl::ZeroDuration();
-  ranks_.connected.erase(rit);
-  if (detach) {
-    // It may come back (RankHello.resume) within the grace; its leave goes
-    // upstream only then (ExpireDetachedLocked).
-    const absl::Time until = clock_->Now() + options_.rank_reconnect_grace;
-    ranks_.detached[rank] = Detached{until, last_step};
-    timer_.Arm(until);
-    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank
-                     << "'s stream ended (last step " << last_step << "); it has "
-                     << absl::FormatDuration(options_.rank_reconnect_grace)
-                     << " (--rank_reconnect_grace) to come back";
-  } else {
-    ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << rank << " left (last step "
-                     << last_step << ")";
-  }
-  if (ranks_.none()) {
-    ResetJobLocked();
-    return;
-  }
-  // Steps that only waited for this rank are now complete: they go up
-  // before the rank's leave, so that when the leave fails a step at the
-  // coordinator, the node-mates that submitted it are known to have done so
-  // and are not named as missing.
-  for (LocalGroup* g : groups_.ordered()) {
-    g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectCompleteLocked(*g, &scratch_.outgoing);
-  }
-  DeliverLocalDecisionsLocked();
-  SendOutgoingLocked(scratch_.outgoing);
-  if (detach) return;
-  node_.LeaveRank(rank, last_step);
+  const SessionId id = job_.OpenSession();
+  sinks_[id] = sink;
+  return id;
 }
 
-void Sidecar::ResetJobLocked() {
-  ACCORD_LOG(INFO) << "job " << node_.job_id() << ": no rank left on this node; resetting";
-  node_.EndJob();
-  upstream_.loss.EndJob();
-  resume_ = ResumeState();
-  job_failure_.reset();
-  late_.clear();
-  ranks_.detached.clear();
-  adapter_last_.clear();  // the next ranks are new processes
-  groups_.Clear();
-  if (options_.reset_when_empty) node_.sink()->Reconnect();
+void Sidecar::HandleRankMessage(SessionId session, const v1::RankMessage& message) {
+  accord::MutexLock l(&mu_);
+  job_.HandleRankMessage(clock_->Now(), session, message);
 }
 
-absl::Time Sidecar::ExpireDetachedLocked(absl::Time now) {
-  absl::Time next = absl::InfiniteFuture();
-  for (auto it = ranks_.detached.begin(); it != ranks_.detached.end();) {
-    if (it->second.until > now) {
-      next = std::min(next, it->second.until);
-      ++it;
-      continue;
-    }
-    ACCORD_LOG(WARNING) << "job " << node_.job_id() << ": rank " << it->first
-                        << " did not come back within "
-                        << absl::FormatDuration(options_.rank_reconnect_grace)
-                        << " (--rank_reconnect_grace); it left";
-    node_.LeaveRank(it->first, it->second.last_step);
-    it = ranks_.detached.erase(it);
-  }
-  if (ranks_.none() && node_.has_job()) ResetJobLocked();
-  return next;
+void Sidecar::CloseRank(SessionId session) {
+  accord::MutexLock l(&mu_);
+  job_.CloseSession(clock_->Now(), session);
+  sinks_.erase(session);
 }
 
-std::optional<v1::DecisionError> Sidecar::CheckResumeLocked(const v1::RankHello& hello) {
-  if (resume_.refusal.has_value()) return resume_.refusal;
-  if (!hello.has_resume()) return std::nullopt;
-  const v1::RankResume& resume = hello.resume();
-  if (resume.holds_local_decisions() && (!node_.has_job() || resume_.fresh)) {
-    // What this node decided alone died with the previous sidecar process:
-    // nobody can tell which of those decisions the coordinator confirmed,
-    // so ranks could end up with different decisions. The node's ranks all
-    // get this one error instead (docs/RELIABILITY.md, "Sidecar restart").
-    v1::DecisionError e = KindedError(
-        v1::RUN_ENDED,
-        absl::StrCat("job ", hello.job_id(), " run ", resume.run_id(), ": the sidecar of node \"",
-                     options_.node_id,
-                     "\" was restarted while it decided this single-node job's steps itself "
-                     "(--local_decisions), and its ranks hold decisions the coordinator may not "
-                     "have confirmed, so the run cannot resume without risking different "
-                     "decisions on different ranks; restart the job (run the sidecar with "
-                     "--local_decisions=false for single-node jobs that must survive a sidecar "
-                     "restart)"));
-    e.set_job_id(hello.job_id());
-    ACCORD_LOG(ERROR) << e.message();
-    resume_.refusal = e;
-    FailRanksLocked(e);
-    return e;
-  }
-  if (!resume.run_id().empty() && !node_.run_id().empty() && resume.run_id() != node_.run_id()) {
-    return KindedError(
-        v1::RUN_ENDED,
-        absl::StrCat("job ", hello.job_id(), ": rank ", hello.rank(), " resumes run ",
-                     resume.run_id(), " but this sidecar serves run ", node_.run_id(),
-                     " of the job (a newer launch); stop the ranks of the old run"));
-  }
-  return std::nullopt;
+void Sidecar::OnUpstreamConnected() {
+  accord::MutexLock l(&mu_);
+  const absl::Time now = clock_->Now();
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(now);
+  job_.OnUpstreamConnected(now);
 }
 
-bool Sidecar::HoldsDecisionLocked(int rank, const LocalGroup& g, int64_t step) const {
-  auto it = ranks_.connected.find(rank);
-  if (it == ranks_.connected.end() || !it->second.resumed) return false;
-  auto d = it->second.resume_decided.find(g.group_id);
-  return d != it->second.resume_decided.end() && d->second >= step;
+void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
+  // Any message is an answer (a refused hello gets an error, not a Welcome).
+  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
+  accord::MutexLock l(&mu_);
+  job_.HandleCoordinatorMessage(clock_->Now(), message);
 }
 
-void Sidecar::SendLateLocked() {
-  if (late_.empty()) return;
-  v1::NodeMessage up;
-  for (Late& l : late_) {
-    Manifest one;
-    one.step = l.step;
-    one.dtypes = std::move(l.content);
-    one.ranks = RankSet(node_.world_size());
-    one.ranks.Add(l.rank);
-    v1::Manifest* m = up.mutable_manifests()->add_manifests();
-    wire::ManifestToProto(l.group->group_id, one, /*with_ranks=*/true, m);
-    // Kept until decided, like the node's manifests: a new stream sends it
-    // again.
-    auto kept = std::make_shared<v1::Manifest>(*m);
-    l.group->inflight.Add(l.step, std::move(kept), node_.announced().size());
-    m->set_step(l.step);
-    // The coordinator's previous manifest of the node for the group is this
-    // one now: the group's next node manifest goes in full form.
-    l.group->form.repeat.Forget();
-    ++stats_.node_manifests_full;
-  }
-  late_.clear();
-  node_.SendNewBatch(std::move(up));
+void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
+  accord::MutexLock l(&mu_);
+  job_.HandleCoordinatorMessage(clock_->Now(), message);
+}
+
+void Sidecar::CheckPartialSteps() {
+  accord::MutexLock l(&mu_);
+  timer_.RunNow();
+}
+
+void Sidecar::SendToSession(SessionId session, std::shared_ptr<const v1::RankReply> reply) {
+  mu_.AssertHeld();
+  if (auto it = sinks_.find(session); it != sinks_.end()) it->second->Send(std::move(reply));
+}
+
+void Sidecar::CloseSession(SessionId session, const absl::Status& status) {
+  mu_.AssertHeld();
+  if (auto it = sinks_.find(session); it != sinks_.end()) it->second->Close(status);
+}
+
+void Sidecar::ArmTimer(absl::Time at) {
+  mu_.AssertHeld();
+  timer_.Arm(at);
+}
+
+bool Sidecar::TimerArmed() const {
+  mu_.AssertHeld();
+  return timer_.armed();
 }
 
 }  // namespace accord::daemon

@@ -1,4 +1,4 @@
-// The Sidecar's upstream side (docs/ARCHITECTURE.md, "The protocol on one
+// The SidecarJob's upstream side (docs/ARCHITECTURE.md, "The protocol on one
 // page"): the node manifests and batch repeats it sends, what a new stream
 // resends (through its UpstreamNode), partial-step reports and progress
 // answers, and the coordinator's messages: the Welcome, errors,
@@ -9,51 +9,46 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
-#include "daemon/sidecar/sidecar.h"
+#include "daemon/sidecar/sidecar_job.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
 
-void Sidecar::NoteStepStartedLocked(LocalStep& st) {
-  st.first_seen = clock_->Now();
+void SidecarJob::NoteStepStarted(LocalStep& st) {
+  st.first_seen = scratch_.now;
   st.partial_reported = false;
-  if (upstream_.report_after > absl::ZeroDuration() && !timer_.armed()) {
-    timer_.Arm(st.first_seen + upstream_.report_after);
+  if (upstream_.report_after > absl::ZeroDuration() && !effects_.TimerArmed()) {
+    effects_.ArmTimer(st.first_seen + upstream_.report_after);
   }
 }
 
-void Sidecar::CheckPartialSteps() {
-  accord::MutexLock l(&mu_);
-  timer_.RunNow();
+absl::Time SidecarJob::CheckTimers(absl::Time now) {
+  scratch_.now = now;
+  const absl::Time detached = ExpireDetached(now);
+  const absl::Time lost = CheckUpstreamLoss(now);
+  return std::min({detached, lost, CheckPartialSteps()});
 }
 
-absl::Time Sidecar::CheckTimersLocked() {
-  const absl::Time now = clock_->Now();
-  const absl::Time detached = ExpireDetachedLocked(now);
-  const absl::Time lost = CheckUpstreamLossLocked(now);
-  return std::min({detached, lost, CheckPartialStepsLocked()});
+void SidecarJob::StartUnanswered() {
+  const absl::Time due = upstream_.loss.Start(scratch_.now);
+  if (due != absl::InfiniteFuture()) effects_.ArmTimer(due);
 }
 
-void Sidecar::StartUnansweredLocked() {
-  const absl::Time due = upstream_.loss.Start(clock_->Now());
-  if (due != absl::InfiniteFuture()) timer_.Arm(due);
-}
-
-absl::Time Sidecar::CheckUpstreamLossLocked(absl::Time now) {
+absl::Time SidecarJob::CheckUpstreamLoss(absl::Time now) {
   absl::Time next;
   std::optional<v1::DecisionError> lost =
       upstream_.loss.Check(now, node_.has_job(), node_.job_id(), &next);
   if (lost.has_value()) {
     ACCORD_LOG(ERROR) << lost->message();
-    FailRanksLocked(*lost);
+    FailRanks(*lost);
   }
   return next;
 }
 
-absl::Time Sidecar::CheckPartialStepsLocked() {
+absl::Time SidecarJob::CheckPartialSteps() {
   absl::Time next = absl::InfiniteFuture();
   if (upstream_.report_after <= absl::ZeroDuration() || node_.sink() == nullptr) return next;
-  const absl::Time now = clock_->Now();
+  const absl::Time now = scratch_.now;
   for (LocalGroup* g : groups_.ordered()) {
     for (LocalStep& st : g->collect.steps) {
       if (st.sent || st.ranks.empty() || st.partial_reported) continue;
@@ -83,12 +78,12 @@ absl::Time Sidecar::CheckPartialStepsLocked() {
   return next;
 }
 
-void Sidecar::SendBatchRepeatLocked(int64_t step) {
+void SidecarJob::SendBatchRepeat(int64_t step) {
   ++stats_.node_batch_repeats;
   node_.SendBatchRepeat(step);
 }
 
-void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
+void SidecarJob::SendOutgoing(std::vector<Outgoing>& items) {
   if (items.empty()) return;
   const int64_t step = items[0].step;
   const wire::StreamBatchRecord& previous = node_.previous_batch();
@@ -98,7 +93,7 @@ void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
     same = o.repeat && o.step == step && previous.Matches(i, o.group->group_id, o.key);
   }
   if (same) {
-    SendBatchRepeatLocked(step);
+    SendBatchRepeat(step);
     items.clear();
     return;
   }
@@ -120,14 +115,13 @@ void Sidecar::SendOutgoingLocked(std::vector<Outgoing>& items) {
   node_.SendNewBatch(std::move(up));
 }
 
-void Sidecar::OnUpstreamConnected() {
-  accord::MutexLock l(&mu_);
+void SidecarJob::OnUpstreamConnected(absl::Time now) {
+  scratch_.now = now;
   std::vector<v1::NodeMessage> registrations;
   v1::ManifestBatch inflight;
   for (LocalGroup* g : groups_.ordered()) {
-    g->registrations.AppendResend(
-        [this](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.connected.count(r) != 0; },
-        &registrations);
+    g->registrations.AppendResend([this](int r) { return ranks_.connected.count(r) != 0; },
+                                  &registrations);
     g->inflight.AppendAll(node_, &inflight);
     // The coordinator may have lost its cache: the next manifest goes in full.
     g->form.repeat.Forget();
@@ -138,23 +132,20 @@ void Sidecar::OnUpstreamConnected() {
   // A new stream: the previous one ended, or this is the first. Unanswered
   // until its Welcome; the loss limit counts while a job is served.
   upstream_.welcomed = false;
-  if (options_.upstream_health != nullptr) options_.upstream_health->NoteUnanswered(clock_->Now());
-  if (node_.has_job()) StartUnansweredLocked();
+  if (node_.has_job()) StartUnanswered();
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
-void Sidecar::HandleCoordinatorMessage(v1::CoordinatorMessage* message) {
-  // Any message is an answer (a refused hello gets an error, not a Welcome).
-  if (options_.upstream_health != nullptr) options_.upstream_health->NoteAnswered();
+void SidecarJob::HandleCoordinatorMessage(absl::Time now, v1::CoordinatorMessage* message) {
   if (message->has_decisions()) {
-    accord::MutexLock l(&mu_);
-    HandleDecisionsLocked(message->decisions(), message->mutable_decisions());
+    scratch_.now = now;
+    HandleDecisions(message->decisions(), message->mutable_decisions());
     return;
   }
-  HandleCoordinatorMessage(*message);
+  HandleCoordinatorMessage(now, *message);
 }
 
-void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
+void SidecarJob::HandleWelcome(const v1::Welcome& welcome) {
   const std::string before = node_.run_id();
   node_.OnWelcome(welcome);
   if (node_.has_job() && node_.run_id() != before) {
@@ -167,21 +158,21 @@ void Sidecar::HandleWelcomeLocked(const v1::Welcome& welcome) {
     w.mutable_welcome()->set_node_epoch(node_.epoch());
     auto shared = std::make_shared<const v1::RankReply>(std::move(w));
     for (auto& [r, rs] : ranks_.connected) {
-      if (rs.sink != nullptr && rs.reconnects) rs.sink->Send(shared);
+      if (rs.reconnects) effects_.SendToSession(rs.session, shared);
     }
   }
   upstream_.welcomed = true;
   upstream_.loss.Answered();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
   // Steps that began before this stream are checked now.
-  if (upstream_.report_after > absl::ZeroDuration()) timer_.Arm(clock_->Now());
+  if (upstream_.report_after > absl::ZeroDuration()) effects_.ArmTimer(scratch_.now);
 }
 
-void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
-  accord::MutexLock l(&mu_);
+void SidecarJob::HandleCoordinatorMessage(absl::Time now, const v1::CoordinatorMessage& message) {
+  scratch_.now = now;
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
-      HandleWelcomeLocked(message.welcome());
+      HandleWelcome(message.welcome());
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
@@ -195,10 +186,7 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
       for (int r : targets) {
         auto it = ranks_.connected.find(r);
         if (it == ranks_.connected.end()) continue;
-        v1::RankReply reply;
-        *reply.mutable_error() = e;
-        it->second.sink->Send(std::make_shared<const v1::RankReply>(std::move(reply)));
-        it->second.sink->Close(wire::ErrorToStatus(e));
+        SendErrorAndClose(it->second.session, e);
       }
       return;
     }
@@ -226,22 +214,22 @@ void Sidecar::HandleCoordinatorMessage(const v1::CoordinatorMessage& message) {
         it->second.got_result[res.group_id()] = true;
         v1::RankReply reply;
         *reply.mutable_registration() = res;
-        SendToRankLocked(r, std::move(reply));
+        SendToRank(r, std::move(reply));
       }
       return;
     }
     case v1::CoordinatorMessage::kDecisions:
-      HandleDecisionsLocked(message.decisions(), nullptr);
+      HandleDecisions(message.decisions(), nullptr);
       return;
     case v1::CoordinatorMessage::kProgressQuery:
-      AnswerProgressLocked(message.progress_query());
+      AnswerProgress(message.progress_query());
       return;
     default:
       return;
   }
 }
 
-void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
+void SidecarJob::AnswerProgress(const v1::ProgressQuery& query) {
   v1::NodeMessage up;
   v1::NodeProgress* p = up.mutable_progress();
   p->set_group_id(query.group_id());
@@ -266,8 +254,8 @@ void Sidecar::AnswerProgressLocked(const v1::ProgressQuery& query) {
   node_.Send(std::move(up));
 }
 
-void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
-                                    bool local) {
+void SidecarJob::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                                 bool local) {
   // The job's verdict, read before the batch may be moved out below.
   std::optional<v1::DecisionError> verdict;
   if (!local && !job_failure_.has_value()) {
@@ -297,7 +285,7 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
     }
     if (!local) {
       // Already delivered (decided here): only compared.
-      if (ConfirmLocalLocked(g, d)) continue;
+      if (ConfirmLocal(g, d)) continue;
       // What the coordinator's next `same_as_previous` stands for, kept
       // when local decisions are on (a new body is rare in the steady state).
       if (d.has_ok() || d.has_error()) g.local.delivered.reset();
@@ -307,18 +295,18 @@ void Sidecar::HandleDecisionsLocked(const v1::DecisionBatch& batch, v1::Decision
         g.local.coordinator_ok_bytes = d.ok().SerializeAsString();
       }
     }
-    if (!RecordDecisionLocked(g, d, local, routed.emplace_back(RoutedDecision{&d, &g, {}, {}}))) {
+    if (!RecordDecision(g, d, local, routed.emplace_back(RoutedDecision{&d, &g, {}, {}}))) {
       uniform = false;
     }
   }
-  DeliverDecisionsLocked(batch, take, routed, uniform);
+  DeliverDecisions(batch, take, routed, uniform);
   // Full-form manifests never compact, but the resend is the stream's
   // previous batch from now on.
   if (!local && node_.SendBatch(std::move(resend))) ++stats_.node_batch_repeats;
-  if (verdict.has_value()) NoteJobFailedLocked(*verdict);
+  if (verdict.has_value()) NoteJobFailed(*verdict);
 }
 
-void Sidecar::NoteJobFailedLocked(const v1::DecisionError& verdict) {
+void SidecarJob::NoteJobFailed(const v1::DecisionError& verdict) {
   job_failure_ = verdict;
   // The coordinator answered the steps it held; a step it never saw (its
   // node manifest waits here for a rank, or is on its way) is answered here,
@@ -331,10 +319,10 @@ void Sidecar::NoteJobFailedLocked(const v1::DecisionError& verdict) {
       }
     }
   }
-  if (answers.decisions_size() > 0) HandleDecisionsLocked(answers, &answers, /*local=*/true);
+  if (answers.decisions_size() > 0) HandleDecisions(answers, &answers, /*local=*/true);
 }
 
-v1::Decision Sidecar::JobFailureAt(const LocalGroup& g, int64_t step) const {
+v1::Decision SidecarJob::JobFailureAt(const LocalGroup& g, int64_t step) const {
   v1::Decision d;
   d.set_group_id(g.group_id);
   d.set_step(step);
@@ -346,8 +334,8 @@ v1::Decision Sidecar::JobFailureAt(const LocalGroup& g, int64_t step) const {
   return d;
 }
 
-bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool local,
-                                   RoutedDecision& out) {
+bool SidecarJob::RecordDecision(LocalGroup& g, const v1::Decision& d, bool local,
+                                RoutedDecision& out) {
   const int64_t previous = g.decided.Record(d);
   g.collect.DropUpTo(d.step());
   // A local decision's node manifest is resent until the coordinator
@@ -368,8 +356,8 @@ bool Sidecar::RecordDecisionLocked(LocalGroup& g, const v1::Decision& d, bool lo
   return connected == ranks_.connected.size() && out.expand.empty();
 }
 
-void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
-                                     const std::vector<RoutedDecision>& routed, bool uniform) {
+void SidecarJob::DeliverDecisions(const v1::DecisionBatch& batch, v1::DecisionBatch* take,
+                                  const std::vector<RoutedDecision>& routed, bool uniform) {
   // Pass 2: one shared reply when every rank gets the same decisions (the
   // common case), else one reply per rank.
   if (!routed.empty() && uniform) {
@@ -383,7 +371,7 @@ void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::Decisio
     }
     std::shared_ptr<const v1::RankReply> shared = std::move(reply);
     for (auto& [r, rs] : ranks_.connected) {
-      if (rs.sink != nullptr) rs.sink->Send(shared);
+      effects_.SendToSession(rs.session, shared);
     }
   } else if (!routed.empty()) {
     for (auto& [r, rs] : ranks_.connected) {
@@ -397,7 +385,7 @@ void Sidecar::DeliverDecisionsLocked(const v1::DecisionBatch& batch, v1::Decisio
           *rd->mutable_ok() = x.expand_ok;
         }
       }
-      if (reply.has_decisions()) SendToRankLocked(r, std::move(reply));
+      if (reply.has_decisions()) SendToRank(r, std::move(reply));
     }
   }
 }
