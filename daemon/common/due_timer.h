@@ -19,6 +19,18 @@
 
 namespace accord::daemon {
 
+// What an engine without threads (SidecarJob, RelayJob) asks of the
+// DueTimer its owner runs: the owner's check, which calls the engine's, is
+// due at `at`. Called with the owner's mutex held.
+class DueTimerEffects {
+ public:
+  virtual ~DueTimerEffects() = default;
+  // Due at `at`, unless due as early already.
+  virtual void ArmTimer(absl::Time at) = 0;
+  // Whether it is due at some time already.
+  virtual bool TimerArmed() const = 0;
+};
+
 class DueTimer {
  public:
   // `mu`: the owner's mutex; neither is owned. `check` runs with the mutex

@@ -1,4 +1,4 @@
-// The Relay's manifests (docs/ARCHITECTURE.md, "Relays"): a sidecar's batch
+// The RelayJob's manifests (docs/ARCHITECTURE.md, "Relays"): a sidecar's batch
 // (or batch repeat) resolved into full-form contributions, collected per
 // (group, step), merged once every sidecar that registered the group
 // contributed, and sent upstream in repeat form when unchanged.
@@ -12,7 +12,7 @@
 #include "core/hash.h"
 #include "core/manifest.h"
 #include "daemon/common/decision_errors.h"
-#include "daemon/relay/relay.h"
+#include "daemon/relay/relay_job.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -41,16 +41,16 @@ ManifestShape ShapeOf(const v1::Manifest& m) {
 
 }  // namespace
 
-void Relay::HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch) {
+void RelayJob::HandleManifests(absl::Time now, Node& node, const v1::ManifestBatch& batch) {
   if (batch.repeat_batch_key() == 0) {
     if (batch.manifests_size() == 0) return;
     node.received.Record(batch);
-    AddBatchLocked(node, batch);
+    AddBatch(now, node, batch);
     return;
   }
   if (batch.manifests_size() > 0 || node.received.key() != batch.repeat_batch_key()) {
-    RefuseLocked(
-        node.sink,
+    Refuse(
+        node.session,
         OutOfOrderError(
             v1::INVALID_REQUEST,
             absl::StrCat("job ", node_.job_id(), " step ", batch.repeat_step(), ": node \"",
@@ -66,10 +66,10 @@ void Relay::HandleManifestsLocked(Node& node, const v1::ManifestBatch& batch) {
     return;
   }
   ++stats_.batch_repeats_in;
-  AddBatchLocked(node, node.received.ExpandAt(batch.repeat_step()));
+  AddBatch(now, node, node.received.ExpandAt(batch.repeat_step()));
 }
 
-void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
+void RelayJob::AddBatch(absl::Time now, Node& node, const v1::ManifestBatch& batch) {
   v1::ManifestBatch out;
   for (const v1::Manifest& m : batch.manifests()) {
     auto git = groups_.find(m.group_id());
@@ -97,7 +97,7 @@ void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
         d->mutable_error()->set_group_id(g.group_id);
         d->mutable_error()->set_step(m.step());
         d->mutable_error()->set_resend_full_form(true);
-        SendToLocked(node.sink, std::move(reply));
+        SendTo(node.session, std::move(reply));
         continue;
       }
       full = lit->second;
@@ -115,26 +115,26 @@ void Relay::AddBatchLocked(Node& node, const v1::ManifestBatch& batch) {
     // restart"). A step it never saw decided (it restarted since) takes it
     // as that sidecar's contribution, flagged: it is the only copy of what
     // those ranks submitted, which the sidecars that lost the decision wait
-    // on (chaos seed 8525).
+    // on.
     if (m.decided() && m.step() <= g.last_decided) continue;
     if (!m.decided()) ++stats_.node_manifests_in;
-    AddManifestLocked(node, g, std::move(full), m.repeat(), m.decided(), &out);
+    AddManifest(now, node, g, std::move(full), m.repeat(), m.decided(), &out);
   }
-  SendBatchLocked(std::move(out));
+  SendBatch(std::move(out));
 }
 
-void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat, bool decided,
-                              v1::ManifestBatch* out) {
+void RelayJob::AddManifest(absl::Time now, Node& node, Group& g, v1::Manifest m, bool repeat,
+                           bool decided, v1::ManifestBatch* out) {
   const int64_t step = m.step();
   if (step <= g.last_decided) {
-    AnswerDecidedStepLocked(node, g, step);
+    AnswerDecidedStep(node, g, step);
     return;
   }
   LocalStep& st = g.steps[step];
   if (st.contributed.count(node.node_id) != 0) return;  // a resend: sent or queued already
   if (!decided && !st.waited) {
     st.waited = true;
-    st.first_seen = clock_->Now();
+    st.first_seen = now;
   }
   // Explicit ranks when the sidecar named them; none: every rank it announced.
   absl::StatusOr<RankSet> ranks =
@@ -143,15 +143,15 @@ void Relay::AddManifestLocked(Node& node, Group& g, v1::Manifest m, bool repeat,
   st.contributed[node.node_id] = ranks.ok() ? ranks->Members() : std::vector<int>();
   st.unsent.push_back(Part{node.node_id, std::move(m), repeat, std::move(ranks), decided});
   if (st.waited && node_.deadline_ms() > 0) {
-    timer_.Arm(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
+    effects_.ArmTimer(st.first_seen + absl::Milliseconds(node_.deadline_ms()) / 2);
   }
-  MaybeSendStepLocked(g, step, out);
+  MaybeSendStep(g, step, out);
 }
 
-void Relay::AnswerDecidedStepLocked(Node& node, const Group& g, int64_t step) {
+void RelayJob::AnswerDecidedStep(Node& node, const Group& g, int64_t step) {
   // Every manifest gets an answer, as the coordinator gives it
-  // (docs/ARCHITECTURE.md, "Relays"): silence here left the ranks of a
-  // sidecar that came back past the grace waiting for ever (chaos seed 34).
+  // (docs/ARCHITECTURE.md, "Relays"): without one, the ranks of a sidecar
+  // that came back past the grace would wait for ever.
   v1::CoordinatorMessage reply;
   v1::Decision* d = reply.mutable_decisions()->add_decisions();
   if (g.last_decision.has_value() && (step == g.last_decided || g.last_decision->has_error())) {
@@ -173,10 +173,10 @@ void Relay::AnswerDecidedStepLocked(Node& node, const Group& g, int64_t step) {
     d->mutable_error()->set_step(step);
   }
   d->set_step(step);
-  SendToLocked(node.sink, std::move(reply));
+  SendTo(node.session, std::move(reply));
 }
 
-void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) {
+void RelayJob::MaybeSendStep(Group& g, int64_t step, v1::ManifestBatch* out) {
   auto sit = g.steps.find(step);
   if (sit == g.steps.end() || sit->second.unsent.empty()) return;
   LocalStep& st = sit->second;
@@ -188,16 +188,17 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   }
   std::vector<Part> parts = std::move(st.unsent);
   st.unsent.clear();
-  const uint64_t signature = PartsSignatureLocked(parts);
+  const uint64_t signature = PartsSignature(parts);
   const bool all_repeat =
       std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.repeat; });
   // Only flagged parts: the merge speaks for ranks that hold the decision.
   const bool decided =
       std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.decided; });
-  if (all_repeat && signature != 0 && g.repeat.held() && signature == g.last_parts_signature) {
+  if (all_repeat && signature != 0 && g.repeat.held() &&
+      signature == g.last_merge.parts_signature) {
     // The steady state: every sidecar repeated the content of the last merge,
     // and the ranks are the same, so the merge would be the last one again.
-    g.inflight.Add(step, g.last_merged, g.last_merged_announced, decided);
+    g.inflight.Add(step, g.last_merge.merged, g.last_merge.announced, decided);
     v1::Manifest* r = out->add_manifests();
     r->set_group_id(g.group_id);
     r->set_step(step);
@@ -208,21 +209,19 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
     ++stats_.merges_reused;
     return;
   }
-  absl::StatusOr<v1::Manifest> merged = MergeLocked(g, step, parts);
+  absl::StatusOr<v1::Manifest> merged = Merge(g, step, parts);
   if (!merged.ok()) {
     // Malformed contributions: forward them as they are, so the coordinator
     // names the problem exactly as it would without a relay.
     for (Part& p : parts) *out->add_manifests() = std::move(p.manifest);
     g.repeat.Forget();
-    g.last_parts_signature = 0;
+    g.last_merge.parts_signature = 0;
     return;
   }
-  g.last_parts_signature = signature;
   auto full = std::make_shared<v1::Manifest>(*merged);
   full->clear_step();
-  g.last_merged = full;
-  g.last_merged_announced = node_.announced().size();
-  g.inflight.Add(step, std::move(full), g.last_merged_announced, decided);
+  g.last_merge = LastMerge{signature, full, node_.announced().size()};
+  g.inflight.Add(step, std::move(full), g.last_merge.announced, decided);
   merged->set_decided(decided);
   const ManifestShape shape = ShapeOf(*merged);
   if (g.repeat.Repeats(merged->cache_key(), shape)) {
@@ -240,7 +239,7 @@ void Relay::MaybeSendStepLocked(Group& g, int64_t step, v1::ManifestBatch* out) 
   ++stats_.manifests_up_full;
 }
 
-uint64_t Relay::PartsSignatureLocked(const std::vector<Part>& parts) const {
+uint64_t RelayJob::PartsSignature(const std::vector<Part>& parts) const {
   // Order-independent: a step's parts arrive in any order.
   uint64_t sum = 0;
   for (const Part& p : parts) {
@@ -258,8 +257,8 @@ uint64_t Relay::PartsSignatureLocked(const std::vector<Part>& parts) const {
   return signature != 0 ? signature : 1;
 }
 
-absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
-                                                const std::vector<Part>& parts) {
+absl::StatusOr<v1::Manifest> RelayJob::Merge(const Group& g, int64_t step,
+                                             const std::vector<Part>& parts) {
   Manifest merged;
   merged.step = step;
   merged.dtypes.assign(g.num_params, 0);
@@ -302,7 +301,7 @@ absl::StatusOr<v1::Manifest> Relay::MergeLocked(const Group& g, int64_t step,
   return out;
 }
 
-void Relay::SendBatchLocked(v1::ManifestBatch batch) {
+void RelayJob::SendBatch(v1::ManifestBatch batch) {
   // Every group of a step completed by one sidecar's batch, each identical
   // to the previous one sent: the coordinator can take it as one batch
   // repeat (and a repeat wave when every relay does the same).

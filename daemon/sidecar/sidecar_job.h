@@ -73,6 +73,7 @@
 #include "core/group.h"
 #include "core/manifest.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/due_timer.h"
 #include "daemon/common/upstream.h"
 #include "daemon/common/upstream_health.h"
 #include "daemon/common/upstream_loss.h"
@@ -147,8 +148,9 @@ struct SidecarStats {
 };
 
 // What a SidecarJob does outside itself, implemented by its caller (Sidecar)
-// and called from inside the SidecarJob's methods.
-class SidecarEffects {
+// and called from inside the SidecarJob's methods; the timer's due times are
+// for SidecarJob::CheckTimers.
+class SidecarEffects : public DueTimerEffects {
  public:
   using SessionId = uint64_t;
   virtual ~SidecarEffects() = default;
@@ -157,10 +159,6 @@ class SidecarEffects {
   virtual void SendToSession(SessionId session, std::shared_ptr<const v1::RankReply> reply) = 0;
   // Ends session `session`'s stream with `status` after its queued replies.
   virtual void CloseSession(SessionId session, const absl::Status& status) = 0;
-  // SidecarJob::CheckTimers is due at `at` (unless due as early already) ...
-  virtual void ArmTimer(absl::Time at) = 0;
-  // ... and whether it is due at some time already.
-  virtual bool TimerArmed() const = 0;
 };
 
 class SidecarJob {
