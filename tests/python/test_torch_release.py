@@ -270,8 +270,8 @@ class FakeGroup:
     def late_here(self, unsent):
         return self.turn.late
 
-    def settle(self, decision, dtypes, late_somewhere):
-        self.history.last = Layout.of(decision)
+    def settle(self, decision, layout, dtypes, late_somewhere):
+        self.history.last = layout
         self.history.deferred = late_somewhere
 
     def end_backward(self):

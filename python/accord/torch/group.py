@@ -19,9 +19,14 @@ class AccordFSDPError(RuntimeError):
     """The adapter could not apply a decision (names the group and rank)."""
 
 
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in (
+    torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """accord's name of a torch dtype ('torch.bfloat16' -> 'bfloat16')."""
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).replace("torch.", "")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -133,7 +138,7 @@ class HookedGroup:
         fsdp_params = fsdp2.group_params(self.group)
         ready = self.post_backwarded or not in_backward
         turn = Turn(self.step, layout if any(layout.included) else None,
-                    [fsdp2.sharded_param(fp).grad is None for fp in fsdp_params],
+                    fsdp2.sharded_grads_none(self.group),
                     [None] * len(fsdp_params), {}, late=not ready, in_backward=in_backward)
         self.step += 1
         self.turn = turn
@@ -145,8 +150,10 @@ class HookedGroup:
                 self._send(layout, None, midway=True)
             return turn
         local = fsdp2.local_grads(self.group)
-        turn.dtypes = [dtype_name(g.dtype) if g is not None else None for g in local]
-        turn.sent_bytes = sum(g.numel() * g.element_size() for g in local if g is not None)
+        names = _DTYPE_NAMES
+        turn.dtypes = [(names.get(g.dtype) or dtype_name(g.dtype)) if g is not None else None
+                       for g in local]
+        turn.sent_bytes = sum([g.nbytes for g in local if g is not None])
         for i, g in enumerate(local):
             if g is not None and not layout.included[i]:
                 turn.owed[i] = g
@@ -206,13 +213,14 @@ class HookedGroup:
         turn = self.turn
         if turn.late or self.held_after_turn or self.passed_unready:
             local = fsdp2.local_grads(self.group)
+            found = [i for i, g in enumerate(local) if g is not None]
+            self.found_unsent = bool(found)
+            self.sent_late = any([i not in turn.owed for i in found])
         else:
             # The turn carried every gradient there was (FSDP2 took them), and
             # a gradient after it comes only with a post-backward (hold()).
             local = [None] * len(self.params)
-        self.found_unsent = any(g is not None for g in local)
-        self.sent_late = self.found_unsent and any(
-            g is not None for i, g in enumerate(local) if i not in turn.owed)
+            self.found_unsent = self.sent_late = False
         for i, g in turn.owed.items():
             local[i] = g if local[i] is None else local[i] + g
         return local
@@ -264,24 +272,23 @@ class HookedGroup:
                 fsdp2.sharded_param(fsdp2.group_params(self.group)[i]).grad = None
         turn.owed.clear()
 
-    def settle(self, decision, dtypes: List[Optional[str]], late_somewhere: bool) -> None:
-        """This step's stats and history, from its final decision and this
-        rank's manifest of the step."""
+    def settle(self, decision, layout: Layout, dtypes: List[Optional[str]],
+               late_somewhere: bool) -> None:
+        """This step's stats and history, from its final decision (`layout`:
+        Layout.of(decision)) and this rank's manifest of the step."""
         s = self.stats
         s.reductions += 1
         s.last_decision = decision
-        layout = Layout.of(decision)
+        included = layout.included
         applied = self.turn.applied.included if self.turn.applied else (False,) * len(dtypes)
-        present = {dt for dt, inc in zip(dtypes, layout.included) if dt is not None and inc}
-        for inc, dt in zip(layout.included, dtypes):
-            if not inc:
-                s.skipped += 1
-            elif dt is None:
-                s.zero_filled += 1
-            elif len(present) > 1 and dt != self.wire:
-                s.widened += 1  # beside gradients of another dtype
+        used = [dt for dt, inc in zip(dtypes, included) if inc]
+        s.skipped += len(included) - len(used)
+        s.zero_filled += used.count(None)
+        present = set(used) - {None}
+        if len(present) > 1:  # gradients converted beside others of another dtype
+            s.widened += len([dt for dt in used if dt is not None and dt != self.wire])
         self.history.last = layout
-        self.history.grew_last = any(r and not a for a, r in zip(applied, layout.included))
+        self.history.grew_last = any([r and not a for a, r in zip(applied, included)])
         self.history.deferred = late_somewhere
 
     def unhook(self) -> None:

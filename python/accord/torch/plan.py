@@ -9,6 +9,7 @@ backward").
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import List, Optional, Sequence
 
 
@@ -21,10 +22,10 @@ class Layout:
 
     @staticmethod
     def of(decision) -> "Layout":
-        return Layout(tuple(bool(x) for x in decision.included), str(decision.wire_dtype))
+        return Layout(tuple(map(bool, decision.included)), str(decision.wire_dtype))
 
     def numel(self, sizes: Sequence[int]) -> int:
-        return sum(n for n, inc in zip(sizes, self.included) if inc)
+        return sum(itertools.compress(sizes, self.included))
 
 
 @dataclasses.dataclass

@@ -132,7 +132,7 @@ class Release:
                 h.stats.repaired += 1
                 if completion.delta:
                     inst.timing.redone += 1
-            h.settle(decision, dtypes, late_any.get(h.group_id, False))
+            h.settle(decision, real, dtypes, late_any.get(h.group_id, False))
         negotiation.report()
 
     def end(self) -> None:

@@ -28,6 +28,7 @@ from accord.torch.fsdp2.grads import (  # noqa: F401
     local_grads,
     param_shape,
     reduce_scatter,
+    sharded_grads_none,
     sharded_param,
     take_grad,
     trainable,

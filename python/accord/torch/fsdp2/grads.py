@@ -51,6 +51,11 @@ def sharded_param(fp):
     return fp.sharded_param
 
 
+def sharded_grads_none(group) -> List[bool]:
+    """Per parameter of the group: whether its sharded gradient is None."""
+    return [fp.sharded_param.grad is None for fp in group.fsdp_params]
+
+
 def all_gather_dtype(fp) -> Optional[torch.dtype]:
     """None before FSDP2's lazy init (the first forward) sets the dtypes:
     nothing was all-gathered yet (uninstall after a refused configuration)."""
@@ -85,8 +90,8 @@ def has_post_accumulate_grad_hooks(group) -> bool:
     """Whether any parameter of the group has a post-accumulate-grad hook
     (Tensor.register_post_accumulate_grad_hook), which FSDP2 runs on the
     sharded gradient right after each reduce-scatter."""
-    return any(getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-               for fp in group.fsdp_params)
+    return any([getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
+                for fp in group.fsdp_params])
 
 
 def trainable(fp) -> bool:
