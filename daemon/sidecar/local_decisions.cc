@@ -33,7 +33,7 @@ bool SidecarJob::LocalDecisionAllowed(const LocalGroup& g) const {
          g.result.has_value() && !g.result->has_error();
 }
 
-void SidecarJob::DecideLocally(LocalGroup& g, const LocalStep& st) {
+void SidecarJob::DecideLocally(absl::Time now, LocalGroup& g, const LocalStep& st) {
   if (!LocalDecisionAllowed(g) ||
       static_cast<int>(g.local.unconfirmed.size()) >= options_.local_decision_lag) {
     return;
@@ -59,7 +59,7 @@ void SidecarJob::DecideLocally(LocalGroup& g, const LocalStep& st) {
   v1::Decision* d = scratch_.local_batch.add_decisions();
   d->set_group_id(g.group_id);
   d->set_step(st.step);
-  d->set_wait_us(absl::ToInt64Microseconds(scratch_.now - st.first_seen));
+  d->set_wait_us(absl::ToInt64Microseconds(now - st.first_seen));
   d->set_local(true);
   if (g.decided.ok.has_value() && g.local.delivered == g.local.ok_bytes) {
     d->set_same_as_previous(true);  // the ranks' last decision of the group

@@ -46,12 +46,11 @@ void SidecarJob::SendErrorAndClose(SessionId session, const v1::DecisionError& e
 }
 
 void SidecarJob::HandleRankMessage(absl::Time now, SessionId id, const v1::RankMessage& message) {
-  scratch_.now = now;
   auto it = ranks_.sessions.find(id);
   if (it == ranks_.sessions.end()) return;
   Session& s = it->second;
   if (message.has_hello()) {
-    HandleHello(id, s, message.hello());
+    HandleHello(now, id, s, message.hello());
     return;
   }
   if (s.rank < 0) {
@@ -61,7 +60,7 @@ void SidecarJob::HandleRankMessage(absl::Time now, SessionId id, const v1::RankM
   if (message.has_registration()) {
     HandleRegistration(s.rank, message.registration());
   } else if (message.has_manifests()) {
-    HandleManifests(s.rank, message.manifests());
+    HandleManifests(now, s.rank, message.manifests());
   } else if (message.has_adapter_counts()) {
     HandleAdapterCounts(s.rank, message.adapter_counts());
   }
@@ -158,14 +157,14 @@ std::vector<int> SidecarJob::ConnectedRanks() const {
   return out;
 }
 
-void SidecarJob::HandleHello(SessionId id, Session& s, const v1::RankHello& hello) {
+void SidecarJob::HandleHello(absl::Time now, SessionId id, Session& s, const v1::RankHello& hello) {
   if (std::optional<v1::DecisionError> refused = HelloRefusal(s, hello)) {
     refused->set_job_id(hello.job_id());
     refused->add_ranks(hello.rank());
     SendErrorAndClose(id, *refused);
     return;
   }
-  AcceptRank(id, s, hello);
+  AcceptRank(now, id, s, hello);
 }
 
 std::optional<v1::DecisionError> SidecarJob::HelloRefusal(const Session& s,
@@ -209,7 +208,7 @@ std::optional<v1::DecisionError> SidecarJob::HelloRefusal(const Session& s,
   return std::nullopt;
 }
 
-void SidecarJob::AcceptRank(SessionId id, Session& s, const v1::RankHello& hello) {
+void SidecarJob::AcceptRank(absl::Time now, SessionId id, Session& s, const v1::RankHello& hello) {
   if (!node_.has_job()) {
     // A rank that resumes a run creates this state: the sidecar was
     // restarted under the run, so it rejoins it (RESUME) as the same node
@@ -233,7 +232,7 @@ void SidecarJob::AcceptRank(SessionId id, Session& s, const v1::RankHello& hello
     resume_.continued_run.clear();
     resume_.continued_epoch = 0;
     // The job's wait for the node above starts now, unless it answers.
-    if (!upstream_.welcomed) StartUnanswered();
+    if (!upstream_.welcomed) StartUnanswered(now);
   }
   s.rank = hello.rank();
   RankState& rs = ranks_.connected[s.rank];
@@ -312,7 +311,7 @@ void SidecarJob::HandleRegistration(int rank, const v1::GroupRegistration& reg) 
   node_.Send(std::move(up));
 }
 
-void SidecarJob::HandleManifests(int rank, const v1::ManifestBatch& batch) {
+void SidecarJob::HandleManifests(absl::Time now, int rank, const v1::ManifestBatch& batch) {
   RankState& rs = ranks_.connected[rank];
   v1::RankReply errors;
   if (batch.repeat_batch_key() != 0) {
@@ -330,7 +329,7 @@ void SidecarJob::HandleManifests(int rank, const v1::ManifestBatch& batch) {
   const uint64_t epoch = ++scratch_.touch_epoch;
   scratch_.touched.clear();
   for (const v1::Manifest& m : batch.manifests()) {
-    HandleRankManifest(rank, rs, m, epoch, errors);
+    HandleRankManifest(now, rank, rs, m, epoch, errors);
   }
   if (errors.decisions().decisions_size() > 0) SendToRank(rank, std::move(errors));
   SendLate();
@@ -341,7 +340,7 @@ void SidecarJob::HandleManifests(int rank, const v1::ManifestBatch& batch) {
             [](const LocalGroup* a, const LocalGroup* b) { return a->index < b->index; });
   // Collected as (group, step, key) first: a batch that repeats the previous
   // one goes up as a batch repeat without building its manifests.
-  for (LocalGroup* g : scratch_.touched) CollectComplete(*g, &scratch_.outgoing);
+  for (LocalGroup* g : scratch_.touched) CollectComplete(now, *g, &scratch_.outgoing);
   DeliverLocalDecisions();
   SendOutgoing(scratch_.outgoing);
 }
@@ -349,8 +348,8 @@ void SidecarJob::HandleManifests(int rank, const v1::ManifestBatch& batch) {
 // One manifest of a rank's batch: added to its group's local step (the group
 // noted in scratch_.touched once per batch, `epoch`), or an answer for the
 // rank in `errors`.
-void SidecarJob::HandleRankManifest(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
-                                    v1::RankReply& errors) {
+void SidecarJob::HandleRankManifest(absl::Time now, int rank, RankState& rs, const v1::Manifest& m,
+                                    uint64_t epoch, v1::RankReply& errors) {
   ++stats_.rank_manifests;
   LocalGroup* g = groups_.Find(m.group_id());
   if (g == nullptr || !std::binary_search(g->ranks.begin(), g->ranks.end(), rank)) {
@@ -376,7 +375,7 @@ void SidecarJob::HandleRankManifest(int rank, RankState& rs, const v1::Manifest&
     AddManifestError(errors, node_.job_id(), rank, m, std::move(refused));
     return;
   }
-  if (!AddRankRow(rank, *g, m, *content, errors)) return;
+  if (!AddRankRow(now, rank, *g, m, *content, errors)) return;
   if (!m.repeat()) g->collect.RememberFull(rank, full_key, *content);
   rs.last_step = std::max(rs.last_step, m.step());
   int64_t& submitted = rs.SubmittedSlot(g->index, groups_.size());
@@ -414,10 +413,10 @@ void SidecarJob::AnswerDecidedStep(int rank, RankState& rs, const LocalGroup& g,
                                g.decided.step)));
 }
 
-bool SidecarJob::AddRankRow(int rank, LocalGroup& g, const v1::Manifest& m,
+bool SidecarJob::AddRankRow(absl::Time now, int rank, LocalGroup& g, const v1::Manifest& m,
                             const std::vector<DTypeMask>& content, v1::RankReply& errors) {
   LocalStep& st = g.collect.StepFor(m.step());
-  if (st.ranks.empty()) NoteStepStarted(st);
+  if (st.ranks.empty()) NoteStepStarted(now, st);
   switch (StepCollection::AddRow(st, rank, content)) {
     case StepCollection::Row::kAdded:
       if (st.sent) {
@@ -477,7 +476,7 @@ const std::vector<DTypeMask>* SidecarJob::RankContent(int rank, RankState& rs, c
   return &parsed;
 }
 
-void SidecarJob::CollectComplete(LocalGroup& g, std::vector<Outgoing>* out) {
+void SidecarJob::CollectComplete(absl::Time now, LocalGroup& g, std::vector<Outgoing>* out) {
   const size_t num_params = g.spec.params.size();
   for (LocalStep& st : g.collect.steps) {
     if (st.sent || st.ranks.empty()) continue;
@@ -531,12 +530,11 @@ void SidecarJob::CollectComplete(LocalGroup& g, std::vector<Outgoing>* out) {
       ++stats_.node_manifests_full;
     }
     g.form.repeat.Sent(g.form.key, detail);
-    if (options_.local_decisions) DecideLocally(g, st);
+    if (options_.local_decisions) DecideLocally(now, g, st);
   }
 }
 
 void SidecarJob::CloseSession(absl::Time now, SessionId id) {
-  scratch_.now = now;
   auto it = ranks_.sessions.find(id);
   if (it == ranks_.sessions.end()) return;
   const int rank = it->second.rank;
@@ -571,7 +569,7 @@ void SidecarJob::CloseSession(absl::Time now, SessionId id) {
   // and are not named as missing.
   for (LocalGroup* g : groups_.ordered()) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
-    CollectComplete(*g, &scratch_.outgoing);
+    CollectComplete(now, *g, &scratch_.outgoing);
   }
   DeliverLocalDecisions();
   SendOutgoing(scratch_.outgoing);

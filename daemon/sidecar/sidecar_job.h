@@ -292,10 +292,8 @@ class SidecarJob {
     std::vector<DTypeMask> content;
   };
   // What one call builds and sends before it returns, kept across calls for
-  // its storage; the count that tells one rank batch from the next; the
-  // call's time.
+  // its storage, and the count that tells one rank batch from the next.
   struct Scratch {
-    absl::Time now;  // passed in by the caller of the call being handled
     // HandleManifests: the groups one rank batch added to, each
     // noted once (StepCollection::touched_epoch is the batch's epoch).
     uint64_t touch_epoch = 0;
@@ -308,21 +306,21 @@ class SidecarJob {
 
   // Accepts the rank of a RankHello on session `id`, or refuses it and
   // closes the session.
-  void HandleHello(SessionId id, Session& s, const v1::RankHello& hello);
+  void HandleHello(absl::Time now, SessionId id, Session& s, const v1::RankHello& hello);
   // The error a RankHello on `s` is refused with (the first check it fails:
   // CheckHello, the job, the token, CheckResume, the world size,
   // DUPLICATE_RANK, --max_ranks), else nullopt.
   std::optional<v1::DecisionError> HelloRefusal(const Session& s, const v1::RankHello& hello);
   // Accepts the rank of `hello` on session `id` (starting the job when it is
   // the first), welcomes it and announces it upstream.
-  void AcceptRank(SessionId id, Session& s, const v1::RankHello& hello);
+  void AcceptRank(absl::Time now, SessionId id, Session& s, const v1::RankHello& hello);
   void HandleRegistration(int rank, const v1::GroupRegistration& reg);
-  void HandleManifests(int rank, const v1::ManifestBatch& batch);
+  void HandleManifests(absl::Time now, int rank, const v1::ManifestBatch& batch);
   // Adds what `counts` (rank's cumulative report) adds to its last report
   // to stats_; a count that went down is a new process: added whole.
   void HandleAdapterCounts(int rank, const v1::AdapterCounts& counts);
-  void HandleRankManifest(int rank, RankState& rs, const v1::Manifest& m, uint64_t epoch,
-                          v1::RankReply& errors);
+  void HandleRankManifest(absl::Time now, int rank, RankState& rs, const v1::Manifest& m,
+                          uint64_t epoch, v1::RankReply& errors);
   // A manifest `m` of a step `g` already decided: the step's error again,
   // its decision again for a resumed rank, else STEP_REGRESSION, in `errors`.
   void AnswerDecidedStep(int rank, RankState& rs, const LocalGroup& g, const v1::Manifest& m,
@@ -330,7 +328,7 @@ class SidecarJob {
   // Adds `rank`'s row `content` to its step `m` of `g` (noting a late one,
   // scratch_.late); false when the step has its row already (the same: a no-op;
   // another: an error in `errors`).
-  bool AddRankRow(int rank, LocalGroup& g, const v1::Manifest& m,
+  bool AddRankRow(absl::Time now, int rank, LocalGroup& g, const v1::Manifest& m,
                   const std::vector<DTypeMask>& content, v1::RankReply& errors);
   // The dtypes a rank's manifest `m` of `g` carries: for a repeat, its
   // previous full form's; else `m` decoded into rs.key_scratch, its key in
@@ -342,7 +340,7 @@ class SidecarJob {
   // deadline: which local ranks submitted it, and each one's last step.
   void AnswerProgress(const v1::ProgressQuery& query);
   // Appends every complete local step of `g` to `out` (sidecar_job.cc).
-  void CollectComplete(LocalGroup& g, std::vector<Outgoing>* out);
+  void CollectComplete(absl::Time now, LocalGroup& g, std::vector<Outgoing>* out);
   // Sends collected node manifests as one batch, or as a batch repeat when
   // they repeat the stream's previous batch (built only when they do not);
   // clears `items`. The upstream side is in sidecar_upstream.cc.
@@ -376,7 +374,7 @@ class SidecarJob {
                         const std::vector<RoutedDecision>& routed, bool uniform);
   // Local decisions (local_decisions.cc). Decides the complete step `st` of
   // `g` here when allowed, into scratch_.local_batch ...
-  void DecideLocally(LocalGroup& g, const LocalStep& st);
+  void DecideLocally(absl::Time now, LocalGroup& g, const LocalStep& st);
   // ... which this delivers to the ranks (after the steps were collected).
   void DeliverLocalDecisions();
   bool LocalDecisionAllowed(const LocalGroup& g) const;
@@ -405,15 +403,15 @@ class SidecarJob {
   // returns when the next one ends.
   absl::Time ExpireDetached(absl::Time now);
   // Partial-step reports: a step's first rank arrived; the timer is due at `at`.
-  void NoteStepStarted(LocalStep& st);
-  // Reports the steps due by scratch_.now; returns when the next one is due.
-  absl::Time CheckPartialSteps();
+  void NoteStepStarted(absl::Time now, LocalStep& st);
+  // Reports the steps due by `now`; returns when the next one is due.
+  absl::Time CheckPartialSteps(absl::Time now);
   // The node above answered this stream: its run, its deadline (partial
   // reports at half of it), and the loss limit's clock stopped.
-  void HandleWelcome(const v1::Welcome& welcome);
+  void HandleWelcome(absl::Time now, const v1::Welcome& welcome);
   // The job's clock against options_.upstream_loss_limit starts now, unless
   // it counts already (UpstreamLossClock::Start); the timer is armed for it.
-  void StartUnanswered();
+  void StartUnanswered(absl::Time now);
   // Fails the job's ranks here once the node above has gone unanswered for
   // options_.upstream_loss_limit; returns when that will be (InfiniteFuture:
   // not counting).

@@ -14,8 +14,8 @@
 
 namespace accord::daemon {
 
-void SidecarJob::NoteStepStarted(LocalStep& st) {
-  st.first_seen = scratch_.now;
+void SidecarJob::NoteStepStarted(absl::Time now, LocalStep& st) {
+  st.first_seen = now;
   st.partial_reported = false;
   if (upstream_.report_after > absl::ZeroDuration() && !effects_.TimerArmed()) {
     effects_.ArmTimer(st.first_seen + upstream_.report_after);
@@ -23,14 +23,13 @@ void SidecarJob::NoteStepStarted(LocalStep& st) {
 }
 
 absl::Time SidecarJob::CheckTimers(absl::Time now) {
-  scratch_.now = now;
   const absl::Time detached = ExpireDetached(now);
   const absl::Time lost = CheckUpstreamLoss(now);
-  return std::min({detached, lost, CheckPartialSteps()});
+  return std::min({detached, lost, CheckPartialSteps(now)});
 }
 
-void SidecarJob::StartUnanswered() {
-  const absl::Time due = upstream_.loss.Start(scratch_.now);
+void SidecarJob::StartUnanswered(absl::Time now) {
+  const absl::Time due = upstream_.loss.Start(now);
   if (due != absl::InfiniteFuture()) effects_.ArmTimer(due);
 }
 
@@ -45,10 +44,9 @@ absl::Time SidecarJob::CheckUpstreamLoss(absl::Time now) {
   return next;
 }
 
-absl::Time SidecarJob::CheckPartialSteps() {
+absl::Time SidecarJob::CheckPartialSteps(absl::Time now) {
   absl::Time next = absl::InfiniteFuture();
   if (upstream_.report_after <= absl::ZeroDuration() || node_.sink() == nullptr) return next;
-  const absl::Time now = scratch_.now;
   for (LocalGroup* g : groups_.ordered()) {
     for (LocalStep& st : g->collect.steps) {
       if (st.sent || st.ranks.empty() || st.partial_reported) continue;
@@ -116,7 +114,6 @@ void SidecarJob::SendOutgoing(std::vector<Outgoing>& items) {
 }
 
 void SidecarJob::OnUpstreamConnected(absl::Time now) {
-  scratch_.now = now;
   std::vector<v1::NodeMessage> registrations;
   v1::ManifestBatch inflight;
   for (LocalGroup* g : groups_.ordered()) {
@@ -132,20 +129,19 @@ void SidecarJob::OnUpstreamConnected(absl::Time now) {
   // A new stream: the previous one ended, or this is the first. Unanswered
   // until its Welcome; the loss limit counts while a job is served.
   upstream_.welcomed = false;
-  if (node_.has_job()) StartUnanswered();
+  if (node_.has_job()) StartUnanswered(now);
   node_.Connected(std::move(registrations), std::move(inflight));
 }
 
 void SidecarJob::HandleCoordinatorMessage(absl::Time now, v1::CoordinatorMessage* message) {
   if (message->has_decisions()) {
-    scratch_.now = now;
     HandleDecisions(message->decisions(), message->mutable_decisions());
     return;
   }
   HandleCoordinatorMessage(now, *message);
 }
 
-void SidecarJob::HandleWelcome(const v1::Welcome& welcome) {
+void SidecarJob::HandleWelcome(absl::Time now, const v1::Welcome& welcome) {
   const std::string before = node_.run_id();
   node_.OnWelcome(welcome);
   if (node_.has_job() && node_.run_id() != before) {
@@ -165,14 +161,13 @@ void SidecarJob::HandleWelcome(const v1::Welcome& welcome) {
   upstream_.loss.Answered();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
   // Steps that began before this stream are checked now.
-  if (upstream_.report_after > absl::ZeroDuration()) effects_.ArmTimer(scratch_.now);
+  if (upstream_.report_after > absl::ZeroDuration()) effects_.ArmTimer(now);
 }
 
 void SidecarJob::HandleCoordinatorMessage(absl::Time now, const v1::CoordinatorMessage& message) {
-  scratch_.now = now;
   switch (message.body_case()) {
     case v1::CoordinatorMessage::kWelcome:
-      HandleWelcome(message.welcome());
+      HandleWelcome(now, message.welcome());
       return;
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
