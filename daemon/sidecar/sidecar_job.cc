@@ -31,6 +31,16 @@ SidecarJob::SessionId SidecarJob::OpenSession() {
   return id;
 }
 
+std::shared_ptr<const v1::RankReply> SidecarJob::RankWelcome() const {
+  auto reply = std::make_shared<v1::RankReply>();
+  v1::Welcome* w = reply->mutable_welcome();
+  w->set_node_id(options_.node_id);
+  w->set_server_version(kServerVersion);
+  w->set_run_id(node_.run_id());
+  w->set_node_epoch(node_.epoch());
+  return reply;
+}
+
 void SidecarJob::SendToRank(int rank, v1::RankReply reply) {
   auto it = ranks_.connected.find(rank);
   if (it == ranks_.connected.end()) return;
@@ -252,12 +262,7 @@ void SidecarJob::AcceptRank(absl::Time now, SessionId id, Session& s, const v1::
                      << hello.resume().run_id() << " (" << hello.resume().groups_size()
                      << " groups)" << (resume_.fresh ? " on this restarted sidecar" : "");
   }
-  v1::RankReply welcome;
-  welcome.mutable_welcome()->set_node_id(options_.node_id);
-  welcome.mutable_welcome()->set_server_version(kServerVersion);
-  welcome.mutable_welcome()->set_run_id(node_.run_id());
-  welcome.mutable_welcome()->set_node_epoch(node_.epoch());
-  effects_.SendToSession(id, std::make_shared<const v1::RankReply>(std::move(welcome)));
+  effects_.SendToSession(id, RankWelcome());
   if (rs.resumed && node_.announced().count(s.rank) != 0) {
     // A resumed rank this sidecar announced before left when its stream
     // ended: it joins again.

@@ -385,6 +385,8 @@ class SidecarJob {
   // Fails the job on this node: every rank gets `e` and its stream closes.
   void FailRanks(const v1::DecisionError& e);
   void SendToRank(int rank, v1::RankReply reply);
+  // A rank's Welcome: this node, the run and the node epoch.
+  std::shared_ptr<const v1::RankReply> RankWelcome() const;
   // Sends `e` to session `session` and ends its stream with it.
   void SendErrorAndClose(SessionId session, const v1::DecisionError& e);
   // Sends the 16-byte record "step `step` repeats the previous batch".

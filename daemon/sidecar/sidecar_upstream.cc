@@ -147,12 +147,7 @@ void SidecarJob::HandleWelcome(absl::Time now, const v1::Welcome& welcome) {
   if (node_.has_job() && node_.run_id() != before) {
     // The ranks that reconnect learn their run (they name it when they
     // resume); others never see a second Welcome.
-    v1::RankReply w;
-    w.mutable_welcome()->set_node_id(options_.node_id);
-    w.mutable_welcome()->set_server_version(kServerVersion);
-    w.mutable_welcome()->set_run_id(node_.run_id());
-    w.mutable_welcome()->set_node_epoch(node_.epoch());
-    auto shared = std::make_shared<const v1::RankReply>(std::move(w));
+    const std::shared_ptr<const v1::RankReply> shared = RankWelcome();
     for (auto& [r, rs] : ranks_.connected) {
       if (rs.reconnects) effects_.SendToSession(rs.session, shared);
     }
