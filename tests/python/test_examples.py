@@ -2,7 +2,9 @@
 README.md and python/README.md tell a new user to: one agent with 2 ranks,
 and two agents (one rank each) on loopback with c10d rendezvous. Then the
 Hugging Face Trainer with `accord.hf.AccordCallback()` and no argument under
-torchrun (hf_torchrun.py).
+torchrun (hf_torchrun.py), and DeepSpeed ZeRO-2/3 with
+`accord.deepspeed.install(engine)` and no client under torchrun
+(ds_torchrun.py).
 
 Nothing accord-specific is set: no ACCORD_* variable (the daemons come from
 the package's accord/bin), so `accord.torch.install(model)` goes embedded.
@@ -120,3 +122,26 @@ def test_hf_trainer_callback_with_no_arguments_under_torchrun(env, tmp_path):
     assert ranks[0]["zero_filled"] == "0" and int(ranks[1]["zero_filled"]) > 0, ranks
     assert ranks[0]["skipped"] == ranks[1]["skipped"] != "0", ranks
     assert ranks[0]["loss"] == ranks[1]["loss"], ranks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_install_with_no_client_under_torchrun(env, stage):
+    pytest.importorskip("deepspeed")
+    env = dict(env, PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], HERE]), DS_ACCELERATOR="cpu")
+    code, out = finish(torchrun(env, "--standalone", "--nproc-per-node=2",
+                                script=os.path.join(HERE, "ds_torchrun.py"),
+                                script_args=(str(stage),)), "torchrun")
+    assert code == 0, out
+    assert len([ln for ln in out.splitlines() if ln.startswith("accord: embedded mode")]) == 1, out
+    ranks = {}
+    for ln in out.splitlines():
+        if ln.startswith("ds rank "):
+            f = ln.split()
+            ranks[int(f[2].rstrip(":"))] = {f[i]: f[i + 1] for i in range(3, len(f), 2)}
+    assert sorted(ranks) == [0, 1], out
+    for r in (0, 1):
+        assert ranks[r]["stage"] == str(stage) and ranks[r]["steps"] == "3", ranks
+        assert float(ranks[r]["worst_rel_err"]) < 1e-5, ranks
+        assert ranks[r]["releases"] == "3", ranks
+    # Rank 1 never uses the tower: it zero-fills the tower's 2 parameters each step.
+    assert ranks[0]["zero_filled"] == "0" and ranks[1]["zero_filled"] == "6", ranks
