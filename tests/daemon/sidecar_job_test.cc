@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "proto/wire.h"
+#include "tests/daemon/fake_upstream.h"
 
 namespace accord::daemon {
 namespace {
@@ -44,22 +45,7 @@ class FakeEffects : public SidecarEffects {
   absl::Time due = absl::InfiniteFuture();  // the earliest time armed, until fired
 };
 
-class FakeUpstream : public UpstreamSink {
- public:
-  void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
-  void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
-  void Reconnect() override { ++reconnects; }
-  std::vector<v1::Manifest> manifests() const {
-    std::vector<v1::Manifest> out;
-    for (const auto& m : sent) {
-      for (const auto& x : m.manifests().manifests()) out.push_back(x);
-    }
-    return out;
-  }
-  std::vector<v1::NodeMessage> sent;
-  std::vector<v1::NodeMessage> reset;
-  int reconnects = 0;
-};
+using testing::FakeUpstream;
 
 v1::RankMessage Hello(int rank, int world, bool reconnects = false) {
   v1::RankMessage m;
