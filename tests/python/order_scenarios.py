@@ -134,14 +134,18 @@ def zoo(rank, world_size, agreement="accord", cluster=None, guard=True, speculat
         model.zero_grad(set_to_none=True)
         repairs.append(inst.timing.repairs if inst is not None else 0)
     t = inst.timing if inst is not None else None
+    learned = list(inst.learned) if inst is not None else []
+    groups = len(inst.groups) if inst is not None else 0
+    if inst is not None:
+        inst.uninstall()  # reports the counts not yet reported (the process ends with os._exit)
     return {
         "grads": per_step, "ref": refs, "reduce_scatters": sequences, "repairs": repairs,
         "timing": None if t is None else {
             "speculated": t.speculated, "repairs": t.repairs, "redone": t.redone,
             "blocked": t.blocked, "waits": t.waits, "releases": t.releases,
             "during": t.during, "at_end": t.at_end, "late": t.late},
-        "learned": list(inst.learned) if inst is not None else [],
-        "groups": len(inst.groups) if inst is not None else 0,
+        "learned": learned,
+        "groups": groups,
     }
 
 

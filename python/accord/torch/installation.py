@@ -211,7 +211,7 @@ class Installation:
         with self._lock:
             if self.negotiation is not None:
                 try:
-                    self.negotiation.report()
+                    self.negotiation.report(final=True)
                 except accord.Error:
                     pass  # the client is closed: its sidecar keeps what it was sent
             for handle in self._handles:

@@ -10,6 +10,7 @@ import time
 from typing import Dict, List
 
 from accord.torch.errors import waited
+from accord.torch.watchdog import stop_at_exit
 
 
 @dataclasses.dataclass
@@ -31,6 +32,7 @@ class NegotiationTiming:
 
 
 WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+REPORT_EVERY_S = 1.0  # the longest a count waits at the rank before it is reported
 
 
 def join_dtypes(names: List[str]) -> str:
@@ -64,6 +66,8 @@ class Negotiation:
         self.watch = watch
         self._late = None  # the ~late item's handle, from submit to wait
         self._reported = (0, 0, 0)  # (speculated, repairs, redone) sent by report()
+        self._reported_at = 0.0  # time.monotonic() of the last report sent
+        stop_at_exit(self)  # what is left is reported at exit
 
     # ------------------------------------------------------------ install
 
@@ -176,15 +180,27 @@ class Negotiation:
         self._late = None
         return {gid: bool(inc) for gid, inc in zip(self.groups, decision.included)}
 
-    def report(self) -> None:
+    def report(self, final: bool = False) -> None:
         """Sends the counts added since the last report to the sidecar's
-        metrics (an agreement that can), after each release and at
-        uninstall: one small message, queued without waiting (a report held
-        back for later is lost when the process exits first)."""
+        metrics (an agreement that can): one small message, queued without
+        waiting. After a release it goes when a repair was counted or
+        REPORT_EVERY_S has passed since the last one (a steady step sends
+        none: one message less per step; scrapes are seconds apart);
+        `final` (uninstall) sends whatever is left."""
         report = getattr(self.agreement, "report", None)
         t, last = self.timing, self._reported
         more = (t.speculated - last[0], t.repairs - last[1], t.redone - last[2])
         if report is None or more == (0, 0, 0):
             return
+        now = time.monotonic()
+        if not final and more[1] == 0 and now - self._reported_at < REPORT_EVERY_S:
+            return
         report(*more)
         self._reported = (t.speculated, t.repairs, t.redone)
+        self._reported_at = now
+
+    def stop_for_exit(self) -> None:
+        try:
+            self.report(final=True)
+        except Exception:  # noqa: BLE001 - the client is closed: nothing more can go
+            pass

@@ -105,10 +105,11 @@ class StepWatch:
             self._last = time.monotonic()
 
     def progress(self, where: str) -> None:
-        self.check()
-        with self._mu:
-            self._last = time.monotonic()
-            self.where = where
+        # No lock: single assignments, read whole by the watch's thread.
+        if self._failure is not None:
+            self.check()
+        self._last = time.monotonic()
+        self.where = where
 
     def item(self, step: int):
         """The release's liveness item, or None when the watch already sent it."""
