@@ -52,6 +52,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     fully_shard)
 
+from collective_names import fsdp2_collectives
+
 D, HEADS, KV_HEADS, INTER, VOCAB = 16, 2, 1, 32, 64
 BATCH, SEQ, IMG = 2, 8, 4
 N_LAYERS = 3
@@ -200,15 +202,14 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 class WireCheck:
     """Records, and compares across the group's members before issuing, every
-    dist.all_gather_single / reduce_scatter_single / all_reduce (FSDP2's
-    collectives) on this rank. `side` maps a group's sorted global ranks to a
+    all-gather, reduce-scatter and all-reduce FSDP2 issues (collective_names) on this rank. `side` maps a group's sorted global ranks to a
     side group with the same members (and a timeout)."""
 
     def __init__(self, side, rank):
         self.side, self.rank = side, rank
         self.calls = []  # (kind, group ranks, input numel, output numel, dtype)
-        self._orig = {n: getattr(dist, n) for n in
-                      ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+        gather, scatter = fsdp2_collectives()
+        self._orig = {n: getattr(dist, n) for n in (gather, scatter, "all_reduce")}
 
         def wrap(name, kind):
             orig = self._orig[name]
@@ -228,8 +229,8 @@ class WireCheck:
 
             return call
 
-        dist.all_gather_single = wrap("all_gather_single", "all-gather")
-        dist.reduce_scatter_single = wrap("reduce_scatter_single", "reduce-scatter")
+        setattr(dist, gather, wrap(gather, "all-gather"))
+        setattr(dist, scatter, wrap(scatter, "reduce-scatter"))
         dist.all_reduce = wrap("all_reduce", "all-reduce")
 
     def close(self):

@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from collective_names import fsdp2_collectives
+
 D_IN, D_HID = 12, 10  # 10 rows: padded on 4 ranks
 
 
@@ -33,12 +35,11 @@ class WireSpy:
     as (kind, dtype, numel, process-group ranks): the sequence on each
     communicator and their interleaving."""
 
-    NAMES = {"reduce_scatter_single": "reduce-scatter", "all_gather_single": "all-gather",
-             "all_reduce": "all-reduce"}
-
     def __init__(self):
         self.calls, self.sequence = [], []
-        self._orig = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        gather, scatter = fsdp2_collectives()
+        self.names = {scatter: "reduce-scatter", gather: "all-gather", "all_reduce": "all-reduce"}
+        self._orig = {n: getattr(dist, n) for n in self.names}
         for name, orig in self._orig.items():
             setattr(dist, name, self._spy(name, orig))
 
@@ -49,11 +50,11 @@ class WireSpy:
             else:
                 t = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
             dtype = str(t.dtype).replace("torch.", "")
-            if name == "reduce_scatter_single":
+            if self.names[name] == "reduce-scatter":
                 self.calls.append((dtype, t.numel()))
             group = kwargs.get("group")
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-            self.sequence.append((self.NAMES[name], dtype, t.numel(), ranks))
+            self.sequence.append((self.names[name], dtype, t.numel(), ranks))
             return orig(*args, **kwargs)
 
         return spy

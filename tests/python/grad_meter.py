@@ -54,10 +54,11 @@ class GradMeter:
         """Scans every FSDP2 group of `module` at each sample."""
         from torch.distributed.fsdp import FSDPModule
 
+        from accord.torch.fsdp2.state import param_groups
+
         for m in module.modules():
             if isinstance(m, FSDPModule):
-                state = m._get_fsdp_state()
-                for g in state._fsdp_param_groups:
+                for g in param_groups(m):  # torch 2.13's list, or one group before it
                     self._note_group(g)
 
     def _track(self, t) -> None:

@@ -62,10 +62,12 @@ def _build(blocks, dim, mesh, dtype):
 
 def group_bytes(model, wire_bytes=4):
     """Each FSDP group's unsharded gradient in the reduce dtype (fp32 here)."""
+    from accord.torch.fsdp2.state import param_groups
+
     out = {}
     for name, m in model.named_modules():
         if hasattr(m, "_get_fsdp_state"):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            for g in param_groups(m):
                 n = 0
                 for fp in g.fsdp_params:
                     size = 1

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from collective_names import fsdp2_collectives
 from fsdp_scenarios import _full_grads, make_agreement
 
 IMAGE_TOKEN = 63
@@ -38,11 +39,8 @@ class CollectiveSpy:
     def __init__(self):
         self.calls = []
         self._orig = {}
-        for kind, name in (("AG", "all_gather_single"), ("RS", "reduce_scatter_single")):
-            orig = getattr(dist, name, None)
-            if orig is None:  # older torch: the *_tensor names
-                name = "all_gather_into_tensor" if kind == "AG" else "reduce_scatter_tensor"
-                orig = getattr(dist, name)
+        for kind, name in zip(("AG", "RS"), fsdp2_collectives()):
+            orig = getattr(dist, name)
             self._orig[name] = orig
 
             def spy(output, input, *args, _kind=kind, _orig=orig, **kwargs):
