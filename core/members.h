@@ -58,8 +58,9 @@ class MemberSet {
   // arithmetic progression of stride s > 1, else `m` and the low 48 bits of
   // Fingerprint() as 12 hex digits. Computed from the list alone.
   std::string Tag() const;
-  // A deterministic 64-bit hash of the list (core/hash.h), the same on every
-  // machine and build.
+  // A deterministic 64-bit hash of the list, the same on every machine and
+  // build: StableHasher (core/hash.h) over AddBytes("members"), AddU64(count),
+  // then AddU64 of each rank in order. Independent of the world size.
   uint64_t Fingerprint() const;
   // "ranks 0-3,8" for error messages.
   std::string Describe() const;
