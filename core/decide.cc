@@ -1,5 +1,7 @@
 #include "core/decide.h"
 
+#include <bit>
+
 #include "absl/strings/str_cat.h"
 
 namespace accord {
@@ -20,18 +22,53 @@ std::vector<int> Decision::SkipIndices() const {
   return out;
 }
 
+namespace {
+
+// The merge covers exactly the group's members (every rank when it has none).
+absl::Status CheckComplete(const GroupSpec& spec, int world_size, const Manifest& merged) {
+  const MemberSet* members = spec.members.get();
+  if (members == nullptr) {
+    if (merged.ranks.Full()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", spec.group_id, "\" step ", merged.step,
+                     ": cannot decide before every rank reported; missing ranks ",
+                     FormatRanks(merged.ranks.Missing())));
+  }
+  if (members->world_size() != world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group \"", spec.group_id, "\": members of a job of ", members->world_size(),
+                     " ranks, job has ", world_size));
+  }
+  const std::vector<uint64_t>& got = merged.ranks.words();
+  const std::vector<uint64_t>& want = members->rank_set().words();
+  for (size_t w = 0; w < got.size(); ++w) {
+    if (const uint64_t outside = got[w] & ~want[w]; outside != 0) {
+      const int rank = static_cast<int>(w * 64) + std::countr_zero(outside);
+      return absl::InvalidArgumentError(
+          absl::StrCat("group \"", spec.group_id, "\" step ", merged.step, ": rank ", rank,
+                       " contributed but is not a member (", members->Describe(), ")"));
+    }
+  }
+  if (merged.ranks == members->rank_set()) return absl::OkStatus();
+  std::vector<int> missing;
+  for (int r : members->ranks()) {
+    if (!merged.ranks.Contains(r)) missing.push_back(r);
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("group \"", spec.group_id, "\" step ", merged.step,
+                   ": cannot decide before every member reported; missing ranks ",
+                   FormatRanks(missing), " of ", members->Describe()));
+}
+
+}  // namespace
+
 absl::StatusOr<Decision> Decide(const GroupSpec& spec, int world_size, const Manifest& merged,
                                 const Policy& policy) {
   if (absl::Status s = ValidateManifest(merged, spec.group_id, spec.params.size(), world_size);
       !s.ok()) {
     return s;
   }
-  if (!merged.ranks.Full()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group \"", spec.group_id, "\" step ", merged.step,
-                     ": cannot decide before every rank reported; missing ranks ",
-                     FormatRanks(merged.ranks.Missing())));
-  }
+  if (absl::Status s = CheckComplete(spec, world_size, merged); !s.ok()) return s;
   Decision d;
   d.step = merged.step;
   d.included.resize(spec.params.size());
@@ -53,7 +90,8 @@ absl::StatusOr<Decision> Decide(const GroupSpec& spec, int world_size, const Man
       d.wire_dtype = *j;
     }
   }
-  d.layout_fingerprint = LayoutFingerprint(spec, world_size, d.included, d.wire_dtype);
+  d.layout_fingerprint =
+      LayoutFingerprint(spec, LayoutWorld(spec, world_size), d.included, d.wire_dtype);
   return d;
 }
 

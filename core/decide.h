@@ -40,9 +40,14 @@ struct Decision {
   friend bool operator==(const Decision&, const Decision&) = default;
 };
 
-// Decides for a complete cluster manifest. Errors:
-//  - INVALID_ARGUMENT: the manifest does not fit the spec (count, bits).
-//  - FAILED_PRECONDITION: the manifest does not cover every rank (names them).
+// Decides for a complete cluster manifest: one that covers exactly the
+// spec's members (every rank of `world_size` when it has none). The layout
+// fingerprint is over LayoutWorld(spec, world_size). Errors:
+//  - INVALID_ARGUMENT: the manifest does not fit the spec (count, bits), a
+//    rank outside the members contributed (names it), or the members belong
+//    to another world size.
+//  - FAILED_PRECONDITION: the manifest does not cover every member (names
+//    the missing ones).
 absl::StatusOr<Decision> Decide(const GroupSpec& spec, int world_size, const Manifest& merged,
                                 const Policy& policy);
 

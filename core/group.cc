@@ -60,6 +60,14 @@ absl::Status CompareRegistration(const GroupSpec& reference, int reference_rank,
     return absl::FailedPreconditionError(
         absl::StrCat(prefix(), "group id \"", candidate.group_id, "\" on rank ", candidate_rank));
   }
+  if (!SameMembers(reference.members.get(), candidate.members.get())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        prefix(), "rank ", reference_rank, " registered it with members ",
+        DescribeMembers(reference.members.get()), ", rank ", candidate_rank, " with members ",
+        DescribeMembers(candidate.members.get()),
+        "; a group id must name one member set (accord.torch makes ids unique per mesh; check "
+        "that the ranks build the same meshes)"));
+  }
   const size_t n = std::min(reference.params.size(), candidate.params.size());
   for (size_t i = 0; i < n; ++i) {
     const ParamSpec& a = reference.params[i];
@@ -92,6 +100,7 @@ uint64_t SpecFingerprint(const GroupSpec& spec) {
     h.AddU64(static_cast<uint64_t>(p.dim0));
     h.AddU64(static_cast<uint64_t>(p.numel));
   }
+  if (spec.members) h.AddU64(spec.members->Fingerprint());
   return h.Finish();
 }
 

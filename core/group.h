@@ -3,12 +3,14 @@
 #define ACCORD_CORE_GROUP_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
+#include "core/members.h"
 
 namespace accord {
 
@@ -24,13 +26,26 @@ struct ParamSpec {
 };
 
 // An ordered list of parameters reduce-scattered together. Registered once per
-// job; every rank must register the identical spec.
+// job by every member; every member must register the identical spec.
 struct GroupSpec {
   std::string group_id;
   std::vector<ParamSpec> params;
+  // The ranks that reduce the group; null: every rank of the job (a set of
+  // every rank is held as null, see MembersOf).
+  std::shared_ptr<const MemberSet> members;
 
-  friend bool operator==(const GroupSpec&, const GroupSpec&) = default;
+  // Members compare by value.
+  friend bool operator==(const GroupSpec& a, const GroupSpec& b) {
+    return a.group_id == b.group_id && a.params == b.params &&
+           SameMembers(a.members.get(), b.members.get());
+  }
 };
+
+// The world a group's layout is computed over: its member count, or
+// `world_size` (the job's) when the spec has no members.
+inline int LayoutWorld(const GroupSpec& spec, int world_size) {
+  return spec.members ? spec.members->count() : world_size;
+}
 
 // Limits enforced by ValidateGroupSpec.
 inline constexpr int64_t kMaxParamsPerGroup = 1 << 20;
@@ -42,14 +57,16 @@ inline constexpr int64_t kMaxParamNumel = int64_t{1} << 48;
 absl::Status ValidateGroupSpec(const GroupSpec& spec);
 
 // Compares a rank's registration with the reference one. OK when identical;
-// otherwise FAILED_PRECONDITION naming the group, the first differing
-// parameter (index and both names/sizes) or the differing count, and the two
-// ranks.
+// otherwise FAILED_PRECONDITION naming the group, the two ranks, and the two
+// member sets when they differ, else the first differing parameter (index and
+// both names/sizes) or the differing count.
 absl::Status CompareRegistration(const GroupSpec& reference, int reference_rank,
                                  const GroupSpec& candidate, int candidate_rank);
 
-// A deterministic 64-bit fingerprint of the spec (ids, names, sizes, order).
-// The same on every machine and build.
+// A deterministic 64-bit fingerprint of the spec (ids, names, sizes, order,
+// and the members' Fingerprint() when the spec has members; a spec without
+// members has the fingerprint it had before members existed). The same on
+// every machine and build.
 uint64_t SpecFingerprint(const GroupSpec& spec);
 
 // Where one parameter sits in the reduce-scatter buffer.
@@ -81,14 +98,15 @@ struct Layout {
 };
 
 // Computes the layout for the given included set (one flag per parameter, in
-// group order). INVALID_ARGUMENT when world_size < 1 or the flag count differs
-// from the parameter count.
+// group order) over `world_size` rows (a group's LayoutWorld).
+// INVALID_ARGUMENT when world_size < 1 or the flag count differs from the
+// parameter count.
 absl::StatusOr<Layout> ComputeLayout(const GroupSpec& spec, int world_size,
                                      const std::vector<bool>& included, DType wire_dtype);
 
 // The fingerprint every rank checks before launching the collective: a hash of
-// the world size, the wire dtype, and each parameter's index, inclusion,
-// dim0 and numel, in order.
+// the layout's world size (the group's LayoutWorld), the wire dtype, and each
+// parameter's index, inclusion, dim0 and numel, in order.
 uint64_t LayoutFingerprint(const GroupSpec& spec, int world_size, const std::vector<bool>& included,
                            DType wire_dtype);
 

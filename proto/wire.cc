@@ -108,7 +108,32 @@ v1::ReducePolicy PolicyToProto(const Policy& p) {
   return out;
 }
 
-absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r) {
+absl::StatusOr<std::shared_ptr<const MemberSet>> MembersFromProto(const v1::Members& m,
+                                                                  int world_size) {
+  MembersForm form;
+  form.start = m.start();
+  form.count = m.count();
+  form.stride = m.stride();
+  form.ranks.assign(m.ranks().begin(), m.ranks().end());
+  absl::StatusOr<MemberSet> set = MemberSet::FromForm(form, world_size);
+  if (!set.ok()) return WithKind(set.status(), v1::INVALID_REQUEST);
+  return std::make_shared<const MemberSet>(*std::move(set));
+}
+
+v1::Members MembersToProto(const MemberSet& members) {
+  const MembersForm form = members.Form();
+  v1::Members out;
+  out.set_start(form.start);
+  out.set_count(form.count);
+  out.set_stride(form.stride);
+  out.mutable_ranks()->Add(form.ranks.begin(), form.ranks.end());
+  return out;
+}
+
+namespace {
+
+// The registration's id and parameters, validated; members not read.
+absl::StatusOr<GroupSpec> SpecWithoutMembers(const v1::GroupRegistration& r) {
   GroupSpec spec;
   spec.group_id = r.group_id();
   spec.params.reserve(r.params_size());
@@ -117,6 +142,31 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r) {
   }
   if (absl::Status s = ValidateGroupSpec(spec); !s.ok()) return s;
   return spec;
+}
+
+}  // namespace
+
+absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r, int world_size) {
+  absl::StatusOr<GroupSpec> spec = SpecWithoutMembers(r);
+  if (!spec.ok() || !r.has_members()) return spec;
+  absl::StatusOr<std::shared_ptr<const MemberSet>> members =
+      MembersFromProto(r.members(), world_size);
+  if (!members.ok()) {
+    return KindError(v1::INVALID_REQUEST,
+                     absl::StrCat("group \"", r.group_id(), "\": ", members.status().message()));
+  }
+  spec->members = *std::move(members);
+  return spec;
+}
+
+absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r) {
+  if (r.has_members()) {
+    return KindError(v1::INVALID_REQUEST,
+                     absl::StrCat("group \"", r.group_id(),
+                                  "\" has members, but this receiver takes groups of every "
+                                  "rank only; upgrade it"));
+  }
+  return SpecWithoutMembers(r);
 }
 
 v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& policy) {
@@ -129,6 +179,9 @@ v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& poli
     out->set_numel(p.numel);
   }
   *r.mutable_policy() = PolicyToProto(policy);
+  if (spec.members && !spec.members->AllRanks()) {
+    *r.mutable_members() = MembersToProto(*spec.members);
+  }
   return r;
 }
 

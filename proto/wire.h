@@ -4,6 +4,7 @@
 #ifndef ACCORD_PROTO_WIRE_H_
 #define ACCORD_PROTO_WIRE_H_
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "core/group.h"
 #include "core/hash.h"
 #include "core/manifest.h"
+#include "core/members.h"
 
 namespace accord::wire {
 
@@ -49,8 +51,23 @@ v1::DType DTypeToProto(DType d);
 absl::StatusOr<Policy> PolicyFromProto(const v1::ReducePolicy& p);
 v1::ReducePolicy PolicyToProto(const Policy& p);
 
-// Validates (ValidateGroupSpec) while converting.
+// A group's members in a job of `world_size` ranks, in the canonical form
+// only (MemberSet::FromForm): INVALID_ARGUMENT with kind INVALID_REQUEST
+// naming the problem for a list that is arithmetic, a set of every rank
+// (sent as no members), an unsorted list, a duplicate, a rank out of range.
+absl::StatusOr<std::shared_ptr<const MemberSet>> MembersFromProto(const v1::Members& m,
+                                                                  int world_size);
+v1::Members MembersToProto(const MemberSet& members);
+
+// Validates (ValidateGroupSpec, MembersFromProto) while converting; the
+// registration's members become GroupSpec::members (null when absent).
+// Errors name the group.
+absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r, int world_size);
+// The same for a receiver that does not take groups with members: a
+// registration with members is INVALID_ARGUMENT with kind INVALID_REQUEST.
 absl::StatusOr<GroupSpec> GroupSpecFromProto(const v1::GroupRegistration& r);
+// Members are written when the spec has them and they are not every rank
+// (the canonical form).
 v1::GroupRegistration GroupSpecToProto(const GroupSpec& spec, const Policy& policy);
 
 // Full-form manifest -> core. `world_size` sizes the rank set. When

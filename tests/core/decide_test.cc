@@ -1,9 +1,11 @@
 // Decide: wire dtype (join of gradients and configured reduce dtype, or the
 // configured one when exact), zero-fill / skip sets, empty groups, missing
-// ranks, and determinism across merge orders.
+// ranks, determinism across merge orders, and groups with members (their
+// count is the layout world; completeness over the members).
 #include "core/decide.h"
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <random>
 #include <vector>
@@ -173,6 +175,107 @@ TEST(DecideTest, MissingRanksAreNamed) {
   EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(d.status().message(), HasSubstr("group \"blocks.3\" step 9"));
   EXPECT_THAT(d.status().message(), HasSubstr("missing ranks 2,5-7"));
+}
+
+// Pinned before groups with members existed: a spec without members decides
+// over the whole world exactly as before (the value travels on the wire).
+TEST(DecideTest, NoMembersDecidesOverTheWorldAsBefore) {
+  const std::vector<Grads> per_rank = {
+      {kBF16, std::nullopt, kF32}, {kBF16, std::nullopt, std::nullopt}, {kF16, std::nullopt, kF32}};
+  absl::StatusOr<Decision> d = Decide(Spec(3), 3, Cluster(5, per_rank), Policy{});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->wire_dtype, kF32);
+  EXPECT_EQ(d->included, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(d->layout_fingerprint, 0xc7ee96511bb13193ull);
+  EXPECT_EQ(SpecFingerprint(Spec(3)), 0xdb3f8f1af9da3f3eull);
+}
+
+GroupSpec SpecWithMembers(size_t n, std::vector<int> members, int world) {
+  GroupSpec spec = Spec(n);
+  absl::StatusOr<MemberSet> set = MemberSet::FromRanks(std::move(members), world);
+  EXPECT_TRUE(set.ok()) << set.status();
+  if (set.ok()) spec.members = std::make_shared<const MemberSet>(*std::move(set));
+  return spec;
+}
+
+// Merges one manifest per member (members[i] holds grads[i]) in a world of `world`.
+Manifest MembersCluster(int64_t step, int world, const std::vector<int>& members,
+                        const std::vector<Grads>& grads) {
+  Manifest m = RankManifest(step, members[0], world, grads[0]);
+  for (size_t i = 1; i < members.size(); ++i) {
+    EXPECT_TRUE(Merge(m, RankManifest(step, members[i], world, grads[i])).ok());
+  }
+  return m;
+}
+
+TEST(DecideTest, MembersDecideOverTheirCountAsTheLayoutWorld) {
+  const std::vector<int> members = {1, 3, 5, 7};
+  const GroupSpec spec = SpecWithMembers(3, members, 8);
+  const std::vector<Grads> grads = {{kBF16, std::nullopt, std::nullopt},
+                                    {kBF16, std::nullopt, std::nullopt},
+                                    {kBF16, kF32, std::nullopt},
+                                    {std::nullopt, std::nullopt, std::nullopt}};
+  absl::StatusOr<Decision> d = Decide(spec, 8, MembersCluster(6, 8, members, grads), Policy{});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->step, 6);
+  EXPECT_EQ(d->wire_dtype, kF32);
+  EXPECT_EQ(d->included, (std::vector<bool>{true, true, false}));
+  EXPECT_EQ(LayoutWorld(spec, 8), 4);
+  EXPECT_EQ(d->layout_fingerprint, LayoutFingerprint(spec, 4, d->included, d->wire_dtype));
+  EXPECT_NE(d->layout_fingerprint, LayoutFingerprint(spec, 8, d->included, d->wire_dtype));
+  EXPECT_EQ(d->layout_fingerprint,
+            ComputeLayout(spec, LayoutWorld(spec, 8), d->included, d->wire_dtype)->fingerprint);
+}
+
+TEST(DecideTest, MissingMembersAreNamedAmongTheMembers) {
+  const GroupSpec spec = SpecWithMembers(1, {0, 2, 4, 6}, 8);
+  absl::StatusOr<Decision> d =
+      Decide(spec, 8, MembersCluster(3, 8, {0, 2}, {{kBF16}, {kBF16}}), Policy{});
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(d.status().message(), HasSubstr("group \"blocks.3\" step 3"));
+  EXPECT_THAT(d.status().message(), HasSubstr("missing ranks 4,6 of ranks 0,2,4,6"));
+}
+
+TEST(DecideTest, ARankOutsideTheMembersIsInvalidAndNamed) {
+  for (int outside : {2, 65, 99}) {
+    const GroupSpec spec = SpecWithMembers(1, {0, 1}, 100);
+    absl::StatusOr<Decision> d = Decide(
+        spec, 100, MembersCluster(3, 100, {0, 1, outside}, {{kBF16}, {kBF16}, {kBF16}}), Policy{});
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(d.status().message(),
+                HasSubstr(absl::StrCat("rank ", outside, " contributed but is not a member")));
+    EXPECT_THAT(d.status().message(), HasSubstr("ranks 0-1"));
+  }
+}
+
+TEST(DecideTest, MembersOfAnotherWorldSizeAreInvalid) {
+  const GroupSpec spec = SpecWithMembers(1, {0, 1}, 4);
+  absl::StatusOr<Decision> d =
+      Decide(spec, 8, MembersCluster(3, 8, {0, 1}, {{kBF16}, {kBF16}}), Policy{});
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(d.status().message(), HasSubstr("members of a job of 4 ranks, job has 8"));
+}
+
+// A member set of every rank decides exactly as no members.
+TEST(DecideTest, MembersOfEveryRankDecideAsNoMembers) {
+  std::mt19937_64 rng(909);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int world = 1 + static_cast<int>(rng() % 9);
+    const size_t n = 1 + rng() % 8;
+    std::vector<Grads> per_rank(world, Grads(n));
+    for (Grads& g : per_rank) {
+      for (auto& d : g) {
+        if (rng() % 2) d = kAllDTypes[rng() % kNumDTypes];
+      }
+    }
+    std::vector<int> all(world);
+    for (int r = 0; r < world; ++r) all[r] = r;
+    const Manifest m = Cluster(trial, per_rank);
+    absl::StatusOr<Decision> plain = Decide(Spec(n), world, m, Policy{});
+    absl::StatusOr<Decision> with = Decide(SpecWithMembers(n, all, world), world, m, Policy{});
+    ASSERT_TRUE(plain.ok() && with.ok()) << plain.status() << with.status();
+    EXPECT_EQ(*plain, *with) << "trial " << trial;
+  }
 }
 
 TEST(DecideTest, ManifestThatDoesNotFitTheSpecIsInvalid) {

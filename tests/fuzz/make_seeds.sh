@@ -14,6 +14,9 @@ enc 5 4 RankMessage 'manifests { manifests { group_id: "g" step: 4 repeat: true 
 enc 5 4 RankMessage 'hello { job_id: "j" rank: 1 world_size: 4 }' corpus/wire_decode/rank_hello
 enc 4 4 NodeMessage 'manifests { manifests { group_id: "g" step: 3 used_bits: "\x01" uniform_dtype: FLOAT32 rank_bits: "\x0f" } }' corpus/wire_decode/node_manifest
 enc 4 4 NodeMessage 'registration { registration { group_id: "g" params { name: "w" dim0: 3 numel: 12 } } ranks: 0 ranks: 1 }' corpus/wire_decode/node_registration
+enc 1 8 RankMessage 'registration { group_id: "g@ranks1..5/4" params { name: "w" dim0: 8 numel: 64 } members { start: 1 count: 2 stride: 4 } }' corpus/wire_decode/rank_registration_members_arithmetic
+enc 4 8 NodeMessage 'registration { registration { group_id: "g@m" params { name: "w" dim0: 3 numel: 12 } members { ranks: 0 ranks: 1 ranks: 5 } } ranks: 0 ranks: 1 }' corpus/wire_decode/node_registration_members_list
+enc 1 8 RankMessage 'registration { group_id: "g" params { name: "w" dim0: 8 numel: 64 } members { ranks: 0 ranks: 2 ranks: 4 } }' corpus/wire_decode/rank_registration_members_not_canonical
 enc 4 9 NodeMessage 'manifests { manifests { group_id: "g" step: 1 used_bits: "\x01\x00" uniform_dtype: INT32 rank_bits: "\xff\x01" } }' corpus/wire_decode/node_manifest_int
 printf '\x04\x03\x08\x04\x02\x01\x00\x85\x07\x10\x10\x20\x00\x10\x10\x00\x00\x00\x33\x02' > corpus/merge_decide/mixed
 printf '\x08\x01\x02\x00\x05' > corpus/merge_decide/single

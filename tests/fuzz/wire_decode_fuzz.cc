@@ -1,7 +1,8 @@
 // Fuzz target: every message a sidecar or coordinator decodes from a socket.
 // The input is a serialized RankMessage or NodeMessage (the first byte picks
 // which); each registration, manifest and batch inside goes through the same
-// validation the daemons apply. Nothing may crash, hang or trip a sanitizer;
+// validation the daemons apply (registrations with members also as a
+// receiver that takes them decodes them). Nothing may crash, hang or trip a sanitizer;
 // a message that decodes must re-encode to an equal core value.
 #include <cstddef>
 #include <cstdint>
@@ -31,7 +32,10 @@ void DecodeManifests(const accord::v1::ManifestBatch& batch, size_t num_params, 
     absl::StatusOr<accord::Manifest> back =
         accord::wire::ManifestFromProto(again, num_params, world, sender_rank);
     Check(back.ok() && *back == *core);
-    if (spec != nullptr && core->ranks.Full()) {
+    const bool complete =
+        spec != nullptr &&
+        (spec->members ? core->ranks == spec->members->rank_set() : core->ranks.Full());
+    if (complete) {
       absl::StatusOr<accord::Decision> d = accord::Decide(*spec, world, *core, accord::Policy{});
       if (d.ok()) {
         accord::v1::DecisionOk ok;
@@ -42,6 +46,21 @@ void DecodeManifests(const accord::v1::ManifestBatch& batch, size_t num_params, 
       }
     }
   }
+}
+
+// A registration with members, as a receiver that takes them decodes it: a
+// decoded spec re-encodes to the same spec and the same members form.
+void DecodeMembers(const accord::v1::GroupRegistration& r, int world) {
+  absl::StatusOr<accord::GroupSpec> s = accord::wire::GroupSpecFromProto(r, world);
+  if (!s.ok()) return;
+  Check(r.has_members() == (s->members != nullptr));
+  if (s->members == nullptr) return;
+  Check(!s->members->AllRanks() && s->members->world_size() == world);
+  const accord::v1::GroupRegistration again = accord::wire::GroupSpecToProto(*s, accord::Policy{});
+  absl::StatusOr<accord::GroupSpec> back = accord::wire::GroupSpecFromProto(again, world);
+  Check(back.ok() && *back == *s);
+  Check(accord::wire::MembersToProto(*back->members).SerializeAsString() ==
+        again.members().SerializeAsString());
 }
 
 }  // namespace
@@ -58,6 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     accord::v1::RankMessage msg;
     if (!msg.ParseFromString(bytes)) return 0;
     if (msg.has_registration()) {
+      DecodeMembers(msg.registration(), world);
       absl::StatusOr<accord::GroupSpec> s = accord::wire::GroupSpecFromProto(msg.registration());
       (void)accord::wire::PolicyFromProto(msg.registration().policy());
       if (s.ok()) {
@@ -77,6 +97,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     accord::v1::NodeMessage msg;
     if (!msg.ParseFromString(bytes)) return 0;
     if (msg.has_registration()) {
+      DecodeMembers(msg.registration().registration(), world);
       absl::StatusOr<accord::GroupSpec> s =
           accord::wire::GroupSpecFromProto(msg.registration().registration());
       if (s.ok()) {

@@ -1,8 +1,10 @@
 // proto <-> core conversion (proto/wire.h): round trips of every message the
-// agreement uses, the compact manifest form, and precise errors for every
-// malformed input a peer could send.
+// agreement uses, the compact manifest form, a group's members in their
+// canonical form, and precise errors for every malformed input a peer could
+// send.
 #include "proto/wire.h"
 
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -163,6 +165,173 @@ TEST(WireGroupSpecTest, ValidatesWhileConverting) {
   ExpectInvalid(GroupSpecFromProto(r).status(), {"parameter 1 \"a\"", "name registered twice"});
   r.set_group_id("");
   ExpectInvalid(GroupSpecFromProto(r).status(), {"group id is empty"});
+}
+
+// --- Members -----------------------------------------------------------------
+
+MemberSet Set(std::vector<int> ranks, int world) {
+  absl::StatusOr<MemberSet> s = MemberSet::FromRanks(std::move(ranks), world);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : *MemberSet::FromRanks({0}, 1);
+}
+
+v1::Members ListForm(std::vector<int> ranks) {
+  v1::Members m;
+  for (int r : ranks) m.add_ranks(r);
+  return m;
+}
+
+v1::Members ArithmeticForm(int start, int count, int stride) {
+  v1::Members m;
+  m.set_start(start);
+  m.set_count(count);
+  m.set_stride(stride);
+  return m;
+}
+
+void ExpectInvalidRequest(const absl::Status& s, std::vector<std::string> substrs) {
+  ExpectInvalid(s, std::move(substrs));
+  EXPECT_EQ(KindOf(s), v1::INVALID_REQUEST) << s;
+}
+
+TEST(WireMembersTest, ArithmeticSetsTravelInTheArithmeticForm) {
+  v1::Members m = MembersToProto(Set({1, 5}, 8));
+  EXPECT_EQ(m.start(), 1);
+  EXPECT_EQ(m.count(), 2);
+  EXPECT_EQ(m.stride(), 4);
+  EXPECT_EQ(m.ranks_size(), 0);
+  m = MembersToProto(Set({6}, 8));
+  EXPECT_EQ(m.count(), 1);
+  EXPECT_EQ(m.stride(), 1);
+  m = MembersToProto(Set({0, 1, 5}, 8));
+  EXPECT_EQ(m.count(), 0);
+  EXPECT_EQ(std::vector<int>(m.ranks().begin(), m.ranks().end()), (std::vector<int>{0, 1, 5}));
+}
+
+TEST(WireMembersTest, EveryCanonicalFormRoundTripsAndEqualSetsAreEqualBytes) {
+  std::mt19937_64 rng(2024);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int world = 2 + static_cast<int>(rng() % 200);
+    std::vector<int> ranks;
+    const int keep = 1 + static_cast<int>(rng() % 5);
+    for (int r = 0; r < world; ++r) {
+      if (rng() % keep == 0) ranks.push_back(r);
+    }
+    if (ranks.empty()) ranks.push_back(static_cast<int>(rng() % world));
+    if (static_cast<int>(ranks.size()) == world) ranks.pop_back();
+    const MemberSet set = Set(ranks, world);
+    const std::string bytes = MembersToProto(set).SerializeAsString();
+    v1::Members parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    absl::StatusOr<std::shared_ptr<const MemberSet>> back = MembersFromProto(parsed, world);
+    ASSERT_TRUE(back.ok()) << back.status() << " trial " << trial;
+    EXPECT_EQ((*back)->ranks(), ranks);
+    EXPECT_EQ(MembersToProto(**back).SerializeAsString(), bytes);
+  }
+}
+
+TEST(WireMembersTest, NonCanonicalFormsAreRefusedNamingTheProblem) {
+  ExpectInvalidRequest(MembersFromProto(ListForm({0, 2, 4}), 8).status(),
+                       {"ranks 0,2,4", "arithmetic progression", "arithmetic form"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({3, 7}), 8).status(), {"arithmetic"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({0, 1, 2, 3}), 4).status(),
+                       {"every rank", "without members"});
+  ExpectInvalidRequest(MembersFromProto(ArithmeticForm(0, 4, 1), 4).status(), {"every rank"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({0, 5, 3}), 8).status(),
+                       {"rank 3", "follows rank 5", "ascending"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({0, 3, 3, 5}), 8).status(),
+                       {"rank 3 appears twice"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({0, 1, 8}), 8).status(),
+                       {"rank 8", "outside 0..7"});
+  ExpectInvalidRequest(MembersFromProto(ListForm({-2, 1, 3}), 8).status(), {"rank -2"});
+  ExpectInvalidRequest(MembersFromProto(ArithmeticForm(4, 3, 2), 8).status(), {"outside 0..7"});
+  ExpectInvalidRequest(MembersFromProto(ArithmeticForm(0, 2, 0), 8).status(), {"stride"});
+  ExpectInvalidRequest(MembersFromProto(v1::Members(), 8).status(), {"no ranks"});
+  v1::Members both = ArithmeticForm(0, 2, 1);
+  both.add_ranks(5);
+  ExpectInvalidRequest(MembersFromProto(both, 8).status(), {"both"});
+}
+
+GroupSpec MemberSpec(std::shared_ptr<const MemberSet> members) {
+  return GroupSpec{"fsdp/layers.0@ranks2..3",
+                   {ParamSpec{"w", 16, 256}, ParamSpec{"b", 16, 16}},
+                   std::move(members)};
+}
+
+TEST(WireGroupSpecTest, MembersReachTheSpecAndBack) {
+  for (const MemberSet& set : {Set({2, 3}, 8), Set({1, 5}, 8), Set({0, 1, 5}, 8)}) {
+    const GroupSpec spec = MemberSpec(std::make_shared<const MemberSet>(set));
+    v1::GroupRegistration r;
+    ASSERT_TRUE(r.ParseFromString(GroupSpecToProto(spec, Policy()).SerializeAsString()));
+    ASSERT_TRUE(r.has_members());
+    absl::StatusOr<GroupSpec> back = GroupSpecFromProto(r, 8);
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_NE(back->members, nullptr);
+    EXPECT_EQ(back->members->ranks(), set.ranks());
+    EXPECT_EQ(*back, spec);
+    EXPECT_EQ(SpecFingerprint(*back), SpecFingerprint(spec));
+  }
+}
+
+TEST(WireGroupSpecTest, NoMembersAndEveryRankTravelAbsent) {
+  const GroupSpec plain = MemberSpec(nullptr);
+  const v1::GroupRegistration r = GroupSpecToProto(plain, Policy());
+  EXPECT_FALSE(r.has_members());
+  // Byte for byte the registration a 1-D rank sent before members existed.
+  v1::GroupRegistration before;
+  before.set_group_id(plain.group_id);
+  for (const ParamSpec& p : plain.params) {
+    v1::ParamSpec* out = before.add_params();
+    out->set_name(p.name);
+    out->set_dim0(p.dim0);
+    out->set_numel(p.numel);
+  }
+  *before.mutable_policy() = PolicyToProto(Policy());
+  EXPECT_EQ(r.SerializeAsString(), before.SerializeAsString());
+  absl::StatusOr<GroupSpec> back = GroupSpecFromProto(r, 8);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->members, nullptr);
+  // A set of every rank held in a spec is written as no members.
+  const GroupSpec every = MemberSpec(std::make_shared<const MemberSet>(Set({0, 1, 2, 3}, 4)));
+  EXPECT_FALSE(GroupSpecToProto(every, Policy()).has_members());
+}
+
+TEST(WireGroupSpecTest, NonCanonicalMembersAreRefusedNamingTheGroup) {
+  v1::GroupRegistration r = GroupSpecToProto(MemberSpec(nullptr), Policy());
+  *r.mutable_members() = ListForm({0, 2, 4});
+  ExpectInvalidRequest(GroupSpecFromProto(r, 8).status(),
+                       {"group \"fsdp/layers.0@ranks2..3\"", "arithmetic progression"});
+  *r.mutable_members() = ArithmeticForm(0, 8, 1);
+  ExpectInvalidRequest(GroupSpecFromProto(r, 8).status(), {"every rank"});
+  *r.mutable_members() = ListForm({0, 1, 9});
+  ExpectInvalidRequest(GroupSpecFromProto(r, 8).status(), {"rank 9", "outside 0..7"});
+  // A malformed spec is named before its members.
+  r.mutable_params(1)->set_name("w");
+  ExpectInvalid(GroupSpecFromProto(r, 8).status(), {"name registered twice"});
+}
+
+TEST(WireGroupSpecTest, AReceiverWithoutMembersRefusesARegistrationWithMembers) {
+  const GroupSpec spec = MemberSpec(std::make_shared<const MemberSet>(Set({2, 3}, 8)));
+  ExpectInvalidRequest(GroupSpecFromProto(GroupSpecToProto(spec, Policy())).status(),
+                       {"group \"fsdp/layers.0@ranks2..3\" has members"});
+}
+
+// The field numbers docs/MEMBERS.md 2.2 gives the new fields (evolution rules:
+// never renumbered).
+TEST(WireMembersTest, NewFieldsHaveTheirDocumentedNumbers) {
+  EXPECT_EQ(v1::GroupRegistration::kMembersFieldNumber, 4);
+  EXPECT_EQ(v1::ManifestBatch::kSyncKeyFieldNumber, 4);
+  EXPECT_EQ(v1::Welcome::kBatchRepeatRecordsFieldNumber, 7);
+  EXPECT_EQ(v1::Welcome::kMembersFieldNumber, 8);
+  EXPECT_EQ(v1::KeyValueGetRequest::kExpectedFieldNumber, 9);
+  v1::KeyValueGetRequest get;
+  *get.mutable_expected() = MembersToProto(Set({1, 5}, 8));
+  v1::KeyValueGetRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(get.SerializeAsString()));
+  absl::StatusOr<std::shared_ptr<const MemberSet>> expected =
+      MembersFromProto(parsed.expected(), 8);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ((*expected)->ranks(), (std::vector<int>{1, 5}));
 }
 
 // --- Manifests ---------------------------------------------------------------
