@@ -215,16 +215,57 @@ def test_zero3_coalesce_grad_reduction_with_an_optional_tower():
     _check_against_reference(results)
 
 
-def test_zero3_without_optional_still_fails_in_deepspeeds_fetch():
-    """A limit, pinned: accord.deepspeed does not learn optional modules; a
-    module that runs on some ranks only and is not marked still makes
-    DeepSpeed's parameter fetch diverge (Gloo), before any accord call."""
+def test_zero3_tower_not_marked_optional_ends_with_the_same_divergence_error_on_every_rank():
+    """The tower runs on rank 0 only and is not marked optional. Without
+    accord, DeepSpeed's parameter fetch pairs rank 0's all-gather of the tower
+    with rank 1's of the next module: Gloo's size mismatch (pinned). With
+    accord, the collective-sequence guard stops both ranks before that
+    all-gather (every collective of step 0 is new), and both raise
+    AccordDivergenceError with one text naming what each was about to fetch."""
+    failed = _failures(sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
+                                       persistence=0))
+    assert failed and any(MISMATCH in _text(r) for r in failed), \
+        [_text(r)[-800:] for r in failed]
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
                               accord="embedded", persistence=0)
-    failed = _failures(results)
-    assert failed
-    assert any(MISMATCH in _text(r) or "fetch_sub_module" in _text(r) for r in failed), \
-        [_text(r)[-800:] for r in failed]
+    assert all(isinstance(r, RankFailure) for r in results), results
+    texts = [r.error for r in results]
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("AccordDivergenceError(\"accord: the ranks' DeepSpeed ZeRO-3 "
+                               "collectives diverged: "), texts[0]
+    assert "rank 0 issued step 1 position 1: all-gather of 'tower' (2 parameters, 80 x " \
+           "float32)" in texts[0], texts[0]
+    assert "rank 1 issued step 1 position 1: all-gather of 'body' (2 parameters, 272 x " \
+           "float32)" in texts[0], texts[0]
+    assert "accord.deepspeed.install(engine, optional=[...])" in texts[0]
+    assert all(_steps_done(r) == 0 for r in results)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
+    """Every rank uses every module, every parameter fetched (persistence 0;
+    without prefetch, also no reuse: each module's forward and backward
+    fetches). The guard records every all-gather; it waits for a verdict
+    only for collectives new to the agreed sequence (in steps 0-2: DeepSpeed's
+    prefetch follows the module trace it completes at step 0, so step 1's
+    all-gathers differ from step 0's, and step 2 begins with step 1's end),
+    never once the steps repeat."""
+    zero3 = None if prefetch else {"stage3_prefetch_bucket_size": 0,
+                                   "stage3_max_reuse_distance": 0}
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=5, accord="embedded",
+                              persistence=0, zero3=zero3)
+    _check_against_reference(results)
+    for r in results:
+        steps = [s for s in r if "grads" in s]
+        waits = [s["guard_waits"] for s in steps]
+        assert waits[0] > 0 and waits[2] == waits[-1], waits
+        reports = [0] + [s["guard_reports"] for s in steps]
+        per_step = [b - a for a, b in zip(reports, reports[1:])]
+        # Each later step: its all-gathers (4 modules' forward and backward
+        # without prefetch), and the previous step's end.
+        assert min(per_step[1:]) >= (2 if prefetch else 9), per_step
+        assert r[-1]["all_gathers_recorded"] == reports[-1] - 4, r[-1]  # 4 step ends
+        assert r[-1]["left_patched"] == []
 
 
 def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):

@@ -25,7 +25,11 @@ four sub-module functions (`pre_sub_module_forward_function`, ...), through
 which every module's forward and backward fetch and release go and its
 coordinator records the module trace that `reset_step` requires to be the
 same on every rank (`assert_ints_same_as_other_ranks`), and
-`parameter_offload.FWD_MODULE_STACK`.
+`parameter_offload.FWD_MODULE_STACK`; the coordinator
+(`parameter_offload.get_param_coordinator()`) and its
+`__all_gather_params(params, forward)`, through which every fetch and
+prefetch all-gathers, only the parameters whose `ds_status` is
+`ZeroParamStatus.NOT_AVAILABLE` (partition_parameters.py), `ds_numel` each.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ _PATCHED = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_pa
             "_optimizer_step")
 _SUB_MODULE_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                          "pre_sub_module_backward_function", "post_sub_module_backward_function")
+_ALL_GATHER = "_PartitionedParameterCoordinator__all_gather_params"
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -167,12 +172,23 @@ class Zero3(_Adapter):
 
             if not isinstance(getattr(po, "FWD_MODULE_STACK", None), list):
                 out.append("deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK")
+            get = getattr(offload, "get_param_coordinator", None)
+            coordinator = get() if callable(get) else None
+            if coordinator is None:
+                out.append(f"{type(offload).__name__}.get_param_coordinator")
+            elif not callable(getattr(type(coordinator), _ALL_GATHER, None)):
+                out.append(f"{type(coordinator).__name__}.__all_gather_params")
+            import deepspeed.runtime.zero.partition_parameters as pp
+
+            if not hasattr(getattr(pp, "ZeroParamStatus", None), "NOT_AVAILABLE"):
+                out.append("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus")
         return out
 
     def __init__(self, opt):
         super().__init__(opt)
         self.pinned: List[torch.nn.Parameter] = []  # made persistent by accord
         self.bypassed: set = set()  # ids of the pinned modules and their descendants
+        self.routed = None  # the coordinator whose all-gathers go through route()
 
     def pin(self, modules) -> None:
         """Makes the parameters of `modules` persistent (`ds_persist`: never
@@ -226,6 +242,33 @@ class Zero3(_Adapter):
             for name in _SUB_MODULE_FUNCTIONS:
                 offload.__dict__.pop(name, None)
         self.bypassed = set()
+
+    def route_all_gathers(self, route) -> None:
+        """route(params, forward, issue) runs in place of each parameter
+        all-gather of the forward's and backward's fetches and prefetches;
+        issue() is DeepSpeed's own."""
+        coordinator = self.opt.parameter_offload.get_param_coordinator()
+        own = getattr(type(coordinator), _ALL_GATHER).__get__(coordinator)
+
+        def all_gather(params, forward):
+            return route(params, forward, lambda: own(params, forward))
+
+        coordinator.__dict__[_ALL_GATHER] = all_gather
+        self.routed = coordinator
+
+    def unpatch(self) -> None:
+        super().unpatch()
+        if self.routed is not None:
+            self.routed.__dict__.pop(_ALL_GATHER, None)
+            self.routed = None
+
+    @staticmethod
+    def to_gather(params) -> List[Tuple[torch.nn.Parameter, int]]:
+        """Those of `params` that an all-gather of them fetches (not there
+        yet), each with its full element count."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return [(p, p.ds_numel) for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
     def param_groups(self) -> List[List[torch.nn.Parameter]]:
         return [list(g) for g in self.opt.fp16_groups]

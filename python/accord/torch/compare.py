@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
-from accord.torch.windows import Window, describe, first_difference
+from accord.torch.windows import Window, Wording, describe, first_difference
 
 
 class WindowComparison:
     """One rank's side: writes its own window under a key of the run, then
     reads every rank's."""
 
-    def __init__(self, client, group_id: str, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, client, group_id: str, rank: int, world_size: int, timeout_s: float,
+                 wording: Wording = Wording()):
         self.client = client
+        self.wording = wording  # of describe()
         self.group_id = group_id
         self.rank = rank
         self.world_size = world_size
@@ -28,6 +30,9 @@ class WindowComparison:
         values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
                                     timeout_s=timeout_s)
         return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+
+    def describe(self, entries: Dict[int, dict]) -> str:
+        return describe(entries, self.wording)
 
     def gather(self, window: Window) -> Dict[int, dict]:
         """Every rank's window at this index; only this rank's, with a note,
@@ -63,4 +68,4 @@ class WindowComparison:
         p = first_difference(entries, prefix_only=True)
         if p is None:
             return None  # the common prefix agrees: slow, not diverged
-        return describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})
+        return self.describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})

@@ -1,0 +1,73 @@
+"""ZeRO-3's parameter all-gathers under accord.torch's collective-sequence
+guard (docs/DEEPSPEED.md, "The collective-sequence guard").
+
+Every fetch and prefetch of ZeRO-3's forward and backward all-gathers through
+one function of the parameter coordinator
+(accord.deepspeed.zero.Zero3.route_all_gathers). Each all-gather that fetches
+something is recorded there just before DeepSpeed issues it; one new to the
+agreed sequence waits for the guard's verdict, so a rank about to fetch what
+the other ranks do not stops before its collective is paired with theirs,
+and every rank raises the same AccordDivergenceError. Agreed ones are
+recorded without waiting; the step's window goes with the release
+(accord.deepspeed.installation.Installation._decide).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from accord.torch.windows import Wording
+
+WORDING = Wording(collectives="DeepSpeed ZeRO-3", units="module",
+                  install="accord.deepspeed.install(engine, optional=[...])")
+
+
+def sequence_guard(agreement, prefix: str, timeout_s: float):
+    """accord.torch's guard, worded for DeepSpeed; its windows' group is
+    `<prefix>/~collective-sequence`. A record's `group` is whether the
+    all-gather is the forward's."""
+    from accord.torch.guard import SequenceGuard
+
+    return SequenceGuard(agreement.client, agreement.rank, agreement.world_size,
+                         f"{prefix}/~collective-sequence", timeout_s, wording=WORDING,
+                         in_forward=bool)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class GuardedAllGathers:
+    """The adapter's all-gathers, each recorded by `guard` before it is
+    issued. `names`: id(parameter) -> its path in the model. Called on the
+    threads DeepSpeed fetches on (the training thread, autograd's)."""
+
+    def __init__(self, adapter, guard, names: Dict[int, str]):
+        self.zero = adapter
+        self.guard = guard
+        self.names = names
+        self._entries: Dict[frozenset, Tuple[str, str]] = {}  # parameter ids -> (entry, unit)
+        self.recorded = 0  # all-gathers recorded
+
+    def route(self, params, forward: bool, issue):
+        gathered = self.zero.to_gather(params)
+        if gathered:
+            entry, unit = self.entry(gathered)
+            self.recorded += 1
+            self.guard.record(entry, unit, forward)  # no learner: never asks to skip it
+        return issue()
+
+    def entry(self, gathered) -> Tuple[str, str]:
+        """The record of an all-gather of `gathered` ((parameter, numel)
+        pairs), named by the modules that own them, the same on every rank
+        whatever order DeepSpeed's set gives; and those modules."""
+        key = frozenset(id(p) for p, _ in gathered)
+        found = self._entries.get(key)
+        if found is None:
+            paths = [self.names.get(id(p), "?") for p, _ in gathered]
+            unit = ", ".join(sorted({n.rpartition(".")[0] or "(root)" for n in paths}))
+            numel = sum(n for _, n in gathered)
+            dtypes = "+".join(sorted({_dtype_name(p.dtype) for p, _ in gathered}))
+            found = self._entries[key] = (
+                f"all-gather of '{unit}' ({len(paths)} parameters, {numel} x {dtypes})", unit)
+        return found
