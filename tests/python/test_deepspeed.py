@@ -241,6 +241,44 @@ def test_zero3_tower_not_marked_optional_ends_with_the_same_divergence_error_on_
     assert all(_steps_done(r) == 0 for r in results)
 
 
+NO_PREFETCH = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
+
+
+def _divergence_text(r):
+    """The AccordDivergenceError text a rank ended with: raised, or written to
+    stderr by its guard before it ended the process (exit status 3: the rank
+    was blocked inside a collective)."""
+    if isinstance(r, RankDied):
+        assert r.exitcode == 3, r
+        lines = [l for l in r.stderr.splitlines() if l.startswith("AccordDivergenceError: ")]
+    else:
+        assert isinstance(r, RankFailure) and r.error.startswith("AccordDivergenceError("), r
+        lines = [l for l in r.traceback.splitlines()
+                 if l.startswith("accord.torch.errors.AccordDivergenceError: ")]
+    assert lines, _text(r)[-2000:]
+    return lines[-1].split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_rank(prefetch):
+    """Rank 1 skips the tower at step 3 only (not marked optional). Steps 0-2
+    agreed, so nothing waits until rank 1 is about to all-gather what rank 0
+    does not (with prefetch rank 0 fetched everything at the step's start and
+    goes on to its release; without, it is blocked in its all-gather of the
+    tower). The guards compare the windows they are stuck in; every rank ends
+    with the same AccordDivergenceError, none with Gloo's error or timeout."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
+                              accord="embedded", persistence=0,
+                              zero3=None if prefetch else NO_PREFETCH)
+    texts = [_divergence_text(r) for r in results]
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("accord: the ranks' DeepSpeed ZeRO-3 collectives diverged: "), \
+        texts[0]
+    assert "rank 1 issued step 4 position 1: all-gather of 'body' (2 parameters, 272 x " \
+           "float32)" in texts[0], texts[0]
+    assert all(_steps_done(r) == 3 for r in results)
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
     """Every rank uses every module, every parameter fetched (persistence 0;
@@ -250,10 +288,8 @@ def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
     prefetch follows the module trace it completes at step 0, so step 1's
     all-gathers differ from step 0's, and step 2 begins with step 1's end),
     never once the steps repeat."""
-    zero3 = None if prefetch else {"stage3_prefetch_bucket_size": 0,
-                                   "stage3_max_reuse_distance": 0}
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=5, accord="embedded",
-                              persistence=0, zero3=zero3)
+                              persistence=0, zero3=None if prefetch else NO_PREFETCH)
     _check_against_reference(results)
     for r in results:
         steps = [s for s in r if "grads" in s]

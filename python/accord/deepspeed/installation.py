@@ -44,7 +44,7 @@ from typing import List
 import torch
 
 from accord.deepspeed.all_gathers import GuardedAllGathers
-from accord.torch.errors import AccordDivergenceError, waited
+from accord.torch.errors import AccordDivergenceError, AccordJobError, waited
 
 
 @dataclasses.dataclass
@@ -168,7 +168,15 @@ class Installation:
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
         held = sum(g.numel() * g.element_size() for g in grads if g is not None)
         self.stats.held_bytes = max(self.stats.held_bytes, held)
-        decision = self._decide(manifest)
+        try:
+            decision = self._decide(manifest)
+        except AccordJobError as e:
+            # A rank that diverged and stopped fails the job while this one
+            # waits here: the divergence, once this rank's guard finds it too,
+            # is what every rank reports.
+            if self.guard is not None:
+                self.guard.explain(e, wait_s=self.guard.stall_s)
+            raise
         with self.explaining():
             self._reduce_included(decision, grads, opening)
         self.window_closed = self.zero.boundary()

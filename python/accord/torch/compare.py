@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
-from accord.torch.windows import Window, Wording, describe, first_difference
+from accord.torch.windows import Window, Wording, describe, first_difference, past_final
 
 
 class WindowComparison:
@@ -47,11 +47,14 @@ class WindowComparison:
             mine["records"] = mine["records"] + [f"(the other ranks did not report: {e})"]
             return {self.rank: mine}
 
-    def stalled(self, records: List[str], index: int, timeout_s: float) -> Optional[str]:
+    def stalled(self, records: List[str], index: int, timeout_s: float,
+                final: bool = False) -> Optional[str]:
         """Compares the window this rank is stuck in (`records`, window
-        `index`) with the other ranks' of the same index: a message when they
-        differ at a common position; None when they agree so far or some rank
-        is not stuck there (it has not written)."""
+        `index`; `final` when it is closed and waits for its verdict) with the
+        other ranks' of the same index: a message when they differ at a
+        common position, or when another rank's goes on past a final one;
+        None when they agree so far or some rank is not stuck there (it has
+        not written)."""
         if not records:
             return None
         key = f"{self.group_id}/stalled/{index}"
@@ -60,12 +63,14 @@ class WindowComparison:
             # a later one in the same window compares that (a true prefix).
             if self._stall_written != index:
                 self.client.kv_set(f"{key}/{self.rank}",
-                                   json.dumps({"records": records}).encode())
+                                   json.dumps({"records": records, "final": final}).encode())
                 self._stall_written = index
             entries = self._all(key, timeout_s)
         except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
             return None
         p = first_difference(entries, prefix_only=True)
+        if p is None:
+            p = past_final(entries)
         if p is None:
             return None  # the common prefix agrees: slow, not diverged
         return self.describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})

@@ -376,8 +376,8 @@ class SequenceGuard:
             if self._settle_locked():  # verdicts in: not what this rank waits on
                 self._wake.notify()
             w = self._inflight[0] if self._inflight else self._open
-            records, index = w.records, w.index
-        return self.comparison.stalled(records, index, timeout_s)
+            records, index, final = w.records, w.index, w is not self._open
+        return self.comparison.stalled(records, index, timeout_s, final)
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a

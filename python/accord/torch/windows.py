@@ -62,6 +62,18 @@ def first_difference(entries: Dict[int, dict], prefix_only: bool = False) -> Opt
     return None
 
 
+def past_final(entries: Dict[int, dict]) -> Optional[int]:
+    """Where the shortest *final* window ends (closed: its rank waits for its
+    verdict, so it gets no more records) while another rank's window has
+    records beyond it; None when there is no such window. Used once the
+    ranks' windows agree at every common position: the rank whose window is
+    final went on (to its release, say) without the others' collective."""
+    ends = [len(e["records"]) for e in entries.values() if e.get("final")]
+    if ends and min(ends) < max(len(e["records"]) for e in entries.values()):
+        return min(ends)
+    return None
+
+
 def describe(entries: Dict[int, dict], wording: Wording = Wording()) -> str:
     """The same text on every rank: what each rank issued where they first
     differ."""
