@@ -299,7 +299,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     if inst is not None:
         import dataclasses
         stats = dataclasses.asdict(inst.stats)
-        recorded = None if inst.all_gathers is None else inst.all_gathers.recorded
+        gathers = inst.all_gathers
+        recorded = None if gathers is None else (gathers.recorded, gathers.trace_checks)
         inst.uninstall()
         from accord.deepspeed import zero
 
@@ -307,7 +308,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         offload = getattr(engine.optimizer, "parameter_offload", None)
         if offload is not None:
             left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
-            left += [n for n in (zero._ALL_GATHER,)
+            left += [n for n in (zero._ALL_GATHER, "reset_step")
                      if n in offload.get_param_coordinator().__dict__]
         out.append({"stats": stats, "left_patched": left, "all_gathers_recorded": recorded})
     return out

@@ -233,9 +233,10 @@ def test_zero3_tower_not_marked_optional_ends_with_the_same_divergence_error_on_
     assert texts[0] == texts[1], texts
     assert texts[0].startswith("AccordDivergenceError(\"accord: the ranks' DeepSpeed ZeRO-3 "
                                "collectives diverged: "), texts[0]
-    assert "rank 0 issued step 1 position 1: all-gather of 'tower' (2 parameters, 80 x " \
+    # Position 0: DeepSpeed's module-trace check at the forward's start.
+    assert "rank 0 issued step 1 position 2: all-gather of 'tower' (2 parameters, 80 x " \
            "float32)" in texts[0], texts[0]
-    assert "rank 1 issued step 1 position 1: all-gather of 'body' (2 parameters, 272 x " \
+    assert "rank 1 issued step 1 position 2: all-gather of 'body' (2 parameters, 272 x " \
            "float32)" in texts[0], texts[0]
     assert "accord.deepspeed.install(engine, optional=[...])" in texts[0]
     assert all(_steps_done(r) == 0 for r in results)
@@ -259,23 +260,31 @@ def _divergence_text(r):
     return lines[-1].split(": ", 1)[1]
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_rank(prefetch):
+@pytest.mark.parametrize("fetch,rank0,rank1", [
+    ("persistent", "nothing", "position 0: all-gather of 'head' (2 parameters, 17 x float32)"),
+    ("prefetch", "nothing more after step 4 position 0: all-gather of 'body, embed, head, "
+                 "tower' (8 parameters, 513 x float32)",
+     "position 1: all-gather of 'body' (2 parameters, 272 x float32)"),
+    ("each", "step 4 position 1: all-gather of 'tower' (2 parameters, 80 x float32)",
+     "position 1: all-gather of 'body' (2 parameters, 272 x float32)")])
+def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_rank(
+        fetch, rank0, rank1):
     """Rank 1 skips the tower at step 3 only (not marked optional). Steps 0-2
     agreed, so nothing waits until rank 1 is about to all-gather what rank 0
-    does not (with prefetch rank 0 fetched everything at the step's start and
-    goes on to its release; without, it is blocked in its all-gather of the
-    tower). The guards compare the windows they are stuck in; every rank ends
-    with the same AccordDivergenceError, none with Gloo's error or timeout."""
+    does not (DeepSpeed invalidates rank 1's module trace and fetches again).
+    Every parameter persistent (DeepSpeed's default threshold), or fetched
+    by prefetch at the step's start: rank 0 all-gathers nothing more and
+    waits for its release's decision. Each module fetched on its own (no
+    prefetch, no reuse): rank 0 is blocked in its all-gather of the tower.
+    The guards compare the windows they are stuck in; every rank ends with
+    the same AccordDivergenceError, none with Gloo's error or timeout."""
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
-                              accord="embedded", persistence=0,
-                              zero3=None if prefetch else NO_PREFETCH)
+                              accord="embedded", persistence=None if fetch == "persistent" else 0,
+                              zero3=NO_PREFETCH if fetch == "each" else None)
     texts = [_divergence_text(r) for r in results]
     assert texts[0] == texts[1], texts
-    assert texts[0].startswith("accord: the ranks' DeepSpeed ZeRO-3 collectives diverged: "), \
-        texts[0]
-    assert "rank 1 issued step 4 position 1: all-gather of 'body' (2 parameters, 272 x " \
-           "float32)" in texts[0], texts[0]
+    assert texts[0].startswith("accord: the ranks' DeepSpeed ZeRO-3 collectives diverged: "
+                               f"rank 0 issued {rank0}; rank 1 issued step 4 {rank1}. "), texts[0]
     assert all(_steps_done(r) == 3 for r in results)
 
 
@@ -283,24 +292,27 @@ def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_ran
 def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
     """Every rank uses every module, every parameter fetched (persistence 0;
     without prefetch, also no reuse: each module's forward and backward
-    fetches). The guard records every all-gather; it waits for a verdict
-    only for collectives new to the agreed sequence (in steps 0-2: DeepSpeed's
-    prefetch follows the module trace it completes at step 0, so step 1's
-    all-gathers differ from step 0's, and step 2 begins with step 1's end),
+    fetches). The guard records every all-gather and DeepSpeed's module-trace
+    checks; it waits for a verdict only for collectives new to the agreed
+    sequence (in steps 0-3: DeepSpeed checks the module trace at the start of
+    steps 0 and 1 and, with prefetch, follows the trace from step 1 on, so
+    steps 0, 1 and 2 differ, and each begins with the previous one's end),
     never once the steps repeat."""
-    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=5, accord="embedded",
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=6, accord="embedded",
                               persistence=0, zero3=None if prefetch else NO_PREFETCH)
     _check_against_reference(results)
     for r in results:
         steps = [s for s in r if "grads" in s]
         waits = [s["guard_waits"] for s in steps]
-        assert waits[0] > 0 and waits[2] == waits[-1], waits
+        assert waits[0] > 0 and waits[3] == waits[-1], waits
         reports = [0] + [s["guard_reports"] for s in steps]
         per_step = [b - a for a, b in zip(reports, reports[1:])]
         # Each later step: its all-gathers (4 modules' forward and backward
         # without prefetch), and the previous step's end.
         assert min(per_step[1:]) >= (2 if prefetch else 9), per_step
-        assert r[-1]["all_gathers_recorded"] == reports[-1] - 4, r[-1]  # 4 step ends
+        all_gathers, trace_checks = r[-1]["all_gathers_recorded"]
+        assert trace_checks == 2  # steps 0 and 1, until DeepSpeed's trace is complete
+        assert all_gathers + trace_checks + 5 == reports[-1], r[-1]  # 5 step ends
         assert r[-1]["left_patched"] == []
 
 
@@ -447,3 +459,18 @@ def test_probe_names_every_missing_deepspeed_name():
         zero.probe(Engine())
     assert "Optimizer.persistent_parameters" in str(e.value)
     assert "Optimizer.fp16_groups" in str(e.value)
+
+    class Coordinator:  # a parameter coordinator without what the guard hooks
+        pass
+
+    class Offload:
+        def get_param_coordinator(self):
+            return Coordinator()
+
+    Optimizer.parameter_offload = Offload()
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    for name in ("Coordinator.__all_gather_params", "Coordinator.reset_step",
+                 "Coordinator.is_complete_trace", "Coordinator.__submodule_order",
+                 "Offload.pre_sub_module_forward_function"):
+        assert name in str(e.value)

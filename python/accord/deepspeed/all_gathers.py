@@ -4,7 +4,8 @@ guard (docs/DEEPSPEED.md, "The collective-sequence guard").
 Every fetch and prefetch of ZeRO-3's forward and backward all-gathers through
 one function of the parameter coordinator
 (accord.deepspeed.zero.Zero3.route_all_gathers). Each all-gather that fetches
-something is recorded there just before DeepSpeed issues it; one new to the
+something is recorded there just before DeepSpeed issues it, as is the
+module-trace check of the coordinator's `reset_step`; a collective new to the
 agreed sequence waits for the guard's verdict, so a rank about to fetch what
 the other ranks do not stops before its collective is paired with theirs,
 and every rank raises the same AccordDivergenceError. Agreed ones are
@@ -48,6 +49,7 @@ class GuardedAllGathers:
         self.names = names
         self._entries: Dict[frozenset, Tuple[str, str]] = {}  # parameter ids -> (entry, unit)
         self.recorded = 0  # all-gathers recorded
+        self.trace_checks = 0  # DeepSpeed's module-trace checks recorded
 
     def route(self, params, forward: bool, issue):
         gathered = self.zero.to_gather(params)
@@ -56,6 +58,13 @@ class GuardedAllGathers:
             self.recorded += 1
             self.guard.record(entry, unit, forward)  # no learner: never asks to skip it
         return issue()
+
+    def trace_check(self, modules: int) -> None:
+        """Before DeepSpeed compares the ranks' module traces (collectives
+        of a size each rank's trace gives) at a forward's start, until the
+        trace is complete and again on a rank whose trace was invalidated."""
+        self.trace_checks += 1
+        self.guard.record(f"DeepSpeed's module-trace check ({modules} modules)")
 
     def entry(self, gathered) -> Tuple[str, str]:
         """The record of an all-gather of `gathered` ((parameter, numel)

@@ -247,7 +247,7 @@ class Installation:
         self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
         self.zero.patch("_optimizer_step", self.optimizer_step)
         if self.all_gathers is not None:
-            self.zero.route_all_gathers(self.all_gathers.route)
+            self.zero.route_all_gathers(self.all_gathers.route, self.all_gathers.trace_check)
         if self.watch is not None or self.guard is not None:
             self._handles.append(
                 self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))

@@ -29,7 +29,10 @@ same on every rank (`assert_ints_same_as_other_ranks`), and
 (`parameter_offload.get_param_coordinator()`) and its
 `__all_gather_params(params, forward)`, through which every fetch and
 prefetch all-gathers, only the parameters whose `ds_status` is
-`ZeroParamStatus.NOT_AVAILABLE` (partition_parameters.py), `ds_numel` each.
+`ZeroParamStatus.NOT_AVAILABLE` (partition_parameters.py), `ds_numel` each;
+its `reset_step()` (at each forward's start), which while
+`is_complete_trace()` is False compares the module trace `__submodule_order`
+across ranks with collectives (`assert_ints_same_as_other_ranks`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ _PATCHED = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_pa
 _SUB_MODULE_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                          "pre_sub_module_backward_function", "post_sub_module_backward_function")
 _ALL_GATHER = "_PartitionedParameterCoordinator__all_gather_params"
+_TRACE = "_PartitionedParameterCoordinator__submodule_order"
+_COORDINATOR = (_ALL_GATHER, "reset_step", "is_complete_trace")  # methods
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -176,8 +181,12 @@ class Zero3(_Adapter):
             coordinator = get() if callable(get) else None
             if coordinator is None:
                 out.append(f"{type(offload).__name__}.get_param_coordinator")
-            elif not callable(getattr(type(coordinator), _ALL_GATHER, None)):
-                out.append(f"{type(coordinator).__name__}.__all_gather_params")
+            else:
+                out += [f"{type(coordinator).__name__}.{m.replace('_PartitionedParameterCoordinator', '')}"
+                        for m in _COORDINATOR
+                        if not callable(getattr(type(coordinator), m, None))]
+                if not hasattr(coordinator, _TRACE):
+                    out.append(f"{type(coordinator).__name__}.__submodule_order")
             import deepspeed.runtime.zero.partition_parameters as pp
 
             if not hasattr(getattr(pp, "ZeroParamStatus", None), "NOT_AVAILABLE"):
@@ -243,23 +252,33 @@ class Zero3(_Adapter):
                 offload.__dict__.pop(name, None)
         self.bypassed = set()
 
-    def route_all_gathers(self, route) -> None:
+    def route_all_gathers(self, route, trace_check) -> None:
         """route(params, forward, issue) runs in place of each parameter
-        all-gather of the forward's and backward's fetches and prefetches;
-        issue() is DeepSpeed's own."""
+        all-gather of the forward's and backward's fetches and prefetches
+        (issue(): DeepSpeed's own); trace_check(modules) just before
+        `reset_step` compares the ranks' module traces (this rank's has
+        `modules` modules), which it does while the trace is not complete."""
         coordinator = self.opt.parameter_offload.get_param_coordinator()
         own = getattr(type(coordinator), _ALL_GATHER).__get__(coordinator)
+        reset = type(coordinator).reset_step.__get__(coordinator)
 
         def all_gather(params, forward):
             return route(params, forward, lambda: own(params, forward))
 
+        def reset_step():
+            if not coordinator.is_complete_trace():
+                trace_check(len(getattr(coordinator, _TRACE)))
+            return reset()
+
         coordinator.__dict__[_ALL_GATHER] = all_gather
+        coordinator.__dict__["reset_step"] = reset_step
         self.routed = coordinator
 
     def unpatch(self) -> None:
         super().unpatch()
         if self.routed is not None:
-            self.routed.__dict__.pop(_ALL_GATHER, None)
+            for name in (_ALL_GATHER, "reset_step"):
+                self.routed.__dict__.pop(name, None)
             self.routed = None
 
     @staticmethod

@@ -55,8 +55,8 @@ class WindowComparison:
         common position, or when another rank's goes on past a final one;
         None when they agree so far or some rank is not stuck there (it has
         not written)."""
-        if not records:
-            return None
+        if not records and not final:
+            return None  # stuck before its window's first collective: nothing to compare
         key = f"{self.group_id}/stalled/{index}"
         try:
             # Keys are write-once per run: a window's first stall is written,
