@@ -182,9 +182,9 @@ class Zero3(_Adapter):
             if coordinator is None:
                 out.append(f"{type(offload).__name__}.get_param_coordinator")
             else:
-                out += [f"{type(coordinator).__name__}.{m.replace('_PartitionedParameterCoordinator', '')}"
-                        for m in _COORDINATOR
-                        if not callable(getattr(type(coordinator), m, None))]
+                name = type(coordinator).__name__
+                out += [f"{name}.{m.replace('_PartitionedParameterCoordinator', '')}"
+                        for m in _COORDINATOR if not callable(getattr(type(coordinator), m, None))]
                 if not hasattr(coordinator, _TRACE):
                     out.append(f"{type(coordinator).__name__}.__submodule_order")
             import deepspeed.runtime.zero.partition_parameters as pp
