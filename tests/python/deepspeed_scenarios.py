@@ -214,7 +214,7 @@ def _trace_collectives():
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None):
+          zero3=None, learn=False):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -241,7 +241,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         job_id=cluster["job_id"], rank=rank,
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional)
+        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional,
+                                 **({"learn_optional": True} if learn else {}))
     names = [n for n, _ in engine.module.named_parameters()]
     if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
         for n, p in engine.module.named_parameters():
@@ -301,6 +302,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         stats = dataclasses.asdict(inst.stats)
         gathers = inst.all_gathers
         recorded = None if gathers is None else (gathers.recorded, gathers.trace_checks)
+        learner = None if inst.guard is None else inst.guard.learner
+        learned = None if learner is None else list(learner.learned)
         inst.uninstall()
         from accord.deepspeed import zero
 
@@ -310,7 +313,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
             left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
             left += [n for n in (zero._ALL_GATHER, "reset_step")
                      if n in offload.get_param_coordinator().__dict__]
-        out.append({"stats": stats, "left_patched": left, "all_gathers_recorded": recorded})
+        out.append({"stats": stats, "left_patched": left, "all_gathers_recorded": recorded,
+                    "learned": learned})
     return out
 
 

@@ -289,6 +289,33 @@ def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_ran
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_learns_a_module_that_diverges_in_step_0(prefetch):
+    """install(..., learn_optional=True), the tower never used on rank 1 and
+    not marked: at step 0's divergence (rank 0 about to all-gather the tower,
+    rank 1 the body) every rank makes the tower optional (persistent,
+    all-gathered on every rank), rank 0 skips its fetch, and training goes on
+    with gradients equal to the reference, identical on both ranks; DeepSpeed's
+    module trace (checked across ranks at step 1) is the same on both."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=3,
+                              accord="embedded", persistence=0, learn=True,
+                              zero3=None if prefetch else NO_PREFETCH)
+    _check_against_reference(results)
+    for r in results:
+        assert r[-1]["learned"] == ["tower"], r[-1]
+        assert r[-1]["left_patched"] == []
+
+
+def test_zero3_learning_is_for_step_0_a_later_divergence_is_an_error():
+    """With learn_optional=True, the tower skipped at step 3 (DeepSpeed's
+    module trace already complete) still ends with the guard's error."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
+                              accord="embedded", persistence=0, learn=True)
+    texts = [_divergence_text(r) for r in results]
+    assert texts[0] == texts[1] and "rank 1 issued step 4 position 1: all-gather of 'body'" \
+        in texts[0], texts
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
 def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
     """Every rank uses every module, every parameter fetched (persistence 0;
     without prefetch, also no reuse: each module's forward and backward
@@ -471,6 +498,7 @@ def test_probe_names_every_missing_deepspeed_name():
     with pytest.raises(UnsupportedDeepSpeedError) as e:
         zero.probe(Engine())
     for name in ("Coordinator.__all_gather_params", "Coordinator.reset_step",
-                 "Coordinator.is_complete_trace", "Coordinator.__submodule_order",
+                 "Coordinator.is_complete_trace", "Coordinator.is_record_trace",
+                 "Coordinator.__submodule_order", "Coordinator.__step_id",
                  "Offload.pre_sub_module_forward_function"):
         assert name in str(e.value)

@@ -30,7 +30,8 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
-            timeout_s: float = 300.0, optional=(), watch=None, guard=None) -> Installation:
+            timeout_s: float = 300.0, optional=(), watch=None, guard=None,
+            learn_optional: bool = False) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
     modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
     deepspeed.initialize and before the first forward, on every rank.
@@ -46,7 +47,8 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     (the step watch) and `guard` (ZeRO-3: the collective-sequence guard on
     the parameter all-gathers) default to on with an accord client and more
     than one rank; ACCORD_DEEPSPEED_WATCH=0 / ACCORD_DEEPSPEED_GUARD=0 turn
-    them off."""
+    them off. `learn_optional` (ZeRO-3, with the guard): a module whose
+    forward diverges in step 0 is made optional on every rank instead."""
     from accord.agreement import as_agreement
     from accord.deepspeed import zero
 
@@ -72,9 +74,10 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
             stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
             step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
         if many and zero.stage(engine) == 3 and _flag(guard, "ACCORD_DEEPSPEED_GUARD"):
-            from accord.deepspeed.all_gathers import sequence_guard as make_guard
+            from accord.deepspeed import all_gathers
 
-            sequence_guard = make_guard(agreement, prefix, timeout_s)
+            learner = all_gathers.Learner(adapter, engine.module) if learn_optional else None
+            sequence_guard = all_gathers.sequence_guard(agreement, prefix, timeout_s, learner)
         inst = Installation(engine, adapter, agreement, prefix, step_watch, sequence_guard)
         inst.register()
     except BaseException:

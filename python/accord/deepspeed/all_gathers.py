@@ -10,12 +10,15 @@ agreed sequence waits for the guard's verdict, so a rank about to fetch what
 the other ranks do not stops before its collective is paired with theirs,
 and every rank raises the same AccordDivergenceError. Agreed ones are
 recorded without waiting; the step's window goes with the release
-(accord.deepspeed.installation.Installation._decide).
+(accord.deepspeed.installation.Installation._decide). With a Learner, a
+module whose forward all-gather diverges in step 0 is made optional on every
+rank instead (docs/DEEPSPEED.md, "Learning").
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import warnings
+from typing import Dict, List, Optional, Tuple
 
 from accord.torch.windows import Wording
 
@@ -23,7 +26,7 @@ WORDING = Wording(collectives="DeepSpeed ZeRO-3", units="module",
                   install="accord.deepspeed.install(engine, optional=[...])")
 
 
-def sequence_guard(agreement, prefix: str, timeout_s: float):
+def sequence_guard(agreement, prefix: str, timeout_s: float, learner=None):
     """accord.torch's guard, worded for DeepSpeed; its windows' group is
     `<prefix>/~collective-sequence`. A record's `group` is whether the
     all-gather is the forward's."""
@@ -31,7 +34,43 @@ def sequence_guard(agreement, prefix: str, timeout_s: float):
 
     return SequenceGuard(agreement.client, agreement.rank, agreement.world_size,
                          f"{prefix}/~collective-sequence", timeout_s, wording=WORDING,
-                         in_forward=bool)
+                         in_forward=bool, learner=learner)
+
+
+class Learner:
+    """Learned optional modules (accord.torch.guard's learner): at a
+    divergence of forward all-gathers in the step whose module trace
+    DeepSpeed records (step 0), every rank pins the first diverging module
+    (accord.deepspeed.zero.Zero3.pin: one all-gather, on every rank at the
+    verdict), and the rank that was fetching it skips its fetch."""
+
+    def __init__(self, adapter, model):
+        self.zero = adapter
+        self.model = model
+        self._order = {n: i for i, (n, _) in enumerate(model.named_modules()) if n}
+        self.learned: List[str] = []
+
+    def can_learn(self, units: List[str]) -> Optional[List[str]]:
+        """Guard's thread; reads only. None when a unit is not one module
+        (a prefetch of several), or the trace is no longer recorded."""
+        if not self.zero.recording_trace() or any(u not in self._order for u in units):
+            return None
+        return [min(units, key=self._order.__getitem__)]
+
+    def learn(self, units: List[str], current: Optional[str]) -> bool:
+        """Training thread: pins `units`; True when the fetch under way (of
+        `current`) is now done."""
+        self.zero.pin([self.model.get_submodule(u) for u in units])
+        for name in units:
+            self.learned.append(name)
+            warnings.warn(
+                f"accord: module '{name}' ran its forward on some ranks only under ZeRO-3; "
+                f"accord made it optional (persistent, gathered on every rank). Pass "
+                f"optional=[...] to accord.deepspeed.install to say so up front", stacklevel=2)
+        if current not in units:
+            return False
+        self.zero.forget_fetch(self.model.get_submodule(current))
+        return True
 
 
 def _dtype_name(dtype) -> str:
@@ -56,7 +95,8 @@ class GuardedAllGathers:
         if gathered:
             entry, unit = self.entry(gathered)
             self.recorded += 1
-            self.guard.record(entry, unit, forward)  # no learner: never asks to skip it
+            if self.guard.record(entry, unit, forward):
+                return None  # its module was pinned instead (learned), on every rank
         return issue()
 
     def trace_check(self, modules: int) -> None:

@@ -49,7 +49,9 @@ _SUB_MODULE_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_for
                          "pre_sub_module_backward_function", "post_sub_module_backward_function")
 _ALL_GATHER = "_PartitionedParameterCoordinator__all_gather_params"
 _TRACE = "_PartitionedParameterCoordinator__submodule_order"
-_COORDINATOR = (_ALL_GATHER, "reset_step", "is_complete_trace")  # methods
+_STEP_ID = "_PartitionedParameterCoordinator__step_id"
+_FETCHED_FOR = "_PartitionedParameterCoordinator__step_id_module_fetched_for"
+_COORDINATOR = (_ALL_GATHER, "reset_step", "is_complete_trace", "is_record_trace")  # methods
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -185,8 +187,8 @@ class Zero3(_Adapter):
                 name = type(coordinator).__name__
                 out += [f"{name}.{m.replace('_PartitionedParameterCoordinator', '')}"
                         for m in _COORDINATOR if not callable(getattr(type(coordinator), m, None))]
-                if not hasattr(coordinator, _TRACE):
-                    out.append(f"{type(coordinator).__name__}.__submodule_order")
+                out += [f"{name}.{f.replace('_PartitionedParameterCoordinator', '')}"
+                        for f in (_TRACE, _STEP_ID, _FETCHED_FOR) if not hasattr(coordinator, f)]
             import deepspeed.runtime.zero.partition_parameters as pp
 
             if not hasattr(getattr(pp, "ZeroParamStatus", None), "NOT_AVAILABLE"):
@@ -214,7 +216,7 @@ class Zero3(_Adapter):
                     self.pinned.append(p)
         if persistent:
             persistent[0].all_gather(persistent)
-        self.bypassed = {id(d) for m in modules for d in m.modules()}
+        self.bypassed |= {id(d) for m in modules for d in m.modules()}
         if self.bypassed:
             self._bypass_sub_module_functions()
 
@@ -273,6 +275,21 @@ class Zero3(_Adapter):
         coordinator.__dict__[_ALL_GATHER] = all_gather
         coordinator.__dict__["reset_step"] = reset_step
         self.routed = coordinator
+
+    def recording_trace(self) -> bool:
+        """Whether the coordinator records this step's module trace (step 0)."""
+        return self.routed is not None and bool(self.routed.is_record_trace())
+
+    def forget_fetch(self, module) -> None:
+        """The fetch of `module` under way was pinned instead: its entry in
+        the module trace being recorded, and the step id its end adds, are
+        taken back, so the trace is what a rank that never ran it records."""
+        c = self.routed
+        order = getattr(c, _TRACE)
+        if isinstance(order, list) and order and order[-1] is module:
+            order.pop()
+            getattr(c, _FETCHED_FOR)[module.ds_id].pop()
+            setattr(c, _STEP_ID, getattr(c, _STEP_ID) - 1)
 
     def unpatch(self) -> None:
         super().unpatch()
