@@ -152,7 +152,7 @@ def batch(rank, step, micro, case):
     return x, image
 
 
-def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None):
+def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None, zero3=None):
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -166,6 +166,7 @@ def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None):
         cfg["bf16"] = {"enabled": True}
     if persistence is not None:  # ZeRO-3: parameters at most this large stay gathered
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    cfg["zero_optimization"].update(zero3 or {})  # more ZeRO-3 settings
     return cfg
 
 
@@ -212,7 +213,8 @@ def _trace_collectives():
 
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
-          cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None):
+          cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
+          zero3=None, learn=False):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -227,7 +229,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, world_size, gas, dtype,
-                                                                   persistence))
+                                                            persistence, zero3))
     inst = None
     if accord != "none":
         from accord import connect
@@ -239,7 +241,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         job_id=cluster["job_id"], rank=rank,
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional)
+        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional,
+                                 **({"learn_optional": True} if learn else {}))
     names = [n for n, _ in engine.module.named_parameters()]
     if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
         for n, p in engine.module.named_parameters():
@@ -289,11 +292,18 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         lp_after = {n: params[n].detach().clone() for n in names}
         DONE[0] = step + 1
         print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
+        guard = None if inst is None else inst.guard
         out.append({"grads": grads, "ref": ref, "start": start, "after": after,
-                    "moments": moments, "after_moments": after_moments, "lp_after": lp_after})
+                    "moments": moments, "after_moments": after_moments, "lp_after": lp_after,
+                    "guard_waits": None if guard is None else guard.blocking_waits,
+                    "guard_reports": None if guard is None else guard.reports})
     if inst is not None:
         import dataclasses
         stats = dataclasses.asdict(inst.stats)
+        gathers = inst.all_gathers
+        recorded = None if gathers is None else (gathers.recorded, gathers.trace_checks)
+        learner = None if inst.guard is None else inst.guard.learner
+        learned = None if learner is None else list(learner.learned)
         inst.uninstall()
         from accord.deepspeed import zero
 
@@ -301,7 +311,10 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         offload = getattr(engine.optimizer, "parameter_offload", None)
         if offload is not None:
             left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
-        out.append({"stats": stats, "left_patched": left})
+            left += [n for n in (zero._ALL_GATHER, "reset_step")
+                     if n in offload.get_param_coordinator().__dict__]
+        out.append({"stats": stats, "left_patched": left, "all_gathers_recorded": recorded,
+                    "learned": learned})
     return out
 
 

@@ -215,16 +215,132 @@ def test_zero3_coalesce_grad_reduction_with_an_optional_tower():
     _check_against_reference(results)
 
 
-def test_zero3_without_optional_still_fails_in_deepspeeds_fetch():
-    """A limit, pinned: accord.deepspeed does not learn optional modules; a
-    module that runs on some ranks only and is not marked still makes
-    DeepSpeed's parameter fetch diverge (Gloo), before any accord call."""
+def test_zero3_tower_not_marked_optional_ends_with_the_same_divergence_error_on_every_rank():
+    """The tower runs on rank 0 only and is not marked optional. Without
+    accord, DeepSpeed's parameter fetch pairs rank 0's all-gather of the tower
+    with rank 1's of the next module: Gloo's size mismatch (pinned). With
+    accord, the collective-sequence guard stops both ranks before that
+    all-gather (every collective of step 0 is new), and both raise
+    AccordDivergenceError with one text naming what each was about to fetch."""
+    failed = _failures(sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
+                                       persistence=0))
+    assert failed and any(MISMATCH in _text(r) for r in failed), \
+        [_text(r)[-800:] for r in failed]
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
                               accord="embedded", persistence=0)
-    failed = _failures(results)
-    assert failed
-    assert any(MISMATCH in _text(r) or "fetch_sub_module" in _text(r) for r in failed), \
-        [_text(r)[-800:] for r in failed]
+    assert all(isinstance(r, RankFailure) for r in results), results
+    texts = [r.error for r in results]
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("AccordDivergenceError(\"accord: the ranks' DeepSpeed ZeRO-3 "
+                               "collectives diverged: "), texts[0]
+    # Position 0: DeepSpeed's module-trace check at the forward's start.
+    assert "rank 0 issued step 1 position 2: all-gather of 'tower' (2 parameters, 80 x " \
+           "float32)" in texts[0], texts[0]
+    assert "rank 1 issued step 1 position 2: all-gather of 'body' (2 parameters, 272 x " \
+           "float32)" in texts[0], texts[0]
+    assert "accord.deepspeed.install(engine, optional=[...])" in texts[0]
+    assert all(_steps_done(r) == 0 for r in results)
+
+
+NO_PREFETCH = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
+
+
+def _divergence_text(r):
+    """The AccordDivergenceError text a rank ended with: raised, or written to
+    stderr by its guard before it ended the process (exit status 3: the rank
+    was blocked inside a collective)."""
+    if isinstance(r, RankDied):
+        assert r.exitcode == 3, r
+        lines = [l for l in r.stderr.splitlines() if l.startswith("AccordDivergenceError: ")]
+    else:
+        assert isinstance(r, RankFailure) and r.error.startswith("AccordDivergenceError("), r
+        lines = [l for l in r.traceback.splitlines()
+                 if l.startswith("accord.torch.errors.AccordDivergenceError: ")]
+    assert lines, _text(r)[-2000:]
+    return lines[-1].split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("fetch,rank0,rank1", [
+    ("persistent", "nothing", "position 0: all-gather of 'head' (2 parameters, 17 x float32)"),
+    ("prefetch", "nothing more after step 4 position 0: all-gather of 'body, embed, head, "
+                 "tower' (8 parameters, 513 x float32)",
+     "position 1: all-gather of 'body' (2 parameters, 272 x float32)"),
+    ("each", "step 4 position 1: all-gather of 'tower' (2 parameters, 80 x float32)",
+     "position 1: all-gather of 'body' (2 parameters, 272 x float32)")])
+def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_rank(
+        fetch, rank0, rank1):
+    """Rank 1 skips the tower at step 3 only (not marked optional). Steps 0-2
+    agreed, so nothing waits until rank 1 is about to all-gather what rank 0
+    does not (DeepSpeed invalidates rank 1's module trace and fetches again).
+    Every parameter persistent (DeepSpeed's default threshold), or fetched
+    by prefetch at the step's start: rank 0 all-gathers nothing more and
+    waits for its release's decision. Each module fetched on its own (no
+    prefetch, no reuse): rank 0 is blocked in its all-gather of the tower.
+    The guards compare the windows they are stuck in; every rank ends with
+    the same AccordDivergenceError, none with Gloo's error or timeout."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
+                              accord="embedded", persistence=None if fetch == "persistent" else 0,
+                              zero3=NO_PREFETCH if fetch == "each" else None)
+    texts = [_divergence_text(r) for r in results]
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("accord: the ranks' DeepSpeed ZeRO-3 collectives diverged: "
+                               f"rank 0 issued {rank0}; rank 1 issued step 4 {rank1}. "), texts[0]
+    assert all(_steps_done(r) == 3 for r in results)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_learns_a_module_that_diverges_in_step_0(prefetch):
+    """install(..., learn_optional=True), the tower never used on rank 1 and
+    not marked: at step 0's divergence (rank 0 about to all-gather the tower,
+    rank 1 the body) every rank makes the tower optional (persistent,
+    all-gathered on every rank), rank 0 skips its fetch, and training goes on
+    with gradients equal to the reference, identical on both ranks; DeepSpeed's
+    module trace (checked across ranks at step 1) is the same on both."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=3,
+                              accord="embedded", persistence=0, learn=True,
+                              zero3=None if prefetch else NO_PREFETCH)
+    _check_against_reference(results)
+    for r in results:
+        assert r[-1]["learned"] == ["tower"], r[-1]
+        assert r[-1]["left_patched"] == []
+
+
+def test_zero3_learning_is_for_step_0_a_later_divergence_is_an_error():
+    """With learn_optional=True, the tower skipped at step 3 (DeepSpeed's
+    module trace already complete) still ends with the guard's error."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
+                              accord="embedded", persistence=0, learn=True)
+    texts = [_divergence_text(r) for r in results]
+    assert texts[0] == texts[1] and "rank 1 issued step 4 position 1: all-gather of 'body'" \
+        in texts[0], texts
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_guard_adds_no_blocking_wait_in_the_steady_state(prefetch):
+    """Every rank uses every module, every parameter fetched (persistence 0;
+    without prefetch, also no reuse: each module's forward and backward
+    fetches). The guard records every all-gather and DeepSpeed's module-trace
+    checks; it waits for a verdict only for collectives new to the agreed
+    sequence (in steps 0-3: DeepSpeed checks the module trace at the start of
+    steps 0 and 1 and, with prefetch, follows the trace from step 1 on, so
+    steps 0, 1 and 2 differ, and each begins with the previous one's end),
+    never once the steps repeat."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="all", steps=6, accord="embedded",
+                              persistence=0, zero3=None if prefetch else NO_PREFETCH)
+    _check_against_reference(results)
+    for r in results:
+        steps = [s for s in r if "grads" in s]
+        waits = [s["guard_waits"] for s in steps]
+        assert waits[0] > 0 and waits[3] == waits[-1], waits
+        reports = [0] + [s["guard_reports"] for s in steps]
+        per_step = [b - a for a, b in zip(reports, reports[1:])]
+        # Each later step: its all-gathers (4 modules' forward and backward
+        # without prefetch), and the previous step's end.
+        assert min(per_step[1:]) >= (2 if prefetch else 9), per_step
+        all_gathers, trace_checks = r[-1]["all_gathers_recorded"]
+        assert trace_checks == 2  # steps 0 and 1, until DeepSpeed's trace is complete
+        assert all_gathers + trace_checks + 5 == reports[-1], r[-1]  # 5 step ends
+        assert r[-1]["left_patched"] == []
 
 
 def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
@@ -370,3 +486,19 @@ def test_probe_names_every_missing_deepspeed_name():
         zero.probe(Engine())
     assert "Optimizer.persistent_parameters" in str(e.value)
     assert "Optimizer.fp16_groups" in str(e.value)
+
+    class Coordinator:  # a parameter coordinator without what the guard hooks
+        pass
+
+    class Offload:
+        def get_param_coordinator(self):
+            return Coordinator()
+
+    Optimizer.parameter_offload = Offload()
+    with pytest.raises(UnsupportedDeepSpeedError) as e:
+        zero.probe(Engine())
+    for name in ("Coordinator.__all_gather_params", "Coordinator.reset_step",
+                 "Coordinator.is_complete_trace", "Coordinator.is_record_trace",
+                 "Coordinator.__submodule_order", "Coordinator.__step_id",
+                 "Offload.pre_sub_module_forward_function"):
+        assert name in str(e.value)

@@ -263,6 +263,30 @@ def test_a_rank_blocked_after_a_diverged_release_is_ended_by_its_guard():
         r.guard.close()
 
 
+def test_a_rank_that_went_on_to_its_release_without_the_others_collective_is_named():
+    """After agreed steps, rank 1 is about to issue one collective more (new:
+    it waits for the verdict) while rank 0 has closed its window at its
+    release and waits for that verdict (as a DeepSpeed rank waits for its
+    release's decision): neither window can be decided. The stalled windows
+    agree at every common position, but rank 0's is final, so both guards
+    name rank 1's collective instead of waiting for the timeout."""
+    a, b, c = POOL[0], POOL[1], POOL[2]
+    service = FakeService(2)
+    ranks = [Rank(service, r, stall_s=0.4) for r in range(2)]
+    for r in ranks:
+        r.guard.abort_grace_s = 0.1
+    run_ranks(ranks, lambda r: [[a, b]] * 3 + [[a, b] if r == 0 else [a, b, c]])
+    assert ranks[1].error is not None, ranks[1].error  # raised while waiting at c
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not ranks[0].aborted:
+        time.sleep(0.05)
+    assert ranks[0].aborted == [ranks[1].error], ranks[0].aborted
+    assert "rank 0 issued nothing more after step 4 position 1: " + b in ranks[1].error
+    assert "rank 1 issued step 4 position 2: " + c in ranks[1].error
+    for r in ranks:
+        r.guard.close()
+
+
 def test_a_steady_release_is_checked_off_by_the_training_thread():
     """In the steady state the guard's thread is not woken per step: the
     training thread checks off every earlier release whose verdict is in."""

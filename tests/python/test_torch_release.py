@@ -178,6 +178,25 @@ def test_first_difference_and_the_shared_message():
     assert "rank 2 issued nothing more after p0: x" in msg
 
 
+def test_a_final_window_that_others_go_past_is_where_they_diverged():
+    """Stalled windows agree on every common position: a rank whose window is
+    final (closed, waiting for its verdict) and shorter than another's went on
+    without the other's collective; open windows may still grow (None)."""
+    short, long = ["p0: x"], ["p0: x", "p1: y"]
+    assert windows.past_final({0: {"records": short, "final": True},
+                               1: {"records": long}}) == 1
+    assert windows.past_final({0: {"records": short}, 1: {"records": long}}) is None
+    assert windows.past_final({0: {"records": long, "final": True},
+                               1: {"records": short}}) is None
+    assert windows.past_final({0: {"records": long, "final": True},
+                               1: {"records": long, "final": True}}) is None
+    msg = windows.describe({0: {"records": short}, 1: {"records": long}},
+                           windows.Wording("DeepSpeed ZeRO-3", "module", "install(...)"))
+    assert msg.startswith("accord: the ranks' DeepSpeed ZeRO-3 collectives diverged: rank 0 "
+                          "issued nothing more after p0: x; rank 1 issued p1: y. A module ran")
+    assert msg.endswith("mark modules whose forward runs on some ranks only with install(...)")
+
+
 def test_only_first_occurrence_forward_all_gathers_are_repairable():
     def e(records, unit, waiting=True, fag=True):
         return {"records": records, "unit": unit, "waiting": waiting, "forward_all_gather": fag}

@@ -10,7 +10,10 @@ ZeRO-1, -2 and -3 on the DeepSpeed versions in SUPPORTED_DEEPSPEED, with
 DeepSpeed's ZeRO optimizers (tested: fp32, bf16, gradient accumulation,
 engine.coalesce_grad_reduction()). How it works and what it costs: docs/DEEPSPEED.md. Every private DeepSpeed
 name is in accord.deepspeed.zero, checked at install; `uninstall()` restores
-DeepSpeed's own methods.
+DeepSpeed's own methods. Under ZeRO-3, a module that runs on some ranks only
+and is not given as optional ends the job with the same
+accord.torch.AccordDivergenceError on every rank (the collective-sequence
+guard on the parameter all-gathers), not in Gloo.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
-            timeout_s: float = 300.0, optional=(), watch=None) -> Installation:
+            timeout_s: float = 300.0, optional=(), watch=None, guard=None,
+            learn_optional: bool = False) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
     modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
     deepspeed.initialize and before the first forward, on every rank.
@@ -39,7 +43,12 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     lacks; ValueError when the engine is already hooked. `optional` (ZeRO-3):
     modules (or their paths in engine.module) whose forward runs on some
     ranks only; their parameters become persistent and are all-gathered at
-    install on every rank, with every other persistent parameter."""
+    install on every rank, with every other persistent parameter. `watch`
+    (the step watch) and `guard` (ZeRO-3: the collective-sequence guard on
+    the parameter all-gathers) default to on with an accord client and more
+    than one rank; ACCORD_DEEPSPEED_WATCH=0 / ACCORD_DEEPSPEED_GUARD=0 turn
+    them off. `learn_optional` (ZeRO-3, with the guard): a module whose
+    forward diverges in step 0 is made optional on every rank instead."""
     from accord.agreement import as_agreement
     from accord.deepspeed import zero
 
@@ -56,31 +65,35 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
 
         client_or_agreement = accord.connect()
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
-    step_watch = None
-    if watch is None:
-        watch = os.environ.get("ACCORD_DEEPSPEED_WATCH", "1").strip().lower() not in (
-            "0", "false", "off", "no")
-    if watch and getattr(agreement, "client", None) is not None and agreement.world_size > 1:
-        from accord.torch.watchdog import StepWatch
-
-        stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
-        step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
-    inst = Installation(engine, adapter, agreement, prefix, step_watch)
-    regs = [inst.registration()] + ([step_watch.registration()] if step_watch else [])
+    many = getattr(agreement, "client", None) is not None and agreement.world_size > 1
+    step_watch = sequence_guard = None
     try:
-        batch = getattr(agreement, "register_all", None)
-        if callable(batch):
-            batch(regs)
-        else:
-            for r in regs:
-                agreement.register(*r)
+        if many and _flag(watch, "ACCORD_DEEPSPEED_WATCH"):
+            from accord.torch.watchdog import StepWatch
+
+            stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+            step_watch = StepWatch(agreement, f"{prefix}/~step", timeout_s, stall_s=stall_s)
+        if many and zero.stage(engine) == 3 and _flag(guard, "ACCORD_DEEPSPEED_GUARD"):
+            from accord.deepspeed import all_gathers
+
+            learner = all_gathers.Learner(adapter, engine.module) if learn_optional else None
+            sequence_guard = all_gathers.sequence_guard(agreement, prefix, timeout_s, learner)
+        inst = Installation(engine, adapter, agreement, prefix, step_watch, sequence_guard)
+        inst.register()
     except BaseException:
-        if step_watch is not None:
-            step_watch.close()
+        for part in (step_watch, sequence_guard):
+            if part is not None:
+                part.close()
         raise
     adapter.pin(modules)
     inst.hook()
     return inst
+
+
+def _flag(given, env: str) -> bool:
+    if given is not None:
+        return bool(given)
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 __all__ = ["EngineParts", "Installation", "SUPPORTED_DEEPSPEED", "Stats", "UnsupportedDeepSpeedError",

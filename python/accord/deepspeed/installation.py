@@ -19,7 +19,10 @@ Its forward and backward fetches follow each rank's module trace, which
 DeepSpeed also requires to be the same on every rank: modules given as
 optional are made persistent, all-gathered at install on every rank, and
 kept out of DeepSpeed's per-module fetch, release and trace
-(accord.deepspeed.zero.Zero3.pin).
+(accord.deepspeed.zero.Zero3.pin). Every other fetch's all-gather is
+recorded by accord.torch's collective-sequence guard just before it is
+issued (accord.deepspeed.all_gathers): a module that runs on some ranks only
+and was not given ends with AccordDivergenceError on every rank, not in Gloo.
 
 A parameter no rank used in the accumulation window is not reduced;
 DeepSpeed counts it as a zero gradient in its flat partition, which would
@@ -40,7 +43,8 @@ from typing import List
 
 import torch
 
-from accord.torch.errors import waited
+from accord.deepspeed.all_gathers import GuardedAllGathers
+from accord.torch.errors import AccordDivergenceError, AccordJobError, waited
 
 
 @dataclasses.dataclass
@@ -66,14 +70,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Installation:
     """One ZeRO engine under accord. Training thread only."""
 
-    def __init__(self, engine, adapter, agreement, prefix: str, watch=None):
+    def __init__(self, engine, adapter, agreement, prefix: str, watch=None, guard=None):
         self.engine = engine
         self.zero = adapter
         self.agreement = agreement
         self.watch = watch  # accord.torch.watchdog.StepWatch, or None
+        self.guard = guard  # accord.torch.guard.SequenceGuard (ZeRO-3), or None
         self.rank = agreement.rank
         self.group_id = f"{prefix}/zero"
         names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.all_gathers = None if guard is None else GuardedAllGathers(adapter, guard, names)
         # (group index, parameter), in DeepSpeed's group order: the release order.
         self.order = [(i, p) for i, g in enumerate(adapter.param_groups()) for p in g
                       if p.requires_grad]
@@ -90,10 +96,26 @@ class Installation:
         self._handles: list = []  # hooks on the model, removed at uninstall
         self._wrapped: List[str] = []  # engine methods wrapped on the instance
 
-    def registration(self) -> tuple:
+    def registrations(self) -> List[tuple]:
+        """Every group this installation submits to (the release's, the step
+        watch's, the guard's), for one batched registration."""
         params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
                   for n, (_, p) in zip(self.names, self.order)]
-        return (self.group_id, params, None, False)
+        regs = [(self.group_id, params, None, False)]
+        if self.watch is not None:
+            regs.append(self.watch.registration())
+        return regs + (self.guard.registrations() if self.guard is not None else [])
+
+    def register(self) -> None:
+        """registrations() in one round trip where the agreement has one."""
+        batch = getattr(self.agreement, "register_all", None)
+        if callable(batch):
+            batch(self.registrations())
+        else:
+            for r in self.registrations():
+                self.agreement.register(*r)
+        if self.guard is not None:
+            self.guard.registered()
 
     # ------------------------------------------------------------ DeepSpeed's hooks
 
@@ -114,10 +136,12 @@ class Installation:
 
     def begin_forward(self, module, args) -> None:
         """A forward of the model: the step watch's step begins (the index of
-        the next release, the same on every rank)."""
+        the next release, the same on every rank), and the guard's."""
         if self.watch is not None:
             self.watch.begin_step(self.step)
             self.watch.progress("the forward")
+        if self.guard is not None:
+            self.guard.begin_step()
 
     @contextlib.contextmanager
     def explaining(self):
@@ -125,9 +149,13 @@ class Installation:
         coordinator's named error (the step watch asks), when it has one."""
         try:
             yield
+        except AccordDivergenceError:
+            raise  # named already: the guard's finding, or the job's verdict
         except RuntimeError as e:
             if self.watch is not None:
                 self.watch.explain(e)
+            if self.guard is not None:
+                self.guard.explain(e)
             raise
 
     def release(self) -> None:
@@ -140,7 +168,15 @@ class Installation:
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
         held = sum(g.numel() * g.element_size() for g in grads if g is not None)
         self.stats.held_bytes = max(self.stats.held_bytes, held)
-        decision = self._decide(manifest)
+        try:
+            decision = self._decide(manifest)
+        except AccordJobError as e:
+            # A rank that diverged and stopped fails the job while this one
+            # waits here: the divergence, once this rank's guard finds it too,
+            # is what every rank reports.
+            if self.guard is not None:
+                self.guard.explain(e, wait_s=self.guard.stall_s)
+            raise
         with self.explaining():
             self._reduce_included(decision, grads, opening)
         self.window_closed = self.zero.boundary()
@@ -171,17 +207,23 @@ class Installation:
     def _decide(self, manifest) -> object:
         """This release's decision; the job's verdict (a rank lost, say) is
         raised as accord.torch's AccordJobError, the same text on every rank.
-        The step watch's item goes in the same batch."""
+        The step watch's item and the guard's window of the step go in the
+        same batch (without a batch, the window is submitted without waiting)."""
         item = self.watch.item(self.step) if self.watch is not None else None
+        seq, window = self.guard.release_item(self.step) if self.guard else (None, None)
         submit_batch = getattr(self.agreement, "submit_batch", None)
-        if callable(submit_batch):
-            items = [(self.group_id, self.step, manifest)] + ([item] if item else [])
-            handles = list(submit_batch(items))
-            if item:
-                self.watch.handed(self.step, handles[1])
-            return waited(self.agreement, handles[0],
-                          "accord.deepspeed: learned at the end-of-backward release")
-        return self.agreement.submit(self.group_id, self.step, manifest)
+        if not callable(submit_batch):
+            if seq is not None:
+                self.guard.release_handle(window, self.guard.client.submit(*seq))
+            return self.agreement.submit(self.group_id, self.step, manifest)
+        items = [(self.group_id, self.step, manifest)] + ([item] if item else [])
+        handles = list(submit_batch(items + ([seq] if seq else [])))
+        if item:
+            self.watch.handed(self.step, handles[1])
+        if seq is not None:
+            self.guard.release_handle(window, handles[-1])
+        return waited(self.agreement, handles[0],
+                      "accord.deepspeed: learned at the end-of-backward release")
 
     def optimizer_step(self, group_no: int) -> None:
         """The base optimizer's step on one flat partition, with the slices of
@@ -204,7 +246,9 @@ class Installation:
         self.zero.patch("reduce_ready_partitions_and_remove_grads", self.held)
         self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
         self.zero.patch("_optimizer_step", self.optimizer_step)
-        if self.watch is not None:
+        if self.all_gathers is not None:
+            self.zero.route_all_gathers(self.all_gathers.route, self.all_gathers.trace_check)
+        if self.watch is not None or self.guard is not None:
             self._handles.append(
                 self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))
             # The engine's own calls (an engine, not EngineParts): a peer's
@@ -232,7 +276,8 @@ class Installation:
         for name in self._wrapped:
             self.engine.__dict__.pop(name, None)
         self._wrapped.clear()
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
+        for part in ("guard", "watch"):
+            if getattr(self, part) is not None:
+                getattr(self, part).close()
+                setattr(self, part, None)
         self.engine.__dict__.pop("_accord_installation", None)

@@ -25,7 +25,14 @@ four sub-module functions (`pre_sub_module_forward_function`, ...), through
 which every module's forward and backward fetch and release go and its
 coordinator records the module trace that `reset_step` requires to be the
 same on every rank (`assert_ints_same_as_other_ranks`), and
-`parameter_offload.FWD_MODULE_STACK`.
+`parameter_offload.FWD_MODULE_STACK`; the coordinator
+(`parameter_offload.get_param_coordinator()`) and its
+`__all_gather_params(params, forward)`, through which every fetch and
+prefetch all-gathers, only the parameters whose `ds_status` is
+`ZeroParamStatus.NOT_AVAILABLE` (partition_parameters.py), `ds_numel` each;
+its `reset_step()` (at each forward's start), which while
+`is_complete_trace()` is False compares the module trace `__submodule_order`
+across ranks with collectives (`assert_ints_same_as_other_ranks`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ _PATCHED = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_pa
             "_optimizer_step")
 _SUB_MODULE_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                          "pre_sub_module_backward_function", "post_sub_module_backward_function")
+_ALL_GATHER = "_PartitionedParameterCoordinator__all_gather_params"
+_TRACE = "_PartitionedParameterCoordinator__submodule_order"
+_STEP_ID = "_PartitionedParameterCoordinator__step_id"
+_FETCHED_FOR = "_PartitionedParameterCoordinator__step_id_module_fetched_for"
+_COORDINATOR = (_ALL_GATHER, "reset_step", "is_complete_trace", "is_record_trace")  # methods
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -167,12 +179,27 @@ class Zero3(_Adapter):
 
             if not isinstance(getattr(po, "FWD_MODULE_STACK", None), list):
                 out.append("deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK")
+            get = getattr(offload, "get_param_coordinator", None)
+            coordinator = get() if callable(get) else None
+            if coordinator is None:
+                out.append(f"{type(offload).__name__}.get_param_coordinator")
+            else:
+                name = type(coordinator).__name__
+                out += [f"{name}.{m.replace('_PartitionedParameterCoordinator', '')}"
+                        for m in _COORDINATOR if not callable(getattr(type(coordinator), m, None))]
+                out += [f"{name}.{f.replace('_PartitionedParameterCoordinator', '')}"
+                        for f in (_TRACE, _STEP_ID, _FETCHED_FOR) if not hasattr(coordinator, f)]
+            import deepspeed.runtime.zero.partition_parameters as pp
+
+            if not hasattr(getattr(pp, "ZeroParamStatus", None), "NOT_AVAILABLE"):
+                out.append("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus")
         return out
 
     def __init__(self, opt):
         super().__init__(opt)
         self.pinned: List[torch.nn.Parameter] = []  # made persistent by accord
         self.bypassed: set = set()  # ids of the pinned modules and their descendants
+        self.routed = None  # the coordinator whose all-gathers go through route()
 
     def pin(self, modules) -> None:
         """Makes the parameters of `modules` persistent (`ds_persist`: never
@@ -189,7 +216,7 @@ class Zero3(_Adapter):
                     self.pinned.append(p)
         if persistent:
             persistent[0].all_gather(persistent)
-        self.bypassed = {id(d) for m in modules for d in m.modules()}
+        self.bypassed |= {id(d) for m in modules for d in m.modules()}
         if self.bypassed:
             self._bypass_sub_module_functions()
 
@@ -226,6 +253,58 @@ class Zero3(_Adapter):
             for name in _SUB_MODULE_FUNCTIONS:
                 offload.__dict__.pop(name, None)
         self.bypassed = set()
+
+    def route_all_gathers(self, route, trace_check) -> None:
+        """route(params, forward, issue) runs in place of each parameter
+        all-gather of the forward's and backward's fetches and prefetches
+        (issue(): DeepSpeed's own); trace_check(modules) just before
+        `reset_step` compares the ranks' module traces (this rank's has
+        `modules` modules), which it does while the trace is not complete."""
+        coordinator = self.opt.parameter_offload.get_param_coordinator()
+        own = getattr(type(coordinator), _ALL_GATHER).__get__(coordinator)
+        reset = type(coordinator).reset_step.__get__(coordinator)
+
+        def all_gather(params, forward):
+            return route(params, forward, lambda: own(params, forward))
+
+        def reset_step():
+            if not coordinator.is_complete_trace():
+                trace_check(len(getattr(coordinator, _TRACE)))
+            return reset()
+
+        coordinator.__dict__[_ALL_GATHER] = all_gather
+        coordinator.__dict__["reset_step"] = reset_step
+        self.routed = coordinator
+
+    def recording_trace(self) -> bool:
+        """Whether the coordinator records this step's module trace (step 0)."""
+        return self.routed is not None and bool(self.routed.is_record_trace())
+
+    def forget_fetch(self, module) -> None:
+        """The fetch of `module` under way was pinned instead: its entry in
+        the module trace being recorded, and the step id its end adds, are
+        taken back, so the trace is what a rank that never ran it records."""
+        c = self.routed
+        order = getattr(c, _TRACE)
+        if isinstance(order, list) and order and order[-1] is module:
+            order.pop()
+            getattr(c, _FETCHED_FOR)[module.ds_id].pop()
+            setattr(c, _STEP_ID, getattr(c, _STEP_ID) - 1)
+
+    def unpatch(self) -> None:
+        super().unpatch()
+        if self.routed is not None:
+            for name in (_ALL_GATHER, "reset_step"):
+                self.routed.__dict__.pop(name, None)
+            self.routed = None
+
+    @staticmethod
+    def to_gather(params) -> List[Tuple[torch.nn.Parameter, int]]:
+        """Those of `params` that an all-gather of them fetches (not there
+        yet), each with its full element count."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return [(p, p.ds_numel) for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
     def param_groups(self) -> List[List[torch.nn.Parameter]]:
         return [list(g) for g in self.opt.fp16_groups]

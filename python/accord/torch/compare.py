@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
-from accord.torch.windows import Window, describe, first_difference
+from accord.torch.windows import Window, Wording, describe, first_difference, past_final
 
 
 class WindowComparison:
     """One rank's side: writes its own window under a key of the run, then
     reads every rank's."""
 
-    def __init__(self, client, group_id: str, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, client, group_id: str, rank: int, world_size: int, timeout_s: float,
+                 wording: Wording = Wording()):
         self.client = client
+        self.wording = wording  # of describe()
         self.group_id = group_id
         self.rank = rank
         self.world_size = world_size
@@ -28,6 +30,9 @@ class WindowComparison:
         values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
                                     timeout_s=timeout_s)
         return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+
+    def describe(self, entries: Dict[int, dict]) -> str:
+        return describe(entries, self.wording)
 
     def gather(self, window: Window) -> Dict[int, dict]:
         """Every rank's window at this index; only this rank's, with a note,
@@ -42,25 +47,30 @@ class WindowComparison:
             mine["records"] = mine["records"] + [f"(the other ranks did not report: {e})"]
             return {self.rank: mine}
 
-    def stalled(self, records: List[str], index: int, timeout_s: float) -> Optional[str]:
+    def stalled(self, records: List[str], index: int, timeout_s: float,
+                final: bool = False) -> Optional[str]:
         """Compares the window this rank is stuck in (`records`, window
-        `index`) with the other ranks' of the same index: a message when they
-        differ at a common position; None when they agree so far or some rank
-        is not stuck there (it has not written)."""
-        if not records:
-            return None
+        `index`; `final` when it is closed and waits for its verdict) with the
+        other ranks' of the same index: a message when they differ at a
+        common position, or when another rank's goes on past a final one;
+        None when they agree so far or some rank is not stuck there (it has
+        not written)."""
+        if not records and not final:
+            return None  # stuck before its window's first collective: nothing to compare
         key = f"{self.group_id}/stalled/{index}"
         try:
             # Keys are write-once per run: a window's first stall is written,
             # a later one in the same window compares that (a true prefix).
             if self._stall_written != index:
                 self.client.kv_set(f"{key}/{self.rank}",
-                                   json.dumps({"records": records}).encode())
+                                   json.dumps({"records": records, "final": final}).encode())
                 self._stall_written = index
             entries = self._all(key, timeout_s)
         except Exception:  # noqa: BLE001 - a rank that is not stuck has not written
             return None
         p = first_difference(entries, prefix_only=True)
         if p is None:
+            p = past_final(entries)
+        if p is None:
             return None  # the common prefix agrees: slow, not diverged
-        return describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})
+        return self.describe({r: {"records": e["records"][: p + 1]} for r, e in entries.items()})

@@ -23,7 +23,7 @@ from accord.torch.compare import WindowComparison
 from accord.torch.errors import AccordDivergenceError, again, last_words, verdict
 from accord.torch.sequence import StepSequence
 from accord.torch.watchdog import end_process, stop_at_exit
-from accord.torch.windows import Window, describe, diverged, repairable_units, slot_params, slots
+from accord.torch.windows import Window, Wording, diverged, repairable_units, slot_params, slots
 
 STALL_S = 2.0  # waiting this long starts the stall comparison
 END = "end of step"
@@ -37,7 +37,7 @@ class SequenceGuard:
 
     def __init__(self, client, rank: int, world_size: int, group_id: str, timeout_s: float,
                  on_divergence: Optional[Callable[[str], None]] = None, learner=None,
-                 stall_s: float = STALL_S,
+                 stall_s: float = STALL_S, wording: Wording = Wording(),
                  in_forward: Callable[[object], bool] = lambda group: False):
         self.client = client
         self.rank = rank
@@ -73,7 +73,7 @@ class SequenceGuard:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self._exiting = False
-        self.comparison = WindowComparison(client, group_id, rank, world_size, timeout_s)
+        self.comparison = WindowComparison(client, group_id, rank, world_size, timeout_s, wording)
 
     # ------------------------------------------------------------ training thread
 
@@ -329,7 +329,7 @@ class SequenceGuard:
                 entries = self.comparison.gather(window)
                 window.repair = self._repairable(entries)
                 if window.repair is None:
-                    message = describe(entries)
+                    message = self.comparison.describe(entries)
             with self._mu:
                 if window in self._inflight:  # the training thread may have checked it off
                     self._inflight.remove(window)
@@ -376,8 +376,8 @@ class SequenceGuard:
             if self._settle_locked():  # verdicts in: not what this rank waits on
                 self._wake.notify()
             w = self._inflight[0] if self._inflight else self._open
-            records, index = w.records, w.index
-        return self.comparison.stalled(records, index, timeout_s)
+            records, index, final = w.records, w.index, w is not self._open
+        return self.comparison.stalled(records, index, timeout_s, final)
 
     def _abort(self, message: str) -> None:
         """Default on divergence while the training thread may be blocked in a

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 GUARD_BITS = 64
+
+
+class Wording(NamedTuple):
+    """How describe() names the framework's collectives, its units and the fix."""
+
+    collectives: str = "FSDP"
+    units: str = "unit"
+    install: str = "accord.torch.install(..., optional=[...])"
 
 
 def hash64(text: str) -> int:
@@ -54,7 +62,19 @@ def first_difference(entries: Dict[int, dict], prefix_only: bool = False) -> Opt
     return None
 
 
-def describe(entries: Dict[int, dict]) -> str:
+def past_final(entries: Dict[int, dict]) -> Optional[int]:
+    """Where the shortest *final* window ends (closed: its rank waits for its
+    verdict, so it gets no more records) while another rank's window has
+    records beyond it; None when there is no such window. Used once the
+    ranks' windows agree at every common position: the rank whose window is
+    final went on (to its release, say) without the others' collective."""
+    ends = [len(e["records"]) for e in entries.values() if e.get("final")]
+    if ends and min(ends) < max(len(e["records"]) for e in entries.values()):
+        return min(ends)
+    return None
+
+
+def describe(entries: Dict[int, dict], wording: Wording = Wording()) -> str:
     """The same text on every rank: what each rank issued where they first
     differ."""
     p = first_difference(entries)
@@ -66,10 +86,10 @@ def describe(entries: Dict[int, dict]) -> str:
         seen.setdefault(what, []).append(r)
     parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} issued {what}"
              for what, rs in sorted(seen.items(), key=lambda kv: kv[1][0])]
-    return ("accord: the ranks' FSDP collectives diverged: " + "; ".join(parts)
-            + ". A unit ran on some ranks only, or in another order, or with other "
-              "sizes; mark units whose forward runs on some ranks only with "
-              "accord.torch.install(..., optional=[...])")
+    return (f"accord: the ranks' {wording.collectives} collectives diverged: " + "; ".join(parts)
+            + f". A {wording.units} ran on some ranks only, or in another order, or with "
+              f"other sizes; mark {wording.units}s whose forward runs on some ranks only "
+              f"with {wording.install}")
 
 
 def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List[str]]:
