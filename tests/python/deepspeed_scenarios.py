@@ -214,7 +214,7 @@ def _trace_collectives():
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=False):
+          zero3=None, learn=None):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -242,7 +242,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
         inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional,
-                                 **({"learn_optional": True} if learn else {}))
+                                 **({} if learn is None else {"learn_optional": learn}))
     names = [n for n, _ in engine.module.named_parameters()]
     if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
         for n, p in engine.module.named_parameters():

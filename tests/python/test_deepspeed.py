@@ -221,13 +221,14 @@ def test_zero3_tower_not_marked_optional_ends_with_the_same_divergence_error_on_
     with rank 1's of the next module: Gloo's size mismatch (pinned). With
     accord, the collective-sequence guard stops both ranks before that
     all-gather (every collective of step 0 is new), and both raise
-    AccordDivergenceError with one text naming what each was about to fetch."""
+    AccordDivergenceError with one text naming what each was about to fetch
+    (learning off: by default the tower would be learned, below)."""
     failed = _failures(sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
                                        persistence=0))
     assert failed and any(MISMATCH in _text(r) for r in failed), \
         [_text(r)[-800:] for r in failed]
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=2,
-                              accord="embedded", persistence=0)
+                              accord="embedded", persistence=0, learn=False)
     assert all(isinstance(r, RankFailure) for r in results), results
     texts = [r.error for r in results]
     assert texts[0] == texts[1], texts
@@ -290,14 +291,14 @@ def test_zero3_tower_not_marked_optional_skipped_at_step_3_is_named_on_every_ran
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_zero3_learns_a_module_that_diverges_in_step_0(prefetch):
-    """install(..., learn_optional=True), the tower never used on rank 1 and
-    not marked: at step 0's divergence (rank 0 about to all-gather the tower,
+    """install(engine) (learn_optional is on by default), the tower never used
+    on rank 1 and not marked: at step 0's divergence (rank 0 about to all-gather the tower,
     rank 1 the body) every rank makes the tower optional (persistent,
     all-gathered on every rank), rank 0 skips its fetch, and training goes on
     with gradients equal to the reference, identical on both ranks; DeepSpeed's
     module trace (checked across ranks at step 1) is the same on both."""
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="never_on_1", steps=3,
-                              accord="embedded", persistence=0, learn=True,
+                              accord="embedded", persistence=0,
                               zero3=None if prefetch else NO_PREFETCH)
     _check_against_reference(results)
     for r in results:
@@ -306,10 +307,10 @@ def test_zero3_learns_a_module_that_diverges_in_step_0(prefetch):
 
 
 def test_zero3_learning_is_for_step_0_a_later_divergence_is_an_error():
-    """With learn_optional=True, the tower skipped at step 3 (DeepSpeed's
+    """With learning on (the default), the tower skipped at step 3 (DeepSpeed's
     module trace already complete) still ends with the guard's error."""
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="skip_at_3", steps=5,
-                              accord="embedded", persistence=0, learn=True)
+                              accord="embedded", persistence=0)
     texts = [_divergence_text(r) for r in results]
     assert texts[0] == texts[1] and "rank 1 issued step 4 position 1: all-gather of 'body'" \
         in texts[0], texts

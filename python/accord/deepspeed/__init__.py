@@ -31,7 +31,7 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
             timeout_s: float = 300.0, optional=(), watch=None, guard=None,
-            learn_optional: bool = False) -> Installation:
+            learn_optional: bool = True) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
     modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
     deepspeed.initialize and before the first forward, on every rank.
@@ -47,8 +47,10 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     (the step watch) and `guard` (ZeRO-3: the collective-sequence guard on
     the parameter all-gathers) default to on with an accord client and more
     than one rank; ACCORD_DEEPSPEED_WATCH=0 / ACCORD_DEEPSPEED_GUARD=0 turn
-    them off. `learn_optional` (ZeRO-3, with the guard): a module whose
-    forward diverges in step 0 is made optional on every rank instead."""
+    them off. `learn_optional` (ZeRO-3, with the guard; on by default, as in
+    accord.torch): a module whose forward diverges in step 0 is made
+    optional on every rank instead of ending the job; a divergence in a later
+    step is AccordDivergenceError on every rank."""
     from accord.agreement import as_agreement
     from accord.deepspeed import zero
 
