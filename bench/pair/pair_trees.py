@@ -1,6 +1,7 @@
 """Before/after: the control-plane benchmarks of two build trees, paired per round.
 
     python3 bench/pair/pair_trees.py --old OLD_BUILD --new NEW_BUILD [--rounds 10]
+        [--benches negotiation,coordinator,embedded] [--scale K] [--pin CORE]
 
 OLD_BUILD and NEW_BUILD are build folders (RelWithDebInfo or Release, the
 same for both, configured with -DACCORD_BUILD_PYTHON=ON) holding at least
@@ -52,8 +53,14 @@ def t95(df: int) -> float:
     return _T95[df - 1] if df <= len(_T95) else 1.96
 
 
-def run(cmd, env=None, timeout=600) -> str:
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+SCALE = 1  # --scale: iterations and steps per run, times this
+PIN = None  # --pin: the core the single-threaded coordinator bench runs on
+
+
+def run(cmd, env=None, timeout=600, core=None) -> str:
+    pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                       preexec_fn=pin)
     if p.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p.stdout
@@ -70,7 +77,7 @@ def bin_dir(build: str) -> str:
 
 def negotiation(build: str, bins: str) -> dict:
     out = run([os.path.join(build, "bench/negotiation/accord_negotiation_bench"), "--ranks=2",
-               "--iterations=300", f"--bin_dir={bins}", "--gloo=false"])
+               f"--iterations={300 * SCALE}", f"--bin_dir={bins}", "--gloo=false"])
     got = {}
     for path in ("local", "coordinator"):
         hit = re.search(rf"cache hit, {path}\s+([\d.]+)", out)
@@ -83,13 +90,13 @@ def negotiation(build: str, bins: str) -> dict:
 def coordinator(build: str) -> dict:
     exe = os.path.join(build, "bench/coordinator/accord_coordinator_bench")
     out = run([exe, "--nodes=2048", "--modes=full,repeat,batch", "--repeat_waves=on",
-               "--steps=5"])
+               f"--steps={5 * SCALE}"], core=PIN)
     got = {}
     for mode in ("none-repeat", "all-repeat", "batch-repeat"):
         m = re.search(rf"^{mode}\s+CPU/step\s+([\d.]+) ms", out, re.M)
         got[f"coordinator (2,048 nodes): {mode} CPU ms/step"] = float(m.group(1))
     out = run([exe, "--nodes=2048", "--relays=16", "--modes=batch", "--repeat_waves=on",
-               "--steps=5"])
+               f"--steps={5 * SCALE}"], core=PIN)
     for mode in ("full form", "repeat form", "batch repeat"):
         m = re.search(rf"relay fan-in \d+ x \d+ ranks, {mode}\s+CPU/step\s+([\d.]+) ms", out)
         got[f"relay fan-in (128 sidecars): {mode} CPU ms/step"] = float(m.group(1))
@@ -102,7 +109,7 @@ def embedded(build: str) -> dict:
     env.update(OMP_NUM_THREADS="1",
                PYTHONPATH=os.path.join(os.path.abspath(build), "python", "pkg"))
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         EMBEDDED, "--rank-main", out, "--steps", "200"], env=env, timeout=300)
+         EMBEDDED, "--rank-main", out, "--steps", str(200 * SCALE)], env=env, timeout=300)
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     return {"embedded: connect() ms": 1e3 * max(r["connect_s"] for r in ranks),
             "embedded: steady step us": 1e6 * max(r["step_median_s"] for r in ranks)}
@@ -114,7 +121,13 @@ def main():
     ap.add_argument("--new", required=True, help="the candidate's build folder")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--benches", default="negotiation,coordinator,embedded")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="iterations and steps per run, times this (less noise per round)")
+    ap.add_argument("--pin", type=int, default=None,
+                    help="run the (single-threaded) coordinator bench on this core")
     args = ap.parse_args()
+    global SCALE, PIN
+    SCALE, PIN = args.scale, args.pin
     benches = args.benches.split(",")
     bins = {"old": bin_dir(args.old), "new": bin_dir(args.new)}
     builds = {"old": args.old, "new": args.new}
