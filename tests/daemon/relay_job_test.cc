@@ -12,7 +12,7 @@
 #include "core/manifest.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
-#include "tests/daemon/fake_upstream.h"
+#include "tests/daemon/fake_sinks.h"
 
 namespace accord::daemon {
 namespace {

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
+#include "tests/daemon/fake_sinks.h"
 #include "tests/daemon/test_util.h"
 
 namespace accord::daemon {
@@ -21,30 +22,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using testing::FakeNodeSink;
-
-class FakeUpstream : public UpstreamSink {
- public:
-  void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
-  void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
-  void Reconnect() override { ++reconnects; }
-  std::vector<v1::Manifest> manifests() const {
-    std::vector<v1::Manifest> out;
-    for (const auto& m : sent) {
-      for (const auto& x : m.manifests().manifests()) out.push_back(x);
-    }
-    return out;
-  }
-  std::vector<v1::NodeProgress> progress() const {
-    std::vector<v1::NodeProgress> out;
-    for (const auto& m : sent) {
-      if (m.has_progress()) out.push_back(m.progress());
-    }
-    return out;
-  }
-  std::vector<v1::NodeMessage> sent;
-  std::vector<v1::NodeMessage> reset;
-  int reconnects = 0;
-};
+using testing::FakeUpstream;
 
 constexpr int kWorld = 4;
 

@@ -11,7 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "proto/wire.h"
-#include "tests/daemon/fake_upstream.h"
+#include "tests/daemon/fake_sinks.h"
 
 namespace accord::daemon {
 namespace {

@@ -8,26 +8,12 @@
 #include "daemon/common/clock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
-#include "tests/daemon/fake_upstream.h"
+#include "tests/daemon/fake_sinks.h"
 
 namespace accord::daemon {
 namespace {
 
-class FakeRankSink : public RankSink {
- public:
-  void Send(std::shared_ptr<const v1::RankReply> reply) override { replies.push_back(*reply); }
-  void Close(const absl::Status& status) override { closed = status; }
-  std::vector<v1::Decision> decisions() const {
-    std::vector<v1::Decision> out;
-    for (const auto& r : replies) {
-      for (const auto& d : r.decisions().decisions()) out.push_back(d);
-    }
-    return out;
-  }
-  std::vector<v1::RankReply> replies;
-  std::optional<absl::Status> closed;
-};
-
+using testing::FakeRankSink;
 using testing::FakeUpstream;
 
 v1::RankMessage Hello(int rank, int world) {
