@@ -124,13 +124,15 @@ def test_hf_trainer_callback_with_no_arguments_under_torchrun(env, tmp_path):
     assert ranks[0]["loss"] == ranks[1]["loss"], ranks
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_install_with_no_client_under_torchrun(env, stage):
+@pytest.mark.parametrize("stage,tower", [(2, "given"), (3, "given"), (3, "learned")])
+def test_deepspeed_install_with_no_client_under_torchrun(env, stage, tower):
+    """ZeRO-3 "learned": install(engine) with nothing else, the tower not
+    given as optional and fetched per forward; accord learns it at step 0."""
     pytest.importorskip("deepspeed")
     env = dict(env, PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], HERE]), DS_ACCELERATOR="cpu")
     code, out = finish(torchrun(env, "--standalone", "--nproc-per-node=2",
                                 script=os.path.join(HERE, "ds_torchrun.py"),
-                                script_args=(str(stage),)), "torchrun")
+                                script_args=(str(stage), tower)), "torchrun")
     assert code == 0, out
     assert len([ln for ln in out.splitlines() if ln.startswith("accord: embedded mode")]) == 1, out
     ranks = {}
@@ -145,3 +147,25 @@ def test_deepspeed_install_with_no_client_under_torchrun(env, stage):
         assert ranks[r]["releases"] == "3", ranks
     # Rank 1 never uses the tower: it zero-fills the tower's 2 parameters each step.
     assert ranks[0]["zero_filled"] == "0" and ranks[1]["zero_filled"] == "6", ranks
+    want = "tower" if tower == "learned" else "-"
+    assert ranks[0]["learned"] == ranks[1]["learned"] == want, ranks
+
+
+def test_deepspeed_zero3_persistent_tower_not_given_is_named_under_torchrun(env):
+    """ZeRO-3 with DeepSpeed's default persistence threshold: the toy tower is
+    persistent, first all-gathered after step 0 (DeepSpeed's trace is
+    recorded by then, so it is not learned), and every rank ends with the
+    same AccordDivergenceError naming it, not Gloo's size mismatch."""
+    pytest.importorskip("deepspeed")
+    env = dict(env, PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], HERE]), DS_ACCELERATOR="cpu")
+    code, out = finish(torchrun(env, "--standalone", "--nproc-per-node=2",
+                                script=os.path.join(HERE, "ds_torchrun.py"),
+                                script_args=("3", "persistent")), "torchrun")
+    assert code != 0, out
+    errors = {ln.split("]:", 1)[0]: ln.split("]:", 1)[1].strip() for ln in out.splitlines()
+              if "AccordDivergenceError: " in ln and ln.startswith("[rank")}
+    assert sorted(errors) == ["[rank0", "[rank1"], out
+    assert len(set(errors.values())) == 1, errors
+    text = next(iter(errors.values()))
+    assert "all-gather of 'tower'" in text and "optional=[...]" in text, text
+    assert "doesn't match expected size" not in out, out
