@@ -58,7 +58,10 @@ class Turn:
 
     step: int
     applied: Optional[Layout]  # None: nothing was reduce-scattered at the turn
-    was_none: List[bool]
+    # Per parameter, whether its sharded gradient was None before the turn;
+    # None when the turn carried exactly this rank's gradients (then no
+    # parameter it carried can be trimmed: this rank used each of them).
+    was_none: Optional[List[bool]]
     dtypes: List[Optional[str]]  # this rank's gradients sent at the turn
     owed: Dict[int, torch.Tensor]
     late: bool = False  # the gradient was not there at the turn
@@ -93,6 +96,7 @@ class HookedGroup:
         self.found_unsent = False  # unsent() found a gradient FSDP2 still held
         self.sent_late = False  # ... of a parameter the turn kept no owed gradient for
         self.all_gather_entries: Dict[tuple, str] = {}  # the guard's records, by shape
+        self.reduce_entries: Dict[tuple, tuple] = {}  # ... of reduce-scatters, by layout
         # FSDP2's own post- and pre-backward, bound to the group; accord's replace them.
         self.original, self.original_pre_backward = fsdp2.hook_group(
             group, self, self.post_backward, self.pre_backward)
@@ -137,8 +141,7 @@ class HookedGroup:
         layout = turn_layout(self.history, self.trainable, self.wire, inst.speculate)
         fsdp_params = fsdp2.group_params(self.group)
         ready = self.post_backwarded or not in_backward
-        turn = Turn(self.step, layout if any(layout.included) else None,
-                    fsdp2.sharded_grads_none(self.group),
+        turn = Turn(self.step, layout if any(layout.included) else None, None,
                     [None] * len(fsdp_params), {}, late=not ready, in_backward=in_backward)
         self.step += 1
         self.turn = turn
@@ -146,6 +149,7 @@ class HookedGroup:
         self.stats.speculated += 1
         inst.timing.speculated += 1
         if not ready:
+            turn.was_none = fsdp2.sharded_grads_none(self.group)
             if turn.applied is not None:
                 self._send(layout, None, midway=True)
             return turn
@@ -158,10 +162,18 @@ class HookedGroup:
             if g is not None and not layout.included[i]:
                 turn.owed[i] = g
                 self.stats.owed_bytes += g.numel() * g.element_size()
-        if turn.applied is not None:
-            self._send(layout, local, midway=False)
-        else:
+        if turn.applied is not None and tuple([g is not None for g in local]) == \
+                layout.included and len({g.dtype for g in local if g is not None}) == 1:
+            # The steady state: the layout is the gradients FSDP2 holds, in
+            # one dtype; its post-backward sends them as they are.
+            self._reduce(layout, "", lambda: fsdp2.reduce_scatter_as_held(
+                self.group, self.original, torch_dtype(layout.wire_dtype)))
+            return turn
+        turn.was_none = fsdp2.sharded_grads_none(self.group)
+        if turn.applied is None:
             fsdp2.drop_local_grads(self.group)  # kept in turn.owed
+        else:
+            self._send(layout, local, midway=False)
         return turn
 
     def _send(self, layout: Layout, local, midway: bool, suffix: str = "") -> None:
@@ -183,26 +195,40 @@ class HookedGroup:
                     f"unit's forward once on every rank (e.g. on an empty batch), or mark "
                     f"it optional")
             fills.append(grad if grad is not None else wire)
-        self._record(layout, suffix)
+        self._reduce(layout, suffix, lambda: fsdp2.reduce_scatter(
+            self.group, self.original, fills, wire, midway=midway))
+
+    def _reduce(self, layout: Layout, suffix: str, send) -> None:
+        """Records the group's reduce-scatter (and HSDP's all-reduce) with
+        the guard and the step watch, then `send()`s it."""
+        inst = self.installation
+        for entry in self._entries(layout, suffix):
+            inst.record_reduce(entry)
         self.reducing = True
         try:
-            fsdp2.reduce_scatter(self.group, self.original, fills, wire, midway=midway)
+            send()
         except RuntimeError as e:
-            self.installation.explain(e)
+            inst.explain(e)
             raise
         finally:
             self.reducing = False
 
-    def _record(self, layout: Layout, suffix: str) -> None:
-        inst = self.installation
-        numel = layout.numel(self.sizes)
-        inst.record_reduce(f"reduce-scatter of '{self.unit}' ({numel} x "
-                           f"{layout.wire_dtype}){suffix}")
-        if fsdp2.all_reduces(self.group) and fsdp2.all_reduce_enabled(self.group):
-            # HSDP: FSDP2 all-reduces the shard across replicas right after
-            # the reduce-scatter, in the same call.
-            inst.record_reduce(f"all-reduce across replicas of '{self.unit}' (shard of "
-                               f"{numel} x {layout.wire_dtype}){suffix}")
+    def _entries(self, layout: Layout, suffix: str) -> tuple:
+        """The guard's records of one reduce-scatter of `layout` (cached: a
+        group has a few layouts)."""
+        hsdp = fsdp2.all_reduces(self.group) and fsdp2.all_reduce_enabled(self.group)
+        key = (layout, suffix, hsdp)
+        entries = self.reduce_entries.get(key)
+        if entries is None:
+            numel = layout.numel(self.sizes)
+            entries = (f"reduce-scatter of '{self.unit}' ({numel} x {layout.wire_dtype}){suffix}",)
+            if hsdp:
+                # HSDP: FSDP2 all-reduces the shard across replicas right
+                # after the reduce-scatter, in the same call.
+                entries += (f"all-reduce across replicas of '{self.unit}' (shard of "
+                            f"{numel} x {layout.wire_dtype}){suffix}",)
+            self.reduce_entries[key] = entries
+        return entries
 
     # ------------------------------------------------------------ the end
 
@@ -267,6 +293,11 @@ class HookedGroup:
             chosen = set(completion.delta)
             self._send(Layout(tuple(i in chosen for i in range(n)), self.wire), unsent,
                        midway=False, suffix=" (late)")
+        if completion.trimmed and turn.was_none is None:
+            raise AccordFSDPError(
+                f"accord: group {self.group_id} rank {self.installation.rank}: the decision "
+                f"trims parameter {self.params[completion.trimmed[0]][0]}, which this rank sent "
+                f"a gradient for at its turn; the ranks disagree on the decision")
         for i in completion.trimmed:
             if turn.was_none[i]:
                 fsdp2.sharded_param(fsdp2.group_params(self.group)[i]).grad = None

@@ -19,17 +19,17 @@ def without_reduce(group) -> Iterator[None]:
         group.reduce_grads = saved
 
 
-@contextlib.contextmanager
-def wire_dtype(group, dtype: torch.dtype) -> Iterator[None]:
-    """FSDP2's reduce-scatter in `dtype`, and no zero-filling of its own
-    (set_reduce_scatter_unused_params: accord zero-fills, never twice)."""
+def _in_wire_dtype(group, dtype: torch.dtype, original) -> None:
+    """Runs FSDP2's post-backward with its reduce-scatter in `dtype`, and no
+    zero-filling of its own (set_reduce_scatter_unused_params: accord
+    zero-fills, never twice). Called once per turn: no context manager."""
     saved_dtype = getattr(group, "_reduce_dtype", None)
     saved_unused = getattr(group, "reduce_scatter_unused_params", None)
     group._reduce_dtype = dtype
     if saved_unused is not None:
         group.reduce_scatter_unused_params = False
     try:
-        yield
+        original()
     finally:
         group._reduce_dtype = saved_dtype
         if saved_unused is not None:
@@ -75,14 +75,13 @@ def local_grads(group) -> List[Optional[torch.Tensor]]:
     (idempotent; FSDP2 does it first too)."""
     out: List[Optional[torch.Tensor]] = []
     for fp in group.fsdp_params:
-        grad = None
-        if hasattr(fp, "_unsharded_param"):
+        if not hasattr(fp, "_unsharded_param"):
+            out.append(None)
+        elif fp.unsharded_accumulated_grad is None:  # nothing to fold in
+            out.append(fp._unsharded_param.grad)
+        else:
             fp.accumulate_unsharded_grad_if_needed()
-            if fp.unsharded_accumulated_grad is not None:
-                grad = fp.unsharded_accumulated_grad
-            elif fp._unsharded_param.grad is not None:
-                grad = fp._unsharded_param.grad
-        out.append(grad)
+            out.append(fp.unsharded_accumulated_grad)
     return out
 
 
@@ -196,8 +195,7 @@ def reduce_scatter(group, original, fills: list, wire: torch.dtype, midway: bool
     if midway:
         group.reshard_after_backward = False
     try:
-        with wire_dtype(group, wire):
-            original()
+        _in_wire_dtype(group, wire, original)
     finally:
         if midway:
             group._training_state = state
@@ -205,6 +203,13 @@ def reduce_scatter(group, original, fills: list, wire: torch.dtype, midway: bool
             for fp, held in zip(group.fsdp_params, stash):
                 if held is not None:
                     fp.unsharded_accumulated_grad, fp._unsharded_param.grad = held
+
+
+def reduce_scatter_as_held(group, original, wire: torch.dtype) -> None:
+    """FSDP2's own post-backward, reduce-scattering in `wire` exactly the
+    gradients it holds: the turn whose layout is the parameters this rank
+    has gradients for, in one dtype (the steady state). Nothing is moved."""
+    _in_wire_dtype(group, wire, original)
 
 
 def take_grad(fp) -> Optional[tuple]:
