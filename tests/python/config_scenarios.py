@@ -686,9 +686,9 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
                                job_wide if mode == "accord_job" else None, timeout_s)
             for sid, mod in zip(stage_ids, mods):
                 optional = [mod.layers[str(DROP)]] if (
-                    "drop" in kinds and str(DROP) in mod.layers) else []
+                    mode == "accord" and "drop" in kinds and str(DROP) in mod.layers) else []
                 insts.append(accord.torch.install(
-                    mod, ag, prefix=f"pp-{schedule}-{'+'.join(kinds)}-s{sid}",
+                    mod, ag, prefix=f"pp-{schedule}-{mode}-{'+'.join(kinds)}-s{sid}",
                     optional=optional, timeout_s=timeout_s))
         for step in range(STEPS):
             result["failed_at"] = step

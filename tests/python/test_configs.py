@@ -31,12 +31,16 @@ from harness import check_results, run_ranks
 
 TIMEOUT_S = 600.0
 BOUND = 1e-5
-PARAM, DROP, BOTH = ("param",), ("drop",), ("param", "drop")
+PARAM, DROP, BOTH, NONE = ("param",), ("drop",), ("param", "drop"), ()
 
 TWO = ["checkpoint", "reshard_false", "prefetch", "cpu_offload", "compile", "lora",
        "ignored_params"]
 FOUR = ["reshard_int", "hsdp_no_sync", "tp"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+# Interleaved 1F1B all-gathers each stage in its UNSHARD action, on every
+# rank: a unit run on some ranks only diverges in the backward, where the
+# guard does not learn (python/README.md, "Configurations").
+LEARNED_SCHEDULES = ["gpipe", "1f1b"]
 # FSDP2's set_reduce_scatter_unused_params (the "unused" cells) is not in every supported torch.
 HAS_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 NO_UNUSED = "this torch's FSDP2 has no set_reduce_scatter_unused_params"
@@ -71,8 +75,10 @@ RUNS_PP = (
     [("gpipe", "accord_job", PARAM, {"accord_timeout_s": 10})]
     + [(s, "accord", PARAM, {}) for s in SCHEDULES]
     + [(s, m, PARAM, PP_PLAIN) for s in SCHEDULES for m in ("plain", "unused")]
-    # Last: refused mid-step (the stage-0 job sees no further use).
-    + [("gpipe", "accord", DROP, {"group_timeout_s": 10})]
+    # A layer used by some ranks' microbatches only, marked optional or learned.
+    + [(s, "accord", BOTH, {}) for s in SCHEDULES]
+    + [(s, "accord_learn", BOTH, {}) for s in LEARNED_SCHEDULES]
+    + [("interleaved_zb", "plain", NONE, PP_PLAIN), ("interleaved_zb", "accord", NONE, PP_PLAIN)]
 )
 
 # What plain FSDP2 and the unused-params flag do on each divergent job (the
@@ -350,16 +356,40 @@ def test_pipeline_fsdp2_alone(pipeline, schedule, mode):
     check_cell(pipeline, run, pipeline[0][("ref", PARAM)])
 
 
-def test_pipeline_optional_units_are_refused(pipeline):
-    """A dropped layer marked optional, under GPipe: the schedule's first
-    set_is_last_backward(False) is refused on the stage holding it."""
-    for rank in (0, 1):
-        out = pipeline[rank][("gpipe", "accord", DROP)]["outcome"]
-        assert "UnsupportedConfigurationError: accord.torch: optional units (layers.1) are " \
-               "not supported when one step's backward is split" in out, out
-        assert "set_is_last_backward(False) on '<root>'" in out, out
+@pytest.mark.parametrize("schedule,mode", [(s, "accord") for s in SCHEDULES]
+                         + [(s, "accord_learn") for s in LEARNED_SCHEDULES])
+def test_pipeline_optional_units(pipeline, schedule, mode):
+    """Layer 1 runs in some DP ranks' microbatches only (step 0) and on no
+    rank (step 1), beside the image projection used in one rank's second
+    microbatch: marked optional ("accord") or learned by the guard at the
+    stage's first step ("accord_learn"), it stays pinned across the
+    schedule's microbatches and is released at REDUCE_GRAD. Gradients equal
+    the single-process reference, identical across each stage's DP ranks,
+    None where used nowhere; the same collectives on each stage's ranks."""
+    run = (schedule, mode, BOTH)
+    ref = pipeline[0][("ref", BOTH)]
+    for stage in (0, 1):
+        check_accord(pipeline[2 * stage:2 * stage + 2], run, ref)
+    holders = [r for r in pipeline if any("layers.1." in n for n in r[run]["grads"][0])]
+    assert holders, "layer 1 is on no stage"
+    for r in holders:
+        assert r[run]["learned"] == ([] if mode == "accord" else ["layers.1"]), r[run]["learned"]
+        for t in r[run]["timing"]:
+            assert t["releases"] == cs.STEPS, t
+
+
+def test_pipeline_split_backward_schedules_are_refused(pipeline):
+    """ScheduleInterleavedZeroBubble, every parameter used on every rank:
+    FSDP2 alone gives wrong gradients (pinned here, so a torch that fixes it
+    is noticed); under accord every rank refuses at the schedule's first
+    step(), before any collective."""
+    assert classify(pipeline, ("interleaved_zb", "plain", NONE),
+                    pipeline[0][("ref", NONE)]) == "wrong"
     for r in pipeline:
-        res = r[("gpipe", "accord", DROP)]
+        res = r[("interleaved_zb", "accord", NONE)]
+        assert res["failed_at"] == 0, res
+        assert "UnsupportedConfigurationError: accord.torch: pipeline schedules that split " \
+               "each microbatch's backward" in res["outcome"], res["outcome"]
         assert "uninstall_error" not in res, res["uninstall_error"]
         assert not res["overrides_left"], res["overrides_left"]
 

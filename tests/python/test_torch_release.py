@@ -209,6 +209,17 @@ def test_only_first_occurrence_forward_all_gathers_are_repairable():
     assert windows.repairable_units({0: good[0], 1: e(["a", "ag c"], "c", fag=False)}, 2) is None
     assert windows.repairable_units({0: e(["x", "ag b"], "b"), 1: e(["y", "ag b"], "c")},
                                     2) is None  # differ before the last record
+    # A pipeline schedule: one rank skipped unit b in microbatch 0 and is at
+    # microbatch 1's start where the other all-gathers b.
+    mb = "step 0 position 1: " + windows.microbatch_record(1)
+    assert windows.repairable_units({0: e(["a", "ag b"], "b"), 1: e(["a", mb], None, fag=False)},
+                                    2) == ["b"]
+    assert windows.repairable_units({0: e(["a", mb], None, fag=False),
+                                     1: e(["a", "step 0 position 1: end of step"], None,
+                                           fag=False)}, 2) is None  # no rank at a unit
+    assert windows.repairable_units({0: e(["a", "ag b"], "b"),
+                                     1: e(["a", "step 0 position 1: end of step"], None,
+                                           fag=False)}, 2) is None  # not a microbatch start
 
 
 # ------------------------------------------------------------------ release over fakes

@@ -1,7 +1,7 @@
 """FSDP2 configurations accord.torch refuses, each with an error naming it.
 
 python/README.md ("Configurations") lists what is supported, with the test
-of each. Two configurations are not, because accord would produce wrong
+of each. Three configurations are not, because accord would produce wrong
 gradients or a hang in them; each is refused where it appears: at
 `install` when the model is already so configured, otherwise at the call of
 FSDP2's public setter that turns it on (which may come after `install`, for
@@ -18,13 +18,15 @@ would go wrong, never as a failure at step N.
    FSDP2 has already folded that buffer in: the sum is misaligned or loses
    a microbatch (measured: relative error 0.78). Accumulating with
    `set_requires_gradient_sync(False)` under HSDP is supported.
-2. Optional units when the backward of one step is split into several
-   backwards (`set_is_last_backward(False)`, which
-   torch.distributed.pipelining schedules call before every microbatch's
-   backward). accord ends an optional unit's step, unpinning and resharding
-   it, at every end-of-backward callback, so a later microbatch's backward
-   all-gathers it again on the ranks that ran it only. Pipeline schedules
-   without optional units are supported.
+2. Pipeline schedules that split each microbatch's backward into an input
+   pass and a weight pass (ScheduleInterleavedZeroBubble,
+   ScheduleZBVZeroBubble, ScheduleDualPipeV): refused at the first
+   weight-only backward of an installed stage module, before any weight
+   gradient is computed. FSDP2 alone does not produce the reference
+   gradients under them (test_configs.py pins it), so accord cannot keep
+   them correct. GPipe, 1F1B and interleaved 1F1B are supported, with
+   optional and learned units (docs/PARTICIPATION.md, "Pipeline
+   schedules").
 3. Post-accumulate-grad hooks on sharded parameters (optimizer in the
    backward). FSDP2 runs them right after a reduce-scatter; accord's turn is
    completed only at the end of the backward (zeros trimmed, late gradients
@@ -61,15 +63,13 @@ def _all_reduce_error(units: List[str], where: str) -> UnsupportedConfigurationE
         f"reduce-scatter until the last microbatch), or run without accord.torch")
 
 
-def _split_backward_error(names: List[str], where: str) -> UnsupportedConfigurationError:
+def split_backward_error() -> UnsupportedConfigurationError:
     return UnsupportedConfigurationError(
-        f"accord.torch: optional units ({', '.join(names)}) are not supported when one step's "
-        f"backward is split into several backwards ({where}; torch.distributed.pipelining "
-        f"schedules do this before every microbatch's backward): accord would unpin and "
-        f"reshard them after every microbatch, and the next microbatch's backward would "
-        f"all-gather them on some ranks only. Install without optional units (and with "
-        f"learn_optional=False) under a pipeline schedule, or keep such units in a unit that "
-        f"every microbatch runs")
+        "accord.torch: pipeline schedules that split each microbatch's backward into input "
+        "and weight passes (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+        "ScheduleDualPipeV) are not supported: FSDP2 alone does not produce the reference "
+        "gradients under them, so accord cannot keep them correct; use ScheduleGPipe, "
+        "Schedule1F1B or ScheduleInterleaved1F1B")
 
 
 def refuse_post_accumulate_grad_hooks(groups, where: str) -> None:
@@ -86,7 +86,7 @@ def refuse_post_accumulate_grad_hooks(groups, where: str) -> None:
             f"backward() instead of inside it, or run without accord.torch")
 
 
-def refuse(model, optional_names: List[str]) -> None:
+def refuse(model) -> None:
     """At install: raises UnsupportedConfigurationError when the model is
     already in a configuration listed in the module docstring."""
     for name, m in model.named_modules():
@@ -96,8 +96,6 @@ def refuse(model, optional_names: List[str]) -> None:
             if fsdp2.all_reduces(g) and not fsdp2.all_reduce_enabled(g):
                 raise _all_reduce_error([name or "<root>"], "requires_all_reduce is False at "
                                         "install")
-        if optional_names and not fsdp2.is_last_backward(m):
-            raise _split_backward_error(optional_names, "is_last_backward is False at install")
 
 
 def watch(installation) -> list:
@@ -117,13 +115,6 @@ def watch(installation) -> list:
                     raise _all_reduce_error(hsdp, f"set_requires_all_reduce(False) on '{_unit}'")
 
             handles.append(fsdp2.check_set_requires_all_reduce(m, check_all_reduce))
-
-        def check_last_backward(is_last_backward, _unit=unit):
-            if not is_last_backward and installation.optional:
-                names = [u.name for u in installation.optional]
-                raise _split_backward_error(names, f"set_is_last_backward(False) on '{_unit}'")
-
-        handles.append(fsdp2.check_set_is_last_backward(m, check_last_backward))
     return handles
 
 

@@ -11,10 +11,11 @@ during the backward").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -27,6 +28,7 @@ from accord.torch.negotiation import Negotiation, NegotiationTiming
 from accord.torch.optional import OptionalUnits, resolve
 from accord.torch.release import Release
 from accord.torch.transformers_capture import fix_transformers_output_capture
+from accord.torch.windows import microbatch_record
 
 
 def env_flag(name: str, default: bool = True) -> bool:
@@ -64,6 +66,12 @@ class Installation:
         self._handles: list = []  # each has remove(): routes, setter checks
         self._patched_states: list = []  # FSDP states whose final callback is wrapped
         self._lock = threading.Lock()
+        # Under a pipeline schedule a step spans every microbatch's forward
+        # and backward: it begins at microbatch 0's forward and ends at the
+        # end-of-backward point of the last backward (REDUCE_GRAD).
+        self.step_open = False
+        self.chunk: Optional[int] = None  # the schedule's microbatch now in its forward
+        self._fsdp_root = next(m for m in model.modules() if fsdp2.is_fsdp_module(m))
         try:
             self.groups = hook_groups(self, model, prefix)
             configs.refuse_post_accumulate_grad_hooks(self.groups.values(), "at install")
@@ -77,6 +85,7 @@ class Installation:
                                            self.units, self.guard, self.watch)
             self._handles.append(Routes(self))
             self._handles.extend(configs.watch(self))
+            self._handles.append(_Schedules(self))
             self._hook_states()
         except BaseException:
             self.uninstall()
@@ -177,18 +186,39 @@ class Installation:
 
         def callback():
             release = self.backward()
+            last = fsdp2.is_last_backward(self._fsdp_root)
             try:
                 release.finish()
                 original()
             finally:
                 release.end()
                 self.current = None
-                if self.units is not None:
-                    self.units.end_step()
-                if self.watch is not None:
-                    self.watch.end_step()
+                if last:  # the step's end (every backward, without a schedule)
+                    self.step_open = False
+                    if self.units is not None:
+                        self.units.end_step()
+                    if self.watch is not None:
+                        self.watch.end_step()
 
         return callback
+
+    def continues_step(self) -> bool:
+        """A root forward that continues the open step: a later microbatch
+        of a pipeline schedule's step."""
+        return self.step_open and self.chunk is not None and self.chunk > 0
+
+    @contextlib.contextmanager
+    def microbatch(self, chunk: int) -> Iterator[None]:
+        """Around a pipeline schedule's forward of microbatch `chunk`."""
+        saved, self.chunk = self.chunk, chunk
+        try:
+            yield
+        finally:
+            self.chunk = saved
+
+    def weight_backward(self) -> None:
+        """A schedule's weight-only backward of this stage: refused."""
+        raise configs.split_backward_error()
 
     def begin_step(self) -> None:
         """The root's pre-forward outside the backward: a release left by a
@@ -196,6 +226,11 @@ class Installation:
         guard and the watch hear of the step's start."""
         if fsdp2.in_backward():
             return  # recomputation inside the backward (activation checkpointing)
+        if self.continues_step():
+            if self.guard is not None:
+                self.guard.record(microbatch_record(self.chunk))
+            return
+        self.step_open = True
         if self.current is not None:
             self.current.end()
             self.current = None
@@ -231,6 +266,21 @@ class Installation:
                 h.unhook()
             self.groups.clear()
             self.model.__dict__.pop("_accord_installation", None)
+
+
+class _Schedules:
+    """The installed module as a pipeline stage's submod: the schedule tells
+    the installation each microbatch's forward and its weight-only
+    backwards (accord.torch.fsdp2.pipelining)."""
+
+    def __init__(self, installation):
+        self.model = installation.model
+        fsdp2.route_stage(self.model, installation)
+        fsdp2.patch_stages()
+
+    def remove(self) -> None:
+        fsdp2.unroute_stage(self.model)
+        fsdp2.unpatch_stages()
 
 
 def _existing(model, client_or_agreement, units):
@@ -306,7 +356,7 @@ def install(
             "accord.torch.install: the model has already run a forward under FSDP2; "
             "install accord right after fully_shard, before the first forward, on "
             "every rank (each group's step count must start at the same point)")
-    configs.refuse(model, [name for name, _ in units])
+    configs.refuse(model)
     if client_or_agreement is None:
         client_or_agreement = accord.connect()
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)

@@ -70,7 +70,8 @@ class OptionalUnit:
     pre-forward to the end of the backward; while pinned, FSDP2's own reshards
     after forward and after backward do nothing. Training thread only."""
 
-    def __init__(self, name: str, module, groups: list, reporter=None):
+    def __init__(self, name: str, module, groups: list, reporter=None,
+                 step_open=lambda: False):
         self.name = name
         self.module = module
         self.groups = groups
@@ -81,9 +82,11 @@ class OptionalUnit:
         for g in groups:
 
             def reshard(original, g=g):
-                if self.pinned and fsdp2.in_step(g):
-                    return None  # kept unsharded until end_step
-                if not fsdp2.in_step(g):
+                if self.pinned:
+                    # Kept unsharded until end_step: within FSDP2's forward
+                    # and post-backward, and between a schedule's microbatches.
+                    if fsdp2.in_step(g) or step_open():
+                        return None
                     self.pinned = False  # an explicit reshard (state_dict, .to())
                 return original()
 
@@ -148,7 +151,7 @@ class OptionalUnits:
             if register_now:
                 inst.agreement.register(*reporter.registration())
         groups = fsdp2.param_groups(module)
-        unit = OptionalUnit(name, module, groups, reporter)
+        unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: inst.step_open)
         for h in inst.groups.values():
             if any(h.group is g for g in groups):
                 h.optional = unit
@@ -183,8 +186,8 @@ class OptionalUnits:
             reporter.handed(self.inst.agreement.submit_async(*item))
 
     def _begin_step(self, module, args):
-        if fsdp2.in_backward():
-            return None  # recomputation inside backward (activation checkpointing)
+        if fsdp2.in_backward() or self.inst.continues_step():
+            return None  # recomputation inside backward; a schedule's later microbatch
         for unit in self.inst.optional:
             unit.begin_step()
         return None
@@ -193,6 +196,7 @@ class OptionalUnits:
         import torch
 
         if not torch.is_grad_enabled():  # no backward will follow
+            self.inst.step_open = False
             self.end_step()
         return None
 

@@ -92,20 +92,36 @@ def describe(entries: Dict[int, dict], wording: Wording = Wording()) -> str:
               f"with {wording.install}")
 
 
+MICROBATCH = "forward of microbatch"
+
+
+def microbatch_record(chunk: int) -> str:
+    """The guard's record at the start of a pipeline schedule's later
+    microbatch (chunk > 0): a rank that skipped a unit in the microbatch
+    before reaches it where another rank all-gathers the unit."""
+    return f"{MICROBATCH} {chunk}"
+
+
 def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List[str]]:
     """The units whose forward all-gathers diverged at every rank's first
     occurrence, or None when this divergence is an error: every rank must
     report, differ at the last record of its window, be waiting before it
-    (a new collective) and be at a forward all-gather of a unit."""
+    (a new record) and be at a forward all-gather of a unit or at the start
+    of a schedule's next microbatch (at least one rank at a unit)."""
     if len(entries) != world_size:
         return None
     p = first_difference(entries)
     if p is None or any(p != len(e["records"]) - 1 for e in entries.values()):
         return None
-    if not all(e["waiting"] and e["forward_all_gather"] and e["unit"]
-               for e in entries.values()):
-        return None
-    return sorted({e["unit"] for e in entries.values()})
+    units = set()
+    for e in entries.values():
+        if not e["waiting"]:
+            return None
+        if e["forward_all_gather"] and e["unit"]:
+            units.add(e["unit"])
+        elif not e["records"][-1].rsplit(" ", 1)[0].endswith(": " + MICROBATCH):
+            return None
+    return sorted(units) or None
 
 
 class Window:

@@ -28,6 +28,7 @@ from accord.torch.fsdp2.grads import (  # noqa: F401
     local_grads,
     param_shape,
     reduce_scatter,
+    reduce_scatter_as_held,
     sharded_grads_none,
     sharded_param,
     take_grad,
@@ -35,7 +36,6 @@ from accord.torch.fsdp2.grads import (  # noqa: F401
     was_unsharded,
     was_unsharded_group,
     widest_grad_dtype,
-    wire_dtype,
     without_reduce,
 )
 from accord.torch.fsdp2.probe import (  # noqa: F401
@@ -50,7 +50,6 @@ from accord.torch.fsdp2.state import (  # noqa: F401
     all_gather_owner,
     all_reduce_enabled,
     all_reduces,
-    check_set_is_last_backward,
     check_set_requires_all_reduce,
     data_parallel_ranks,
     has_run_forward,
@@ -76,4 +75,10 @@ from accord.torch.fsdp2.state import (  # noqa: F401
     unpatch_all_gather,
     unwrap_final_callback,
     wrap_final_callback,
+)
+from accord.torch.fsdp2.pipelining import (  # noqa: F401
+    patch_stages,
+    route_stage,
+    unpatch_stages,
+    unroute_stage,
 )

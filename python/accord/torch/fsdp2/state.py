@@ -203,11 +203,6 @@ def check_set_requires_all_reduce(module, check: Callable[[bool], None]) -> _Set
     return _SetterCheck(module, "set_requires_all_reduce", check)
 
 
-def check_set_is_last_backward(module, check: Callable[[bool], None]) -> _SetterCheck:
-    """Runs check(value) before the unit's set_is_last_backward(value)."""
-    return _SetterCheck(module, "set_is_last_backward", check)
-
-
 _ROUTE = "_accord_route"
 
 

@@ -1,0 +1,111 @@
+"""torch.distributed.pipelining's methods that accord wraps: where a
+schedule's step begins for a stage module (its microbatch 0 forward), and
+schedules that split each microbatch's backward into input and weight
+passes (refused at the schedule's step(), before anything runs, on every
+rank alike: the schedule's action list is global; a weight-only backward
+is refused too). Everything else a schedule does reaches accord through
+FSDP2 (docs/PARTICIPATION.md, "Pipeline schedules")."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+_STAGE = "_accord_stage"
+_PATCH = {"users": 0, "forward": None, "weight": None, "step": None}
+
+
+def _classes():
+    """(stage base class, multi-stage schedule class), or None on a torch
+    without pipelining (no schedule can drive a module there)."""
+    try:
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return None
+    if not all(hasattr(_PipelineStageBase, m)
+               for m in ("forward_one_chunk", "backward_weight_one_chunk")):
+        return None
+    return _PipelineStageBase, PipelineScheduleMulti
+
+
+def route_stage(module, owner) -> None:
+    """Schedules that drive `module` (a stage's submod) tell `owner`:
+    owner.microbatch(chunk_id) is a context manager around each microbatch's
+    forward, owner.weight_backward() is called before each weight-only
+    backward (it may raise to refuse it)."""
+    module.__dict__[_STAGE] = owner
+
+
+def unroute_stage(module) -> None:
+    module.__dict__.pop(_STAGE, None)
+
+
+def _owner(stage) -> Optional[object]:
+    module = getattr(stage, "submod", None)
+    return None if module is None else module.__dict__.get(_STAGE)
+
+
+def patch_stages() -> None:
+    """Wraps the methods (reference-counted with unpatch_stages)."""
+    classes = _classes()
+    if classes is None:
+        return
+    stage, multi = classes
+    if _PATCH["users"] == 0:
+        _PATCH.update(forward=stage.forward_one_chunk, weight=stage.backward_weight_one_chunk,
+                      step=multi.step)
+        stage.forward_one_chunk = _forward(_PATCH["forward"])
+        stage.backward_weight_one_chunk = _weight(_PATCH["weight"])
+        multi.step = _step(_PATCH["step"])
+    _PATCH["users"] += 1
+
+
+def unpatch_stages() -> None:
+    classes = _classes()
+    if classes is None or _PATCH["users"] == 0:
+        return
+    _PATCH["users"] -= 1
+    if _PATCH["users"] == 0:
+        stage, multi = classes
+        stage.forward_one_chunk, stage.backward_weight_one_chunk = _PATCH["forward"], _PATCH["weight"]
+        multi.step = _PATCH["step"]
+        _PATCH.update(forward=None, weight=None, step=None)
+
+
+def _forward(original: Callable) -> Callable:
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        owner = _owner(self)
+        if owner is None:
+            return original(self, fwd_chunk_id, *args, **kwargs)
+        with owner.microbatch(int(fwd_chunk_id)):
+            return original(self, fwd_chunk_id, *args, **kwargs)
+
+    return forward_one_chunk
+
+
+def _weight(original: Callable) -> Callable:
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        owner = _owner(self)
+        if owner is not None:
+            owner.weight_backward()
+        return original(self, *args, **kwargs)
+
+    return backward_weight_one_chunk
+
+
+def _splits(action) -> bool:
+    kind = getattr(getattr(action, "computation_type", None), "value", None)
+    return kind in ("I", "W") or any(_splits(a) for a in (getattr(action, "sub_actions", None)
+                                                          or ()))
+
+
+def _step(original: Callable) -> Callable:
+    def step(self, *args, **kwargs):
+        owners = [o for o in map(_owner, getattr(self, "_stages", ())) if o is not None]
+        if owners:
+            order = getattr(self, "pipeline_order", None) or {}
+            if any(_splits(a) for actions in order.values() for a in actions):
+                owners[0].weight_backward()
+        return original(self, *args, **kwargs)
+
+    return step
