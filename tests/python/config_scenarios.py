@@ -486,10 +486,17 @@ def run_one(rank, name, mode, kinds, agreement):
 
 
 def _overrides_left(model):
-    """accord's instance overrides of FSDP2 methods still on the model."""
-    return [f"{name or '<root>'}.{attr}" for name, m in model.named_modules()
-            for attr in ("set_requires_all_reduce", "set_is_last_backward")
-            if attr in m.__dict__]
+    """accord's instance overrides of FSDP2 methods, and its tags, still on
+    the model; and the pipeline stage methods still wrapped."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    left = [f"{name or '<root>'}.{attr}" for name, m in model.named_modules()
+            for attr in m.__dict__ if attr == "set_requires_all_reduce"
+            or attr.startswith("_accord")]
+    if _PipelineStageBase.forward_one_chunk.__name__ != "forward_one_chunk" or \
+            _PipelineStageBase.forward_one_chunk.__module__ != _PipelineStageBase.__module__:
+        left.append("_PipelineStageBase.forward_one_chunk")
+    return left
 
 
 def _uninstall(inst, result):
