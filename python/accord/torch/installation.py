@@ -71,7 +71,7 @@ class Installation:
         # end-of-backward point of the last backward (REDUCE_GRAD).
         self.step_open = False
         self.chunk: Optional[int] = None  # the schedule's microbatch now in its forward
-        self._fsdp_root = next(m for m in model.modules() if fsdp2.is_fsdp_module(m))
+        self._fsdp_root = next((m for m in model.modules() if fsdp2.is_fsdp_module(m)), None)
         try:
             self.groups = hook_groups(self, model, prefix)
             configs.refuse_post_accumulate_grad_hooks(self.groups.values(), "at install")
