@@ -104,9 +104,35 @@ def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
 # ---------------------------------------------------------------- the model
 
 
-def make_model():
+SEQ, LAYERS = 24, 5  # the sequential models: LAYERS Linear(SEQ, SEQ), 600 parameters each
+
+
+def make_model(kind="toy"):
+    """`toy` (above); `seq`: LAYERS linear layers, autograd's order the
+    reverse of their definition; `late`: the same with the input layer
+    defined last, so it comes first in release order and its gradient last."""
     import torch
     from torch import nn
+
+    if kind != "toy":
+        torch.manual_seed(0)
+        layers = [nn.Linear(SEQ, SEQ) for _ in range(LAYERS)]
+        if kind == "late":  # the first layer run, registered last
+            layers = layers[1:] + layers[:1]
+
+        class Seq(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(layers)
+
+            def forward(self, x, image=None):
+                order = self.layers if kind == "seq" else list(self.layers)[-1:] + \
+                    list(self.layers)[:-1]
+                for layer in order:
+                    x = torch.tanh(layer(x))
+                return x.pow(2).mean()
+
+        return Seq()
 
     class Toy(nn.Module):
         def __init__(self):
@@ -140,14 +166,16 @@ def usage(case, rank, step, micro=0):
         return rank == 0 and micro == 1
     if case == "first_micro":  # only rank 0's first microbatch
         return rank == 0 and micro == 0
+    if case == "on_0_at_even":  # rank 0 at steps 0, 2, ...; no rank at odd steps
+        return rank == 0 and step % 2 == 0
     raise ValueError(case)
 
 
-def batch(rank, step, micro, case):
+def batch(rank, step, micro, case, kind="toy"):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
-    x = torch.randn(3, IN, generator=g)
+    x = torch.randn(3, IN if kind == "toy" else SEQ, generator=g)
     image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
 
@@ -170,12 +198,12 @@ def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None, zero3=No
     return cfg
 
 
-def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32"):
+def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32", kind="toy"):
     """The reference: each microbatch's gradient (in the training dtype, from
     the same starting parameters), summed in float32, divided by W x GAS."""
     import torch
 
-    model = make_model()
+    model = make_model(kind)
     model.load_state_dict(model_state)
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model.to(tdtype)
@@ -214,7 +242,7 @@ def _trace_collectives():
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=None):
+          zero3=None, learn=None, kind="toy"):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -225,7 +253,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
 
     if os.environ.get("ACCORD_TEST_TRACE"):
         _trace_collectives()
-    model = make_model()
+    model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, world_size, gas, dtype,
@@ -256,12 +284,13 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         # `coalesce` backwards in one engine.coalesce_grad_reduction() block,
         # else `gas` microbatches with a micro-step between them.
         micros = coalesce or gas
-        all_batches = [batch(r, step, m, case) for r in range(world_size) for m in range(micros)]
-        ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas, dtype)
+        all_batches = [batch(r, step, m, case, kind) for r in range(world_size)
+                       for m in range(micros)]
+        ref = _grad_of({n: start[n] for n in names}, all_batches, world_size, gas, dtype, kind)
         dt = next(engine.module.parameters()).dtype
 
         def micro(m):
-            x, image = batch(rank, step, m, case)
+            x, image = batch(rank, step, m, case, kind)
             if die == (rank, step, "forward"):
                 os._exit(1)
             loss = engine(x.to(dt), None if image is None else image.to(dt))

@@ -44,6 +44,6 @@ if __name__ == "__main__":
             worst = max(worst, float((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
     stats = out[-1]["stats"]
     line = (f"ds rank {rank}: stage {stage} steps {len(out) - 1} worst_rel_err {worst:.2e} "
-            f"zero_filled {stats['zero_filled']} releases {stats['releases']} "
+            f"zero_filled {stats['zero_filled']} late {stats['late']} releases {stats['releases']} "
             f"learned {','.join(out[-1].get('learned') or []) or '-'}\n")
     os.write(1, line.encode())  # one write: the ranks share torchrun's pipe

@@ -163,6 +163,69 @@ def test_zero12_coalesce_grad_reduction_tower_in_one_backward_of_one_rank(stage)
     _check_against_reference(results)
 
 
+# ---------------------------------------------------------------- ZeRO-1/2: turns in the backward
+
+
+BUCKET = 1000  # reduce_bucket_size, elements: the sequential models' 3,000 span 3+ buckets
+TURNS = {"reduce_bucket_size": BUCKET, "overlap_comm": True}  # ZeRO-1 reduces in hooks too
+
+
+def _stats(results):
+    return [r[-1]["stats"] for r in results]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(stage, cluster):
+    """Every reduction is handed to DeepSpeed during the backward, before
+    the decision; accord holds at most one bucket's gradient bytes beyond
+    DeepSpeed (here: the weight whose bias, released first, is still being
+    computed); 2 accumulated microbatches."""
+    info = cluster_info(cluster, 2, f"ds-seq-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, steps=3, gas=2, kind="seq",
+                              zero3=TURNS, accord="cluster", cluster=info)
+    _check_against_reference(results)
+    for s in _stats(results):
+        assert 0 < s["speculated"] == s["reduced"], s
+        assert s["late"] == s["repaired"] == s["zero_filled"] == 0, s
+        assert s["held_bytes"] <= BUCKET * 4, s
+        print(f"accord-test: ZeRO-{stage} sequential held_bytes {s['held_bytes']}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_late_gradient_is_repaired_by_a_delta_with_reference_gradients(stage, cluster):
+    """The input layer is defined last: first in the model's order reversed
+    (step 0's release order), its gradient comes last, after its turn
+    (zeros), on every rank; the delta all-reduce adds it. From step 1 on the
+    release order is the one learned in step 0: nothing late."""
+    info = cluster_info(cluster, 2, f"ds-late-{stage}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, steps=3, kind="late", zero3=TURNS,
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    for s in _stats(results):
+        assert s["late"] == 2 and s["repaired"] == 2, s  # its weight and bias, step 0
+        print(f"accord-test: ZeRO-{stage} late held_bytes {s['held_bytes']}")
+
+
+@pytest.mark.parametrize("stage,dtype,gas", [(2, "fp32", 1), (1, "fp32", 1), (2, "bf16", 2),
+                                             (1, "bf16", 2)])
+def test_zero12_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(stage, dtype, gas,
+                                                                          cluster):
+    """The tower runs on rank 0 at steps 0 and 2, nowhere at 1 and 3: step 1
+    hands it over as zeros (speculated from step 0) and trims it, so it is
+    bitwise unchanged; step 2's speculation (step 1's decision) leaves it
+    out and the decision includes it: repaired by the delta."""
+    info = cluster_info(cluster, 2, f"ds-some-{stage}-{dtype}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="on_0_at_even", steps=4, gas=gas,
+                              dtype=dtype, zero3=TURNS, accord="cluster", cluster=info)
+    _check_against_reference(results, dtype=dtype)
+    if dtype == "fp32":
+        _check_unused_unchanged(results, step=1)
+    for s in _stats(results):
+        assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
+        print(f"accord-test: ZeRO-{stage} {dtype} tower at some steps held_bytes "
+              f"{s['held_bytes']} zero_filled_bytes {s['zero_filled_bytes']}")
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_three_ranks_tower_never_on_rank_1(stage, cluster):
     info = cluster_info(cluster, 3, f"ds-w3-{stage}")
@@ -457,6 +520,11 @@ def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(sta
         diff = (got[0] - want).abs().max()
         assert diff <= 1e-5 * want.abs().max() + 1e-8, (n, float(diff))
     assert results[0]["stats"]["releases"] > 0
+    for rank, r in enumerate(results):
+        s = r["stats"]
+        print(f"accord-test: HF ZeRO-{stage} rank {rank}: " +
+              ", ".join(f"{k} {s.get(k)}" for k in ("held_bytes", "zero_filled_bytes", "late",
+                                                     "repaired", "repaired_bytes")))
 
 
 # ---------------------------------------------------------------- the boundary

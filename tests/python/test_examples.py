@@ -145,8 +145,10 @@ def test_deepspeed_install_with_no_client_under_torchrun(env, stage, tower):
         assert ranks[r]["stage"] == str(stage) and ranks[r]["steps"] == "3", ranks
         assert float(ranks[r]["worst_rel_err"]) < 1e-5, ranks
         assert ranks[r]["releases"] == "3", ranks
-    # Rank 1 never uses the tower: it zero-fills the tower's 2 parameters each step.
-    assert ranks[0]["zero_filled"] == "0" and ranks[1]["zero_filled"] == "6", ranks
+    # Rank 1 never uses the tower: it zero-fills the tower's 2 parameters each
+    # step. Any other zeros are turns (ZeRO-2) that came before their gradient.
+    filled = [int(ranks[r]["zero_filled"]) - int(ranks[r]["late"]) for r in (0, 1)]
+    assert filled == [0, 6], ranks
     want = "tower" if tower == "learned" else "-"
     assert ranks[0]["learned"] == ranks[1]["learned"] == want, ranks
 

@@ -3,7 +3,7 @@ guard (docs/DEEPSPEED.md, "The collective-sequence guard").
 
 Every fetch and prefetch of ZeRO-3's forward and backward all-gathers through
 one function of the parameter coordinator
-(accord.deepspeed.zero.Zero3.route_all_gathers). Each all-gather that fetches
+(accord.deepspeed.zero3.Zero3.route_all_gathers). Each all-gather that fetches
 something is recorded there just before DeepSpeed issues it, as is the
 module-trace check of the coordinator's `reset_step`; a collective new to the
 agreed sequence waits for the guard's verdict, so a rank about to fetch what
@@ -41,7 +41,7 @@ class Learner:
     """Learned optional modules (accord.torch.guard's learner): at a
     divergence of forward all-gathers in the step whose module trace
     DeepSpeed records (step 0), every rank pins the first diverging module
-    (accord.deepspeed.zero.Zero3.pin: one all-gather, on every rank at the
+    (accord.deepspeed.zero3.Zero3.pin: one all-gather, on every rank at the
     verdict), and the rank that was fetching it skips its fetch."""
 
     def __init__(self, adapter, model):

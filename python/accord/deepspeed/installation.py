@@ -4,9 +4,13 @@
 DeepSpeed reduces a parameter's gradient from its autograd hook, in this
 rank's autograd order and only where the parameter got a gradient, packing
 gradients into buckets by size: which parameters share a bucket, and so the
-number and sizes of the all-reduces, follow the rank's data. Here the hook
-does nothing (the gradient stays where DeepSpeed keeps it, as without
-overlap), and no accord call is made inside autograd. At DeepSpeed's
+number and sizes of the all-reduces, follow the rank's data. Where DeepSpeed
+reduces from its hooks (ZeRO-2, ZeRO-1 with overlap_comm), the hook hands
+DeepSpeed parameters in one release order, speculated from the last
+decision, and the epilogue repairs what the decision changes
+(accord.deepspeed.turns). Otherwise (ZeRO-1 without overlap_comm, ZeRO-3)
+the hook does nothing (the gradient stays where DeepSpeed keeps it), and no
+accord call is made inside autograd. At DeepSpeed's
 end-of-backward epilogue, which every rank reaches once per backward, the
 rank submits one manifest (which parameters have a gradient, in which
 dtype) and waits for the decision, the same on every rank; then it hands
@@ -19,7 +23,7 @@ Its forward and backward fetches follow each rank's module trace, which
 DeepSpeed also requires to be the same on every rank: modules given as
 optional are made persistent, all-gathered at install on every rank, and
 kept out of DeepSpeed's per-module fetch, release and trace
-(accord.deepspeed.zero.Zero3.pin). Every other fetch's all-gather is
+(accord.deepspeed.zero3.Zero3.pin). Every other fetch's all-gather is
 recorded by accord.torch's collective-sequence guard just before it is
 issued (accord.deepspeed.all_gathers): a module that runs on some ranks only
 and was not given ends with AccordDivergenceError on every rank, not in Gloo.
@@ -44,6 +48,7 @@ from typing import List
 import torch
 
 from accord.deepspeed.all_gathers import GuardedAllGathers
+from accord.deepspeed.turns import Turns
 from accord.torch.errors import AccordDivergenceError, AccordJobError, waited
 
 
@@ -57,10 +62,17 @@ class Stats:
     skipped: int = 0  # parameter-releases left out (no rank had a gradient)
     restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
     restored_bytes: int = 0  # bytes copied for those (each way)
-    # The most gradient bytes held at one epilogue (every gradient of the
-    # backward: what DeepSpeed alone would have reduced bucket by bucket).
+    # The most bytes accord held at once beyond what DeepSpeed holds: with
+    # turns (ZeRO-2, ZeRO-1 with overlap_comm), gradients kept for the repair
+    # (late, or left out of the speculation), a zero gradient while DeepSpeed
+    # copies it, the repair's flat delta; without (ZeRO-1, ZeRO-3), every
+    # gradient of the backward, held to its epilogue.
     held_bytes: int = 0
     zero_filled_bytes: int = 0  # zeros this rank sent for parameters others used
+    speculated: int = 0  # reductions handed to DeepSpeed before the decision
+    late: int = 0  # gradients that came after their parameter's turn
+    repaired: int = 0  # parameter-reductions repaired by accord's all-reduce
+    repaired_bytes: int = 0  # bytes of those all-reduces
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -93,6 +105,8 @@ class Installation:
         self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
         self._epilogue = adapter.original("independent_gradient_partition_epilogue")
         self._optimizer_step = adapter.original("_optimizer_step")
+        turns = getattr(adapter, "reduces_in_hooks", None)
+        self.turns = Turns(self) if turns is not None and turns() else None
         self._handles: list = []  # hooks on the model, removed at uninstall
         self._wrapped: List[str] = []  # engine methods wrapped on the instance
 
@@ -102,6 +116,8 @@ class Installation:
         params = [(n, int(p.shape[0]) if p.dim() else 1, p.numel())
                   for n, (_, p) in zip(self.names, self.order)]
         regs = [(self.group_id, params, None, False)]
+        if self.turns is not None:
+            regs.append((f"{self.group_id}/~late", params, None, False))
         if self.watch is not None:
             regs.append(self.watch.registration())
         return regs + (self.guard.registrations() if self.guard is not None else [])
@@ -124,6 +140,8 @@ class Installation:
         until the epilogue (no collective, no accord call, inside autograd)."""
         if self.watch is not None:
             self.watch.progress("the backward")
+        if self.turns is not None and self.zero.reduces_now():
+            self.turns.held(param)
 
     def epilogue(self) -> None:
         """DeepSpeed's end-of-backward epilogue, with accord's release first."""
@@ -164,19 +182,18 @@ class Installation:
         opening = self.window_closed
         if opening:
             self.used = [False] * len(self.order)
+        if self.turns is not None:
+            included = self.turns.end()
+            self.step += 1
+            self.stats.releases += 1
+            self.used = [u or inc for u, inc in zip(self.used, included)]
+            self.window_closed = self.zero.boundary()
+            return
         grads = [self.zero.gradient(p) for _, p in self.order]
         manifest = [None if g is None else _dtype_name(g.dtype) for g in grads]
         held = sum(g.numel() * g.element_size() for g in grads if g is not None)
         self.stats.held_bytes = max(self.stats.held_bytes, held)
-        try:
-            decision = self._decide(manifest)
-        except AccordJobError as e:
-            # A rank that diverged and stopped fails the job while this one
-            # waits here: the divergence, once this rank's guard finds it too,
-            # is what every rank reports.
-            if self.guard is not None:
-                self.guard.explain(e, wait_s=self.guard.stall_s)
-            raise
+        decision = self.decide(manifest)[0]
         with self.explaining():
             self._reduce_included(decision, grads, opening)
         self.window_closed = self.zero.boundary()
@@ -204,26 +221,40 @@ class Installation:
             self.zero.reduce(self._reduce, p, i)
             s.reduced += 1
 
-    def _decide(self, manifest) -> object:
-        """This release's decision; the job's verdict (a rank lost, say) is
-        raised as accord.torch's AccordJobError, the same text on every rank.
-        The step watch's item and the guard's window of the step go in the
+    def decide(self, manifest, late=None) -> list:
+        """This release's decision (and, with turns, the `~late` group's);
+        the job's verdict (a rank lost, say) is raised as accord.torch's
+        AccordJobError, the same text on every rank."""
+        try:
+            return self._decide(manifest, late)
+        except AccordJobError as e:
+            # A rank that diverged and stopped fails the job while this one
+            # waits here: the divergence, once this rank's guard finds it too,
+            # is what every rank reports.
+            if self.guard is not None:
+                self.guard.explain(e, wait_s=self.guard.stall_s)
+            raise
+
+    def _decide(self, manifest, late) -> list:
+        """The step watch's item and the guard's window of the step go in the
         same batch (without a batch, the window is submitted without waiting)."""
+        mine = [(self.group_id, self.step, manifest)]
+        if late is not None:
+            mine.append((f"{self.group_id}/~late", self.step, late))
         item = self.watch.item(self.step) if self.watch is not None else None
         seq, window = self.guard.release_item(self.step) if self.guard else (None, None)
         submit_batch = getattr(self.agreement, "submit_batch", None)
         if not callable(submit_batch):
             if seq is not None:
                 self.guard.release_handle(window, self.guard.client.submit(*seq))
-            return self.agreement.submit(self.group_id, self.step, manifest)
-        items = [(self.group_id, self.step, manifest)] + ([item] if item else [])
-        handles = list(submit_batch(items + ([seq] if seq else [])))
+            return [self.agreement.submit(*m) for m in mine]
+        handles = list(submit_batch(mine + ([item] if item else []) + ([seq] if seq else [])))
         if item:
-            self.watch.handed(self.step, handles[1])
+            self.watch.handed(self.step, handles[len(mine)])
         if seq is not None:
             self.guard.release_handle(window, handles[-1])
-        return waited(self.agreement, handles[0],
-                      "accord.deepspeed: learned at the end-of-backward release")
+        where = "accord.deepspeed: learned at the end-of-backward release"
+        return [waited(self.agreement, h, where) for h in handles[:len(mine)]]
 
     def optimizer_step(self, group_no: int) -> None:
         """The base optimizer's step on one flat partition, with the slices of
@@ -246,6 +277,8 @@ class Installation:
         self.zero.patch("reduce_ready_partitions_and_remove_grads", self.held)
         self.zero.patch("independent_gradient_partition_epilogue", self.epilogue)
         self.zero.patch("_optimizer_step", self.optimizer_step)
+        if self.turns is not None:
+            self.turns.hook()
         if self.all_gathers is not None:
             self.zero.route_all_gathers(self.all_gathers.route, self.all_gathers.trace_check)
         if self.watch is not None or self.guard is not None:
@@ -270,6 +303,8 @@ class Installation:
         """Restores DeepSpeed's own methods."""
         self.zero.unpatch()
         self.zero.unpin()
+        if self.turns is not None:
+            self.turns.unhook()
         for h in self._handles:
             h.remove()
         self._handles.clear()
