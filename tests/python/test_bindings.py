@@ -114,3 +114,35 @@ def test_client_register_submit_wait_through_real_daemons():
 def test_daemons_ship_with_the_package():
     for name in ("accord-coordinator", "accord-sidecar"):
         assert os.access(accord.daemon_path(name), os.X_OK)
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_client_members_are_checked_before_anything_is_sent():
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 2)
+        client = accord.connect(sock, "members-job", 0, 2, local_rank=local_rank)
+        with pytest.raises(accord.Error, match=r"rank 0 is not among its members \(ranks 1\)") as e:
+            client.register_group("g@ranks1", P, members=[1], timeout_s=5)
+        assert accord.error_code(e.value) == "INVALID_ARGUMENT"
+        with pytest.raises(accord.Error, match="members") as e:
+            client.register_groups([("g", P, None, True)], members=[[1, 0]], timeout_s=5)
+        assert accord.error_code(e.value) == "INVALID_ARGUMENT"
+        # Today's daemons do not take members: refused at the client, by name.
+        with pytest.raises(accord.Error, match="older than groups with members") as e:
+            accord.ClientAgreement(client, timeout_s=5).register_all(
+                [("g@ranks0", P, None, True, [0])])
+        assert accord.error_code(e.value) == "FAILED_PRECONDITION"
+        # The job has not failed: no verdict within the timeout.
+        assert client.wait_verdict(0.05) is None
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_agreement_register_all_takes_members_of_every_rank_as_none():
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 1)
+        client = accord.connect(sock, "members-all-job", 0, 1, local_rank=local_rank)
+        agreement = accord.ClientAgreement(client, timeout_s=30)
+        agreement.register_all([("a", P, None, True, [0]), ("b", P, None, True)])
+        agreement.register("c", P, None, True, members=[0])
+        d = agreement.submit("a", 0, ["float32", None, None])
+        assert list(d.included) == [True, False, False]
