@@ -216,19 +216,13 @@ void DeadlineMonitor::FailRegistration(GroupState& g, JobEffects& fx) {
     }
     parts.push_back(job.members.Describe(r));
   }
-  std::vector<int> registered;
-  for (int r = 0, m = 0; r < job.world_size; ++r) {
-    if (m < static_cast<int>(missing.size()) && missing[m] == r) {
-      ++m;
-    } else {
-      registered.push_back(r);
-    }
-  }
+  const std::vector<int> registered = g.registration.Registered();
+  const MemberSet* members = g.registration.members().get();
   v1::DecisionError err = Error(
       v1::MISSING_RANKS,
-      absl::StrCat("job ", job.job_id, " group \"", g.group_id,
-                   "\": not every rank registered the group within ",
-                   absl::FormatDuration(job.options.deadline),
+      absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": not every ",
+                   members ? absl::StrCat("member (", members->Describe(), ")") : "rank",
+                   " registered the group within ", absl::FormatDuration(job.options.deadline),
                    " of its first registration (--deadline); missing ranks ", FormatRanks(missing),
                    ": ", absl::StrJoin(parts, ", "), "; ",
                    registered.empty()

@@ -57,6 +57,7 @@ NodeStream& Job::Connect(StreamId id, NodeSink* sink, const v1::NodeHello& hello
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(core_.options.deadline));
+  reply.mutable_welcome()->set_members(true);
   // A RESUME names the run, or an id the run adopted (docs/ARCHITECTURE.md,
   // "Runs"): the node keeps the id it has, so what it stamped with it stays
   // its run's.
@@ -209,7 +210,7 @@ void Job::HandleRegistration(NodeStream& s, const v1::NodeRegistration& nr, absl
     for (int r : nr.ranks()) err.add_ranks(r);
     fx.SendRegistrationError(s.sink, reg.group_id(), std::move(err));
   };
-  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
+  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg, job.world_size);
   if (!spec.ok()) {
     reply(ErrorFrom(v1::INVALID_REQUEST, spec.status(), absl::StrCat("job ", job.job_id, ": "),
                     job.job_id, reg.group_id()));
@@ -252,6 +253,13 @@ absl::StatusOr<std::vector<int>> Job::CheckRegistration(const NodeState& node,
       return wire::KindError(v1::INVALID_REQUEST,
                              absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
                                           " is not served by node \"", node.node_id, "\""));
+    }
+    if (spec.members != nullptr && !spec.members->Contains(r)) {
+      return wire::KindError(
+          v1::INVALID_REQUEST,
+          absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
+                       " is not among the members it registered (", spec.members->Describe(),
+                       "); a rank registers only the groups it reduces"));
     }
     ranks.push_back(r);
   }
@@ -352,7 +360,7 @@ void Job::BroadcastRegistration(GroupState& g, JobEffects& fx) {
   msg.mutable_registration()->set_group_id(g.group_id);
   if (g.registration.state() == GroupRegistration::State::kAgreed) {
     msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
-    fx.Broadcast(std::move(msg));
+    core_.SendToRegistrants(g, std::move(msg), fx);
     return;
   }
   const v1::DecisionError& error = g.registration.error();
@@ -370,7 +378,7 @@ void Job::BroadcastRegistration(GroupState& g, JobEffects& fx) {
     d->mutable_error()->set_step(step);
   }
   g.pending.clear();
-  fx.Broadcast(std::move(msg));
+  core_.SendToRegistrants(g, std::move(msg), fx);
 }
 
 }  // namespace accord::daemon

@@ -96,6 +96,26 @@ void JobCore::Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError 
   }
 }
 
+void JobCore::SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg,
+                                JobEffects& fx) const {
+  const GroupRegistration& reg = g.registration;
+  if (reg.members() == nullptr) {
+    fx.Broadcast(std::move(msg));
+    return;
+  }
+  RankSet scope = reg.members()->rank_set();
+  for (int i = 0; !reg.empty() && i < reg.variant_count(); ++i) scope.Union(reg.variant(i).ranks);
+  for (const auto& [id, node] : members.nodes()) {
+    if (!node.connected()) continue;
+    const std::vector<uint64_t>& words = node.rank_set->words();
+    bool serves = false;
+    for (int w = node.word_lo; w < node.word_hi && !serves; ++w) {
+      serves = (words[w] & scope.words()[w]) != 0;
+    }
+    if (serves) fx.Send(node.sink, msg);
+  }
+}
+
 StepFacts::StepFacts(const JobCore& job, const GroupState& g, const PendingStep& at)
     : job_(job), at_(at), last_decided_(g.last_decided_step()), submitted_(job.world_size) {
   auto submitted = [&](const PendingStep& p) {

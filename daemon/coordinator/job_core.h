@@ -103,6 +103,10 @@ struct JobCore {
                        const Decision* decided, StepContents contents, JobEffects& fx);
   // The node connected or disconnected (observer event).
   void ObserveNode(const NodeState& node, bool connected, JobEffects& fx) const;
+  // Sends a registration result of `g` to the nodes it concerns: every node
+  // (one broadcast) for a group of every rank; else each connected node
+  // that serves a member or a rank that registered it.
+  void SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg, JobEffects& fx) const;
 };
 
 // What the coordinator knows of one group's ranks at one of its pending

@@ -140,5 +140,56 @@ TEST_F(CoordinatorErrorsTest, AFailedJobsFailureResentToALateManifestIsNotCounte
   EXPECT_EQ(coord_.stats().errors, counted);
 }
 
+GroupSpec WithMembers(GroupSpec spec, std::vector<int> members, int world) {
+  spec.members = std::make_shared<const MemberSet>(*MemberSet::FromRanks(members, world));
+  return spec;
+}
+
+TEST_F(CoordinatorErrorsTest, ARegistrationByARankOutsideItsMembersIsAnInvalidRequestAndCounted) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  coord_.HandleMessage(s, Registration(WithMembers(MakeSpec("g", 1), {1, 2}, 4), {0, 1}));
+  const std::vector<v1::RegistrationResult> r = sink_.registrations();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].error().kind(), v1::INVALID_REQUEST);
+  EXPECT_EQ(r[0].error().code(), Code(wire::CodeOfKind(v1::INVALID_REQUEST)));
+  EXPECT_THAT(r[0].error().message(), HasSubstr("rank 0 is not among the members"));
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
+TEST_F(CoordinatorErrorsTest, MembersInANonCanonicalFormAreAnInvalidRequest) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  v1::NodeMessage reg = Registration(MakeSpec("g", 1), {0, 1});
+  // Every rank must travel as no members.
+  v1::Members* m = reg.mutable_registration()->mutable_registration()->mutable_members();
+  m->set_start(0);
+  m->set_count(4);
+  m->set_stride(1);
+  coord_.HandleMessage(s, reg);
+  const std::vector<v1::RegistrationResult> r = sink_.registrations();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].error().kind(), v1::INVALID_REQUEST);
+  EXPECT_THAT(r[0].error().message(), HasSubstr("every rank"));
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
+TEST_F(CoordinatorErrorsTest, AMemberSetMismatchIsARegistrationMismatchCountedOnce) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  FakeNodeSink other;
+  const Coordinator::SessionId t = coord_.OpenSession(&other);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  coord_.HandleMessage(t, Hello("job", "b", 4, {2, 3}));
+  coord_.HandleMessage(s, Registration(WithMembers(MakeSpec("g", 1), {0, 1, 2}, 4), {0, 1}));
+  coord_.HandleMessage(t, Registration(WithMembers(MakeSpec("g", 1), {2, 3}, 4), {2, 3}));
+  for (FakeNodeSink* sink : {&sink_, &other}) {
+    const std::vector<v1::RegistrationResult> r = sink->registrations();
+    ASSERT_EQ(r.size(), 1u);
+    EXPECT_EQ(r[0].error().kind(), v1::REGISTRATION_MISMATCH);
+    EXPECT_EQ(r[0].error().code(), Code(wire::CodeOfKind(v1::REGISTRATION_MISMATCH)));
+  }
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
 }  // namespace
 }  // namespace accord::daemon
