@@ -53,7 +53,9 @@ bool DeadlineMonitor::FailIfNodeLost(absl::Time now, absl::Time& next, JobEffect
       for (const NodeState* node : lost) {
         std::vector<int> missing;
         for (int r : node->ranks) {
-          if (job.members.OwnerOf(r) == node && !covered.Contains(r)) missing.push_back(r);
+          if (job.members.OwnerOf(r) == node && !covered.Contains(r) && g.IsMember(r)) {
+            missing.push_back(r);
+          }
         }
         if (missing.empty()) continue;
         culprit = &g;
@@ -159,6 +161,7 @@ bool DeadlineMonitor::AskProgress(GroupState& g, int64_t step, PendingStep& p, a
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   std::vector<const NodeState*> asked;
   for (int r : covered.Missing()) {
+    if (!g.IsMember(r)) continue;
     const NodeState* owner = job.members.OwnerOf(r);
     if (owner == nullptr || !owner->connected() || owner->sink == nullptr ||
         !owner->answers_progress) {
@@ -317,7 +320,7 @@ void DeadlineMonitor::ObserveStall(const GroupState& g, int64_t step, const Pend
   // The ranks waited for, each with its last step of this group.
   const StepFacts facts(job_, g, p);
   for (int r = 0; r < job_.world_size; ++r) {
-    if (facts.Submitted(r)) continue;
+    if (facts.Submitted(r) || !g.IsMember(r)) continue;
     e.ranks.push_back(r);
     e.last_steps.push_back(facts.LastStep(r));
   }

@@ -51,6 +51,7 @@ NodeStream& Job::Connect(StreamId id, NodeSink* sink, const v1::NodeHello& hello
   s.id = id;
   s.sink = sink;
   s.node = &node;
+  core_.member_sets.Refresh(node);
   core_.ObserveNode(node, /*connected=*/true, fx);
   v1::CoordinatorMessage reply;
   reply.mutable_welcome()->set_node_id(node.node_id);
@@ -107,7 +108,9 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
     return;
   }
   if (e.joined()) {
-    if (job.members.JoinRank(node, r) == Membership::Join::kHeldElsewhere) {
+    const Membership::Join join = job.members.JoinRank(node, r);
+    if (join == Membership::Join::kJoined) job.member_sets.Refresh(node);
+    if (join == Membership::Join::kHeldElsewhere) {
       v1::DecisionError err =
           Error(v1::DUPLICATE_RANK,
                 absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
@@ -132,6 +135,7 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   PendingStep* culprit_pending = nullptr;
   for (auto& [gid, g] : job.groups) {
     if (culprit != nullptr && g.group_id > culprit->group_id) continue;
+    if (!g.IsMember(r)) continue;  // its steps never wait for the rank
     for (auto& [step, p] : g.pending) {
       if (!p.clock.started()) continue;  // nobody waits for it
       RankSet covered(job.world_size);
@@ -216,6 +220,7 @@ void Job::HandleRegistration(NodeStream& s, const v1::NodeRegistration& nr, absl
                     job.job_id, reg.group_id()));
     return;
   }
+  spec->members = core_.member_sets.Intern(std::move(spec->members), core_.members);
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
   if (!policy.ok()) {
     reply(ErrorFrom(v1::INVALID_REQUEST, policy.status(),

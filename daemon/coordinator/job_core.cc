@@ -117,7 +117,11 @@ void JobCore::SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg,
 }
 
 StepFacts::StepFacts(const JobCore& job, const GroupState& g, const PendingStep& at)
-    : job_(job), at_(at), last_decided_(g.last_decided_step()), submitted_(job.world_size) {
+    : job_(job),
+      at_(at),
+      members_(g.members()),
+      last_decided_(g.last_decided_step()),
+      submitted_(job.world_size) {
   auto submitted = [&](const PendingStep& p) {
     RankSet set(job.world_size);
     for (const Contribution& c : p.contributions) set.Union(*c.content->ranks);
@@ -152,6 +156,7 @@ int64_t StepFacts::LastStep(int rank) const {
 StepFacts::Missing StepFacts::AtFault() const {
   Missing out;
   for (int r : submitted_.Missing()) {
+    if (members_ != nullptr && !members_->Contains(r)) continue;  // never waited for
     (job_.members.Gone(r) ? out.named : out.waiting).push_back(r);
   }
   if (out.named.empty()) std::swap(out.named, out.waiting);
@@ -215,7 +220,7 @@ std::string JobCore::LeftWhy(int rank, absl::string_view node_id, absl::string_v
 bool JobCore::FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p,
                                     JobEffects& fx) {
   if (failed() || !p.clock.started()) return false;  // not started: nobody waits for it
-  const int r = members.LeftBefore(step);
+  const int r = members.LeftBefore(step, g.members());
   if (r < 0) return false;
   const NodeState* owner = members.OwnerOf(r);
   Fail(&g, step,

@@ -21,6 +21,7 @@
 #include "daemon/coordinator/coordinator_options.h"
 #include "daemon/coordinator/group_state.h"
 #include "daemon/coordinator/job_effects.h"
+#include "daemon/coordinator/member_sets.h"
 #include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
 
@@ -47,6 +48,8 @@ struct JobCore {
   const int world_size;
   const CoordinatorOptions& options;
   Membership members;
+  // The distinct member sets of its groups, and each node's ranks among them.
+  MemberSets member_sets;
   absl::node_hash_map<std::string, GroupState> groups;
   // kRunning --Fail--> kFailed; a job is dropped (not a state) when its run
   // ends. A failed job answers every request with its failure.
@@ -124,7 +127,7 @@ class StepFacts {
   // decided step, a later pending step that covers it, its sidecar's answer
   // for this group (-1: none).
   int64_t LastStep(int rank) const;
-  // The ranks that did not submit the step (ascending), split into those at
+  // The members that did not submit the step (ascending), split into those at
   // fault (`named`) and the rest (`waiting`): when any of them is gone
   // (left, its node's stream down, or never served), only the gone ones are
   // named, since the others are alive and may only be slower, e.g. blocked
@@ -138,6 +141,7 @@ class StepFacts {
  private:
   const JobCore& job_;
   const PendingStep& at_;
+  const MemberSet* members_;  // the group's (null: every rank)
   int64_t last_decided_;
   RankSet submitted_;
   // Later pending steps, newest first, with the ranks that submitted each.

@@ -23,6 +23,7 @@ using testing::FakeNodeSink;
 using ::testing::HasSubstr;
 using testing::Hello;
 using testing::MakeSpec;
+using testing::NodeManifest;
 using testing::Registration;
 
 constexpr int kWorld = 6;
@@ -70,6 +71,31 @@ class JobMembersTest : public ::testing::Test {
     return out;
   }
   void Clear() { fx_ = FakeEffects(); }
+  // A node manifest without rank_bits (the node's member ranks of the group).
+  void Submit(NodeStream* node, const std::string& group, int64_t step) {
+    v1::ManifestBatch batch;
+    *batch.add_manifests() =
+        NodeManifest(group, step, {DType::kFloat32, std::nullopt}, kWorld, node->node->ranks);
+    job_.HandleManifests(*node, batch, nullptr, kStart, fx_);
+  }
+  void Leave(NodeStream* node, int rank) {
+    v1::RankEvent left;
+    left.set_rank(rank);
+    left.set_joined(false);
+    left.set_last_step(-1);
+    job_.HandleRankEvent(*node, left, fx_);
+  }
+  // Both stages registered: A by nodes a and b, B by nodes b and c.
+  void RegisterStages() {
+    Register(a_, kA, {0, 1});
+    Register(b_, kA, {2});
+    Register(b_, kB, {3});
+    Register(c_, kB, {4, 5});
+    Clear();
+  }
+
+  const GroupSpec kA = Spec("g@ranks0..2", {0, 1, 2});
+  const GroupSpec kB = Spec("g@ranks3..5", {3, 4, 5});
 
   WorkerPool pool_;
   Job job_;
@@ -152,6 +178,95 @@ TEST_F(JobMembersTest, TheRegistrationDeadlineNamesOnlyMissingMembers) {
   EXPECT_THAT(e.message(), HasSubstr("not every member (ranks 0-2) registered the group"));
   EXPECT_THAT(e.message(), HasSubstr("missing ranks 2: rank 2 (node \"b\", connected)"));
   EXPECT_THAT(e.message(), HasSubstr("ranks 0-1 registered it"));
+}
+
+// Node b's manifest without rank_bits stands for rank 2 in stage A (and
+// rank 3 in B): each stage completes with its own members and decides over
+// them.
+TEST_F(JobMembersTest, AStepCompletesWhenItsMembersSubmittedAndIsDecidedOverThem) {
+  RegisterStages();
+  Submit(a_, kA.group_id, 0);
+  EXPECT_EQ(fx_.decisions.decisions_size(), 0);
+  Submit(b_, kA.group_id, 0);
+  ASSERT_EQ(fx_.decisions.decisions_size(), 1);
+  const v1::Decision& d = fx_.decisions.decisions(0);
+  EXPECT_EQ(d.group_id(), kA.group_id);
+  ASSERT_TRUE(d.has_ok()) << d.ShortDebugString();
+  absl::StatusOr<Decision> core = wire::DecisionFromProto(0, d.ok(), 2);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ(core->layout_fingerprint, LayoutFingerprint(kA, 3, core->included, core->wire_dtype));
+  Clear();
+  Submit(c_, kB.group_id, 0);
+  Submit(b_, kB.group_id, 0);
+  ASSERT_EQ(fx_.decisions.decisions_size(), 1);
+  EXPECT_TRUE(fx_.decisions.decisions(0).has_ok());
+  EXPECT_FALSE(job_.core().failed());
+}
+
+TEST_F(JobMembersTest, ASilentMemberIsNamedAndNoRankOfTheOtherStage) {
+  RegisterStages();
+  Submit(a_, kA.group_id, 0);
+  Submit(c_, kB.group_id, 0);
+  job_.CheckDeadlines(kStart + kDeadline + absl::Seconds(2), fx_);
+  ASSERT_TRUE(job_.core().failed());
+  const v1::DecisionError& e = job_.core().failure;
+  EXPECT_EQ(e.kind(), v1::MISSING_RANKS);
+  EXPECT_THAT(e.ranks(), ElementsAre(2));
+  EXPECT_THAT(e.message(), HasSubstr("ranks 0-1 submitted it"));
+  EXPECT_TRUE(e.job_failed());
+}
+
+// A rank of stage B leaving fails nothing of stage A; a member leaving does.
+TEST_F(JobMembersTest, ALeaveFailsOnlyTheStepsOfItsMemberSets) {
+  RegisterStages();
+  Submit(a_, kA.group_id, 0);
+  Leave(c_, 4);
+  EXPECT_FALSE(job_.core().failed());
+  // A step of A that starts after rank 4 left does not wait for it either.
+  Submit(a_, kA.group_id, 1);
+  EXPECT_FALSE(job_.core().failed());
+  Submit(b_, kA.group_id, 0);
+  ASSERT_GE(fx_.decisions.decisions_size(), 1);
+  EXPECT_TRUE(fx_.decisions.decisions(0).has_ok());
+  Leave(b_, 2);
+  ASSERT_TRUE(job_.core().failed());
+  EXPECT_THAT(job_.core().failure.ranks(), ElementsAre(2));
+  EXPECT_THAT(job_.core().failure.message(), HasSubstr("rank 2 left"));
+}
+
+// The step of B that starts after rank 4 left fails at once, named by it.
+TEST_F(JobMembersTest, AStepStartingAfterAMemberLeftFailsAtOnce) {
+  RegisterStages();
+  Leave(c_, 4);
+  Submit(b_, kB.group_id, 0);
+  ASSERT_TRUE(job_.core().failed());
+  EXPECT_THAT(job_.core().failure.ranks(), ElementsAre(4));
+}
+
+TEST_F(JobMembersTest, ANodeLostPastItsGraceFailsOnlyStepsThatNeedItsMembers) {
+  RegisterStages();
+  Submit(a_, kA.group_id, 0);
+  job_.Disconnect(*c_, kStart, fx_);
+  job_.CheckDeadlines(kStart + Options().node_reconnect_grace + absl::Seconds(1), fx_);
+  EXPECT_FALSE(job_.core().failed());
+  Submit(b_, kB.group_id, 0);
+  job_.CheckDeadlines(kStart + Options().node_reconnect_grace + absl::Seconds(2), fx_);
+  ASSERT_TRUE(job_.core().failed());
+  EXPECT_THAT(job_.core().failure.message(), HasSubstr("node \"c\""));
+}
+
+// A manifest naming a rank outside the group's members is refused.
+TEST_F(JobMembersTest, RankBitsOutsideTheMembersAreAnInvalidManifest) {
+  RegisterStages();
+  v1::ManifestBatch batch;
+  *batch.add_manifests() =
+      NodeManifest(kA.group_id, 0, {DType::kFloat32, std::nullopt}, kWorld, {2, 3}, {2, 3});
+  job_.HandleManifests(*b_, batch, nullptr, kStart, fx_);
+  ASSERT_EQ(fx_.replies[&sink_b_].decisions_size(), 1);
+  EXPECT_EQ(fx_.replies[&sink_b_].decisions(0).error().kind(), v1::INVALID_MANIFEST);
+  EXPECT_THAT(fx_.replies[&sink_b_].decisions(0).error().message(),
+              HasSubstr("rank_bits name ranks 3 that node \"b\" does not serve among the group's "
+                        "members"));
 }
 
 }  // namespace
