@@ -94,6 +94,13 @@ void JobCore::Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError 
     *msg.mutable_registration()->mutable_error() = std::move(e);
     fx.Broadcast(std::move(msg));
   }
+  // The verdict to every node, after the answers above: ranks that wait for
+  // nothing (another member set's, or between steps) learn it too
+  // (docs/MEMBERS.md 2.13).
+  v1::CoordinatorMessage verdict;
+  *verdict.mutable_error() = std::move(error);
+  verdict.mutable_error()->set_kind(v1::JOB_FAILED);
+  fx.BroadcastLast(std::move(verdict));
 }
 
 void JobCore::SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg,

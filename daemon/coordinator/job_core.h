@@ -66,7 +66,8 @@ struct JobCore {
   // Fails the job with `error`: the culprit's (group, step) gets it as is
   // (culprit_step -1: the culprit group's registration), every other
   // pending step and every registration still collecting gets it as
-  // JOB_FAILED.
+  // JOB_FAILED; then every node gets it as a JOB_FAILED
+  // CoordinatorMessage.error (job_failed set), the job's verdict.
   void Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError error, JobEffects& fx);
   // MISSING_RANKS for `step` of `g`, which cannot complete because of `why`:
   // names the ranks at fault (StepFacts::AtFault) with the group's last

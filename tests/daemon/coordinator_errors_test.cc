@@ -118,6 +118,33 @@ TEST_F(CoordinatorErrorsTest, AnIntegerGradientIsANonFloatDtypeError) {
   EXPECT_EQ(sink_.decisions()[0].error().code(), Code(wire::CodeOfKind(v1::NON_FLOAT_DTYPE)));
 }
 
+// The job's verdict goes to every node after the answers to its steps: the
+// node whose ranks wait for nothing learns it too.
+TEST_F(CoordinatorErrorsTest, AFailedJobsVerdictReachesEveryNodeAfterTheAnswersToItsSteps) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  FakeNodeSink other;
+  const Coordinator::SessionId t = coord_.OpenSession(&other);
+  coord_.HandleMessage(s, Hello("job", "a", 2, {0}));
+  coord_.HandleMessage(t, Hello("job", "b", 2, {1}));
+  coord_.HandleMessage(s, Registration(MakeSpec("g", 1), {0}));
+  coord_.HandleMessage(t, Registration(MakeSpec("g", 1), {1}));
+  coord_.HandleMessage(s, Batch({NodeManifest("g", 0, {DType::kFloat32}, 2, {0})}));
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(1);
+  left.mutable_rank_event()->set_joined(false);
+  coord_.HandleMessage(t, left);
+  for (FakeNodeSink* sink : {&sink_, &other}) {
+    const std::vector<v1::CoordinatorMessage> m = sink->messages();
+    ASSERT_GE(m.size(), 2u);
+    ASSERT_TRUE(m.back().has_error());
+    EXPECT_TRUE(m.back().error().job_failed());
+    EXPECT_EQ(m.back().error().kind(), v1::JOB_FAILED);
+    EXPECT_THAT(m.back().error().message(), HasSubstr("rank 1 left"));
+    EXPECT_TRUE(m[m.size() - 2].has_decisions()) << "the answers come first";
+  }
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
 TEST_F(CoordinatorErrorsTest, AFailedJobsFailureResentToALateManifestIsNotCountedAgain) {
   const Coordinator::SessionId s = coord_.OpenSession(&sink_);
   FakeNodeSink other;

@@ -22,6 +22,9 @@ class FakeEffects : public JobEffects {
     broadcasts.push_back(std::move(message));
   }
   v1::DecisionBatch& Decisions() override { return decisions; }
+  void BroadcastLast(v1::CoordinatorMessage message) override {
+    last_broadcasts.push_back(std::move(message));
+  }
   void NoteError(const v1::DecisionError& error) override { errors.push_back(error); }
   void Event(ObserveEvent event) override { events.push_back(std::move(event)); }
   void WakeAt(absl::Time at) override { wakes.push_back(at); }
@@ -35,6 +38,7 @@ class FakeEffects : public JobEffects {
   std::map<NodeSink*, v1::DecisionBatch> replies;
   std::vector<v1::CoordinatorMessage> broadcasts;
   v1::DecisionBatch decisions;
+  std::vector<v1::CoordinatorMessage> last_broadcasts;
   std::vector<v1::DecisionError> errors;
   std::vector<ObserveEvent> events;
   std::vector<absl::Time> wakes;

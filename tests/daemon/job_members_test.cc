@@ -269,5 +269,25 @@ TEST_F(JobMembersTest, RankBitsOutsideTheMembersAreAnInvalidManifest) {
                         "members"));
 }
 
+// Stage A's silent member fails the job; every node gets the verdict after
+// the answers to the steps, so stage B's ranks, which wait for nothing,
+// learn it too.
+TEST_F(JobMembersTest, TheJobsFailureGoesToEveryNodeAfterTheAnswersToItsSteps) {
+  RegisterStages();
+  Submit(a_, kA.group_id, 0);
+  job_.CheckDeadlines(kStart + kDeadline + absl::Seconds(2), fx_);
+  ASSERT_TRUE(job_.core().failed());
+  ASSERT_EQ(fx_.decisions.decisions_size(), 1);
+  EXPECT_EQ(fx_.decisions.decisions(0).error().kind(), v1::MISSING_RANKS);
+  ASSERT_EQ(fx_.last_broadcasts.size(), 1u);
+  const v1::DecisionError& verdict = fx_.last_broadcasts[0].error();
+  EXPECT_TRUE(verdict.job_failed());
+  EXPECT_EQ(verdict.kind(), v1::JOB_FAILED);
+  EXPECT_EQ(verdict.message(), job_.core().failure.message());
+  EXPECT_EQ(verdict.code(), job_.core().failure.code());
+  EXPECT_THAT(verdict.ranks(), ElementsAre(2));
+  ASSERT_EQ(fx_.errors.size(), 1u);  // counted once
+}
+
 }  // namespace
 }  // namespace accord::daemon
