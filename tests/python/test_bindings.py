@@ -146,3 +146,28 @@ def test_agreement_register_all_takes_members_of_every_rank_as_none():
         agreement.register("c", P, None, True, members=[0])
         d = agreement.submit("a", 0, ["float32", None, None])
         assert list(d.included) == [True, False, False]
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_wait_verdict_raises_the_jobs_failure_on_a_rank_that_waits_for_nothing():
+    import threading
+
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=["--deadline=1s"]) as cluster:
+        clients = []
+        for r in range(3):
+            sock, local_rank = cluster.socket_for(r, 3)
+            clients.append(accord.connect(sock, "verdict-job", r, 3, local_rank=local_rank))
+        threads = [threading.Thread(target=c.register_group, args=("g", P), kwargs={"timeout_s": 30})
+                   for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert clients[2].wait_verdict(0.05) is None
+        # Ranks 0 and 1 submit step 0; rank 2 never does and waits for nothing.
+        futures = [c.submit("g", 0, ["float32", None, None]) for c in clients[:2]]
+        with pytest.raises(accord.Error, match="missing ranks 2") as e:
+            clients[2].wait_verdict(30)
+        assert accord.error_code(e.value) == "DEADLINE_EXCEEDED"
+        with pytest.raises(accord.Error, match="missing ranks 2"):
+            clients[0].wait(futures[0], timeout_s=30)
