@@ -92,6 +92,20 @@ int accord_register_group(accord_client* client, const char* group_id, const acc
                           size_t num_params, int32_t reduce_dtype, int reduce_dtype_exact,
                           int64_t timeout_ms);
 
+/* The same for a group reduced by some ranks only: `members` lists them
+ * (num_members ranks, strictly ascending, this rank among them); NULL or
+ * num_members == 0: every rank, as accord_register_group. */
+int accord_register_group_with_members(accord_client* client, const char* group_id,
+                                       const accord_param* params, size_t num_params,
+                                       int32_t reduce_dtype, int reduce_dtype_exact,
+                                       const int32_t* members, size_t num_members,
+                                       int64_t timeout_ms);
+
+/* Waits up to timeout_ms for the job's verdict: ACCORD_OK when the job has
+ * not failed by then; else the code of the error it failed with (or the
+ * session ended with), its message in accord_last_error(). */
+int accord_wait_verdict(accord_client* client, int64_t timeout_ms);
+
 /* Submits one manifest (never blocks on the network). grad_dtypes has one
  * entry per parameter: ACCORD_NO_GRAD or the gradient's dtype. On success
  * *out is a future for accord_wait, freed with accord_future_free. Errors in

@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,11 +67,29 @@ int accord_connect(const accord_options* options, accord_client** out) {
 int accord_register_group(accord_client* client, const char* group_id, const accord_param* params,
                           size_t num_params, int32_t reduce_dtype, int reduce_dtype_exact,
                           int64_t timeout_ms) {
+  return accord_register_group_with_members(client, group_id, params, num_params, reduce_dtype,
+                                            reduce_dtype_exact, nullptr, 0, timeout_ms);
+}
+
+int accord_register_group_with_members(accord_client* client, const char* group_id,
+                                       const accord_param* params, size_t num_params,
+                                       int32_t reduce_dtype, int reduce_dtype_exact,
+                                       const int32_t* members, size_t num_members,
+                                       int64_t timeout_ms) {
   if (client == nullptr || group_id == nullptr || (params == nullptr && num_params > 0)) {
     return Fail(absl::InvalidArgumentError(
         "accord_register_group: client, group_id and params must not be NULL"));
   }
   accord::GroupSpec spec;
+  if (members != nullptr && num_members > 0) {
+    absl::StatusOr<std::shared_ptr<const accord::MemberSet>> m = accord::MembersOf(
+        std::vector<int>(members, members + num_members), client->client->options().world_size);
+    if (!m.ok()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("accord_register_group(\"", group_id,
+                                                          "\"): members: ", m.status().message())));
+    }
+    spec.members = *std::move(m);
+  }
   spec.group_id = group_id;
   for (size_t i = 0; i < num_params; ++i) {
     spec.params.push_back({params[i].name ? params[i].name : "", params[i].dim0, params[i].numel});
@@ -141,6 +160,16 @@ int accord_wait(accord_client* client, accord_future* future, int64_t timeout_ms
     for (size_t i = 0; i < d->included.size(); ++i) out->included[i] = d->included[i] ? 1 : 0;
   }
   return Ok();
+}
+
+int accord_wait_verdict(accord_client* client, int64_t timeout_ms) {
+  if (client == nullptr) {
+    return Fail(absl::InvalidArgumentError("accord_wait_verdict: client must not be NULL"));
+  }
+  std::optional<absl::Status> verdict = client->client->WaitVerdict(DeadlineIn(timeout_ms));
+  if (!verdict.has_value()) return Ok();
+  if (verdict->ok()) return Fail(absl::UnknownError("the session ended without an error"));
+  return Fail(*verdict);
 }
 
 void accord_future_free(accord_future* future) { delete future; }

@@ -105,11 +105,15 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   // Registers a group (once per job). Returns when the coordinator has checked
-  // the registration against every rank: FAILED_PRECONDITION naming the first
-  // differing parameter and the ranks on mismatch; INVALID_ARGUMENT for a bad
-  // spec; DEADLINE_EXCEEDED naming the ranks that did not register it within
-  // the coordinator's --deadline of its first registration (or, when
-  // `deadline` passes first, saying that no result came).
+  // the registration against every member (spec.members; null: every rank):
+  // FAILED_PRECONDITION naming the first differing parameter (or member set)
+  // and the ranks on mismatch; INVALID_ARGUMENT for a bad spec, members of
+  // another world size or members without this rank; FAILED_PRECONDITION
+  // before anything is sent for members when the sidecar's Welcome lacks
+  // Welcome.members; DEADLINE_EXCEEDED naming the members that did not
+  // register it within the coordinator's --deadline of its first
+  // registration (or, when `deadline` passes first, saying that no result
+  // came). Members of every rank are registered as none.
   virtual absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                                      absl::Time deadline) = 0;
   // Registers many groups: every registration is sent before any result is
@@ -130,6 +134,12 @@ class Client {
   // registration, ...). DEADLINE_EXCEEDED when `deadline` passes first;
   // UNAVAILABLE when the sidecar is gone.
   virtual absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) = 0;
+
+  // The job's verdict: blocks until the session latches an error carrying
+  // job_failed (from any reply) and returns it, or the error the session
+  // closed with when it closed without one; nullopt when `deadline` passes
+  // first (the job has not failed as far as this rank knows).
+  virtual std::optional<absl::Status> WaitVerdict(absl::Time deadline) = 0;
 
   // The job-scoped key-value rendezvous (served by the coordinator, reached
   // through the sidecar), for collective bootstrap.

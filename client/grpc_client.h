@@ -77,6 +77,7 @@ class GrpcClient : public Client {
   DecisionFuture Submit(const GroupSubmission& submission) override;
   std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) override;
   absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) override;
+  std::optional<absl::Status> WaitVerdict(absl::Time deadline) override;
   KeyValueStore& kv() override { return *kv_; }
   absl::Status AddAdapterCounts(const AdapterCounts& more) override;
   const ClientOptions& options() const override { return options_; }
@@ -129,6 +130,14 @@ class GrpcClient : public Client {
     std::vector<std::unique_ptr<v1::ManifestBatch>> spare;
   };
   static constexpr size_t kMaxSpareBatches = 4;
+  // What the session keeps across streams besides its groups.
+  struct SessionFacts {
+    // The totals of AddAdapterCounts, sent again on a resumed stream.
+    std::optional<AdapterCounts> adapter_counts;
+    bool welcome_members = false;  // the last Welcome's Welcome.members
+    // The first error received that carries job_failed (WaitVerdict).
+    std::optional<absl::Status> verdict;
+  };
 
   static std::deque<Pending>::iterator FindPending(GroupState& g, int64_t step);
   // The totals of AddAdapterCounts as a message (sent now and on a resume).
@@ -146,6 +155,13 @@ class GrpcClient : public Client {
   // Writes `msg` on the caller's thread when nothing would be overtaken,
   // else queues it for the writer.
   void SendBatchLocked(v1::RankMessage msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The spec as it is registered (members of every rank dropped), or
+  // INVALID_ARGUMENT / FAILED_PRECONDITION for members this session cannot
+  // register.
+  absl::StatusOr<GroupSpec> CheckRegistrationLocked(const GroupSpec& spec) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Latches the first error that carries job_failed as the job's verdict.
+  void NoteVerdictLocked(const v1::DecisionError& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a group's registration unless it was sent before (with the same
   // spec and policy).
   absl::Status SendRegistrationLocked(const GroupSpec& spec, const Policy& policy)
@@ -196,9 +212,8 @@ class GrpcClient : public Client {
   std::deque<v1::RankMessage> outbox_ ABSL_GUARDED_BY(mu_);
   ClientConnection conn_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a Write is in flight (writer or caller)
-  // The totals of AddAdapterCounts, sent again on a resumed stream.
-  std::optional<AdapterCounts> adapter_counts_ ABSL_GUARDED_BY(mu_);
   Groups groups_ ABSL_GUARDED_BY(mu_);
+  SessionFacts facts_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<FutureHub> hub_;
   BatchBuffers buffers_ ABSL_GUARDED_BY(mu_);
   std::thread session_;

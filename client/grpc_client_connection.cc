@@ -126,7 +126,8 @@ void GrpcClient::QueueResumeLocked() {
     g.last_key.reset();
     for (const Pending& p : g.pending) resend.push_back(Resend{p.step, i, &groups_.order[i], &p});
   }
-  if (adapter_counts_.has_value()) outbox_.push_back(AdapterCountsMessage(*adapter_counts_));
+  if (facts_.adapter_counts.has_value())
+    outbox_.push_back(AdapterCountsMessage(*facts_.adapter_counts));
   if (resend.empty()) return;
   std::sort(resend.begin(), resend.end(), [](const Resend& a, const Resend& b) {
     return a.step != b.step ? a.step < b.step : a.order < b.order;
@@ -230,6 +231,7 @@ void GrpcClient::HandleReply(const v1::RankReply& reply) {
 }
 
 void GrpcClient::HandleWelcomeLocked(const v1::Welcome& w) {
+  facts_.welcome_members = w.members();
   const std::optional<absl::Duration> resumed_after =
       conn_.Welcomed(w.node_id(), w.run_id(), w.node_epoch(), absl::Now());
   if (resumed_after.has_value()) {
@@ -239,6 +241,7 @@ void GrpcClient::HandleWelcomeLocked(const v1::Welcome& w) {
 }
 
 void GrpcClient::HandleErrorLocked(const v1::DecisionError& e) {
+  NoteVerdictLocked(e);
   absl::Status s = wire::ErrorToStatus(e);
   if (s.ok()) s = absl::UnknownError("the sidecar sent an error without a code");
   // An error about one group (and step) completes only what it names.

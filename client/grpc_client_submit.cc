@@ -37,13 +37,65 @@ absl::Status GrpcClient::RegisterGroups(const std::vector<std::pair<GroupSpec, P
   }
   accord::MutexLock lock(&mu_);
   if (absl::Status s = conn_.CallStatus(); !s.ok()) return s;
+  std::vector<GroupSpec> specs;
+  specs.reserve(groups.size());
   for (const auto& [spec, policy] : groups) {
-    if (absl::Status s = SendRegistrationLocked(spec, policy); !s.ok()) return s;
+    absl::StatusOr<GroupSpec> checked = CheckRegistrationLocked(spec);
+    if (!checked.ok()) return checked.status();
+    specs.push_back(*std::move(checked));
   }
-  for (const auto& [spec, policy] : groups) {
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (absl::Status s = SendRegistrationLocked(specs[i], groups[i].second); !s.ok()) return s;
+  }
+  for (const GroupSpec& spec : specs) {
     if (absl::Status s = AwaitRegistrationLocked(spec, deadline); !s.ok()) return s;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<GroupSpec> GrpcClient::CheckRegistrationLocked(const GroupSpec& spec) const {
+  if (spec.members == nullptr) return spec;
+  const MemberSet& m = *spec.members;
+  if (m.world_size() != options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group \"", spec.group_id, "\": its members are ranks of a job of ", m.world_size(),
+        " ranks, but rank ", options_.rank, " joined job \"", options_.job_id, "\" of ",
+        options_.world_size, "; build the member set with the job's world size"));
+  }
+  if (!m.Contains(options_.rank)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group \"", spec.group_id, "\": rank ", options_.rank, " is not among its members (",
+        m.Describe(), "); a rank registers only the groups it reduces"));
+  }
+  if (m.AllRanks()) {
+    GroupSpec every = spec;
+    every.members = nullptr;
+    return every;
+  }
+  if (!facts_.welcome_members) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", spec.group_id, "\" has members (", m.Describe(),
+        ") but the sidecar or coordinator is older than groups with members; upgrade them"));
+  }
+  return spec;
+}
+
+void GrpcClient::NoteVerdictLocked(const v1::DecisionError& e) {
+  if (!e.job_failed() || facts_.verdict.has_value()) return;
+  absl::Status s = wire::ErrorToStatus(e);
+  if (s.ok()) s = absl::UnknownError("the job failed; the error carried no code");
+  facts_.verdict = std::move(s);
+}
+
+std::optional<absl::Status> GrpcClient::WaitVerdict(absl::Time deadline) {
+  accord::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return facts_.verdict.has_value() || conn_.closed();
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  if (facts_.verdict.has_value()) return facts_.verdict;
+  if (conn_.closed()) return conn_.CallStatus();
+  return std::nullopt;
 }
 
 DecisionFuture GrpcClient::Submit(const GroupSubmission& submission) {
@@ -154,7 +206,8 @@ absl::Status GrpcClient::AddAdapterCounts(const AdapterCounts& more) {
   }
   accord::MutexLock lock(&mu_);
   if (absl::Status s = conn_.CallStatus(); !s.ok()) return s;
-  AdapterCounts& total = adapter_counts_.emplace(adapter_counts_.value_or(AdapterCounts{}));
+  AdapterCounts& total =
+      facts_.adapter_counts.emplace(facts_.adapter_counts.value_or(AdapterCounts{}));
   total.speculated += more.speculated;
   total.repaired += more.repaired;
   total.redone += more.redone;
@@ -260,6 +313,7 @@ void GrpcClient::HandleRegistrationLocked(const v1::RegistrationResult& r) {
   }
   GroupState& g = it->second;
   if (r.has_error() && (r.error().kind() != v1::ERROR_KIND_UNSPECIFIED || r.error().code() != 0)) {
+    NoteVerdictLocked(r.error());
     g.reg = RegState::kFailed;
     g.reg_status = wire::ErrorToStatus(r.error());
   } else if (r.spec_fingerprint() != 0 && r.spec_fingerprint() != g.spec_fingerprint) {
@@ -284,6 +338,7 @@ void GrpcClient::HandleDecisionLocked(const v1::Decision& d) {
   // A decision this rank already holds, sent again after it resumed.
   if (d.step() <= g.decided_step) return;
   if (d.local()) conn_.NoteLocalDecision();
+  if (d.has_error()) NoteVerdictLocked(d.error());
   absl::StatusOr<Decision> result = DecodeDecision(g, d);
   if (result.ok()) {
     if (d.same_as_previous()) {
@@ -335,8 +390,8 @@ absl::StatusOr<Decision> GrpcClient::DecodeDecision(const GroupState& g,
                                             d.ok().num_included(), " but ", n,
                                             " bits are set in included_bits"));
   }
-  const uint64_t local =
-      LayoutFingerprint(g.spec, options_.world_size, dec->included, dec->wire_dtype);
+  const uint64_t local = LayoutFingerprint(g.spec, LayoutWorld(g.spec, options_.world_size),
+                                           dec->included, dec->wire_dtype);
   if (local != dec->layout_fingerprint) {
     return absl::InternalError(absl::StrCat(
         where(), ": layout fingerprint ", absl::Hex(dec->layout_fingerprint),

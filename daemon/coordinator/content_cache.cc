@@ -14,9 +14,10 @@ absl::StatusOr<std::shared_ptr<const Content>> ParseContent(const ServedRanks& n
                                                             size_t num_params, int world,
                                                             const v1::Manifest& m) {
   const bool all_node_ranks = m.rank_bits().empty();
-  if (all_node_ranks && node.count == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node \"", node.node_id, "\" serves no rank but sent a manifest"));
+  if (node.set == nullptr || (all_node_ranks && node.count == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("node \"", node.node_id, "\" serves no rank",
+                                                   node.members ? " among the group's members" : "",
+                                                   " but sent a manifest"));
   }
   auto content = std::make_shared<Content>();
   // The node's own rank set is shared when the manifest speaks for all its
@@ -48,7 +49,8 @@ absl::StatusOr<std::shared_ptr<const Content>> ParseContent(const ServedRanks& n
         }
         return absl::InvalidArgumentError(absl::StrCat(
             "manifest for group \"", m.group_id(), "\" step ", m.step(), ": rank_bits name ranks ",
-            FormatRanks(foreign), " that node \"", node.node_id, "\" does not serve"));
+            FormatRanks(foreign), " that node \"", node.node_id, "\" does not serve",
+            node.members ? " among the group's members" : ""));
       }
     }
     // Every rank lies within the node's words (checked above).

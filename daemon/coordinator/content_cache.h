@@ -26,6 +26,8 @@ struct ServedRanks {
   // set->words() is zero outside [word_lo, word_hi).
   int word_lo = 0;
   int word_hi = 0;
+  // `set` is the node's ranks among the group's members.
+  bool members = false;
 };
 
 // Parses a full-form manifest of a group of `num_params` parameters from the

@@ -195,6 +195,7 @@ void Coordinator::FlushLocked(Outbox& out) {
   };
   for (auto& [job, msg] : out.broadcast_other) broadcast(job, std::move(msg));
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
+  for (auto& [job, msg] : out.broadcast_last) broadcast(job, std::move(msg));
 }
 
 absl::Status Coordinator::ValidateHello(const Session& s, const v1::NodeHello& hello,

@@ -215,6 +215,7 @@ class Coordinator : public NodeSessionHandler, public RankDirectory {
   struct Outbox {
     absl::flat_hash_map<Job*, v1::CoordinatorMessage> broadcast_decisions;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_other;
+    std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_last;
     std::vector<std::pair<NodeSink*, v1::CoordinatorMessage>> direct;
     v1::DecisionBatch* ReplyBatch(NodeSink* sink);
   };

@@ -24,6 +24,9 @@ class Coordinator::Effects final : public JobEffects {
   v1::DecisionBatch& Decisions() override {
     return *out_.broadcast_decisions[job_].mutable_decisions();
   }
+  void BroadcastLast(v1::CoordinatorMessage message) override {
+    out_.broadcast_last.emplace_back(job_, std::move(message));
+  }
   void NoteError(const v1::DecisionError& error) override {
     ++c_.stats_.errors;
     if (c_.options_.observer == nullptr) return;

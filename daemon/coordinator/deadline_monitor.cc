@@ -53,7 +53,9 @@ bool DeadlineMonitor::FailIfNodeLost(absl::Time now, absl::Time& next, JobEffect
       for (const NodeState* node : lost) {
         std::vector<int> missing;
         for (int r : node->ranks) {
-          if (job.members.OwnerOf(r) == node && !covered.Contains(r)) missing.push_back(r);
+          if (job.members.OwnerOf(r) == node && !covered.Contains(r) && g.IsMember(r)) {
+            missing.push_back(r);
+          }
         }
         if (missing.empty()) continue;
         culprit = &g;
@@ -159,6 +161,7 @@ bool DeadlineMonitor::AskProgress(GroupState& g, int64_t step, PendingStep& p, a
   for (const Contribution& c : p.contributions) covered.Union(*c.content->ranks);
   std::vector<const NodeState*> asked;
   for (int r : covered.Missing()) {
+    if (!g.IsMember(r)) continue;
     const NodeState* owner = job.members.OwnerOf(r);
     if (owner == nullptr || !owner->connected() || owner->sink == nullptr ||
         !owner->answers_progress) {
@@ -216,19 +219,13 @@ void DeadlineMonitor::FailRegistration(GroupState& g, JobEffects& fx) {
     }
     parts.push_back(job.members.Describe(r));
   }
-  std::vector<int> registered;
-  for (int r = 0, m = 0; r < job.world_size; ++r) {
-    if (m < static_cast<int>(missing.size()) && missing[m] == r) {
-      ++m;
-    } else {
-      registered.push_back(r);
-    }
-  }
+  const std::vector<int> registered = g.registration.Registered();
+  const MemberSet* members = g.registration.members().get();
   v1::DecisionError err = Error(
       v1::MISSING_RANKS,
-      absl::StrCat("job ", job.job_id, " group \"", g.group_id,
-                   "\": not every rank registered the group within ",
-                   absl::FormatDuration(job.options.deadline),
+      absl::StrCat("job ", job.job_id, " group \"", g.group_id, "\": not every ",
+                   members ? absl::StrCat("member (", members->Describe(), ")") : "rank",
+                   " registered the group within ", absl::FormatDuration(job.options.deadline),
                    " of its first registration (--deadline); missing ranks ", FormatRanks(missing),
                    ": ", absl::StrJoin(parts, ", "), "; ",
                    registered.empty()
@@ -323,7 +320,7 @@ void DeadlineMonitor::ObserveStall(const GroupState& g, int64_t step, const Pend
   // The ranks waited for, each with its last step of this group.
   const StepFacts facts(job_, g, p);
   for (int r = 0; r < job_.world_size; ++r) {
-    if (facts.Submitted(r)) continue;
+    if (facts.Submitted(r) || !g.IsMember(r)) continue;
     e.ranks.push_back(r);
     e.last_steps.push_back(facts.LastStep(r));
   }

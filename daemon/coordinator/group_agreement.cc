@@ -36,23 +36,51 @@ GroupRegistration::Added GroupRegistration::Add(const GroupSpec& spec, const Pol
       variant = static_cast<int>(i);
     }
   }
+  if (variants_.empty()) members_ = spec.members;
+  const bool same_members = SameMembers(spec.members.get(), members_.get());
   if (variant < 0) {
     variants_.push_back(RegVariant{spec, policy, policy_bytes, RankSet(world_size_)});
     variant = static_cast<int>(variants_.size()) - 1;
   }
   for (int r : ranks) {
+    if (r < 0 || r >= world_size_) continue;
     variants_[variant].ranks.Add(r);
-    if (r >= 0 && r < world_size_ && !registered_.Contains(r)) {
+    if (same_members && (members_ == nullptr || members_->Contains(r)) &&
+        !registered_.Contains(r)) {
       registered_.Add(r);
       ++registered_count_;
     }
   }
   Added added{variant, false};
-  if (state_ == State::kCollecting && registered_count_ == world_size_) {
+  if (state_ == State::kCollecting && !same_members) {
+    state_ = State::kFailed;
+    error_ = MembersMismatchError(spec.members.get(), ranks);
+    added.completed = true;
+    return added;
+  }
+  if (state_ == State::kCollecting && registered_count_ == member_count()) {
     Complete();
     added.completed = true;
   }
   return added;
+}
+
+std::vector<int> GroupRegistration::Unregistered() const {
+  if (members_ == nullptr) return registered_.Missing();
+  std::vector<int> out;
+  for (int r : members_->ranks()) {
+    if (!registered_.Contains(r)) out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<int> GroupRegistration::Registered() const {
+  if (members_ == nullptr) return registered_.Members();
+  std::vector<int> out;
+  for (int r : members_->ranks()) {
+    if (registered_.Contains(r)) out.push_back(r);
+  }
+  return out;
 }
 
 void GroupRegistration::Fail(v1::DecisionError error) {
@@ -127,6 +155,27 @@ v1::DecisionError GroupRegistration::MismatchError(int ref, int ref_rank) const 
   }
   err.add_ranks(ref_rank);
   for (int r : differing) err.add_ranks(r);
+  return err;
+}
+
+v1::DecisionError GroupRegistration::MembersMismatchError(const MemberSet* other,
+                                                          const std::vector<int>& ranks) const {
+  const std::vector<int> first = variants_[0].ranks.Members();
+  const int ref_rank = first.empty() ? -1 : first[0];
+  const int other_rank = ranks.empty() ? -1 : ranks[0];
+  v1::DecisionError err = KindedError(
+      v1::REGISTRATION_MISMATCH,
+      absl::StrCat("job ", job_id_, ": registration mismatch for group \"", group_id_, "\": rank ",
+                   ref_rank, " registered it with members ", DescribeMembers(members_.get()),
+                   ", rank ", other_rank, " with members ", DescribeMembers(other),
+                   "; a group id must name one member set (accord.torch makes ids unique per "
+                   "mesh; check that the ranks build the same meshes)"));
+  err.set_job_id(job_id_);
+  err.set_group_id(group_id_);
+  err.set_step(-1);
+  err.set_param_index(-1);
+  if (ref_rank >= 0) err.add_ranks(ref_rank);
+  for (int r : ranks) err.add_ranks(r);
   return err;
 }
 

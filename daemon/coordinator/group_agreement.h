@@ -5,6 +5,7 @@
 #define ACCORD_DAEMON_COORDINATOR_GROUP_AGREEMENT_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "core/decide.h"
 #include "core/group.h"
 #include "core/manifest.h"
+#include "core/members.h"
 #include "core/rank_set.h"
 #include "daemon/coordinator/content.h"
 
@@ -27,10 +29,13 @@ struct RegVariant {
   RankSet ranks;
 };
 
-// The registrations of one group by the ranks of a job. Collecting until
-// every rank registered; then agreed (one variant: every node gets its
+// The registrations of one group by the ranks of a job. The group's members
+// (null: every rank) are fixed by its first registration. Collecting until
+// every member registered; then agreed (one variant: every node gets its
 // fingerprint) or failed (REGISTRATION_MISMATCH naming the first differing
 // parameter and the ranks that differ from the lowest rank's registration).
+// A registration with another member set fails the group at once
+// (REGISTRATION_MISMATCH naming both sets: a group id names one member set).
 // A later registration is checked against the agreed variant. A group still
 // collecting when it can no longer complete (a rank did not register it
 // within the coordinator's deadline, or the job failed) is failed with the
@@ -46,9 +51,10 @@ class GroupRegistration {
 
   GroupRegistration(int world_size, std::string job_id, std::string group_id);
 
-  // `ranks` (in the world) registered `spec` and `policy`. O(ranks): a
-  // registration costs its own ranks, not the world (a job of 16,384 nodes
-  // re-registers 200 groups per node after a coordinator restart).
+  // `ranks` (in the world, members of spec.members; the caller checks)
+  // registered `spec` and `policy`. O(ranks): a registration costs its own
+  // ranks, not the world (a job of 16,384 nodes re-registers 200 groups per
+  // node after a coordinator restart).
   Added Add(const GroupSpec& spec, const Policy& policy, const std::vector<int>& ranks);
   Added Add(const GroupSpec& spec, const Policy& policy, const RankSet& ranks) {
     return Add(spec, policy, ranks.Members());
@@ -58,8 +64,15 @@ class GroupRegistration {
   // every rank that registered it gets, and what a later registration gets.
   // No effect in another state.
   void Fail(v1::DecisionError error);
-  // The ranks that have not registered the group (ascending).
-  std::vector<int> Unregistered() const { return registered_.Missing(); }
+  // The members that have not registered the group (ascending).
+  std::vector<int> Unregistered() const;
+  // The members that registered it (ascending).
+  std::vector<int> Registered() const;
+  // The group's members, fixed by its first registration (null: every rank,
+  // or nothing registered yet).
+  const std::shared_ptr<const MemberSet>& members() const { return members_; }
+  // How many ranks must register it: the member count, or the world's.
+  int member_count() const { return members_ ? members_->count() : world_size_; }
 
   State state() const { return state_; }
   // kAgreed: the agreed spec's fingerprint.
@@ -72,16 +85,21 @@ class GroupRegistration {
   // Requires !empty().
   const RegVariant& reference() const { return variants_[agreed_ >= 0 ? agreed_ : 0]; }
   const RegVariant& variant(int i) const { return variants_[i]; }
+  int variant_count() const { return static_cast<int>(variants_.size()); }
   bool empty() const { return variants_.empty(); }
 
  private:
   void Complete();
   v1::DecisionError MismatchError(int ref, int ref_rank) const;
+  // A registration by `ranks` with members other than the group's.
+  v1::DecisionError MembersMismatchError(const MemberSet* other,
+                                         const std::vector<int>& ranks) const;
 
   const int world_size_;
   const std::string job_id_;
   const std::string group_id_;
   std::vector<RegVariant> variants_;
+  std::shared_ptr<const MemberSet> members_;
   RankSet registered_;
   int registered_count_ = 0;  // ranks in registered_
   State state_ = State::kCollecting;

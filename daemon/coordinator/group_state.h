@@ -80,6 +80,9 @@ class GroupState {
   void RecordDecision(int64_t step, const v1::Decision& d, uint64_t combined_key);
 
   int64_t last_decided_step() const { return last_decided_step_; }
+  // The group's members (null: every rank) and whether `rank` is one.
+  const MemberSet* members() const { return registration.members().get(); }
+  bool IsMember(int rank) const { return members() == nullptr || members()->Contains(rank); }
   // Full form (ok body or error) of the last decided step that was not
   // same_as_previous; its step and wait_us are those of the step that
   // computed it.

@@ -51,12 +51,14 @@ NodeStream& Job::Connect(StreamId id, NodeSink* sink, const v1::NodeHello& hello
   s.id = id;
   s.sink = sink;
   s.node = &node;
+  core_.member_sets.Refresh(node);
   core_.ObserveNode(node, /*connected=*/true, fx);
   v1::CoordinatorMessage reply;
   reply.mutable_welcome()->set_node_id(node.node_id);
   reply.mutable_welcome()->set_server_version(kServerVersion);
   reply.mutable_welcome()->set_batch_repeat(true);
   reply.mutable_welcome()->set_deadline_ms(absl::ToInt64Milliseconds(core_.options.deadline));
+  reply.mutable_welcome()->set_members(true);
   // A RESUME names the run, or an id the run adopted (docs/ARCHITECTURE.md,
   // "Runs"): the node keeps the id it has, so what it stamped with it stays
   // its run's.
@@ -106,7 +108,9 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
     return;
   }
   if (e.joined()) {
-    if (job.members.JoinRank(node, r) == Membership::Join::kHeldElsewhere) {
+    const Membership::Join join = job.members.JoinRank(node, r);
+    if (join == Membership::Join::kJoined) job.member_sets.Refresh(node);
+    if (join == Membership::Join::kHeldElsewhere) {
       v1::DecisionError err =
           Error(v1::DUPLICATE_RANK,
                 absl::StrCat("job ", job.job_id, ": rank ", r, " joined node \"", node.node_id,
@@ -131,6 +135,7 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   PendingStep* culprit_pending = nullptr;
   for (auto& [gid, g] : job.groups) {
     if (culprit != nullptr && g.group_id > culprit->group_id) continue;
+    if (!g.IsMember(r)) continue;  // its steps never wait for the rank
     for (auto& [step, p] : g.pending) {
       if (!p.clock.started()) continue;  // nobody waits for it
       RankSet covered(job.world_size);
@@ -209,12 +214,13 @@ void Job::HandleRegistration(NodeStream& s, const v1::NodeRegistration& nr, absl
     for (int r : nr.ranks()) err.add_ranks(r);
     fx.SendRegistrationError(s.sink, reg.group_id(), std::move(err));
   };
-  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
+  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg, job.world_size);
   if (!spec.ok()) {
     reply(ErrorFrom(v1::INVALID_REQUEST, spec.status(), absl::StrCat("job ", job.job_id, ": "),
                     job.job_id, reg.group_id()));
     return;
   }
+  spec->members = core_.member_sets.Intern(std::move(spec->members), core_.members);
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
   if (!policy.ok()) {
     reply(ErrorFrom(v1::INVALID_REQUEST, policy.status(),
@@ -252,6 +258,13 @@ absl::StatusOr<std::vector<int>> Job::CheckRegistration(const NodeState& node,
       return wire::KindError(v1::INVALID_REQUEST,
                              absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
                                           " is not served by node \"", node.node_id, "\""));
+    }
+    if (spec.members != nullptr && !spec.members->Contains(r)) {
+      return wire::KindError(
+          v1::INVALID_REQUEST,
+          absl::StrCat("job ", job.job_id, " group \"", group_id, "\": rank ", r,
+                       " is not among the members it registered (", spec.members->Describe(),
+                       "); a rank registers only the groups it reduces"));
     }
     ranks.push_back(r);
   }
@@ -352,7 +365,7 @@ void Job::BroadcastRegistration(GroupState& g, JobEffects& fx) {
   msg.mutable_registration()->set_group_id(g.group_id);
   if (g.registration.state() == GroupRegistration::State::kAgreed) {
     msg.mutable_registration()->set_spec_fingerprint(g.registration.fingerprint());
-    fx.Broadcast(std::move(msg));
+    core_.SendToRegistrants(g, std::move(msg), fx);
     return;
   }
   const v1::DecisionError& error = g.registration.error();
@@ -370,7 +383,7 @@ void Job::BroadcastRegistration(GroupState& g, JobEffects& fx) {
     d->mutable_error()->set_step(step);
   }
   g.pending.clear();
-  fx.Broadcast(std::move(msg));
+  core_.SendToRegistrants(g, std::move(msg), fx);
 }
 
 }  // namespace accord::daemon

@@ -94,10 +94,41 @@ void JobCore::Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError 
     *msg.mutable_registration()->mutable_error() = std::move(e);
     fx.Broadcast(std::move(msg));
   }
+  // The verdict to every node, after the answers above: ranks that wait for
+  // nothing (another member set's, or between steps) learn it too
+  // (docs/MEMBERS.md 2.13).
+  v1::CoordinatorMessage verdict;
+  *verdict.mutable_error() = std::move(error);
+  verdict.mutable_error()->set_kind(v1::JOB_FAILED);
+  fx.BroadcastLast(std::move(verdict));
+}
+
+void JobCore::SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg,
+                                JobEffects& fx) const {
+  const GroupRegistration& reg = g.registration;
+  if (reg.members() == nullptr) {
+    fx.Broadcast(std::move(msg));
+    return;
+  }
+  RankSet scope = reg.members()->rank_set();
+  for (int i = 0; !reg.empty() && i < reg.variant_count(); ++i) scope.Union(reg.variant(i).ranks);
+  for (const auto& [id, node] : members.nodes()) {
+    if (!node.connected()) continue;
+    const std::vector<uint64_t>& words = node.rank_set->words();
+    bool serves = false;
+    for (int w = node.word_lo; w < node.word_hi && !serves; ++w) {
+      serves = (words[w] & scope.words()[w]) != 0;
+    }
+    if (serves) fx.Send(node.sink, msg);
+  }
 }
 
 StepFacts::StepFacts(const JobCore& job, const GroupState& g, const PendingStep& at)
-    : job_(job), at_(at), last_decided_(g.last_decided_step()), submitted_(job.world_size) {
+    : job_(job),
+      at_(at),
+      members_(g.members()),
+      last_decided_(g.last_decided_step()),
+      submitted_(job.world_size) {
   auto submitted = [&](const PendingStep& p) {
     RankSet set(job.world_size);
     for (const Contribution& c : p.contributions) set.Union(*c.content->ranks);
@@ -132,6 +163,7 @@ int64_t StepFacts::LastStep(int rank) const {
 StepFacts::Missing StepFacts::AtFault() const {
   Missing out;
   for (int r : submitted_.Missing()) {
+    if (members_ != nullptr && !members_->Contains(r)) continue;  // never waited for
     (job_.members.Gone(r) ? out.named : out.waiting).push_back(r);
   }
   if (out.named.empty()) std::swap(out.named, out.waiting);
@@ -195,7 +227,7 @@ std::string JobCore::LeftWhy(int rank, absl::string_view node_id, absl::string_v
 bool JobCore::FailIfALeftRankMisses(GroupState& g, int64_t step, const PendingStep& p,
                                     JobEffects& fx) {
   if (failed() || !p.clock.started()) return false;  // not started: nobody waits for it
-  const int r = members.LeftBefore(step);
+  const int r = members.LeftBefore(step, g.members());
   if (r < 0) return false;
   const NodeState* owner = members.OwnerOf(r);
   Fail(&g, step,

@@ -21,6 +21,7 @@
 #include "daemon/coordinator/coordinator_options.h"
 #include "daemon/coordinator/group_state.h"
 #include "daemon/coordinator/job_effects.h"
+#include "daemon/coordinator/member_sets.h"
 #include "daemon/coordinator/membership.h"
 #include "daemon/coordinator/observe_hooks.h"
 
@@ -47,6 +48,8 @@ struct JobCore {
   const int world_size;
   const CoordinatorOptions& options;
   Membership members;
+  // The distinct member sets of its groups, and each node's ranks among them.
+  MemberSets member_sets;
   absl::node_hash_map<std::string, GroupState> groups;
   // kRunning --Fail--> kFailed; a job is dropped (not a state) when its run
   // ends. A failed job answers every request with its failure.
@@ -63,7 +66,8 @@ struct JobCore {
   // Fails the job with `error`: the culprit's (group, step) gets it as is
   // (culprit_step -1: the culprit group's registration), every other
   // pending step and every registration still collecting gets it as
-  // JOB_FAILED.
+  // JOB_FAILED; then every node gets it as a JOB_FAILED
+  // CoordinatorMessage.error (job_failed set), the job's verdict.
   void Fail(GroupState* culprit, int64_t culprit_step, v1::DecisionError error, JobEffects& fx);
   // MISSING_RANKS for `step` of `g`, which cannot complete because of `why`:
   // names the ranks at fault (StepFacts::AtFault) with the group's last
@@ -103,6 +107,10 @@ struct JobCore {
                        const Decision* decided, StepContents contents, JobEffects& fx);
   // The node connected or disconnected (observer event).
   void ObserveNode(const NodeState& node, bool connected, JobEffects& fx) const;
+  // Sends a registration result of `g` to the nodes it concerns: every node
+  // (one broadcast) for a group of every rank; else each connected node
+  // that serves a member or a rank that registered it.
+  void SendToRegistrants(const GroupState& g, v1::CoordinatorMessage msg, JobEffects& fx) const;
 };
 
 // What the coordinator knows of one group's ranks at one of its pending
@@ -120,7 +128,7 @@ class StepFacts {
   // decided step, a later pending step that covers it, its sidecar's answer
   // for this group (-1: none).
   int64_t LastStep(int rank) const;
-  // The ranks that did not submit the step (ascending), split into those at
+  // The members that did not submit the step (ascending), split into those at
   // fault (`named`) and the rest (`waiting`): when any of them is gone
   // (left, its node's stream down, or never served), only the gone ones are
   // named, since the others are alive and may only be slower, e.g. blocked
@@ -134,6 +142,7 @@ class StepFacts {
  private:
   const JobCore& job_;
   const PendingStep& at_;
+  const MemberSet* members_;  // the group's (null: every rank)
   int64_t last_decided_;
   RankSet submitted_;
   // Later pending steps, newest first, with the ranks that submitted each.

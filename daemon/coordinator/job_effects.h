@@ -32,7 +32,8 @@ class JobEffects {
  public:
   virtual ~JobEffects() = default;
   // Queues `message` for one node. Messages go out when the event ends: the
-  // direct ones first, in order, then Broadcast's, then Decisions().
+  // direct ones first, in order, then Broadcast's, then Decisions(), then
+  // BroadcastLast's.
   virtual void Send(NodeSink* sink, v1::CoordinatorMessage message) = 0;
   // The decision batch this event replies to one node (created on first use).
   virtual v1::DecisionBatch* ReplyBatch(NodeSink* sink) = 0;
@@ -40,6 +41,9 @@ class JobEffects {
   virtual void Broadcast(v1::CoordinatorMessage message) = 0;
   // The decisions this event broadcasts to every node of the job.
   virtual v1::DecisionBatch& Decisions() = 0;
+  // Queues `message` for every node of the job after Decisions(): the job's
+  // verdict follows the answers to its steps.
+  virtual void BroadcastLast(v1::CoordinatorMessage message) = 0;
   // Counts an error sent to nodes (once per event) and queues its event.
   virtual void NoteError(const v1::DecisionError& error) = 0;
   // Queues an observer event (called only when an observer is set).

@@ -109,8 +109,10 @@ void Job::ResolveEntry(NodeStream& s, BatchEntry& e) {
   }
 }
 
+// Waves are job-wide: a job with groups with members decides entry by entry
+// until waves run per domain (docs/MEMBERS.md 2.11).
 void Job::NoteSynced(NodeStream& s, int64_t step, bool all_added) {
-  if (!core_.options.repeat_waves) return;
+  if (!core_.options.repeat_waves || !core_.member_sets.empty()) return;
   waves_.NoteSynced(s.wave, s.last_batch, step, all_added,
                     !core_.failed() && core_.members.all_connected(), core_.members.connected());
 }
@@ -118,6 +120,7 @@ void Job::NoteSynced(NodeStream& s, int64_t step, bool all_added) {
 bool Job::TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch,
                       absl::FunctionRef<absl::Time()> now, JobEffects& fx) {
   if (batch.repeat_batch_key() == 0 || batch.manifests_size() > 0) return false;
+  if (!core_.member_sets.empty()) return false;
   const int64_t step = batch.repeat_step();
   absl::Time wake = absl::InfiniteFuture();
   const RepeatWaves::Join join = waves_.TryJoin(

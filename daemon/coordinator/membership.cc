@@ -81,8 +81,14 @@ bool Membership::LeaveRank(const NodeState& node, int rank, int64_t last_step, s
   return true;
 }
 
-int Membership::LeftBefore(int64_t step) const {
+int Membership::LeftBefore(int64_t step, const MemberSet* members) const {
   if (left_count_ == 0) return -1;
+  if (members != nullptr) {
+    for (int r : members->ranks()) {
+      if (left_[r] && left_step_[r] < step) return r;
+    }
+    return -1;
+  }
   for (int r = 0; r < world_size_; ++r) {
     if (left_[r] && left_step_[r] < step) return r;
   }

@@ -7,15 +7,25 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "core/members.h"
 #include "core/rank_set.h"
 #include "daemon/coordinator/content_cache.h"
 
 namespace accord::daemon {
 
 class NodeSink;
+
+// A node's ranks among one member set (MemberSets keeps them current).
+struct NodeMembers {
+  std::shared_ptr<const RankSet> set;  // world-sized; zero outside [word_lo, word_hi)
+  int count = 0;
+  int word_lo = 0;
+  int word_hi = 0;
+};
 
 // One node (sidecar) of a job.
 struct NodeState {
@@ -33,6 +43,8 @@ struct NodeState {
   absl::Time disconnected_at = absl::InfiniteFuture();
   // Per group; node_hash_map: sessions' batch records point at the values.
   absl::node_hash_map<std::string, NodeGroupState> groups;
+  // Its ranks among each member set of the job that it serves a rank of.
+  absl::flat_hash_map<const MemberSet*, NodeMembers> member_ranks;
 
   bool connected() const { return session != 0; }
   // Whether its stream ended and it has not come back (yet).
@@ -87,8 +99,8 @@ class Membership {
   const std::string& LeftCause(int rank) const { return left_cause_[rank]; }
   // The lowest rank that left before reaching `step` (its RankEvent's last
   // step is earlier), so it can never submit `step`; -1 when none. O(1)
-  // while no rank has left.
-  int LeftBefore(int64_t step) const;
+  // while no rank has left. With `members`, the lowest such member.
+  int LeftBefore(int64_t step, const MemberSet* members = nullptr) const;
   // Whether `rank` is gone: it left, its node's stream is down, or no node
   // ever served it. A missing rank that is gone is at fault for a step that
   // cannot complete; a missing rank that is not may only be slower.

@@ -91,7 +91,7 @@ void StepPipeline::HandleEntry(const JobCore& job, NodeState& node, GroupState& 
   PendingStep* p = content == nullptr ? nullptr : PendingStepFor(job, g, m, start, r);
   r.added =
       p == nullptr ? Added::kRefused : AddContribution(job, node, ng, m, content, *p, r.error);
-  r.complete = r.added == Added::kAdded && p->ranks_covered >= job.world_size;
+  r.complete = r.added == Added::kAdded && p->ranks_covered >= g.registration.member_count();
 }
 
 bool StepPipeline::ApplyEntry(const Sender& s, const EntryRef& e, EntryResult& r, absl::Time now,
@@ -218,8 +218,15 @@ const Content* StepPipeline::ResolveContent(const JobCore& job, const NodeState&
     return cached;
   }
   const size_t num_params = g.registration.variant(ng.variant).spec.params.size();
-  const ServedRanks served{node.node_id, static_cast<int>(node.ranks.size()), node.rank_set,
-                           node.word_lo, node.word_hi};
+  // A manifest without rank_bits stands for the node's member ranks.
+  const std::shared_ptr<const RankSet> none;
+  const NodeMembers* own = g.members() ? MemberSets::Of(node, *g.members()) : nullptr;
+  const ServedRanks served =
+      g.members() == nullptr ? ServedRanks{node.node_id, static_cast<int>(node.ranks.size()),
+                                           node.rank_set, node.word_lo, node.word_hi}
+      : own == nullptr
+          ? ServedRanks{node.node_id, 0, none, 0, 0, true}
+          : ServedRanks{node.node_id, own->count, own->set, own->word_lo, own->word_hi, true};
   std::shared_ptr<const Content> predecoded =
       m.predecoded != nullptr ? ContentFromPredecoded(served, num_params, *m.full, *m.predecoded)
                               : nullptr;

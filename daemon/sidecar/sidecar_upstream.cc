@@ -167,6 +167,19 @@ void SidecarJob::HandleCoordinatorMessage(absl::Time now, const v1::CoordinatorM
     case v1::CoordinatorMessage::kError: {
       const v1::DecisionError& e = message.error();
       ACCORD_LOG(ERROR) << "coordinator: " << e.message();
+      // The job's verdict: steps waiting here are answered first, as when it
+      // arrives in a decision.
+      if (e.job_failed() && !job_failure_.has_value()) NoteJobFailed(e);
+      if (e.job_failed() && e.kind() == v1::JOB_FAILED) {
+        // Pushed to every node (docs/MEMBERS.md 2.13): every rank gets it and
+        // keeps its stream, so it does not leave, and its key-value waits,
+        // which go through this sidecar, end with the run's own words.
+        v1::RankReply reply;
+        *reply.mutable_error() = e;
+        const auto shared = std::make_shared<const v1::RankReply>(std::move(reply));
+        for (const auto& [r, rs] : ranks_.connected) effects_.SendToSession(rs.session, shared);
+        return;
+      }
       std::vector<int> targets;
       if (e.kind() == v1::DUPLICATE_RANK && e.ranks_size() > 0) {
         targets.assign(e.ranks().begin(), e.ranks().end());

@@ -28,8 +28,10 @@ class Agreement(Protocol):
         params: Sequence[ParamTuple],
         reduce_dtype: Optional[str],
         reduce_dtype_exact: bool,
+        members: Optional[Sequence[int]] = None,
     ) -> None:
-        """Registers a group once; raises accord.Error on mismatch across ranks."""
+        """Registers a group once; raises accord.Error on mismatch across its
+        members (the ranks that reduce it, ascending; None: every rank)."""
 
     def submit(
         self, group_id: str, step: int, dtypes: Sequence[Optional[str]]
@@ -47,13 +49,14 @@ class ClientAgreement:
         self.rank = client.rank
         self.world_size = client.world_size
 
-    def register(self, group_id, params, reduce_dtype, reduce_dtype_exact):
+    def register(self, group_id, params, reduce_dtype, reduce_dtype_exact, members=None):
         self.client.register_group(
             group_id,
             list(params),
             reduce_dtype=reduce_dtype,
             reduce_dtype_exact=reduce_dtype_exact,
             timeout_s=self.timeout_s,
+            members=None if members is None else list(members),
         )
 
     def submit(self, group_id, step, dtypes):
@@ -86,14 +89,24 @@ class ClientAgreement:
         self.client.add_adapter_counts(speculated, repaired, redone)
 
     def register_all(self, registrations):
-        """Registers many groups with one round trip where the client can."""
+        """Registers many groups with one round trip where the client can.
+        Items are (group_id, params, reduce_dtype, reduce_dtype_exact) with an
+        optional fifth element, the members (None: every rank)."""
+        items = [tuple(r) + (None,) * (5 - len(r)) for r in registrations]
         batch = getattr(self.client, "register_groups", None)
         if callable(batch):
-            batch([(g, list(p), rd, exact) for g, p, rd, exact in registrations],
-                  timeout_s=self.timeout_s)
+            members = [None if m is None else list(m) for *_, m in items]
+            batch([(g, list(p), rd, exact) for g, p, rd, exact, _ in items],
+                  timeout_s=self.timeout_s,
+                  members=members if any(m is not None for m in members) else None)
             return
-        for r in registrations:
+        for r in items:
             self.register(*r)
+
+    def wait_verdict(self, timeout_s: float) -> None:
+        """Raises the job's verdict (accord.Error) once the job failed; returns
+        None when it has not failed within timeout_s."""
+        self.client.wait_verdict(timeout_s)
 
 
 def as_agreement(obj, timeout_s: float = 300.0) -> Agreement:

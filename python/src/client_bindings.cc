@@ -80,13 +80,14 @@ void BindRegistration(PyClient& cls) {
          "register_group",
          [](Client& c, const std::string& group_id, const std::vector<PyParam>& params,
             const std::optional<std::string>& reduce_dtype, bool reduce_dtype_exact,
-            double timeout_s) {
+            double timeout_s, const std::optional<std::vector<int>>& members) {
            Policy policy;
            policy.reduce_dtype = OptionalDType(reduce_dtype);
            // "Exact" only means something with a configured dtype; the daemons reject it
            // otherwise.
            policy.reduce_dtype_exact = reduce_dtype_exact && policy.reduce_dtype.has_value();
            GroupSpec spec = SpecFromPy(group_id, params);
+           spec.members = MembersFromPy(group_id, members, c.options().world_size);
            absl::Status status;
            {
              GilReleased release;
@@ -96,20 +97,33 @@ void BindRegistration(PyClient& cls) {
          },
          nb::arg("group_id"), nb::arg("params"), nb::arg("reduce_dtype") = nb::none(),
          nb::arg("reduce_dtype_exact") = true, nb::arg("timeout_s") = 60.0,
-         "Registers a group: params are (name, dim0, numel) in group order.")
+         nb::arg("members") = nb::none(),
+         "Registers a group: params are (name, dim0, numel) in group order; members are the "
+         "ranks that reduce it (ascending; None: every rank).")
       .def(
           "register_groups",
           [](Client& c,
              const std::vector<std::tuple<std::string, std::vector<PyParam>,
                                           std::optional<std::string>, bool>>& groups,
-             double timeout_s) {
+             double timeout_s,
+             const std::optional<std::vector<std::optional<std::vector<int>>>>& members) {
+            if (members.has_value() && members->size() != groups.size()) {
+              ThrowIfError(absl::InvalidArgumentError(
+                  "register_groups: " + std::to_string(members->size()) + " member lists for " +
+                  std::to_string(groups.size()) + " groups"));
+            }
             std::vector<std::pair<GroupSpec, Policy>> specs;
             specs.reserve(groups.size());
-            for (const auto& [group_id, params, reduce_dtype, exact] : groups) {
+            for (size_t i = 0; i < groups.size(); ++i) {
+              const auto& [group_id, params, reduce_dtype, exact] = groups[i];
               Policy policy;
               policy.reduce_dtype = OptionalDType(reduce_dtype);
               policy.reduce_dtype_exact = exact && policy.reduce_dtype.has_value();
-              specs.emplace_back(SpecFromPy(group_id, params), policy);
+              GroupSpec spec = SpecFromPy(group_id, params);
+              if (members.has_value()) {
+                spec.members = MembersFromPy(group_id, (*members)[i], c.options().world_size);
+              }
+              specs.emplace_back(std::move(spec), policy);
             }
             absl::Status status;
             {
@@ -118,9 +132,25 @@ void BindRegistration(PyClient& cls) {
             }
             ThrowIfError(status);
           },
-          nb::arg("groups"), nb::arg("timeout_s") = 60.0,
+          nb::arg("groups"), nb::arg("timeout_s") = 60.0, nb::arg("members") = nb::none(),
           "Registers many (group_id, params, reduce_dtype, reduce_dtype_exact) with one round "
-          "trip.");
+          "trip; members, when given, has one member list (or None) per group.")
+      .def(
+          "wait_verdict",
+          [](Client& c, double timeout_s) {
+            std::optional<absl::Status> verdict;
+            {
+              GilReleased release;
+              verdict = c.WaitVerdict(DeadlineIn(timeout_s));
+            }
+            if (verdict.has_value()) {
+              ThrowIfError(verdict->ok() ? absl::UnknownError("the session ended without an error")
+                                         : *verdict);
+            }
+          },
+          nb::arg("timeout_s"),
+          "Waits up to timeout_s for the job's verdict: raises the error the job failed with "
+          "(or the session ended with); returns None when the job has not failed by then.");
 }
 
 // Manifests, decisions and the adapter's counts.

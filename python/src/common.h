@@ -97,6 +97,20 @@ inline GroupSpec SpecFromPy(const std::string& group_id, const std::vector<PyPar
   return spec;
 }
 
+// A group's members as the Python side passes them (None: every rank);
+// raises accord.Error INVALID_ARGUMENT for a list MembersOf refuses.
+inline std::shared_ptr<const MemberSet> MembersFromPy(const std::string& group_id,
+                                                      const std::optional<std::vector<int>>& ranks,
+                                                      int world_size) {
+  if (!ranks.has_value()) return nullptr;
+  absl::StatusOr<std::shared_ptr<const MemberSet>> m = MembersOf(*ranks, world_size);
+  if (!m.ok()) {
+    ThrowIfError(absl::InvalidArgumentError("group \"" + group_id +
+                                            "\": members: " + std::string(m.status().message())));
+  }
+  return *std::move(m);
+}
+
 inline std::vector<std::optional<DType>> GradDTypesFromPy(
     const std::vector<std::optional<std::string>>& names) {
   std::vector<std::optional<DType>> out;

@@ -32,6 +32,16 @@ int main(void) {
   EXPECT(accord_register_group(client, "g", params, 3, 0, 0, 30000) == ACCORD_OK);
   EXPECT(accord_register_group(client, "", params, 3, 0, 0, 30000) == ACCORD_INVALID_ARGUMENT);
   EXPECT(strlen(accord_last_error()) > 0);
+  /* Members of every rank register as none; a rank outside the job is refused. */
+  int32_t every[1] = {0};
+  EXPECT(accord_register_group_with_members(client, "m", params, 3, 0, 0, every, 1, 30000) ==
+         ACCORD_OK);
+  int32_t outside[1] = {1};
+  EXPECT(accord_register_group_with_members(client, "n", params, 3, 0, 0, outside, 1, 30000) ==
+         ACCORD_INVALID_ARGUMENT);
+  EXPECT(strstr(accord_last_error(), "members") != NULL);
+  /* The job has not failed: no verdict. */
+  EXPECT(accord_wait_verdict(client, 0) == ACCORD_OK);
 
   int32_t dtypes[3] = {ACCORD_BFLOAT16, ACCORD_NO_GRAD, ACCORD_FLOAT16};
   accord_future* future = NULL;

@@ -71,6 +71,19 @@ void FakeSidecar::SendErrorToAll(const v1::DecisionError& e) {
   Broadcast(r);
 }
 
+void FakeSidecar::TakeMembers() {
+  accord::MutexLock lock(&mu_);
+  members_ = true;
+}
+
+void FakeSidecar::SendToMembers(const GroupState& g, const v1::RankReply& r) {
+  for (Conn* c : conns_) {
+    if (c->rank >= 0 && (g.spec.members == nullptr || g.spec.members->Contains(c->rank))) {
+      Write(c, r);
+    }
+  }
+}
+
 std::vector<v1::RankMessage> FakeSidecar::Received() const {
   accord::MutexLock lock(&mu_);
   return received_;
@@ -118,6 +131,7 @@ grpc::Status FakeSidecar::Session(
         conn.rank = msg.hello().rank();
         r.mutable_welcome()->set_node_id("fake-node");
         r.mutable_welcome()->set_node_epoch(kFakeNodeEpoch);
+        r.mutable_welcome()->set_members(members_);
         Write(&conn, r);
         break;
       }
@@ -125,12 +139,14 @@ grpc::Status FakeSidecar::Session(
         OnRegistration(&conn, msg.registration());
         break;
       case v1::RankMessage::kManifests: {
-        v1::DecisionBatch out;
-        for (const v1::Manifest& m : msg.manifests().manifests()) OnManifest(&conn, m, &out);
-        if (out.decisions_size() > 0) {
+        // Decisions go out per group, to its members.
+        for (const v1::Manifest& m : msg.manifests().manifests()) {
+          v1::DecisionBatch out;
+          OnManifest(&conn, m, &out);
+          if (out.decisions_size() == 0) continue;
           v1::RankReply r;
           *r.mutable_decisions() = out;
-          Broadcast(r);
+          SendToMembers(groups_[m.group_id()], r);
         }
         break;
       }
@@ -145,7 +161,8 @@ grpc::Status FakeSidecar::Session(
 }
 
 void FakeSidecar::OnRegistration(Conn* c, const v1::GroupRegistration& r) {
-  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(r);
+  absl::StatusOr<GroupSpec> spec =
+      members_ ? wire::GroupSpecFromProto(r, world_size_) : wire::GroupSpecFromProto(r);
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(r.policy());
   if (!spec.ok() || !policy.ok()) {
     v1::RankReply reply;
@@ -161,14 +178,14 @@ void FakeSidecar::OnRegistration(Conn* c, const v1::GroupRegistration& r) {
     g.policy = *policy;
   }
   g.registered.push_back(c->rank);
-  if (static_cast<int>(g.registered.size()) < world_size_) return;
-  // Everyone registered: check against the first and answer all at once.
+  const int needed = LayoutWorld(g.spec, world_size_);
+  if (static_cast<int>(g.registered.size()) < needed) return;
+  // Every member registered: answer them all at once.
   v1::RankReply reply;
   v1::RegistrationResult* res = reply.mutable_registration();
   res->set_group_id(r.group_id());
   res->set_spec_fingerprint(SpecFingerprint(g.spec));
-  (void)c;
-  Broadcast(reply);
+  SendToMembers(g, reply);
 }
 
 void FakeSidecar::OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* out) {
@@ -194,7 +211,9 @@ void FakeSidecar::OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* 
   }
   auto [slot, fresh] = g.merged.try_emplace(m.step(), rank_m);
   if (!fresh) (void)Merge(slot->second, rank_m);
-  if (!slot->second.ranks.Full()) return;
+  const bool complete =
+      g.spec.members ? slot->second.ranks == g.spec.members->rank_set() : slot->second.ranks.Full();
+  if (!complete) return;
   absl::StatusOr<Decision> d = Decide(g.spec, world_size_, slot->second, g.policy);
   g.merged.erase(slot);
   v1::Decision* pd = out->add_decisions();

@@ -45,6 +45,10 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
   void DropSessions();
   // Sends a session-wide error to every session.
   void SendErrorToAll(const v1::DecisionError& e);
+  // Welcomes with Welcome.members and takes registrations with members: a
+  // group is answered, and its steps decided, among its members (the
+  // registration result and decisions go to them only).
+  void TakeMembers();
 
   // Everything the fake received, in order (hellos, registrations, batches).
   std::vector<v1::RankMessage> Received() const;
@@ -80,6 +84,9 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
 
   void Write(Conn* c, const v1::RankReply& r);
   void Broadcast(const v1::RankReply& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // To the sessions of the group's members (every session when none).
+  void SendToMembers(const GroupState& g, const v1::RankReply& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnRegistration(Conn* c, const v1::GroupRegistration& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnManifest(Conn* c, const v1::Manifest& m, v1::DecisionBatch* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -98,6 +105,7 @@ class FakeSidecar final : public v1::RankService::Service, public v1::KeyValueSe
   std::function<void(v1::Decision*)> mutate_ ABSL_GUARDED_BY(mu_);
   int sessions_started_ ABSL_GUARDED_BY(mu_) = 0;
   bool close_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool members_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace accord::testing

@@ -118,6 +118,33 @@ TEST_F(CoordinatorErrorsTest, AnIntegerGradientIsANonFloatDtypeError) {
   EXPECT_EQ(sink_.decisions()[0].error().code(), Code(wire::CodeOfKind(v1::NON_FLOAT_DTYPE)));
 }
 
+// The job's verdict goes to every node after the answers to its steps: the
+// node whose ranks wait for nothing learns it too.
+TEST_F(CoordinatorErrorsTest, AFailedJobsVerdictReachesEveryNodeAfterTheAnswersToItsSteps) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  FakeNodeSink other;
+  const Coordinator::SessionId t = coord_.OpenSession(&other);
+  coord_.HandleMessage(s, Hello("job", "a", 2, {0}));
+  coord_.HandleMessage(t, Hello("job", "b", 2, {1}));
+  coord_.HandleMessage(s, Registration(MakeSpec("g", 1), {0}));
+  coord_.HandleMessage(t, Registration(MakeSpec("g", 1), {1}));
+  coord_.HandleMessage(s, Batch({NodeManifest("g", 0, {DType::kFloat32}, 2, {0})}));
+  v1::NodeMessage left;
+  left.mutable_rank_event()->set_rank(1);
+  left.mutable_rank_event()->set_joined(false);
+  coord_.HandleMessage(t, left);
+  for (FakeNodeSink* sink : {&sink_, &other}) {
+    const std::vector<v1::CoordinatorMessage> m = sink->messages();
+    ASSERT_GE(m.size(), 2u);
+    ASSERT_TRUE(m.back().has_error());
+    EXPECT_TRUE(m.back().error().job_failed());
+    EXPECT_EQ(m.back().error().kind(), v1::JOB_FAILED);
+    EXPECT_THAT(m.back().error().message(), HasSubstr("rank 1 left"));
+    EXPECT_TRUE(m[m.size() - 2].has_decisions()) << "the answers come first";
+  }
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
 TEST_F(CoordinatorErrorsTest, AFailedJobsFailureResentToALateManifestIsNotCountedAgain) {
   const Coordinator::SessionId s = coord_.OpenSession(&sink_);
   FakeNodeSink other;
@@ -138,6 +165,57 @@ TEST_F(CoordinatorErrorsTest, AFailedJobsFailureResentToALateManifestIsNotCounte
   ASSERT_FALSE(d.empty());
   EXPECT_EQ(d.back().error().kind(), v1::JOB_FAILED);
   EXPECT_EQ(coord_.stats().errors, counted);
+}
+
+GroupSpec WithMembers(GroupSpec spec, std::vector<int> members, int world) {
+  spec.members = std::make_shared<const MemberSet>(*MemberSet::FromRanks(members, world));
+  return spec;
+}
+
+TEST_F(CoordinatorErrorsTest, ARegistrationByARankOutsideItsMembersIsAnInvalidRequestAndCounted) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  coord_.HandleMessage(s, Registration(WithMembers(MakeSpec("g", 1), {1, 2}, 4), {0, 1}));
+  const std::vector<v1::RegistrationResult> r = sink_.registrations();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].error().kind(), v1::INVALID_REQUEST);
+  EXPECT_EQ(r[0].error().code(), Code(wire::CodeOfKind(v1::INVALID_REQUEST)));
+  EXPECT_THAT(r[0].error().message(), HasSubstr("rank 0 is not among the members"));
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
+TEST_F(CoordinatorErrorsTest, MembersInANonCanonicalFormAreAnInvalidRequest) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  v1::NodeMessage reg = Registration(MakeSpec("g", 1), {0, 1});
+  // Every rank must travel as no members.
+  v1::Members* m = reg.mutable_registration()->mutable_registration()->mutable_members();
+  m->set_start(0);
+  m->set_count(4);
+  m->set_stride(1);
+  coord_.HandleMessage(s, reg);
+  const std::vector<v1::RegistrationResult> r = sink_.registrations();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].error().kind(), v1::INVALID_REQUEST);
+  EXPECT_THAT(r[0].error().message(), HasSubstr("every rank"));
+  EXPECT_EQ(coord_.stats().errors, 1);
+}
+
+TEST_F(CoordinatorErrorsTest, AMemberSetMismatchIsARegistrationMismatchCountedOnce) {
+  const Coordinator::SessionId s = coord_.OpenSession(&sink_);
+  FakeNodeSink other;
+  const Coordinator::SessionId t = coord_.OpenSession(&other);
+  coord_.HandleMessage(s, Hello("job", "a", 4, {0, 1}));
+  coord_.HandleMessage(t, Hello("job", "b", 4, {2, 3}));
+  coord_.HandleMessage(s, Registration(WithMembers(MakeSpec("g", 1), {0, 1, 2}, 4), {0, 1}));
+  coord_.HandleMessage(t, Registration(WithMembers(MakeSpec("g", 1), {2, 3}, 4), {2, 3}));
+  for (FakeNodeSink* sink : {&sink_, &other}) {
+    const std::vector<v1::RegistrationResult> r = sink->registrations();
+    ASSERT_EQ(r.size(), 1u);
+    EXPECT_EQ(r[0].error().kind(), v1::REGISTRATION_MISMATCH);
+    EXPECT_EQ(r[0].error().code(), Code(wire::CodeOfKind(v1::REGISTRATION_MISMATCH)));
+  }
+  EXPECT_EQ(coord_.stats().errors, 1);
 }
 
 }  // namespace

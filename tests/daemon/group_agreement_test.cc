@@ -41,6 +41,54 @@ TEST(GroupRegistrationTest, CollectsUntilEveryRankRegistered) {
   EXPECT_EQ(reg.state(), GroupRegistration::State::kCollecting);
 }
 
+GroupSpec WithMembers(GroupSpec spec, std::vector<int> members, int world) {
+  absl::StatusOr<MemberSet> m = MemberSet::FromRanks(std::move(members), world);
+  EXPECT_TRUE(m.ok()) << m.status();
+  spec.members = std::make_shared<const MemberSet>(*std::move(m));
+  return spec;
+}
+
+TEST(GroupRegistrationTest, CollectsUntilEveryMemberRegisteredAndNamesOnlyMembersMissing) {
+  GroupRegistration reg(6, "job", "g@ranks0..2");
+  const GroupSpec spec = WithMembers(MakeSpec("g@ranks0..2", 3), {0, 1, 2}, 6);
+  EXPECT_FALSE(reg.Add(spec, Policy(), Ranks(6, {0})).completed);
+  EXPECT_EQ(reg.member_count(), 3);
+  EXPECT_THAT(reg.Unregistered(), ElementsAre(1, 2));
+  EXPECT_THAT(reg.Registered(), ElementsAre(0));
+  EXPECT_FALSE(reg.Add(spec, Policy(), Ranks(6, {1})).completed);
+  const GroupRegistration::Added last = reg.Add(spec, Policy(), Ranks(6, {2}));
+  EXPECT_TRUE(last.completed);
+  EXPECT_EQ(reg.state(), GroupRegistration::State::kAgreed);
+  EXPECT_EQ(reg.fingerprint(), SpecFingerprint(spec));
+  EXPECT_NE(reg.fingerprint(), SpecFingerprint(MakeSpec("g@ranks0..2", 3)));
+  EXPECT_TRUE(reg.Unregistered().empty());
+}
+
+TEST(GroupRegistrationTest, AnotherMemberSetUnderTheSameIdFailsTheGroupAtOnceNamingBoth) {
+  GroupRegistration reg(4, "job", "g");
+  reg.Add(WithMembers(MakeSpec("g", 2), {0, 1}, 4), Policy(), Ranks(4, {0}));
+  const GroupRegistration::Added other =
+      reg.Add(WithMembers(MakeSpec("g", 2), {2, 3}, 4), Policy(), Ranks(4, {2}));
+  EXPECT_TRUE(other.completed);
+  EXPECT_EQ(reg.state(), GroupRegistration::State::kFailed);
+  EXPECT_EQ(reg.error().kind(), v1::REGISTRATION_MISMATCH);
+  EXPECT_THAT(reg.error().message(),
+              HasSubstr("job job: registration mismatch for group \"g\": rank 0 registered it "
+                        "with members ranks 0-1, rank 2 with members ranks 2-3; a group id must "
+                        "name one member set"));
+  EXPECT_THAT(reg.error().ranks(), ElementsAre(0, 2));
+}
+
+TEST(GroupRegistrationTest, MembersAfterAJobWideRegistrationAreAMismatch) {
+  GroupRegistration reg(4, "job", "g");
+  reg.Add(MakeSpec("g", 2), Policy(), Ranks(4, {0, 1}));
+  reg.Add(WithMembers(MakeSpec("g", 2), {2, 3}, 4), Policy(), Ranks(4, {2, 3}));
+  EXPECT_EQ(reg.state(), GroupRegistration::State::kFailed);
+  EXPECT_THAT(reg.error().message(),
+              HasSubstr("rank 0 registered it with members every rank, rank 2 with members "
+                        "ranks 2-3"));
+}
+
 TEST(GroupRegistrationTest, IdenticalRegistrationsAgreeOnTheSpecFingerprint) {
   GroupRegistration reg(4, "job", "g");
   reg.Add(MakeSpec("g", 3), Policy(), Ranks(4, {0, 1}));

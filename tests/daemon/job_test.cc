@@ -14,11 +14,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
+#include "tests/daemon/fake_job_effects.h"
 #include "tests/daemon/test_util.h"
 
 namespace accord::daemon {
 namespace {
 
+using testing::FakeEffects;
 using testing::FakeNodeSink;
 using testing::Hello;
 using testing::MakeSpec;
@@ -28,37 +30,6 @@ using testing::Repeat;
 
 constexpr auto kDeadline = absl::Seconds(30);
 const absl::Time kStart = absl::UnixEpoch() + absl::Hours(1);
-
-// Records every effect a Job asks for.
-class FakeEffects : public JobEffects {
- public:
-  void Send(NodeSink* sink, v1::CoordinatorMessage message) override {
-    sent.emplace_back(sink, std::move(message));
-  }
-  v1::DecisionBatch* ReplyBatch(NodeSink* sink) override { return &replies[sink]; }
-  void Broadcast(v1::CoordinatorMessage message) override {
-    broadcasts.push_back(std::move(message));
-  }
-  v1::DecisionBatch& Decisions() override { return decisions; }
-  void NoteError(const v1::DecisionError& error) override { errors.push_back(error); }
-  void Event(ObserveEvent event) override { events.push_back(std::move(event)); }
-  void WakeAt(absl::Time at) override { wakes.push_back(at); }
-  void RunFailed(const v1::DecisionError& error) override { run_failures.push_back(error); }
-  void RecordUsage(UsageWindow& usage, int64_t step, bool same, StepContents contents) override {
-    counters.usage_bytes += usage.Record(step, same, contents);
-  }
-  CoordinatorStats& stats() override { return counters; }
-
-  std::vector<std::pair<NodeSink*, v1::CoordinatorMessage>> sent;
-  std::map<NodeSink*, v1::DecisionBatch> replies;
-  std::vector<v1::CoordinatorMessage> broadcasts;
-  v1::DecisionBatch decisions;
-  std::vector<v1::DecisionError> errors;
-  std::vector<ObserveEvent> events;
-  std::vector<absl::Time> wakes;
-  std::vector<v1::DecisionError> run_failures;
-  CoordinatorStats counters;
-};
 
 CoordinatorOptions Options() {
   CoordinatorOptions o;

@@ -1,7 +1,9 @@
 #include "daemon/coordinator/membership.h"
 
+#include <memory>
 #include <vector>
 
+#include "daemon/coordinator/member_sets.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -82,6 +84,40 @@ TEST_F(MembershipTest, RankLeaveAndRejoin) {
   EXPECT_EQ(members_.LastStep(2), 4);  // its node's
   EXPECT_EQ(members_.JoinRank(*b_, 3), Membership::Join::kAlreadyServed);
   EXPECT_FALSE(members_.Left(3));  // joined again
+}
+
+TEST_F(MembershipTest, LeftBeforeAStepWithMembersLooksAtTheMembersOnly) {
+  const MemberSet first_two = *MemberSet::FromRanks({0, 1}, 4);
+  const MemberSet last_two = *MemberSet::FromRanks({2, 3}, 4);
+  EXPECT_EQ(members_.LeftBefore(5, &first_two), -1);
+  ASSERT_TRUE(members_.LeaveRank(*b_, 3, 2));
+  EXPECT_EQ(members_.LeftBefore(5), 3);
+  EXPECT_EQ(members_.LeftBefore(5, &first_two), -1);
+  EXPECT_EQ(members_.LeftBefore(5, &last_two), 3);
+  EXPECT_EQ(members_.LeftBefore(2, &last_two), -1);  // it reached step 2
+}
+
+// The member sets a job's groups name: interned, and each node's ranks
+// among each, kept current when a node connects.
+TEST_F(MembershipTest, MemberSetsInternEqualSetsAndKeepEachNodesMemberRanks) {
+  MemberSets sets;
+  auto stage = [](std::vector<int> r) {
+    return std::make_shared<const MemberSet>(*MemberSet::FromRanks(std::move(r), 4));
+  };
+  std::shared_ptr<const MemberSet> one = sets.Intern(stage({1, 2}), members_);
+  EXPECT_EQ(sets.Intern(stage({1, 2}), members_), one);
+  EXPECT_EQ(sets.Intern(nullptr, members_), nullptr);
+  EXPECT_EQ(sets.size(), 1);
+  const NodeMembers* on_a = MemberSets::Of(*a_, *one);
+  ASSERT_NE(on_a, nullptr);
+  EXPECT_EQ(on_a->count, 1);
+  EXPECT_EQ(on_a->set->Members(), std::vector<int>{1});
+  ASSERT_NE(MemberSets::Of(*b_, *one), nullptr);
+  EXPECT_EQ(MemberSets::Of(*b_, *one)->set->Members(), std::vector<int>{2});
+  // Node b comes back serving rank 3 only: it serves no member any more.
+  NodeState& b = Connect("b", {3}, 3);
+  sets.Refresh(b);
+  EXPECT_EQ(MemberSets::Of(b, *one), nullptr);
 }
 
 // A rank that leaves before submitting anything (last step -1, as a relay

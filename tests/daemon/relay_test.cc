@@ -762,6 +762,20 @@ TEST_F(RelayTest, AStepDecidedWithoutASidecarBackPastTheGraceIsAnsweredNeverDrop
   }
 }
 
+TEST_F(RelayTest, TheJobsVerdictFromTheCoordinatorReachesEverySidecar) {
+  v1::CoordinatorMessage verdict;
+  verdict.mutable_error()->set_kind(v1::JOB_FAILED);
+  verdict.mutable_error()->set_message("job j: rank 3 left; the job is failed");
+  verdict.mutable_error()->set_job_failed(true);
+  relay_->HandleCoordinatorMessage(&verdict);
+  for (FakeNodeSink* sink : {&sink_a_, &sink_b_}) {
+    const std::vector<v1::DecisionError> errors = sink->errors();
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_TRUE(errors[0].job_failed());
+    EXPECT_EQ(errors[0].message(), "job j: rank 3 left; the job is failed");
+  }
+}
+
 TEST_F(RelayTest, ASecondJobIsRefusedWhileOneIsServed) {
   FakeNodeSink other;
   const Relay::SessionId id = relay_->OpenSession(&other);

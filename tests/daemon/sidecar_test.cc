@@ -514,6 +514,35 @@ TEST_F(SidecarTest, AFailedJobsVerdictAnswersEveryStepItsRanksWaitFor) {
   EXPECT_EQ(r0_.decisions()[1].error().message(), "job j: rank 3 left; the job is failed");
 }
 
+// The coordinator pushes the job's verdict to every node: ranks that wait
+// for nothing get it as RankReply.error; a rank waiting for a step the
+// coordinator never saw gets that step answered first.
+TEST_F(SidecarTest, AJobVerdictReachesRanksWaitingForNothing) {
+  sidecar_.HandleRankMessage(s0_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s1_, Reg(Spec()));
+  sidecar_.HandleRankMessage(s0_, Man(0, {DType::kBFloat16, std::nullopt}));
+  v1::CoordinatorMessage verdict;
+  v1::DecisionError* e = verdict.mutable_error();
+  e->set_kind(v1::JOB_FAILED);
+  e->set_code(4);
+  e->set_message("job j group \"h@ranks2..3\" step 5: rank 3 left; the job is failed");
+  e->set_group_id("h@ranks2..3");
+  e->set_step(5);
+  e->set_job_failed(true);
+  sidecar_.HandleCoordinatorMessage(verdict);
+  ASSERT_EQ(r0_.decisions().size(), 1u);
+  EXPECT_EQ(r0_.decisions()[0].step(), 0);
+  EXPECT_EQ(r0_.decisions()[0].error().kind(), v1::JOB_FAILED);
+  EXPECT_EQ(r0_.decisions()[0].error().message(), e->message());
+  for (FakeRankSink* r : {&r0_, &r1_}) {
+    ASSERT_FALSE(r->replies.empty());
+    ASSERT_TRUE(r->replies.back().has_error());
+    EXPECT_TRUE(r->replies.back().error().job_failed());
+    EXPECT_EQ(r->replies.back().error().message(), e->message());
+    EXPECT_FALSE(r->closed.has_value()) << "the rank keeps its stream";
+  }
+}
+
 v1::RankMessage Counts(int64_t speculated, int64_t repaired, int64_t redone) {
   v1::RankMessage m;
   m.mutable_adapter_counts()->set_speculated(speculated);

@@ -114,3 +114,60 @@ def test_client_register_submit_wait_through_real_daemons():
 def test_daemons_ship_with_the_package():
     for name in ("accord-coordinator", "accord-sidecar"):
         assert os.access(accord.daemon_path(name), os.X_OK)
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_client_members_are_checked_before_anything_is_sent():
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 2)
+        client = accord.connect(sock, "members-job", 0, 2, local_rank=local_rank)
+        with pytest.raises(accord.Error, match=r"rank 0 is not among its members \(ranks 1\)") as e:
+            client.register_group("g@ranks1", P, members=[1], timeout_s=5)
+        assert accord.error_code(e.value) == "INVALID_ARGUMENT"
+        with pytest.raises(accord.Error, match="members") as e:
+            client.register_groups([("g", P, None, True)], members=[[1, 0]], timeout_s=5)
+        assert accord.error_code(e.value) == "INVALID_ARGUMENT"
+        # Today's daemons do not take members: refused at the client, by name.
+        with pytest.raises(accord.Error, match="older than groups with members") as e:
+            accord.ClientAgreement(client, timeout_s=5).register_all(
+                [("g@ranks0", P, None, True, [0])])
+        assert accord.error_code(e.value) == "FAILED_PRECONDITION"
+        # The job has not failed: no verdict within the timeout.
+        assert client.wait_verdict(0.05) is None
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_agreement_register_all_takes_members_of_every_rank_as_none():
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 1)
+        client = accord.connect(sock, "members-all-job", 0, 1, local_rank=local_rank)
+        agreement = accord.ClientAgreement(client, timeout_s=30)
+        agreement.register_all([("a", P, None, True, [0]), ("b", P, None, True)])
+        agreement.register("c", P, None, True, members=[0])
+        d = agreement.submit("a", 0, ["float32", None, None])
+        assert list(d.included) == [True, False, False]
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_wait_verdict_raises_the_jobs_failure_on_a_rank_that_waits_for_nothing():
+    import threading
+
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=["--deadline=1s"]) as cluster:
+        clients = []
+        for r in range(3):
+            sock, local_rank = cluster.socket_for(r, 3)
+            clients.append(accord.connect(sock, "verdict-job", r, 3, local_rank=local_rank))
+        threads = [threading.Thread(target=c.register_group, args=("g", P), kwargs={"timeout_s": 30})
+                   for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert clients[2].wait_verdict(0.05) is None
+        # Ranks 0 and 1 submit step 0; rank 2 never does and waits for nothing.
+        futures = [c.submit("g", 0, ["float32", None, None]) for c in clients[:2]]
+        with pytest.raises(accord.Error, match="missing ranks 2") as e:
+            clients[2].wait_verdict(30)
+        assert accord.error_code(e.value) == "DEADLINE_EXCEEDED"
+        with pytest.raises(accord.Error, match="missing ranks 2"):
+            clients[0].wait(futures[0], timeout_s=30)
