@@ -33,6 +33,19 @@ class CoordinatorErrorsTest : public ::testing::Test {
     o.start_timer_thread = false;
     return o;
   }
+  // Nodes `s` (rank 0) and `t` (rank 1) of a 2-rank job register group "g",
+  // rank 0 submits step 0, then rank 1 leaves mid-step: the job fails.
+  void FailByALeaveMidStep(Coordinator::SessionId s, Coordinator::SessionId t) {
+    coord_.HandleMessage(s, Hello("job", "a", 2, {0}));
+    coord_.HandleMessage(t, Hello("job", "b", 2, {1}));
+    coord_.HandleMessage(s, Registration(MakeSpec("g", 1), {0}));
+    coord_.HandleMessage(t, Registration(MakeSpec("g", 1), {1}));
+    coord_.HandleMessage(s, Batch({NodeManifest("g", 0, {DType::kFloat32}, 2, {0})}));
+    v1::NodeMessage left;
+    left.mutable_rank_event()->set_rank(1);
+    left.mutable_rank_event()->set_joined(false);
+    coord_.HandleMessage(t, left);
+  }
   FakeClock clock_;
   Coordinator coord_;
   FakeNodeSink sink_;
@@ -124,15 +137,7 @@ TEST_F(CoordinatorErrorsTest, AFailedJobsVerdictReachesEveryNodeAfterTheAnswersT
   const Coordinator::SessionId s = coord_.OpenSession(&sink_);
   FakeNodeSink other;
   const Coordinator::SessionId t = coord_.OpenSession(&other);
-  coord_.HandleMessage(s, Hello("job", "a", 2, {0}));
-  coord_.HandleMessage(t, Hello("job", "b", 2, {1}));
-  coord_.HandleMessage(s, Registration(MakeSpec("g", 1), {0}));
-  coord_.HandleMessage(t, Registration(MakeSpec("g", 1), {1}));
-  coord_.HandleMessage(s, Batch({NodeManifest("g", 0, {DType::kFloat32}, 2, {0})}));
-  v1::NodeMessage left;
-  left.mutable_rank_event()->set_rank(1);
-  left.mutable_rank_event()->set_joined(false);
-  coord_.HandleMessage(t, left);
+  FailByALeaveMidStep(s, t);
   for (FakeNodeSink* sink : {&sink_, &other}) {
     const std::vector<v1::CoordinatorMessage> m = sink->messages();
     ASSERT_GE(m.size(), 2u);
@@ -149,15 +154,7 @@ TEST_F(CoordinatorErrorsTest, AFailedJobsFailureResentToALateManifestIsNotCounte
   const Coordinator::SessionId s = coord_.OpenSession(&sink_);
   FakeNodeSink other;
   const Coordinator::SessionId t = coord_.OpenSession(&other);
-  coord_.HandleMessage(s, Hello("job", "a", 2, {0}));
-  coord_.HandleMessage(t, Hello("job", "b", 2, {1}));
-  coord_.HandleMessage(s, Registration(MakeSpec("g", 1), {0}));
-  coord_.HandleMessage(t, Registration(MakeSpec("g", 1), {1}));
-  coord_.HandleMessage(s, Batch({NodeManifest("g", 0, {DType::kFloat32}, 2, {0})}));
-  v1::NodeMessage left;
-  left.mutable_rank_event()->set_rank(1);
-  left.mutable_rank_event()->set_joined(false);
-  coord_.HandleMessage(t, left);  // rank 1 left mid-step: the job fails
+  FailByALeaveMidStep(s, t);
   const int64_t counted = coord_.stats().errors;
   EXPECT_EQ(counted, 1);
   coord_.HandleMessage(s, Batch({NodeManifest("g", 1, {DType::kFloat32}, 2, {0})}));
