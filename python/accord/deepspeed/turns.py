@@ -199,15 +199,17 @@ class Turns:
         """One all-reduce of what each rank has not sent for `delta`, added
         into DeepSpeed's reduced partition."""
         self.zero.flush()
-        parts = []
-        for k in delta:
-            _, p = self.inst.order[k]
+        params = [self.inst.order[k][1] for k in delta]
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        offset = 0
+        for k, p in zip(delta, params):
             mine = self.late.pop(k, None)
             if not self.speculated[k]:
                 mine = self.zero.take(p)  # never handed to DeepSpeed
-            parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                         if mine is None else mine.detach().reshape(-1).float())
-        flat = torch.cat(parts)
+            if mine is not None:  # converted to float32 in place: no copy of its own
+                flat.narrow(0, offset, p.numel()).copy_(mine.detach().reshape(-1))
+            offset += p.numel()
         self._peak(_bytes(flat))
         self.zero.all_reduce_mean(flat)
         offset = 0

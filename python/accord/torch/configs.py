@@ -20,9 +20,10 @@ would go wrong, never as a failure at step N.
    `set_requires_gradient_sync(False)` under HSDP is supported.
 2. Pipeline schedules that split each microbatch's backward into an input
    pass and a weight pass (ScheduleInterleavedZeroBubble,
-   ScheduleZBVZeroBubble, ScheduleDualPipeV): refused at the first
-   weight-only backward of an installed stage module, before any weight
-   gradient is computed. FSDP2 alone does not produce the reference
+   ScheduleZBVZeroBubble, ScheduleDualPipeV): refused at the schedule's
+   step() when it drives an installed stage module, before any collective
+   and on every rank alike (the schedule's actions are the same on every
+   rank); a weight-only backward reached another way is refused too. FSDP2 alone does not produce the reference
    gradients under them (test_configs.py pins it), so accord cannot keep
    them correct. GPipe, 1F1B and interleaved 1F1B are supported, with
    optional and learned units (docs/PARTICIPATION.md, "Pipeline

@@ -216,8 +216,9 @@ class Installation:
         finally:
             self.chunk = saved
 
-    def weight_backward(self) -> None:
-        """A schedule's weight-only backward of this stage: refused."""
+    def refuse_split_backward(self) -> None:
+        """A schedule that splits this stage's backward into input and weight
+        passes (at its step(), or at a weight-only backward): refused."""
         raise configs.split_backward_error()
 
     def begin_step(self) -> None:

@@ -19,13 +19,15 @@ def without_reduce(group) -> Iterator[None]:
         group.reduce_grads = saved
 
 
-def _in_wire_dtype(group, dtype: torch.dtype, original) -> None:
-    """Runs FSDP2's post-backward with its reduce-scatter in `dtype`, and no
-    zero-filling of its own (set_reduce_scatter_unused_params: accord
-    zero-fills, never twice). Called once per turn: no context manager."""
+def reduce_scatter_as_held(group, original, wire: torch.dtype) -> None:
+    """FSDP2's own post-backward, reduce-scattering in `wire` exactly the
+    gradients it holds, and no zero-filling of its own
+    (set_reduce_scatter_unused_params: accord zero-fills, never twice). The
+    steady turn calls it directly (its layout is the gradients FSDP2 holds,
+    in one dtype: nothing is moved); reduce_scatter() after placing fills."""
     saved_dtype = getattr(group, "_reduce_dtype", None)
     saved_unused = getattr(group, "reduce_scatter_unused_params", None)
-    group._reduce_dtype = dtype
+    group._reduce_dtype = wire
     if saved_unused is not None:
         group.reduce_scatter_unused_params = False
     try:
@@ -195,7 +197,7 @@ def reduce_scatter(group, original, fills: list, wire: torch.dtype, midway: bool
     if midway:
         group.reshard_after_backward = False
     try:
-        _in_wire_dtype(group, wire, original)
+        reduce_scatter_as_held(group, original, wire)
     finally:
         if midway:
             group._training_state = state
@@ -203,13 +205,6 @@ def reduce_scatter(group, original, fills: list, wire: torch.dtype, midway: bool
             for fp, held in zip(group.fsdp_params, stash):
                 if held is not None:
                     fp.unsharded_accumulated_grad, fp._unsharded_param.grad = held
-
-
-def reduce_scatter_as_held(group, original, wire: torch.dtype) -> None:
-    """FSDP2's own post-backward, reduce-scattering in `wire` exactly the
-    gradients it holds: the turn whose layout is the parameters this rank
-    has gradients for, in one dtype (the steady state). Nothing is moved."""
-    _in_wire_dtype(group, wire, original)
 
 
 def take_grad(fp) -> Optional[tuple]:

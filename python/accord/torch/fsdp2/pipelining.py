@@ -31,8 +31,9 @@ def _classes():
 def route_stage(module, owner) -> None:
     """Schedules that drive `module` (a stage's submod) tell `owner`:
     owner.microbatch(chunk_id) is a context manager around each microbatch's
-    forward, owner.weight_backward() is called before each weight-only
-    backward (it may raise to refuse it)."""
+    forward; owner.refuse_split_backward() raises, called at the step() of a
+    schedule whose actions split a backward and before any weight-only
+    backward."""
     module.__dict__[_STAGE] = owner
 
 
@@ -87,7 +88,7 @@ def _weight(original: Callable) -> Callable:
     def backward_weight_one_chunk(self, *args, **kwargs):
         owner = _owner(self)
         if owner is not None:
-            owner.weight_backward()
+            owner.refuse_split_backward()
         return original(self, *args, **kwargs)
 
     return backward_weight_one_chunk
@@ -105,7 +106,7 @@ def _step(original: Callable) -> Callable:
         if owners:
             order = getattr(self, "pipeline_order", None) or {}
             if any(_splits(a) for actions in order.values() for a in actions):
-                owners[0].weight_backward()
+                owners[0].refuse_split_backward()
         return original(self, *args, **kwargs)
 
     return step
