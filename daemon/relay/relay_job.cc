@@ -242,6 +242,7 @@ void RelayJob::Welcome(Node& node) {
   w.set_batch_repeat(true);  // HandleManifests expands them
   w.set_deadline_ms(node_.deadline_ms());
   w.set_run_id(node_.run_id());
+  w.set_members(node_.takes_members().value_or(false));
   SendTo(node.session, std::move(reply));
 }
 
@@ -249,8 +250,12 @@ void RelayJob::HandleRegistration(Node& node, const v1::NodeRegistration& nr) {
   const std::string& gid = nr.registration().group_id();
   Group& g = groups_[gid];
   g.group_id = gid;
-  if (absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration()); spec.ok()) {
+  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration(), node_.world_size());
+  if (spec.ok()) {
     g.num_params = spec->params.size();
+    // Another member set under the id goes up as is: the coordinator
+    // fails the group for every rank.
+    if (g.registrations.size() == 0) g.members = spec->members;
   }
   g.nodes.insert(node.node_id);
   g.registrations.Add(nr.registration(), {nr.ranks().begin(), nr.ranks().end()});
@@ -379,7 +384,7 @@ void RelayJob::OnUpstreamConnected(absl::Time now) {
     g.repeat.Forget();  // a new stream holds no previous manifest
     g.registrations.AppendResend([](int) { return true; }, &registrations);
   }
-  for (auto& [gid, g] : groups_) g.inflight.AppendAll(node_, &inflight);
+  for (auto& [gid, g] : groups_) g.inflight.AppendAll(node_, g.members.get(), &inflight);
   // A new stream: unanswered until its Welcome.
   if (node_.has_job()) StartUnanswered(now);
   node_.Connected(std::move(registrations), std::move(inflight));
@@ -430,7 +435,7 @@ void RelayJob::HandleDecisions(v1::DecisionBatch* batch) {
                               auto git = groups_.find(d.group_id());
                               if (git == groups_.end()) return true;
                               git->second.repeat.Forget();
-                              git->second.inflight.AppendStep(d.step(), node_, &resend);
+                              git->second.inflight.AppendStep(d.step(), node_, git->second.members.get(), &resend);
                               return true;
                             });
   batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());
