@@ -252,10 +252,10 @@ void RelayJob::HandleRegistration(Node& node, const v1::NodeRegistration& nr) {
   g.group_id = gid;
   absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration(), node_.world_size());
   if (spec.ok()) {
+    // The first valid registration's members; another member set under the
+    // id goes up as is, and the coordinator fails the group for every rank.
+    if (g.num_params == 0) g.members = spec->members;
     g.num_params = spec->params.size();
-    // Another member set under the id goes up as is: the coordinator
-    // fails the group for every rank.
-    if (g.registrations.size() == 0) g.members = spec->members;
   }
   g.nodes.insert(node.node_id);
   g.registrations.Add(nr.registration(), {nr.ranks().begin(), nr.ranks().end()});
