@@ -53,8 +53,8 @@ void InflightManifests::DropUpTo(int64_t step) {
   entries_.erase(entries_.begin(), entries_.begin() + n);
 }
 
-bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node,
-                                   const MemberSet* members, v1::ManifestBatch* out) const {
+bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node, const MemberSet* members,
+                                   v1::ManifestBatch* out) const {
   auto it = std::lower_bound(entries_.begin(), entries_.end(), step,
                              [](const Entry& e, int64_t s) { return e.step < s; });
   bool any = false;

@@ -275,7 +275,7 @@ class UpstreamNode {
     bool hello_sent = false;
     bool welcomed = false;
     bool batch_repeat = false;
-    int64_t deadline_ms = 0;  // the last Welcome's (kept across reconnects)
+    int64_t deadline_ms = 0;      // the last Welcome's (kept across reconnects)
     std::optional<bool> members;  // the last Welcome's (kept across reconnects)
     wire::StreamBatchRecord previous;
   };

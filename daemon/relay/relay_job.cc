@@ -434,8 +434,9 @@ void RelayJob::HandleDecisions(v1::DecisionBatch* batch) {
                               if (!d.has_error() || !d.error().resend_full_form()) return false;
                               auto git = groups_.find(d.group_id());
                               if (git == groups_.end()) return true;
-                              git->second.repeat.Forget();
-                              git->second.inflight.AppendStep(d.step(), node_, git->second.members.get(), &resend);
+                              Group& g = git->second;
+                              g.repeat.Forget();
+                              g.inflight.AppendStep(d.step(), node_, g.members.get(), &resend);
                               return true;
                             });
   batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());

@@ -324,19 +324,18 @@ std::optional<v1::DecisionError> SidecarJob::RegistrationRefusal(int rank,
   }
   if (const MemberSet* m = parsed->members.get(); m != nullptr) {
     if (!m->Contains(rank)) {
-      return KindedError(
-          v1::INVALID_REQUEST,
-          absl::StrCat(who, " group \"", reg.group_id(), "\": rank ", rank,
-                       " is not among its members (", m->Describe(),
-                       "); a rank registers only the groups it reduces"));
+      return KindedError(v1::INVALID_REQUEST,
+                         absl::StrCat(who, " group \"", reg.group_id(), "\": rank ", rank,
+                                      " is not among its members (", m->Describe(),
+                                      "); a rank registers only the groups it reduces"));
     }
     if (node_.takes_members() == false) {
       return ErrorFromStatus(
           v1::INVALID_REQUEST,
-          absl::FailedPreconditionError(absl::StrCat(
-              "group \"", reg.group_id(), "\" has members (", m->Describe(),
-              ") but the coordinator or relay above sidecar \"", options_.node_id,
-              "\" is older than groups with members; upgrade it")),
+          absl::FailedPreconditionError(
+              absl::StrCat("group \"", reg.group_id(), "\" has members (", m->Describe(),
+                           ") but the coordinator or relay above sidecar \"", options_.node_id,
+                           "\" is older than groups with members; upgrade it")),
           absl::StrCat(who, ": "));
     }
   }

@@ -18,9 +18,9 @@ namespace accord::daemon {
 namespace {
 
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using testing::FakeRankSink;
 using testing::FakeUpstream;
+using ::testing::HasSubstr;
 
 constexpr int kWorld = 4;
 

@@ -74,8 +74,8 @@ std::vector<bool> IncludedIn(int stage) {
 }
 
 // Ranks are spread so that each sidecar serves one rank of each stage.
-absl::StatusOr<std::unique_ptr<Client>> Connect(const LocalCluster& cluster,
-                                                const std::string& job, int rank) {
+absl::StatusOr<std::unique_ptr<Client>> Connect(const LocalCluster& cluster, const std::string& job,
+                                                int rank) {
   ClientOptions c;
   c.socket_path = cluster.sidecar_sockets()[rank % 2];
   c.job_id = job;
@@ -116,8 +116,8 @@ absl::Status RunSteps(Client& c, int rank, int64_t first, int64_t last, absl::Ti
   const int stage = StageOf(rank);
   const std::string fsdp = StageGroup(stage, "fsdp/root").group_id;
   for (int64_t step = first; step < last; ++step) {
-    absl::StatusOr<Decision> d = c.Wait(c.Submit(GroupSubmission{fsdp, step, UsageOf(rank)}),
-                                        deadline);
+    absl::StatusOr<Decision> d =
+        c.Wait(c.Submit(GroupSubmission{fsdp, step, UsageOf(rank)}), deadline);
     if (!d.ok()) return d.status();
     if (d->included != IncludedIn(stage)) {
       return absl::InternalError(absl::StrCat("rank ", rank, " step ", step,
