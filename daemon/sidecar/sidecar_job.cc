@@ -348,7 +348,6 @@ void SidecarJob::RefuseRegistration(int rank, const std::string& group_id, v1::D
   reply.mutable_registration()->set_group_id(group_id);
   e.set_job_id(node_.job_id());
   e.set_group_id(group_id);
-  e.add_ranks(rank);
   *reply.mutable_registration()->mutable_error() = std::move(e);
   SendToRank(rank, std::move(reply));
 }
