@@ -10,7 +10,7 @@
 //    member sets).
 //  - A silent member of stage 0 is named (MISSING_RANKS) to its member set;
 //    every rank, of either stage, ends with the job's failure in the same
-//    words.
+//    words. A member that leaves mid-step is named at once, likewise.
 #include <memory>
 #include <optional>
 #include <string>
@@ -193,6 +193,35 @@ TEST_P(MembersTest, ASilentMemberIsNamedToItsMemberSetAndEveryRankGetsTheJobsFai
     if (r >= 2) {
       EXPECT_EQ(wire::KindOf(*verdict), v1::JOB_FAILED) << "rank " << r << ": " << *verdict;
     }
+  }
+}
+
+// Rank 1 leaves (its stream ends, as when its process is killed) while
+// rank 0 waits for step 1: named at once to rank 0; the other stage's
+// ranks get the job's failure.
+TEST_P(MembersTest, AMemberThatLeavesMidStepIsNamedAtOnceAndTheOtherStageGetsTheFailure) {
+  std::unique_ptr<LocalCluster> cluster = StartCluster(GetParam());
+  ASSERT_NE(cluster, nullptr);
+  std::vector<std::unique_ptr<Client>> clients = ConnectAll(*cluster, "leaves");
+  ASSERT_EQ(clients.size(), static_cast<size_t>(kWorld));
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  std::vector<absl::Status> ran = OnRanks({0, 1, 2, 3}, [&](int r) -> absl::Status {
+    if (absl::Status s = RegisterStage(*clients[r], r, deadline); !s.ok()) return s;
+    return RunSteps(*clients[r], r, 0, 1, deadline);
+  });
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(ran[r].ok()) << "rank " << r << ": " << ran[r];
+  const DecisionFuture waiting =
+      clients[0]->Submit(GroupSubmission{StageGroup(0, "fsdp/root").group_id, 1, UsageOf(0)});
+  clients[1].reset();
+  absl::StatusOr<Decision> named = clients[0]->Wait(waiting, deadline);
+  ASSERT_FALSE(named.ok());
+  EXPECT_EQ(wire::KindOf(named.status()), v1::MISSING_RANKS) << named.status();
+  EXPECT_THAT(named.status().message(), HasSubstr("rank 1 "));
+  for (int r : {2, 3}) {
+    std::optional<absl::Status> verdict = clients[r]->WaitVerdict(deadline);
+    ASSERT_TRUE(verdict.has_value()) << "rank " << r << " never learned the job's failure";
+    EXPECT_EQ(wire::KindOf(*verdict), v1::JOB_FAILED) << *verdict;
+    EXPECT_THAT(verdict->message(), HasSubstr(std::string(named.status().message())));
   }
 }
 
