@@ -28,7 +28,7 @@ void InflightManifests::Add(int64_t step, std::shared_ptr<const v1::Manifest> fu
 }
 
 void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
-                                    v1::ManifestBatch* out) {
+                                    const MemberSet* members, v1::ManifestBatch* out) {
   v1::Manifest* m = out->add_manifests();
   *m = *e.full;
   m->set_step(e.step);
@@ -36,7 +36,7 @@ void InflightManifests::AppendEntry(const Entry& e, const UpstreamNode& node,
   // Without rank_bits a manifest stands for the node's announced ranks as
   // the receiver reads it: those of its build, unless more came since.
   if (m->rank_bits().empty() && e.announced != node.announced().size()) {
-    m->set_rank_bits(wire::RankSetToBits(node.FirstAnnounced(e.announced)));
+    m->set_rank_bits(wire::RankSetToBits(node.FirstAnnounced(e.announced, members)));
   }
 }
 
@@ -53,24 +53,25 @@ void InflightManifests::DropUpTo(int64_t step) {
   entries_.erase(entries_.begin(), entries_.begin() + n);
 }
 
-bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node,
+bool InflightManifests::AppendStep(int64_t step, const UpstreamNode& node, const MemberSet* members,
                                    v1::ManifestBatch* out) const {
   auto it = std::lower_bound(entries_.begin(), entries_.end(), step,
                              [](const Entry& e, int64_t s) { return e.step < s; });
   bool any = false;
   for (; it != entries_.end() && it->step == step; ++it) {
-    AppendEntry(*it, node, out);
+    AppendEntry(*it, node, members, out);
     any = true;
   }
   return any;
 }
 
-void InflightManifests::AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const {
+void InflightManifests::AppendAll(const UpstreamNode& node, const MemberSet* members,
+                                  v1::ManifestBatch* out) const {
   for (const Entry& e : decided_) {
-    AppendEntry(e, node, out);
+    AppendEntry(e, node, members, out);
     out->mutable_manifests()->rbegin()->set_decided(true);
   }
-  for (const Entry& e : entries_) AppendEntry(e, node, out);
+  for (const Entry& e : entries_) AppendEntry(e, node, members, out);
 }
 
 size_t InflightManifests::CountBefore(int64_t step) const {
@@ -146,6 +147,36 @@ RankSet UpstreamNode::FirstAnnounced(size_t n) const {
   return out;
 }
 
+RankSet UpstreamNode::FirstAnnounced(size_t n, const MemberSet* members) const {
+  RankSet out(job_.world_size);
+  for (size_t i = 0; i < n && i < announce_order_.size(); ++i) {
+    if (members == nullptr || members->Contains(announce_order_[i])) out.Add(announce_order_[i]);
+  }
+  return out;
+}
+
+bool UpstreamNode::IsAnnounced(const RankSet& ranks, const MemberSet* members) const {
+  if (members == nullptr) return ranks == announced_set_;
+  const std::vector<uint64_t>& a = announced_set_.words();
+  const std::vector<uint64_t>& m = members->rank_set().words();
+  const std::vector<uint64_t>& r = ranks.words();
+  if (r.size() != a.size() || m.size() != a.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (r[i] != (a[i] & m[i])) return false;
+  }
+  return true;
+}
+
+bool UpstreamNode::IsAnnounced(const std::vector<int>& ascending, const MemberSet* members) const {
+  auto it = ascending.begin();
+  for (int r : announced_) {
+    if (members != nullptr && !members->Contains(r)) continue;
+    if (it == ascending.end() || *it != r) return false;
+    ++it;
+  }
+  return it == ascending.end();
+}
+
 void UpstreamNode::Announce(int rank) {
   if (announced_.insert(rank).second) announce_order_.push_back(rank);
   left_.erase(rank);
@@ -212,6 +243,7 @@ void UpstreamNode::OnWelcome(const v1::Welcome& welcome) {
   stream_.welcomed = true;
   stream_.batch_repeat = welcome.batch_repeat();
   stream_.deadline_ms = welcome.deadline_ms();
+  stream_.members = welcome.members();
   if (!welcome.run_id().empty() && has_job()) job_.run_id = welcome.run_id();
 }
 

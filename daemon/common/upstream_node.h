@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
+#include "core/members.h"
 #include "core/rank_set.h"
 #include "daemon/common/upstream.h"
 #include "proto/wire.h"
@@ -93,12 +95,14 @@ class InflightManifests {
   void DropUpTo(int64_t step);
   // Appends those of `step`, with their step set, as they read on `node`'s
   // stream now: one without rank_bits built when fewer ranks were announced
-  // gets the bits of those ranks (docs/ARCHITECTURE.md, "Whose ranks a
-  // manifest covers"). Whether there was one.
-  bool AppendStep(int64_t step, const UpstreamNode& node, v1::ManifestBatch* out) const;
+  // gets the bits of those ranks among the group's `members` (null: every
+  // rank; docs/ARCHITECTURE.md, "Whose ranks a manifest covers"). Whether
+  // there was one.
+  bool AppendStep(int64_t step, const UpstreamNode& node, const MemberSet* members,
+                  v1::ManifestBatch* out) const;
   // Appends the last decided step's, flagged `decided`, then every undecided
   // one (AppendStep's form; ascending step).
-  void AppendAll(const UpstreamNode& node, v1::ManifestBatch* out) const;
+  void AppendAll(const UpstreamNode& node, const MemberSet* members, v1::ManifestBatch* out) const;
   int64_t decided_step() const { return decided_step_; }
   // How many are of a step before `step`.
   size_t CountBefore(int64_t step) const;
@@ -110,7 +114,8 @@ class InflightManifests {
     size_t announced = 0;
     bool decided = false;
   };
-  static void AppendEntry(const Entry& e, const UpstreamNode& node, v1::ManifestBatch* out);
+  static void AppendEntry(const Entry& e, const UpstreamNode& node, const MemberSet* members,
+                          v1::ManifestBatch* out);
   std::vector<Entry> entries_;  // ascending step, arrival order within one
   int64_t decided_step_ = -1;   // the last decided step, and its manifests
   std::vector<Entry> decided_;
@@ -215,9 +220,17 @@ class UpstreamNode {
   // Whether `ranks` is exactly the announced set: a manifest of these ranks
   // may leave its rank_bits out.
   bool IsAnnounced(const RankSet& ranks) const { return ranks == announced_set_; }
+  // The same for a group of `members` (null: every rank): a manifest of the
+  // group without rank_bits stands for the announced ranks among its
+  // members (docs/MEMBERS.md 2.5), at both ends.
+  bool IsAnnounced(const RankSet& ranks, const MemberSet* members) const;
+  // The same for ranks given ascending.
+  bool IsAnnounced(const std::vector<int>& ascending, const MemberSet* members) const;
   // The first `n` ranks announced, in announce order (the announced set
-  // only grows while a job is served, so a count names a set of the past).
+  // only grows while a job is served, so a count names a set of the past),
+  // and those of them among `members` (null: every rank).
   RankSet FirstAnnounced(size_t n) const;
+  RankSet FirstAnnounced(size_t n, const MemberSet* members) const;
 
   // A new stream is up: queues (UpstreamSink::Reset) the hello,
   // `registrations` and `inflight` (one batch, also the stream's previous
@@ -228,6 +241,10 @@ class UpstreamNode {
   void OnWelcome(const v1::Welcome& welcome);
   bool welcomed() const { return stream_.welcomed; }
   bool batch_repeat() const { return stream_.batch_repeat; }
+  // Whether the node above takes groups with members (Welcome.members of
+  // its last Welcome; kept across reconnects); nullopt before the job's
+  // first Welcome.
+  std::optional<bool> takes_members() const { return stream_.members; }
   int64_t deadline_ms() const { return stream_.deadline_ms; }
 
   // Sends a manifest batch (none when empty): as one batch repeat record
@@ -258,7 +275,8 @@ class UpstreamNode {
     bool hello_sent = false;
     bool welcomed = false;
     bool batch_repeat = false;
-    int64_t deadline_ms = 0;  // the last Welcome's (kept across reconnects)
+    int64_t deadline_ms = 0;      // the last Welcome's (kept across reconnects)
+    std::optional<bool> members;  // the last Welcome's (kept across reconnects)
     wire::StreamBatchRecord previous;
   };
 

@@ -242,6 +242,7 @@ void RelayJob::Welcome(Node& node) {
   w.set_batch_repeat(true);  // HandleManifests expands them
   w.set_deadline_ms(node_.deadline_ms());
   w.set_run_id(node_.run_id());
+  w.set_members(node_.takes_members().value_or(false));
   SendTo(node.session, std::move(reply));
 }
 
@@ -249,7 +250,11 @@ void RelayJob::HandleRegistration(Node& node, const v1::NodeRegistration& nr) {
   const std::string& gid = nr.registration().group_id();
   Group& g = groups_[gid];
   g.group_id = gid;
-  if (absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration()); spec.ok()) {
+  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(nr.registration(), node_.world_size());
+  if (spec.ok()) {
+    // The first valid registration's members; another member set under the
+    // id goes up as is, and the coordinator fails the group for every rank.
+    if (g.num_params == 0) g.members = spec->members;
     g.num_params = spec->params.size();
   }
   g.nodes.insert(node.node_id);
@@ -379,7 +384,7 @@ void RelayJob::OnUpstreamConnected(absl::Time now) {
     g.repeat.Forget();  // a new stream holds no previous manifest
     g.registrations.AppendResend([](int) { return true; }, &registrations);
   }
-  for (auto& [gid, g] : groups_) g.inflight.AppendAll(node_, &inflight);
+  for (auto& [gid, g] : groups_) g.inflight.AppendAll(node_, g.members.get(), &inflight);
   // A new stream: unanswered until its Welcome.
   if (node_.has_job()) StartUnanswered(now);
   node_.Connected(std::move(registrations), std::move(inflight));
@@ -429,8 +434,9 @@ void RelayJob::HandleDecisions(v1::DecisionBatch* batch) {
                               if (!d.has_error() || !d.error().resend_full_form()) return false;
                               auto git = groups_.find(d.group_id());
                               if (git == groups_.end()) return true;
-                              git->second.repeat.Forget();
-                              git->second.inflight.AppendStep(d.step(), node_, &resend);
+                              Group& g = git->second;
+                              g.repeat.Forget();
+                              g.inflight.AppendStep(d.step(), node_, g.members.get(), &resend);
                               return true;
                             });
   batch->mutable_decisions()->erase(own, batch->mutable_decisions()->end());

@@ -25,11 +25,15 @@
 //  - NodeRegistration and RankEvent are forwarded unchanged (the
 //    coordinator compares registrations per rank); after an upstream
 //    reconnect the registrations go again as one per distinct spec with the
-//    union of its ranks.
+//    union of its ranks. A group's members are those of its first
+//    registration; the relay's Welcome says `members` when the
+//    coordinator's did (docs/MEMBERS.md 2.6).
 //  - Node manifests (full or repeat form; a repeat is resolved against the
 //    sidecar's previous full form, or answered with resend_full_form) are
-//    collected per (group, step). Once every sidecar that registered the
-//    group contributed, ONE manifest goes upstream: the core Merge of the
+//    collected per (group, step); one without rank_bits stands for its
+//    sidecar's ranks among the group's members. Once every sidecar that
+//    registered the group contributed, ONE manifest goes upstream (without
+//    rank_bits when it covers the relay's announced ranks among them): the core Merge of the
 //    contributions, with rank_detail for every rank whose usage differs from
 //    the merged usage, so the coordinator's skip matrix stays per rank; in
 //    repeat form when identical to the previous one sent for the group. An
@@ -72,6 +76,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "accord/v1/accord.pb.h"
+#include "core/members.h"
 #include "core/rank_set.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/due_timer.h"
@@ -233,6 +238,9 @@ class RelayJob {
   struct Group {
     std::string group_id;
     size_t num_params = 0;
+    // From its first registration (null: every rank; docs/MEMBERS.md 2.6):
+    // a manifest without rank_bits stands for the announced ranks among them.
+    std::shared_ptr<const MemberSet> members;
     std::set<std::string> nodes;       // sidecars that registered it
     GroupRegistrations registrations;  // as forwarded, for resends
     std::map<int64_t, LocalStep> steps;

@@ -29,6 +29,17 @@ void RankUsageOf(const v1::Manifest& m, const std::vector<int>& ranks,
   }
 }
 
+// A sidecar's ranks that a manifest of its without rank_bits stands for: its
+// announced ranks among `members` (null: every rank).
+RankSet AnnouncedMembers(const RankSet& announced, const MemberSet* members) {
+  if (members == nullptr) return announced;
+  RankSet out(announced.world_size());
+  for (int r : announced.Members()) {
+    if (members->Contains(r)) out.Add(r);
+  }
+  return out;
+}
+
 ManifestShape ShapeOf(const v1::Manifest& m) {
   ManifestShape shape;
   shape.rank_bits = m.rank_bits();
@@ -136,9 +147,10 @@ void RelayJob::AddManifest(absl::Time now, Node& node, Group& g, v1::Manifest m,
     st.waited = true;
     st.first_seen = now;
   }
-  // Explicit ranks when the sidecar named them; none: every rank it announced.
+  // Explicit ranks when the sidecar named them; none: every rank it
+  // announced among the group's members.
   absl::StatusOr<RankSet> ranks =
-      m.rank_bits().empty() ? node.rank_set
+      m.rank_bits().empty() ? AnnouncedMembers(node.rank_set, g.members.get())
                             : wire::RankSetFromBits(m.rank_bits(), node_.world_size(), "rank_bits");
   st.contributed[node.node_id] = ranks.ok() ? ranks->Members() : std::vector<int>();
   st.unsent.push_back(Part{node.node_id, std::move(m), repeat, std::move(ranks), decided});
@@ -274,9 +286,11 @@ absl::StatusOr<v1::Manifest> RelayJob::Merge(const Group& g, int64_t step,
     merged.ranks.Union(*p.ranks);
   }
   // Without rank_bits only when the merge covers exactly what the
-  // coordinator holds to be this relay's ranks (UpstreamNode::announced()).
+  // coordinator holds to be this relay's ranks among the group's members
+  // (UpstreamNode::announced()).
   v1::Manifest out;
-  wire::ManifestToProto(g.group_id, merged, /*with_ranks=*/!node_.IsAnnounced(merged.ranks), &out);
+  wire::ManifestToProto(g.group_id, merged,
+                        /*with_ranks=*/!node_.IsAnnounced(merged.ranks, g.members.get()), &out);
   // Per-rank detail for the ranks whose usage differs from the merge: only
   // parts whose own usage differs, or that carry detail, need a look.
   const std::string used = out.used_bits();

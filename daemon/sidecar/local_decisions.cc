@@ -1,7 +1,8 @@
-// Local decisions: a sidecar that holds every rank of its job decides each
-// complete step itself, answers its ranks at once and still sends the node
-// manifest upstream; the coordinator's decision for the step, when it
-// arrives, must be the same or the job fails on this node
+// Local decisions: a sidecar that holds every member of a group (every rank
+// of its job, for a group without members) decides each complete step
+// itself, answers its ranks at once and still sends the node manifest
+// upstream; the coordinator's decision for the step, when it arrives, must
+// be the same or the job fails on this node
 // (docs/ARCHITECTURE.md, "Local decisions").
 //
 // Decide (core/decide.h) is a function of the registration and the merged
@@ -24,12 +25,16 @@
 namespace accord::daemon {
 
 bool SidecarJob::LocalDecisionAllowed(const LocalGroup& g) const {
-  // Every rank of the job is here (ranks are distinct and in range) and
-  // registered the group, with one registration the coordinator accepted.
+  // Every member of the group (every rank of the job when it has none) is
+  // connected here and registered it, with one registration the coordinator
+  // accepted: g.ranks are connected ranks, each a member (others are
+  // refused), distinct and in range.
   const int world = node_.world_size();
-  return options_.local_decisions && !node_.run_id().empty() && world > 0 &&
-         static_cast<int>(ranks_.connected.size()) == world &&
-         static_cast<int>(g.ranks.size()) == world && g.registrations.size() == 1 &&
+  const int members = g.members() != nullptr ? g.members()->count() : world;
+  const bool all_here =
+      g.members() != nullptr || static_cast<int>(ranks_.connected.size()) == world;
+  return options_.local_decisions && !node_.run_id().empty() && world > 0 && all_here &&
+         static_cast<int>(g.ranks.size()) == members && g.registrations.size() == 1 &&
          g.result.has_value() && !g.result->has_error();
 }
 

@@ -117,7 +117,7 @@ struct LocalDecisionState {
 struct LocalGroup {
   std::string group_id;
   int index = 0;  // dense, in registration order
-  GroupSpec spec;
+  GroupSpec spec;  // the first registration's, members included
   std::vector<int> ranks;            // local ranks that registered it, ascending
   GroupRegistrations registrations;  // as forwarded, for resends
   std::optional<v1::RegistrationResult> result;
@@ -126,6 +126,9 @@ struct LocalGroup {
   NodeForm form;
   Decided decided;
   LocalDecisionState local;
+
+  // The group's members (null: every rank of the job).
+  const MemberSet* members() const { return spec.members.get(); }
 };
 
 // A Sidecar's groups, by id and in registration order (LocalGroup::index).

@@ -12,6 +12,11 @@ SidecarMetrics::SidecarMetrics(MetricsRegistry* registry) {
       "Merged node manifests sent to the coordinator, by form (full or repeat).", {"job", "form"});
   decisions_ = &registry->AddCounter("accord_sidecar_decisions_total",
                                      "Decisions received from the coordinator.", {"job"});
+  decisions_ignored_ = &registry->AddCounter(
+      "accord_sidecar_decisions_ignored_total",
+      "Decisions received for groups no rank of this node registered (another member set's, "
+      "in a batch shared by several nodes).",
+      {"job"});
   local_decisions_ = &registry->AddCounter(
       "accord_sidecar_local_decisions_total",
       "Steps decided by this sidecar for a single-node job (--local_decisions), by outcome: "
@@ -44,6 +49,7 @@ void SidecarMetrics::Refresh(const SidecarJobsStats& stats) {
     node_manifests_->WithLabels({job, "repeat"})
         .SetTotal(static_cast<double>(j.node_manifests_repeat));
     decisions_->WithLabels({job}).SetTotal(static_cast<double>(j.decisions_in));
+    decisions_ignored_->WithLabels({job}).SetTotal(static_cast<double>(j.decisions_ignored));
     local_decisions_->WithLabels({job, "made"}).SetTotal(static_cast<double>(j.local_decisions));
     local_decisions_->WithLabels({job, "confirmed"})
         .SetTotal(static_cast<double>(j.local_confirmed));
@@ -60,6 +66,7 @@ void SidecarMetrics::Refresh(const SidecarJobsStats& stats) {
     rank_manifests_->RemoveByFirstLabel(old);
     node_manifests_->RemoveByFirstLabel(old);
     decisions_->RemoveByFirstLabel(old);
+    decisions_ignored_->RemoveByFirstLabel(old);
     local_decisions_->RemoveByFirstLabel(old);
     speculated_->RemoveByFirstLabel(old);
     repairs_->RemoveByFirstLabel(old);

@@ -31,6 +31,7 @@ class SidecarMetrics {
   Family<Counter>* rank_manifests_;
   Family<Counter>* node_manifests_;
   Family<Counter>* decisions_;
+  Family<Counter>* decisions_ignored_;
   Family<Counter>* local_decisions_;
   Family<Counter>* speculated_;
   Family<Counter>* repairs_;

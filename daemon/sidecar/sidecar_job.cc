@@ -38,6 +38,9 @@ std::shared_ptr<const v1::RankReply> SidecarJob::RankWelcome() const {
   w->set_server_version(kServerVersion);
   w->set_run_id(node_.run_id());
   w->set_node_epoch(node_.epoch());
+  // This sidecar takes groups with members; it holds them until the node
+  // above says it does too (HandleRegistration).
+  w->set_members(true);
   return reply;
 }
 
@@ -276,29 +279,20 @@ void SidecarJob::AcceptRank(absl::Time now, SessionId id, Session& s, const v1::
 }
 
 void SidecarJob::HandleRegistration(int rank, const v1::GroupRegistration& reg) {
+  GroupSpec spec;
+  if (std::optional<v1::DecisionError> refused = RegistrationRefusal(rank, reg, &spec)) {
+    RefuseRegistration(rank, reg.group_id(), *std::move(refused));
+    return;
+  }
+  if (spec.members != nullptr && !node_.takes_members().has_value()) {
+    upstream_.held.push_back(HeldRegistration{rank, reg});
+    return;
+  }
   RankState& rs = ranks_.connected[rank];
-  auto reply_error = [&](v1::DecisionError e) {
-    v1::RankReply reply;
-    reply.mutable_registration()->set_group_id(reg.group_id());
-    e.set_job_id(node_.job_id());
-    e.set_group_id(reg.group_id());
-    *reply.mutable_registration()->mutable_error() = std::move(e);
-    SendToRank(rank, std::move(reply));
-  };
-  absl::StatusOr<GroupSpec> spec = wire::GroupSpecFromProto(reg);
-  if (!spec.ok()) {
-    reply_error(ErrorFromStatus(v1::INVALID_REQUEST, spec.status(),
-                                absl::StrCat("job ", node_.job_id(), " rank ", rank, ": ")));
-    return;
-  }
-  if (absl::StatusOr<Policy> p = wire::PolicyFromProto(reg.policy()); !p.ok()) {
-    reply_error(ErrorFromStatus(
-        v1::INVALID_REQUEST, p.status(),
-        absl::StrCat("job ", node_.job_id(), " rank ", rank, " group \"", reg.group_id(), "\": ")));
-    return;
-  }
   LocalGroup& g = groups_.FindOrAdd(reg.group_id());
-  if (g.registrations.size() == 0) g.spec = *spec;
+  // A later registration with other members goes up as is: the coordinator
+  // words the mismatch for every rank.
+  if (g.registrations.size() == 0) g.spec = std::move(spec);
   g.registrations.Add(reg, {rank});
   if (auto it = std::lower_bound(g.ranks.begin(), g.ranks.end(), rank);
       it == g.ranks.end() || *it != rank) {
@@ -314,6 +308,56 @@ void SidecarJob::HandleRegistration(int rank, const v1::GroupRegistration& reg) 
   *up.mutable_registration()->mutable_registration() = reg;
   up.mutable_registration()->add_ranks(rank);
   node_.Send(std::move(up));
+}
+
+std::optional<v1::DecisionError> SidecarJob::RegistrationRefusal(int rank,
+                                                                 const v1::GroupRegistration& reg,
+                                                                 GroupSpec* spec) const {
+  const std::string who = absl::StrCat("job ", node_.job_id(), " rank ", rank);
+  absl::StatusOr<GroupSpec> parsed = wire::GroupSpecFromProto(reg, node_.world_size());
+  if (!parsed.ok()) {
+    return ErrorFromStatus(v1::INVALID_REQUEST, parsed.status(), absl::StrCat(who, ": "));
+  }
+  if (absl::StatusOr<Policy> p = wire::PolicyFromProto(reg.policy()); !p.ok()) {
+    return ErrorFromStatus(v1::INVALID_REQUEST, p.status(),
+                           absl::StrCat(who, " group \"", reg.group_id(), "\": "));
+  }
+  if (const MemberSet* m = parsed->members.get(); m != nullptr) {
+    if (!m->Contains(rank)) {
+      return KindedError(v1::INVALID_REQUEST,
+                         absl::StrCat(who, " group \"", reg.group_id(), "\": rank ", rank,
+                                      " is not among its members (", m->Describe(),
+                                      "); a rank registers only the groups it reduces"));
+    }
+    if (node_.takes_members() == false) {
+      return ErrorFromStatus(
+          v1::INVALID_REQUEST,
+          absl::FailedPreconditionError(
+              absl::StrCat("group \"", reg.group_id(), "\" has members (", m->Describe(),
+                           ") but the coordinator or relay above sidecar \"", options_.node_id,
+                           "\" is older than groups with members; upgrade it")),
+          absl::StrCat(who, ": "));
+    }
+  }
+  *spec = *std::move(parsed);
+  return std::nullopt;
+}
+
+void SidecarJob::RefuseRegistration(int rank, const std::string& group_id, v1::DecisionError e) {
+  v1::RankReply reply;
+  reply.mutable_registration()->set_group_id(group_id);
+  e.set_job_id(node_.job_id());
+  e.set_group_id(group_id);
+  *reply.mutable_registration()->mutable_error() = std::move(e);
+  SendToRank(rank, std::move(reply));
+}
+
+void SidecarJob::ReleaseHeldRegistrations() {
+  std::vector<HeldRegistration> held = std::move(upstream_.held);
+  upstream_.held.clear();
+  for (const HeldRegistration& h : held) {
+    if (ranks_.connected.count(h.rank) != 0) HandleRegistration(h.rank, h.registration);
+  }
 }
 
 void SidecarJob::HandleManifests(absl::Time now, int rank, const v1::ManifestBatch& batch) {
@@ -498,8 +542,8 @@ void SidecarJob::CollectComplete(absl::Time now, LocalGroup& g, std::vector<Outg
     // Ranks whose usage differs from the node's merged usage travel as detail.
     UsageDetail& detail = scratch_.detail;
     UsageDetailOf(st, num_params, &detail);
-    const bool with_ranks = !std::equal(st.ranks.begin(), st.ranks.end(), node_.announced().begin(),
-                                        node_.announced().end());
+    // Without rank_bits: the announced ranks among the group's members.
+    const bool with_ranks = !node_.IsAnnounced(st.ranks, g.members());
     const bool same_content = g.form.full != nullptr && st.ranks == g.form.covered &&
                               st.merged == g.form.merged && detail == g.form.detail;
     if (!same_content || with_ranks != g.form.with_ranks) {
@@ -550,6 +594,7 @@ void SidecarJob::CloseSession(absl::Time now, SessionId id) {
   const bool detach =
       rit->second.reconnects && options_.rank_reconnect_grace > absl::ZeroDuration();
   ranks_.connected.erase(rit);
+  std::erase_if(upstream_.held, [rank](const HeldRegistration& h) { return h.rank == rank; });
   if (detach) {
     // It may come back (RankHello.resume) within the grace; its leave goes
     // upstream only then (ExpireDetached).
@@ -590,6 +635,7 @@ void SidecarJob::ResetJob() {
   job_failure_.reset();
   scratch_.late.clear();
   ranks_.detached.clear();
+  upstream_.held.clear();
   adapter_last_.clear();  // the next ranks are new processes
   groups_.Clear();
   if (options_.reset_when_empty) node_.sink()->Reconnect();

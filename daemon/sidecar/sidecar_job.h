@@ -14,6 +14,10 @@
 //    registering rank; the coordinator compares across all ranks (so two local
 //    ranks registering different specs are reported exactly as the
 //    coordinator reports any mismatch) and the results fan out to the ranks.
+//    Groups with members (docs/MEMBERS.md 2.5): a rank outside the members
+//    is refused (INVALID_REQUEST). The rank Welcome always says `members`;
+//    a registration with members waits here until the node above's Welcome
+//    says whether it takes them, and is refused when it does not.
 //  - Manifests are validated per rank (errors go to that rank only), merged per
 //    (group, step) with core Merge, and once every connected rank that
 //    registered the group has reported, ONE node manifest goes upstream: in
@@ -134,6 +138,8 @@ struct SidecarStats {
   int64_t node_manifests_repeat = 0;
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
   int64_t decisions_in = 0;
+  // Decisions of groups no local rank registered (docs/MEMBERS.md 2.5).
+  int64_t decisions_ignored = 0;
   int64_t local_decisions = 0;   // decided here (single-node job), see SidecarOptions
   int64_t local_confirmed = 0;   // ... and later confirmed by the coordinator
   int64_t local_mismatches = 0;  // ... where the coordinator decided otherwise (job failed)
@@ -315,6 +321,16 @@ class SidecarJob {
   // the first), welcomes it and announces it upstream.
   void AcceptRank(absl::Time now, SessionId id, Session& s, const v1::RankHello& hello);
   void HandleRegistration(int rank, const v1::GroupRegistration& reg);
+  // The error `rank`'s registration `reg` is refused with (INVALID_REQUEST:
+  // malformed, a rank outside its members; FAILED_PRECONDITION: members
+  // the node above does not take), else nullopt with its spec in `spec`.
+  std::optional<v1::DecisionError> RegistrationRefusal(int rank, const v1::GroupRegistration& reg,
+                                                       GroupSpec* spec) const;
+  // Replies `e` to `rank`'s registration of `group_id`.
+  void RefuseRegistration(int rank, const std::string& group_id, v1::DecisionError e);
+  // The node above's Welcome said whether it takes members: the
+  // registrations held for it go on (or are refused).
+  void ReleaseHeldRegistrations();
   void HandleManifests(absl::Time now, int rank, const v1::ManifestBatch& batch);
   // Adds what `counts` (rank's cumulative report) adds to its last report
   // to stats_; a count that went down is a new process: added whole.
@@ -421,6 +437,12 @@ class SidecarJob {
 
   const SidecarOptions& options_;
   SidecarEffects& effects_;
+  // A rank's registration with members, held until the node above's
+  // Welcome says whether it takes members (UpstreamNode::takes_members).
+  struct HeldRegistration {
+    int rank = -1;
+    v1::GroupRegistration registration;
+  };
   // The stream to the node above, as this node sees it.
   struct UpstreamState {
     explicit UpstreamState(absl::Duration loss_limit) : loss(loss_limit) {}
@@ -432,6 +454,7 @@ class SidecarJob {
     // Since when the node above has not answered while this node serves a
     // job, against SidecarOptions::upstream_loss_limit.
     UpstreamLossClock loss;
+    std::vector<HeldRegistration> held;
   };
   UpstreamState upstream_ = UpstreamState(options_.upstream_loss_limit);
   Ranks ranks_;

@@ -18,6 +18,7 @@ void AddCounters(const SidecarStats& from, SidecarStats* into) {
   into->node_manifests_repeat += from.node_manifests_repeat;
   into->node_batch_repeats += from.node_batch_repeats;
   into->decisions_in += from.decisions_in;
+  into->decisions_ignored += from.decisions_ignored;
   into->local_decisions += from.local_decisions;
   into->local_confirmed += from.local_confirmed;
   into->local_mismatches += from.local_mismatches;

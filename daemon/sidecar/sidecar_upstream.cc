@@ -119,7 +119,7 @@ void SidecarJob::OnUpstreamConnected(absl::Time now) {
   for (LocalGroup* g : groups_.ordered()) {
     g->registrations.AppendResend([this](int r) { return ranks_.connected.count(r) != 0; },
                                   &registrations);
-    g->inflight.AppendAll(node_, &inflight);
+    g->inflight.AppendAll(node_, g->members(), &inflight);
     // The coordinator may have lost its cache: the next manifest goes in full.
     g->form.repeat.Forget();
     // ... and its pending steps: partial steps are reported again.
@@ -154,6 +154,7 @@ void SidecarJob::HandleWelcome(absl::Time now, const v1::Welcome& welcome) {
   }
   upstream_.welcomed = true;
   upstream_.loss.Answered();
+  if (!upstream_.held.empty()) ReleaseHeldRegistrations();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
   // Steps that began before this stream are checked now.
   if (upstream_.report_after > absl::ZeroDuration()) effects_.ArmTimer(now);
@@ -278,10 +279,14 @@ void SidecarJob::HandleDecisions(const v1::DecisionBatch& batch, v1::DecisionBat
   for (const v1::Decision& d : batch.decisions()) {
     if (!local) ++stats_.decisions_in;
     LocalGroup* found = groups_.Find(d.group_id());
-    if (found == nullptr) continue;
+    if (found == nullptr) {
+      // Another member set's group, in a batch shared with other nodes.
+      if (!local) ++stats_.decisions_ignored;
+      continue;
+    }
     LocalGroup& g = *found;
     if (d.has_error() && d.error().resend_full_form() &&
-        g.inflight.AppendStep(d.step(), node_, &resend)) {
+        g.inflight.AppendStep(d.step(), node_, g.members(), &resend)) {
       // A repeat the coordinator could not resolve: resend in full form.
       g.form.repeat.Forget();
       continue;

@@ -237,5 +237,72 @@ TEST_F(LocalDecisionsTest, AtMostLagStepsRunAheadOfTheCoordinator) {
   EXPECT_EQ(sidecar_->stats().local_decisions, 3);
 }
 
+// docs/MEMBERS.md 2.5: a group is decided here when every one of its
+// members is here, even when other ranks of the job are not. Ranks 0 and 1
+// of 4 here; g's members {0, 1} are all here, h's {1, 2} are not.
+TEST(LocalDecisionsMembersTest, AGroupIsDecidedHereWhenEveryMemberIsHere) {
+  SidecarOptions o{"n0", "", 64};
+  o.start_timer_thread = false;
+  Sidecar sidecar(o);
+  FakeUpstream up;
+  sidecar.SetUpstream(&up);
+  std::vector<FakeRankSink> sinks(2);
+  std::vector<Sidecar::SessionId> sessions;
+  for (int r = 0; r < 2; ++r) {
+    sessions.push_back(sidecar.OpenRank(&sinks[r]));
+    sidecar.HandleRankMessage(sessions[r], Hello(r, 4));
+  }
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_run_id("run-1");
+  welcome.mutable_welcome()->set_members(true);
+  sidecar.HandleCoordinatorMessage(welcome);
+  auto with_members = [](const std::string& id, std::vector<int> ranks) {
+    GroupSpec spec = kSpec;
+    spec.group_id = id;
+    spec.members = std::make_shared<const MemberSet>(*MemberSet::FromRanks(std::move(ranks), 4));
+    return spec;
+  };
+  const GroupSpec g = with_members("g@m", {0, 1});
+  const GroupSpec h = with_members("h@m", {1, 2});
+  auto reg = [&](int r, const GroupSpec& spec) {
+    v1::RankMessage m;
+    *m.mutable_registration() = wire::GroupSpecToProto(spec, Policy());
+    sidecar.HandleRankMessage(sessions[r], m);
+    v1::CoordinatorMessage result;
+    result.mutable_registration()->set_group_id(spec.group_id);
+    sidecar.HandleCoordinatorMessage(result);
+  };
+  reg(0, g);
+  reg(1, g);
+  reg(1, h);
+  auto man = [&](const std::string& id, int r) {
+    v1::RankMessage m;
+    wire::ManifestToProto(id, RankManifest(0, r, 4, {DType::kBFloat16, std::nullopt, std::nullopt}),
+                          false, m.mutable_manifests()->add_manifests());
+    sidecar.HandleRankMessage(sessions[r], m);
+  };
+  man("g@m", 0);
+  man("g@m", 1);
+  man("h@m", 1);
+  EXPECT_EQ(sidecar.stats().local_decisions, 1) << "g only";
+  Manifest merged;
+  merged.step = 0;
+  merged.dtypes = {MaskOf(DType::kBFloat16), 0, 0};
+  merged.ranks = RankSet(4);
+  merged.ranks.Add(0);
+  merged.ranks.Add(1);
+  absl::StatusOr<Decision> expected = Decide(g, 4, merged, Policy());
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  v1::DecisionOk ok;
+  wire::DecisionToProto(*expected, &ok);
+  for (const FakeRankSink& s : sinks) {
+    ASSERT_EQ(s.decisions().size(), 1u);
+    EXPECT_EQ(s.decisions()[0].group_id(), "g@m");
+    EXPECT_TRUE(s.decisions()[0].local());
+    EXPECT_EQ(s.decisions()[0].ok().SerializeAsString(), ok.SerializeAsString());
+  }
+  EXPECT_EQ(SentManifests(up), 2) << "both node manifests still go to the coordinator";
+}
+
 }  // namespace
 }  // namespace accord::daemon

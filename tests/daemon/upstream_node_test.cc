@@ -120,7 +120,7 @@ TEST_F(UpstreamNodeTest, ANewStreamGetsTheHelloRegistrationsAndInflightAndResume
   std::vector<v1::NodeMessage> resend_regs;
   regs.AppendResend([](int r) { return r == 0; }, &resend_regs);
   v1::ManifestBatch resend;
-  inflight.AppendAll(node_, &resend);
+  inflight.AppendAll(node_, nullptr, &resend);
   node_.Connected(std::move(resend_regs), std::move(resend));
   ASSERT_EQ(sink_.reset.size(), 3u);
   EXPECT_EQ(sink_.reset[0].hello().run_start(), v1::NodeHello::RUN_START_RESUME);
@@ -149,7 +149,7 @@ TEST_F(UpstreamNodeTest, InflightKeepsTheLastDecidedStepOnly) {
   }
   auto steps = [&] {
     v1::ManifestBatch out;
-    inflight.AppendAll(node_, &out);
+    inflight.AppendAll(node_, nullptr, &out);
     std::vector<std::pair<int64_t, bool>> v;
     for (const v1::Manifest& m : out.manifests()) v.emplace_back(m.step(), m.decided());
     return v;
@@ -182,16 +182,78 @@ TEST_F(UpstreamNodeTest, AResentManifestKeepsTheRanksItWasBuiltFor) {
   node_.AnnounceRanks({4});
   inflight.Add(2, std::make_shared<const v1::Manifest>(Full("g", 8)), node_.announced().size());
   v1::ManifestBatch resend;
-  inflight.AppendAll(node_, &resend);
+  inflight.AppendAll(node_, nullptr, &resend);
   ASSERT_EQ(resend.manifests_size(), 2);
   RankSet five(8);
   five.Add(5);
   EXPECT_EQ(resend.manifests(0).rank_bits(), wire::RankSetToBits(five));
   EXPECT_TRUE(resend.manifests(1).rank_bits().empty()) << "built for every rank announced now";
   v1::ManifestBatch one;
-  ASSERT_TRUE(inflight.AppendStep(1, node_, &one));
+  ASSERT_TRUE(inflight.AppendStep(1, node_, nullptr, &one));
   EXPECT_EQ(one.manifests(0).rank_bits(), wire::RankSetToBits(five));
   EXPECT_EQ(one.manifests(0).step(), 1);
+}
+
+std::shared_ptr<const MemberSet> Members(std::vector<int> ranks, int world) {
+  absl::StatusOr<MemberSet> m = MemberSet::FromRanks(std::move(ranks), world);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return std::make_shared<const MemberSet>(*std::move(m));
+}
+
+RankSet Ranks(int world, std::vector<int> ranks) {
+  RankSet out(world);
+  for (int r : ranks) out.Add(r);
+  return out;
+}
+
+// docs/MEMBERS.md 2.5: a manifest of a group with members leaves rank_bits
+// out iff it covers the announced ranks among the members; with no members
+// the rule is the announced set, as before.
+TEST_F(UpstreamNodeTest, WithoutRankBitsMeansTheAnnouncedRanksAmongTheGroupsMembers) {
+  node_.StartJob("j", 8, "");
+  node_.AnnounceRanks({0, 1, 2, 3});
+  const auto stage1 = Members({2, 3, 6, 7}, 8);
+  EXPECT_TRUE(node_.IsAnnounced(Ranks(8, {2, 3}), stage1.get()));
+  EXPECT_FALSE(node_.IsAnnounced(Ranks(8, {2}), stage1.get()));
+  EXPECT_FALSE(node_.IsAnnounced(Ranks(8, {0, 1, 2, 3}), stage1.get())) << "0 and 1 are no members";
+  EXPECT_TRUE(node_.IsAnnounced(std::vector<int>{2, 3}, stage1.get()));
+  EXPECT_FALSE(node_.IsAnnounced(std::vector<int>{3}, stage1.get()));
+  EXPECT_FALSE(node_.IsAnnounced(std::vector<int>{2, 3, 6}, stage1.get()));
+  EXPECT_TRUE(node_.IsAnnounced(std::vector<int>{0, 1, 2, 3}, nullptr));
+  EXPECT_FALSE(node_.IsAnnounced(std::vector<int>{2, 3}, nullptr));
+  EXPECT_TRUE(node_.IsAnnounced(Ranks(8, {0, 1, 2, 3}), nullptr));
+}
+
+// A no-bits manifest of a group with members, resent after another member
+// was announced, names the members announced at its build only.
+TEST_F(UpstreamNodeTest, AResentManifestOfAGroupWithMembersNamesItsMembersOfThen) {
+  node_.StartJob("j", 8, "");
+  node_.AnnounceRanks({0, 2});
+  const auto evens = Members({0, 2, 4, 6}, 8);
+  InflightManifests inflight;
+  inflight.Add(1, std::make_shared<const v1::Manifest>(Full("g", 7)), node_.announced().size());
+  node_.AnnounceRanks({4, 5});
+  v1::ManifestBatch resend;
+  inflight.AppendAll(node_, evens.get(), &resend);
+  ASSERT_EQ(resend.manifests_size(), 1);
+  EXPECT_EQ(resend.manifests(0).rank_bits(), wire::RankSetToBits(Ranks(8, {0, 2})));
+  EXPECT_EQ(node_.FirstAnnounced(4, evens.get()), Ranks(8, {0, 2, 4}));
+}
+
+TEST_F(UpstreamNodeTest, TheWelcomeSaysWhetherTheNodeAboveTakesMembersKeptAcrossReconnects) {
+  node_.StartJob("j", 2, "");
+  node_.AnnounceRanks({0});
+  EXPECT_FALSE(node_.takes_members().has_value());
+  v1::Welcome w;
+  w.set_members(true);
+  node_.OnWelcome(w);
+  EXPECT_EQ(node_.takes_members(), std::optional<bool>(true));
+  node_.Connected({}, v1::ManifestBatch());
+  EXPECT_EQ(node_.takes_members(), std::optional<bool>(true));
+  node_.OnWelcome(v1::Welcome());
+  EXPECT_EQ(node_.takes_members(), std::optional<bool>(false));
+  node_.EndJob();
+  EXPECT_FALSE(node_.takes_members().has_value());
 }
 
 TEST_F(UpstreamNodeTest, ABatchGoesAsABatchRepeatOnlyWhenOfferedAndTheSameAsThePrevious) {
