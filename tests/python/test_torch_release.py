@@ -284,21 +284,15 @@ class FakeGroup:
     def hold(self):
         self.post_backwarded = True
 
-    def unsent(self):
-        return self.unsent_grads
+    def closing(self):
+        return self.unsent_grads, ["float32"], self.turn.late
 
-    def manifest(self, unsent):
-        return ["float32"]
-
-    def local_manifest(self):
-        return ["float32"]
+    def layout_of(self, decision):
+        return Layout.of(decision)
 
     def complete(self, completion, unsent):
         self.log.append(("complete", self.group_id, tuple(completion.trimmed),
                          tuple(completion.delta)))
-
-    def late_here(self, unsent):
-        return self.turn.late
 
     def settle(self, decision, layout, dtypes, late_somewhere):
         self.history.last = layout

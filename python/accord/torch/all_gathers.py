@@ -28,9 +28,11 @@ def _route(original):
         if hooked is None:
             return original(params, *args, **kwargs)
         inst = hooked.installation
-        # The release points before and after each all-gather (the backward's
-        # reduce-scatters go between them, accord.torch.release).
-        inst.before_all_gather(hooked)
+        # The release points before and after each all-gather of the backward
+        # (its reduce-scatters go between them, accord.torch.release).
+        release = inst.release_now()
+        if release is not None:
+            release.before_all_gather(hooked)
         entry = _entry(hooked, params)
         if inst.watch is not None:
             inst.watch.progress(entry)
@@ -41,7 +43,8 @@ def _route(original):
         except RuntimeError as e:  # a peer stopped: say why, if accord knows
             inst.explain(e)
             raise
-        inst.after_all_gather(hooked)
+        if release is not None:
+            release.after_all_gather(hooked)
         return result
 
     return all_gather

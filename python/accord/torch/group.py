@@ -65,6 +65,7 @@ class Turn:
     dtypes: List[Optional[str]]  # this rank's gradients sent at the turn
     owed: Dict[int, torch.Tensor]
     late: bool = False  # the gradient was not there at the turn
+    steady: bool = False  # the layout was exactly this rank's gradients, in one dtype
     in_backward: bool = False  # the turn came before the end-of-backward point
     sent_bytes: int = 0  # this rank's gradient bytes the turn carried
 
@@ -97,6 +98,12 @@ class HookedGroup:
         self.sent_late = False  # ... of a parameter the turn kept no owed gradient for
         self.all_gather_entries: Dict[tuple, str] = {}  # the guard's records, by shape
         self.reduce_entries: Dict[tuple, tuple] = {}  # ... of reduce-scatters, by layout
+        self.layouts: Dict[int, Layout] = {}  # decisions' layouts, by layout fingerprint
+        # Steady turns: (layout, this rank's gradient dtypes) -> (dtype names,
+        # bytes) where the layout is exactly those gradients, in one dtype.
+        self.steady: Dict[tuple, tuple] = {}
+        self._layout = (None, False, None)  # (history.last, grew_last, turn layout)
+        self._none = (None,) * len(self.params)
         # FSDP2's own post- and pre-backward, bound to the group; accord's replace them.
         self.original, self.original_pre_backward = fsdp2.hook_group(
             group, self, self.post_backward, self.pre_backward)
@@ -113,7 +120,7 @@ class HookedGroup:
         the group at its turn (accord.torch.release)."""
         if self.reducing or not fsdp2.reduces(self.group):
             return self.original(*args, **kwargs)
-        if self.installation.post_backward(self):
+        if self.installation.backward().post_backward(self):
             return None  # its turn came now: reduce-scattered, as FSDP2 alone does
         self.hold()
         self.installation.timing.held += 1
@@ -128,7 +135,9 @@ class HookedGroup:
             self.held_after_turn = True  # a gradient after the turn: unsent() looks
 
     def pre_backward(self, *args, **kwargs):
-        self.installation.pre_backward(self)
+        release = self.installation.release_now()
+        if release is not None:
+            release.pre_backward(self)
         return self.original_pre_backward(*args, **kwargs)
 
     # ------------------------------------------------------------ the turn
@@ -138,11 +147,10 @@ class HookedGroup:
         A group whose post-backward has not run yet is *late*: it sends zeros
         and keeps its unit as it is (its gradient goes in the delta)."""
         inst = self.installation
-        layout = turn_layout(self.history, self.trainable, self.wire, inst.speculate)
-        fsdp_params = fsdp2.group_params(self.group)
+        layout = self._turn_layout()
         ready = self.post_backwarded or not in_backward
-        turn = Turn(self.step, layout if any(layout.included) else None, None,
-                    [None] * len(fsdp_params), {}, late=not ready, in_backward=in_backward)
+        turn = Turn(self.step, layout if any(layout.included) else None, None, self._none, {},
+                    late=not ready, in_backward=in_backward)
         self.step += 1
         self.turn = turn
         # Every turn goes out before its decision; the completion repairs it.
@@ -154,27 +162,68 @@ class HookedGroup:
                 self._send(layout, None, midway=True)
             return turn
         local = fsdp2.local_grads(self.group)
+        key = (layout, tuple([g.dtype if g is not None else None for g in local]))
+        steady = self.steady.get(key)
+        if steady is None:
+            steady = self._steady(key, local)
+        if steady:
+            # The layout is the gradients FSDP2 holds, in one dtype: its
+            # post-backward sends them as they are.
+            turn.dtypes, turn.sent_bytes = steady
+            turn.steady = True
+            self._reduce(self._entries(layout, ""), fsdp2.reduce_scatter_as_held, self.group,
+                         self.original, torch_dtype(layout.wire_dtype))
+            return turn
         names = _DTYPE_NAMES
-        turn.dtypes = [(names.get(g.dtype) or dtype_name(g.dtype)) if g is not None else None
-                       for g in local]
+        turn.dtypes = tuple([(names.get(g.dtype) or dtype_name(g.dtype)) if g is not None
+                             else None for g in local])
         turn.sent_bytes = sum([g.nbytes for g in local if g is not None])
         for i, g in enumerate(local):
             if g is not None and not layout.included[i]:
                 turn.owed[i] = g
                 self.stats.owed_bytes += g.numel() * g.element_size()
-        if turn.applied is not None and tuple([g is not None for g in local]) == \
-                layout.included and len({g.dtype for g in local if g is not None}) == 1:
-            # The steady state: the layout is the gradients FSDP2 holds, in
-            # one dtype; its post-backward sends them as they are.
-            self._reduce(layout, "", lambda: fsdp2.reduce_scatter_as_held(
-                self.group, self.original, torch_dtype(layout.wire_dtype)))
-            return turn
         turn.was_none = fsdp2.sharded_grads_none(self.group)
         if turn.applied is None:
             fsdp2.drop_local_grads(self.group)  # kept in turn.owed
         else:
             self._send(layout, local, midway=False)
         return turn
+
+    def _turn_layout(self) -> Layout:
+        """turn_layout() of the group's history, computed once per history."""
+        h = self.history
+        last, grew, layout = self._layout
+        if h.last is not last or h.grew_last != grew or layout is None:
+            layout = turn_layout(h, self.trainable, self.wire, self.installation.speculate)
+            if layout == h.last:
+                layout = h.last  # one object: the end of the backward compares by identity
+            self._layout = (h.last, h.grew_last, layout)
+        return layout
+
+    def _steady(self, key: tuple, local) -> tuple:
+        """Whether a turn of `key` (its layout, this rank's gradient dtypes)
+        is steady: the layout is exactly this rank's gradients, in one dtype.
+        Then (dtype names, bytes), else (); remembered per key."""
+        layout, dtypes = key
+        present = tuple([dt is not None for dt in dtypes])
+        steady = ()
+        if any(present) and present == layout.included and len(set(dtypes) - {None}) == 1:
+            steady = (tuple([dtype_name(dt) if dt is not None else None for dt in dtypes]),
+                      sum([g.nbytes for g in local if g is not None]))
+        if len(self.steady) >= 16:
+            self.steady.clear()
+        self.steady[key] = steady
+        return steady
+
+    def layout_of(self, decision) -> Layout:
+        """Layout.of(decision), one object per layout fingerprint."""
+        layout = self.layouts.get(decision.layout_fingerprint)
+        if layout is None:
+            layout = Layout.of(decision)
+            if len(self.layouts) >= 16:
+                self.layouts.clear()
+            self.layouts[decision.layout_fingerprint] = layout
+        return layout
 
     def _send(self, layout: Layout, local, midway: bool, suffix: str = "") -> None:
         """FSDP2's own post-backward reduce-scatters `layout`: this rank's
@@ -195,18 +244,18 @@ class HookedGroup:
                     f"unit's forward once on every rank (e.g. on an empty batch), or mark "
                     f"it optional")
             fills.append(grad if grad is not None else wire)
-        self._reduce(layout, suffix, lambda: fsdp2.reduce_scatter(
-            self.group, self.original, fills, wire, midway=midway))
+        self._reduce(self._entries(layout, suffix), fsdp2.reduce_scatter, self.group,
+                     self.original, fills, wire, midway)
 
-    def _reduce(self, layout: Layout, suffix: str, send) -> None:
-        """Records the group's reduce-scatter (and HSDP's all-reduce) with
-        the guard and the step watch, then `send()`s it."""
+    def _reduce(self, entries: tuple, send, *args) -> None:
+        """Records the group's reduce-scatter (and HSDP's all-reduce), its
+        `entries`, with the guard and the step watch, then `send(*args)`s it."""
         inst = self.installation
-        for entry in self._entries(layout, suffix):
+        for entry in entries:
             inst.record_reduce(entry)
         self.reducing = True
         try:
-            send()
+            send(*args)
         except RuntimeError as e:
             inst.explain(e)
             raise
@@ -231,6 +280,16 @@ class HookedGroup:
         return entries
 
     # ------------------------------------------------------------ the end
+
+    def closing(self) -> tuple:
+        """At the end of the backward, every post-backward done: (unsent(),
+        manifest(), late_here()); unsent None when the turn was steady and
+        nothing came after it."""
+        turn = self.turn
+        if turn.steady and not self.held_after_turn and not self.passed_unready:
+            return None, turn.dtypes, False
+        unsent = self.unsent()
+        return unsent, self.manifest(unsent), self.late_here(unsent)
 
     def unsent(self) -> List[Optional[torch.Tensor]]:
         """At the end of the backward, every post-backward done: gradients of
@@ -278,6 +337,8 @@ class HookedGroup:
         trims, in that order."""
         turn = self.turn
         n = len(self.params)
+        if unsent is None:
+            unsent = [None] * n
         late_here = self.late_here(unsent)
         if late_here and (turn.in_backward or self.passed_unready):
             self.stats.late += 1
@@ -302,6 +363,17 @@ class HookedGroup:
             if turn.was_none[i]:
                 fsdp2.sharded_param(fsdp2.group_params(self.group)[i]).grad = None
         turn.owed.clear()
+
+    def settle_steady(self, decision, layout: Layout) -> None:
+        """settle() of a steady turn whose decision was its layout and that
+        no rank was late for: nothing trimmed, zero-filled or widened here."""
+        s = self.stats
+        s.reductions += 1
+        s.last_decision = decision
+        s.skipped += layout.included.count(False)
+        self.history.last = layout
+        self.history.grew_last = False
+        self.history.deferred = False
 
     def settle(self, decision, layout: Layout, dtypes: List[Optional[str]],
                late_somewhere: bool) -> None:

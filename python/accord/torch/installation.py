@@ -150,22 +150,13 @@ class Installation:
             self.current = release
         return self.current
 
-    def post_backward(self, hooked) -> bool:
-        """Whether the group's turn came at its post-backward (then it is
-        reduce-scattered there; otherwise the caller holds it)."""
-        return self.backward().post_backward(hooked)
-
-    def pre_backward(self, hooked) -> None:
-        if fsdp2.in_backward():
-            self.backward().pre_backward(hooked)
-
-    def before_all_gather(self, hooked) -> None:
-        if fsdp2.in_backward():
-            self.backward().before_all_gather(hooked)
-
-    def after_all_gather(self, hooked) -> None:
-        if fsdp2.in_backward():
-            self.backward().after_all_gather(hooked)
+    def release_now(self) -> Optional[Release]:
+        """This backward's release inside an autograd graph task; None
+        outside one (a forward, FSDP2's lazy init): the release points
+        before and after an all-gather and at a pre-backward."""
+        if not fsdp2.in_backward():
+            return None
+        return self.current if self.current is not None else self.backward()
 
     def record_reduce(self, entry: str) -> None:
         if self.watch is not None:

@@ -32,6 +32,7 @@ class NegotiationTiming:
 
 
 WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+_IN_RELEASE = "accord.torch: learned in this rank's release (a group's decision)"
 REPORT_EVERY_S = 1.0  # the longest a count waits at the rank before it is reported
 
 
@@ -135,11 +136,25 @@ class Negotiation:
             ready = getattr(self.agreement, "ready", None)
             if ready is None or not ready(handle):
                 self.timing.blocked += 1
-            decision = waited(self.agreement, handle,
-                              "accord.torch: learned in this rank's release (a group's decision)")
+            decision = waited(self.agreement, handle, _IN_RELEASE)
         self.timing.exposed_s += time.perf_counter() - t0
         self.timing.waits += 1
         return decision
+
+    def wait_all(self, handles: list) -> list:
+        """wait() for each of `handles`, in order: their decisions."""
+        if not handles or isinstance(handles[0], _Blocking):
+            return [self.wait(h) for h in handles]
+        t0 = time.perf_counter()
+        ready = getattr(self.agreement, "ready", None)
+        decisions = []
+        for handle in handles:
+            if ready is None or not ready(handle):
+                self.timing.blocked += 1
+            decisions.append(waited(self.agreement, handle, _IN_RELEASE))
+        self.timing.exposed_s += time.perf_counter() - t0
+        self.timing.waits += len(handles)
+        return decisions
 
     def submit_step(self, index: int, manifests: List[tuple], late: tuple) -> list:
         """Submits the step's manifests as one batch, with each optional

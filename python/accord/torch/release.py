@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 from accord.torch import fsdp2
-from accord.torch.plan import Layout, ReleaseSchedule, complete
+from accord.torch.plan import ReleaseSchedule, complete
 
 
 class Release:
@@ -48,7 +48,9 @@ class Release:
     def before_all_gather(self, hooked) -> None:
         i = self.index.get(id(hooked))
         if i is not None:
-            self._turns(self.schedule.before_all_gather(i), in_backward=True)
+            turns = self.schedule.before_all_gather(i)
+            if turns:
+                self._turns(turns, in_backward=True)
 
     def after_all_gather(self, hooked) -> None:
         i = self.index.get(id(hooked))
@@ -63,6 +65,8 @@ class Release:
         if i is None:
             return False
         turns = self.schedule.at_post_backward(i)
+        if not turns:
+            return False
         own = i in turns
         if own:
             hooked.post_backwarded = True
@@ -72,7 +76,9 @@ class Release:
     def pre_backward(self, hooked) -> None:
         i = self.index.get(id(hooked))
         if i is not None:
-            self._turns(self.schedule.at_pre_backward(i), in_backward=True)
+            turns = self.schedule.at_pre_backward(i)
+            if turns:
+                self._turns(turns, in_backward=True)
 
     def _turns(self, indices, in_backward: bool) -> None:
         timing = self.inst.timing
@@ -112,27 +118,30 @@ class Release:
             if h.history.deferred:
                 h.take_turn(in_backward=False)
                 inst.timing.at_end += 1
-        unsent = [h.unsent() for h in self.order]
-        manifests = [(h.group_id, h.turn.step, h.manifest(u)) for h, u in zip(self.order, unsent)]
-        late = [h.late_here(u) for h, u in zip(self.order, unsent)]
+        closing = [h.closing() for h in self.order]  # (unsent, manifest, late here)
+        manifests = [(h.group_id, h.turn.step, dtypes)
+                     for h, (_, dtypes, _) in zip(self.order, closing)]
         negotiation = inst.negotiation
-        handles = negotiation.submit_step(index, manifests,
-                                          negotiation.late_item(index, self.order, late))
+        handles = negotiation.submit_step(index, manifests, negotiation.late_item(
+            index, self.order, [late for _, _, late in closing]))
         late_any = negotiation.wait_late()
-        for h, handle, u, (_, _, dtypes) in zip(self.order, handles, unsent, manifests):
-            decision = negotiation.wait(handle)
-            real = Layout.of(decision)
+        for h, decision, (unsent, dtypes, _) in zip(self.order, negotiation.wait_all(handles),
+                                                    closing):
+            real = h.layout_of(decision)
+            late_somewhere = late_any.get(h.group_id, False)
+            if unsent is None and not late_somewhere and real is h.turn.applied:
+                h.settle_steady(decision, real)  # exactly what was sent: nothing to complete
+                continue
             # A deferred group's turn came at the end, after its gradient: its
             # `~late` slot only says whether to keep it deferred.
-            late = late_any.get(h.group_id, False) and not h.history.deferred
-            completion = complete(h.turn.applied, real, late)
-            h.complete(completion, u)
+            completion = complete(h.turn.applied, real, late_somewhere and not h.history.deferred)
+            h.complete(completion, unsent)
             if not completion.exact:
                 inst.timing.repairs += 1
                 h.stats.repaired += 1
                 if completion.delta:
                     inst.timing.redone += 1
-            h.settle(decision, real, dtypes, late_any.get(h.group_id, False))
+            h.settle(decision, real, dtypes, late_somewhere)
         negotiation.report()
 
     def end(self) -> None:
