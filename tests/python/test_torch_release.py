@@ -267,7 +267,7 @@ class FakeGroup:
     """Stands in for HookedGroup: records its turns and completion."""
 
     def __init__(self, gid, log):
-        from accord.torch.group import GroupStats
+        from accord.torch.turn import GroupStats
 
         self.group_id, self.log, self.step = gid, log, 0
         self.group = type("G", (), {"reduce_grads": True, "fsdp_params": []})()

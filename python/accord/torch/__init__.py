@@ -46,7 +46,8 @@ from accord.torch.fsdp2 import (  # noqa: F401
     torch_version,
 )
 from accord.torch.errors import AccordDivergenceError, AccordJobError, AccordPeerError  # noqa: F401
-from accord.torch.group import AccordFSDPError, GroupStats, dtype_name, torch_dtype  # noqa: F401
+from accord.torch.group import AccordFSDPError  # noqa: F401
+from accord.torch.turn import GroupStats, dtype_name, torch_dtype  # noqa: F401
 from accord.torch.transformers_capture import fix_transformers_output_capture  # noqa: F401
 from accord.torch.installation import Installation, install  # noqa: F401
 from accord.torch.negotiation import NegotiationTiming  # noqa: F401

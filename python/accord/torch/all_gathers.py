@@ -7,7 +7,7 @@ Reduce-scatters are recorded where accord releases them (accord.torch.group)."""
 from __future__ import annotations
 
 from accord.torch import fsdp2
-from accord.torch.group import dtype_name
+from accord.torch.turn import dtype_name
 
 
 def _entry(hooked, params) -> str:

@@ -4,7 +4,6 @@ decision is in (docs/PARTICIPATION.md, "One order during the backward")."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -13,61 +12,11 @@ import accord
 from accord.agreement import ParamTuple
 from accord.torch import fsdp2
 from accord.torch.plan import Completion, History, Layout, turn_layout
+from accord.torch.turn import DTYPE_NAMES, GroupStats, Turn, dtype_name, torch_dtype
 
 
 class AccordFSDPError(RuntimeError):
     """The adapter could not apply a decision (names the group and rank)."""
-
-
-_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in (
-    torch.float64, torch.float32, torch.bfloat16, torch.float16)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """accord's name of a torch dtype ('torch.bfloat16' -> 'bfloat16')."""
-    name = _DTYPE_NAMES.get(dtype)
-    return name if name is not None else str(dtype).replace("torch.", "")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-@dataclasses.dataclass
-class GroupStats:
-    """What the adapter did for one group (for tests, logs and dashboards);
-    counted from each step's final decision."""
-
-    reductions: int = 0
-    zero_filled: int = 0  # parameter-steps zero-filled on this rank
-    widened: int = 0  # parameter-steps converted to the wire dtype on this rank
-    skipped: int = 0  # parameter-steps left out of the buffer
-    last_decision: object = None
-    speculated: int = 0  # turns that carried the previous decision's layout
-    repaired: int = 0  # steps that needed a trim or a delta
-    late: int = 0  # steps whose gradient came after the group's turn on this rank
-    late_bytes: int = 0  # bytes of those gradients, held to the end of the backward
-    owed_bytes: int = 0  # bytes of gradients the turn's layout left out, held likewise
-
-
-@dataclasses.dataclass
-class Turn:
-    """A group's step from its turn to its completion. Holds no sharded
-    gradient: `was_none` answers a trim, `owed` keeps only gradients the
-    turn's layout left out."""
-
-    step: int
-    applied: Optional[Layout]  # None: nothing was reduce-scattered at the turn
-    # Per parameter, whether its sharded gradient was None before the turn;
-    # None when the turn carried exactly this rank's gradients (then no
-    # parameter it carried can be trimmed: this rank used each of them).
-    was_none: Optional[List[bool]]
-    dtypes: List[Optional[str]]  # this rank's gradients sent at the turn
-    owed: Dict[int, torch.Tensor]
-    late: bool = False  # the gradient was not there at the turn
-    steady: bool = False  # the layout was exactly this rank's gradients, in one dtype
-    in_backward: bool = False  # the turn came before the end-of-backward point
-    sent_bytes: int = 0  # this rank's gradient bytes the turn carried
 
 
 class HookedGroup:
@@ -174,7 +123,7 @@ class HookedGroup:
             self._reduce(self._entries(layout, ""), fsdp2.reduce_scatter_as_held, self.group,
                          self.original, torch_dtype(layout.wire_dtype))
             return turn
-        names = _DTYPE_NAMES
+        names = DTYPE_NAMES
         turn.dtypes = tuple([(names.get(g.dtype) or dtype_name(g.dtype)) if g is not None
                              else None for g in local])
         turn.sent_bytes = sum([g.nbytes for g in local if g is not None])
