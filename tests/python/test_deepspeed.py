@@ -252,6 +252,97 @@ def test_zero3_optional_tower_trains_with_reference_gradients(case, persistence)
         assert r[-1]["left_patched"] == []  # uninstall restored DeepSpeed's functions
 
 
+# ---------------------------------------------------------------- ZeRO-3: turns among all-gathers
+
+
+# DeepSpeed's backward all-gathers: `refetch` releases each module after its
+# forward and fetches it again at its backward, one all-gather per module;
+# `prefetch` also prefetches along the trace; `kept` (DeepSpeed's defaults)
+# keeps this small model gathered once its trace is complete.
+FETCH = {"refetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+         "prefetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1200},
+         "kept": {}}
+SEQ_GRAD_BYTES = sc.LAYERS * sc.SEQ * (sc.SEQ + 1) * 4  # 12,000: one backward's fp32 gradient
+
+
+def _same_collectives(results):
+    """Every rank issued the same collectives (name, element counts) in the same order."""
+    seqs = [r[-1]["collectives"] for r in results]
+    assert seqs[0], seqs
+    for other in seqs[1:]:
+        assert other == seqs[0]
+
+
+@pytest.mark.parametrize("fetch", ["refetch", "prefetch", "kept", "epilogue"])
+def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, cluster):
+    """ZeRO-3 hands DeepSpeed every parameter during the backward, before
+    the decision, at points placed among its all-gathers; every rank issues
+    the same collectives. Held beyond DeepSpeed: at most one module's
+    gradient where every backward fetches the same way; where DeepSpeed's
+    fetches change after the first backward (its trace complete: prefetch,
+    or nothing fetched any more), that second backward holds up to its whole
+    gradient, and none after. `epilogue` (turns off): every gradient of
+    every backward."""
+    info = cluster_info(cluster, 2, f"ds-z3-seq-{fetch}")
+    config = dict(FETCH.get(fetch, FETCH["refetch"]), reduce_bucket_size=BUCKET)
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, gas=2, kind="seq", zero3=config,
+                              persistence=0, accord="cluster", cluster=info, record=True,
+                              turns=fetch != "epilogue")
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        print(f"accord-test: ZeRO-3 sequential {fetch} held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
+        if fetch == "epilogue":
+            assert s["held_bytes"] == SEQ_GRAD_BYTES and s["speculated"] == 0, s
+            continue
+        assert 0 < s["speculated"] == s["reduced"], s
+        assert s["late"] == s["repaired"] == s["zero_filled"] == 0, s
+        steady = s["held_by_release"][2 if fetch != "refetch" else 0:]
+        assert len(s["held_by_release"]) == 6 and max(steady) <= BUCKET * 4, s
+
+
+def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
+    """The input layer, defined last, is first in the first backward's
+    release order: zeros at its turn on every rank, its gradient late, kept,
+    and added by the delta all-reduce into DeepSpeed's gradient partitions.
+    From then on the learned order has it last: nothing late."""
+    info = cluster_info(cluster, 2, "ds-z3-late")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, kind="late", persistence=0,
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info, record=True)
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        assert s["late"] == 2 and s["repaired"] == 2, s
+        assert s["held_by_release"][1:] == [0, 0], s
+        print(f"accord-test: ZeRO-3 late held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
+
+
+@pytest.mark.parametrize("dtype,gas,fetch", [("fp32", 1, "refetch"), ("bf16", 2, "refetch"),
+                                             ("fp32", 1, "prefetch")])
+def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype, gas, fetch,
+                                                                         cluster):
+    """The optional tower runs on rank 0 at steps 0 and 2, nowhere at 1 and
+    3: handed over as zeros at step 1 and left unchanged, left out of step
+    2's speculation and repaired into the gradient partitions; the same
+    collectives on both ranks."""
+    info = cluster_info(cluster, 2, f"ds-z3-some-{dtype}-{fetch}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4, gas=gas,
+                              dtype=dtype, persistence=0, optional=("tower",), record=True,
+                              zero3=dict(FETCH[fetch], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results, dtype=dtype)
+    _same_collectives(results)
+    if dtype == "fp32":
+        _check_unused_unchanged(results, step=1)
+    for s in _stats(results):
+        assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
+        print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
+              f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
 def test_zero3_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(cluster):
     info = cluster_info(cluster, 2, "ds-z3-nowhere")
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="nowhere_at_1", steps=3,

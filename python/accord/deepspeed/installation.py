@@ -49,6 +49,7 @@ import torch
 
 from accord.deepspeed.all_gathers import GuardedAllGathers
 from accord.deepspeed.turns import Turns
+from accord.deepspeed.turns3 import Zero3Turns
 from accord.torch.errors import AccordDivergenceError, AccordJobError, waited
 
 
@@ -73,6 +74,8 @@ class Stats:
     late: int = 0  # gradients that came after their parameter's turn
     repaired: int = 0  # parameter-reductions repaired by accord's all-reduce
     repaired_bytes: int = 0  # bytes of those all-reduces
+    # With turns: the most held during each reducing backward, in order.
+    held_by_release: List[int] = dataclasses.field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -82,7 +85,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Installation:
     """One ZeRO engine under accord. Training thread only."""
 
-    def __init__(self, engine, adapter, agreement, prefix: str, watch=None, guard=None):
+    def __init__(self, engine, adapter, agreement, prefix: str, watch=None, guard=None,
+                 turns: bool = True):
         self.engine = engine
         self.zero = adapter
         self.agreement = agreement
@@ -105,8 +109,11 @@ class Installation:
         self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
         self._epilogue = adapter.original("independent_gradient_partition_epilogue")
         self._optimizer_step = adapter.original("_optimizer_step")
-        turns = getattr(adapter, "reduces_in_hooks", None)
-        self.turns = Turns(self) if turns is not None and turns() else None
+        in_hooks = getattr(adapter, "reduces_in_hooks", None)
+        self.turns = None
+        if turns and in_hooks is not None and in_hooks():
+            gathers = hasattr(adapter, "route_all_gathers")  # ZeRO-3
+            self.turns = Zero3Turns(self) if gathers else Turns(self)
         self._handles: list = []  # hooks on the model, removed at uninstall
         self._wrapped: List[str] = []  # engine methods wrapped on the instance
 
@@ -160,6 +167,22 @@ class Installation:
             self.watch.progress("the forward")
         if self.guard is not None:
             self.guard.begin_step()
+
+    def route(self, params, forward: bool, issue):
+        """ZeRO-3's parameter all-gathers: the guard's record first, then
+        the turns before it (turns3.Zero3Turns), then DeepSpeed's own."""
+        issue_after_turns = issue
+        if isinstance(self.turns, Zero3Turns):
+            gathered = self.zero.to_gather(params)
+
+            def issue_after_turns():
+                if gathered:
+                    self.turns.before_all_gather(gathered)
+                return issue()
+
+        if self.all_gathers is None:
+            return issue_after_turns()
+        return self.all_gathers.route(params, forward, issue_after_turns)
 
     @contextlib.contextmanager
     def explaining(self):
@@ -279,8 +302,9 @@ class Installation:
         self.zero.patch("_optimizer_step", self.optimizer_step)
         if self.turns is not None:
             self.turns.hook()
-        if self.all_gathers is not None:
-            self.zero.route_all_gathers(self.all_gathers.route, self.all_gathers.trace_check)
+        if self.all_gathers is not None or isinstance(self.turns, Zero3Turns):
+            check = self.all_gathers.trace_check if self.all_gathers is not None else None
+            self.zero.route_all_gathers(self.route, check)
         if self.watch is not None or self.guard is not None:
             self._handles.append(
                 self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))
