@@ -343,6 +343,111 @@ def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype,
               f"{s['held_bytes']} per backward {s['held_by_release']}")
 
 
+class _FakeZero3:
+    """What Zero3Turns calls on the adapter, recording each parameter
+    handed to DeepSpeed's bucketing and each all-gather, in order."""
+
+    def __init__(self):
+        self.log = []
+
+    def reduces_now(self):
+        return True
+
+    def gradient(self, p):
+        return p.grad
+
+    def zero_fill(self, p):
+        p.grad = torch.zeros_like(p)
+
+    def reduce(self, reduce_ready, p, i):
+        self.log.append(("hand", p.tag))
+        p.grad = None
+
+    def in_bucket(self, p):
+        return False
+
+    def gather_key(self, gathered):
+        return tuple(sorted(p.tag for p, _ in gathered))
+
+    def all_reduce_max(self, t):
+        pass  # every simulated rank learns from the same backward
+
+
+def _fake_rank(modules):
+    import types
+
+    from accord.deepspeed.installation import Stats
+    from accord.deepspeed.turns3 import Zero3Turns
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(modules)])
+    for k, p in enumerate(model.parameters()):
+        p.tag = k
+    inst = types.SimpleNamespace(zero=_FakeZero3(), engine=types.SimpleNamespace(module=model),
+                                 stats=Stats(), watch=None, _reduce=None, window_closed=True)
+    inst.order = [(0, p) for p in model.parameters()]
+    inst.names = [n for n, _ in model.named_parameters()]
+    return model, Zero3Turns(inst)
+
+
+def _fake_backward(model, turns, gathers, arrivals):
+    """`gathers`: the backward's all-gathers (module indices each);
+    `arrivals`: per all-gather count, the parameters whose gradient comes
+    then. Returns the log: hands and all-gathers in order."""
+    params = list(model.parameters())
+    turns.zero.log = []
+    turns.reset_gathers()
+    for c in range(len(gathers) + 1):
+        for k in arrivals.get(c, []):
+            if turns.taken[k]:
+                turns.late[k] = torch.ones_like(params[k])
+                continue
+            params[k].grad = torch.ones_like(params[k])
+            turns.held(params[k])
+        if c < len(gathers):
+            gathered = [(p, p.numel()) for m in gathers[c] for p in model[m].parameters()]
+            turns.before_all_gather(gathered)
+            turns.zero.log.append(("all-gather", c))
+    turns.through(len(turns.release) - 1)
+    return turns.zero.log
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whatever_the_order(
+        learned):
+    """The rule alone (no DeepSpeed): ranks whose gradients come in
+    different orders, at different all-gathers or not at all hand DeepSpeed
+    the same parameters in the same order between the same two all-gathers,
+    so its bucketing issues the same reductions between them. First
+    backward (the module fetched is next) and with a learned table
+    (prefetches: all-gathers of several modules)."""
+    import random
+
+    modules = 6
+    fetch = [[m] for m in reversed(range(modules))]
+    prefetch = [[5, 4], [3, 2], [1, 0]]
+    gathers = prefetch if learned else fetch
+    logs = []
+    for rank in range(8):
+        model, turns = _fake_rank(modules)
+        if learned:  # the same backward on every rank first, then learned
+            template = {c + 1: [k for m in ms for k in (2 * m + 1, 2 * m)]
+                        for c, ms in enumerate(gathers)}
+            _fake_backward(model, turns, gathers, template)
+            turns.learn()
+            turns.reset()
+        rng = random.Random(rank)
+        arrivals = {}
+        for k in range(2 * modules):
+            if rng.random() < 0.8:  # some ranks never get some gradients
+                arrivals.setdefault(rng.randrange(len(gathers) + 1), []).append(k)
+        for v in arrivals.values():
+            rng.shuffle(v)
+        logs.append(_fake_backward(model, turns, gathers, arrivals))
+    for log in logs[1:]:
+        assert log == logs[0]
+    assert sum(1 for e in logs[0] if e[0] == "hand") == 2 * modules
+
+
 def test_zero3_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(cluster):
     info = cluster_info(cluster, 2, "ds-z3-nowhere")
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="nowhere_at_1", steps=3,
