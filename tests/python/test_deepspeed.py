@@ -720,7 +720,8 @@ def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(sta
         s = r["stats"]
         print(f"accord-test: HF ZeRO-{stage} rank {rank}: " +
               ", ".join(f"{k} {s.get(k)}" for k in ("held_bytes", "zero_filled_bytes", "late",
-                                                     "repaired", "repaired_bytes")))
+                                                     "repaired", "repaired_bytes",
+                                                     "held_by_release")))
 
 
 # ---------------------------------------------------------------- the boundary

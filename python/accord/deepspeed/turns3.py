@@ -33,7 +33,9 @@ which some rank was late (both the same on every rank). With nothing learned
 (the first backward, where DeepSpeed records its module trace and prefetches
 nothing: each all-gather is the fetch of the module about to run its
 backward), cap(c) is the position before the first parameter of the latest
-module fetched, through the all-gather itself (recorded by the guard first).
+module fetched, through the all-gather itself (recorded by the guard first);
+where every parameter is persistent nothing is ever fetched, and every
+backward is tail from the first.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class Zero3Turns(Turns):
     def hook(self) -> None:
         super().hook()
         self.zero.on_backward(self.reset_gathers)
+        if self.zero.fetches_nothing(self.inst.engine.module):
+            self.expected, self.caps = 0, []  # all tail, from the first backward
 
     def reset_gathers(self) -> None:
         """The backward begins (after the forward's all-gathers, on every rank)."""

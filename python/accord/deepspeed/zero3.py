@@ -225,6 +225,12 @@ class Zero3(_Adapter):
         param.grad = None
         return g
 
+    @staticmethod
+    def fetches_nothing(model) -> bool:
+        """Whether every parameter of `model` is persistent (gathered for
+        good): no forward or backward all-gathers anything."""
+        return all(getattr(p, "ds_persist", False) for p in model.parameters())
+
     def in_bucket(self, param) -> bool:
         """Whether `param` is in one of DeepSpeed's reduce buckets (its
         gradient a view of the bucket, read when the bucket is reduced)."""
