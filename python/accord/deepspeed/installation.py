@@ -5,11 +5,12 @@ DeepSpeed reduces a parameter's gradient from its autograd hook, in this
 rank's autograd order and only where the parameter got a gradient, packing
 gradients into buckets by size: which parameters share a bucket, and so the
 number and sizes of the all-reduces, follow the rank's data. Where DeepSpeed
-reduces from its hooks (ZeRO-2, ZeRO-1 with overlap_comm), the hook hands
-DeepSpeed parameters in one release order, speculated from the last
+reduces from its hooks (ZeRO-2, ZeRO-1 with overlap_comm, ZeRO-3), the hook
+hands DeepSpeed parameters in one release order, speculated from the last
 decision, and the epilogue repairs what the decision changes
-(accord.deepspeed.turns). Otherwise (ZeRO-1 without overlap_comm, ZeRO-3)
-the hook does nothing (the gradient stays where DeepSpeed keeps it), and no
+(accord.deepspeed.turns; under ZeRO-3 only as far as a cap placed among its
+parameter all-gathers allows, accord.deepspeed.turns3). Otherwise (ZeRO-1
+without overlap_comm, or turns off) the hook does nothing (the gradient stays where DeepSpeed keeps it), and no
 accord call is made inside autograd. At DeepSpeed's
 end-of-backward epilogue, which every rank reaches once per backward, the
 rank submits one manifest (which parameters have a gradient, in which
@@ -18,8 +19,7 @@ DeepSpeed, in parameter order, every parameter the decision includes, with a
 zero gradient where this rank has none. DeepSpeed's own bucketing then sees
 the same parameters with the same sizes in the same order on every rank.
 
-ZeRO-3 reduce-scatters the same way (its epilogue runs every backward).
-Its forward and backward fetches follow each rank's module trace, which
+ZeRO-3 reduces every backward. Its forward and backward fetches follow each rank's module trace, which
 DeepSpeed also requires to be the same on every rank: modules given as
 optional are made persistent, all-gathered at install on every rank, and
 kept out of DeepSpeed's per-module fetch, release and trace
@@ -35,8 +35,8 @@ partition and of each optimizer state tensor is copied before the base
 optimizer's step and put back after it, so it and its moments are bitwise
 unchanged (DeepSpeed copies the fp32 partition into the model's parameters
 after the step). ZeRO-3 keeps the last reduced value in its flat gradient
-partition for a parameter it does not reduce: that slice is zeroed at the
-window's first release.
+partition for a parameter it does not reduce: that slice is zeroed in the
+window's first backward.
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ class Stats:
     restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
     restored_bytes: int = 0  # bytes copied for those (each way)
     # The most bytes accord held at once beyond what DeepSpeed holds: with
-    # turns (ZeRO-2, ZeRO-1 with overlap_comm), gradients kept for the repair
-    # (late, or left out of the speculation), a zero gradient while DeepSpeed
-    # copies it, the repair's flat delta; without (ZeRO-1, ZeRO-3), every
-    # gradient of the backward, held to its epilogue.
+    # turns, gradients not yet handed (before their turn or the cap) or kept
+    # for the repair (late, or left out of the speculation), a zero gradient
+    # while DeepSpeed copies it, the repair's flat delta; without (ZeRO-1
+    # without overlap_comm, turns=False), every gradient of the backward,
+    # held to its epilogue.
     held_bytes: int = 0
     zero_filled_bytes: int = 0  # zeros this rank sent for parameters others used
     speculated: int = 0  # reductions handed to DeepSpeed before the decision

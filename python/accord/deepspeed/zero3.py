@@ -18,6 +18,12 @@ prefetch all-gathers, only the parameters whose `ds_status` is
 its `reset_step()` (at each forward's start), which while
 `is_complete_trace()` is False compares the module trace `__submodule_order`
 across ranks with collectives (`assert_ints_same_as_other_ranks`).
+For turns (accord.deepspeed.turns3): `backward_prologue` (the engine calls
+it before autograd runs), `ipg_buckets` (each bucket's `params`),
+`__reduce_and_partition_ipg_grads(dtype)` and `reduce_and_partition_stream`,
+`_coalesce_grad_reduction`, `dtype`, `dp_process_group`,
+`_get_param_partition_group`, a parameter's `ds_id`, `ds_numel`,
+`partition_numel()`.
 """
 
 from __future__ import annotations
