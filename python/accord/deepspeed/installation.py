@@ -172,14 +172,13 @@ class Installation:
     def route(self, params, forward: bool, issue):
         """ZeRO-3's parameter all-gathers: the guard's record first, then
         the turns before it (turns3.Zero3Turns), then DeepSpeed's own."""
-        issue_after_turns = issue
-        if isinstance(self.turns, Zero3Turns):
-            gathered = self.zero.to_gather(params)
+        turns = self.turns if isinstance(self.turns, Zero3Turns) else None
+        gathered = self.zero.to_gather(params) if turns is not None else None
 
-            def issue_after_turns():
-                if gathered:
-                    self.turns.before_all_gather(gathered)
-                return issue()
+        def issue_after_turns():
+            if gathered:
+                turns.before_all_gather(gathered)
+            return issue()
 
         if self.all_gathers is None:
             return issue_after_turns()

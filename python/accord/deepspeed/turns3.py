@@ -52,7 +52,6 @@ class Zero3Turns(Turns):
     autograd's (one at a time)."""
 
     def __init__(self, inst):
-        self.arrival_order: List[float] = []  # learned: the all-gather count per parameter
         self.expected: Optional[int] = None  # all-gathers of the learned backward
         self.learned_key: Optional[tuple] = None
         super().__init__(inst)
@@ -145,12 +144,11 @@ class Zero3Turns(Turns):
         self.order_by([(a, float(x)) for a, x in zip(arrival, where[n:].tolist())])
         self.expected = self.gathers
         self.caps = []
+        last = -1
         for c in range(self.expected):
-            last = -1
             while last + 1 < n and arrival[self.release[last + 1]] <= c:
                 last += 1
             self.caps.append(last)
         self.learned_key = self.key
-        self.arrival_order = arrival
         self.learned = True
         self.hooks_ran = {}
