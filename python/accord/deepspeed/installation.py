@@ -10,23 +10,25 @@ hands DeepSpeed parameters in one release order, speculated from the last
 decision, and the epilogue repairs what the decision changes
 (accord.deepspeed.turns; under ZeRO-3 only as far as a cap placed among its
 parameter all-gathers allows, accord.deepspeed.turns3). Otherwise (ZeRO-1
-without overlap_comm, or turns off) the hook does nothing (the gradient stays where DeepSpeed keeps it), and no
-accord call is made inside autograd. At DeepSpeed's
-end-of-backward epilogue, which every rank reaches once per backward, the
-rank submits one manifest (which parameters have a gradient, in which
-dtype) and waits for the decision, the same on every rank; then it hands
-DeepSpeed, in parameter order, every parameter the decision includes, with a
-zero gradient where this rank has none. DeepSpeed's own bucketing then sees
-the same parameters with the same sizes in the same order on every rank.
+without overlap_comm, or turns off) the hook does nothing (the gradient
+stays where DeepSpeed keeps it), and no accord call is made inside autograd.
+At DeepSpeed's end-of-backward epilogue, which every rank reaches once per
+backward, the rank submits one manifest (which parameters have a gradient,
+in which dtype) and waits for the decision, the same on every rank; then it
+hands DeepSpeed, in parameter order, every parameter the decision includes,
+with a zero gradient where this rank has none. DeepSpeed's own bucketing
+then sees the same parameters with the same sizes in the same order on every
+rank.
 
-ZeRO-3 reduces every backward. Its forward and backward fetches follow each rank's module trace, which
-DeepSpeed also requires to be the same on every rank: modules given as
-optional are made persistent, all-gathered at install on every rank, and
-kept out of DeepSpeed's per-module fetch, release and trace
-(accord.deepspeed.zero3.Zero3.pin). Every other fetch's all-gather is
+ZeRO-3 reduces every backward. Its forward and backward fetches follow each
+rank's module trace, which DeepSpeed also requires to be the same on every
+rank: modules given as optional are made persistent, all-gathered at install
+on every rank, and kept out of DeepSpeed's per-module fetch, release and
+trace (accord.deepspeed.zero3.Zero3.pin). Every other fetch's all-gather is
 recorded by accord.torch's collective-sequence guard just before it is
 issued (accord.deepspeed.all_gathers): a module that runs on some ranks only
-and was not given ends with AccordDivergenceError on every rank, not in Gloo.
+and was not given ends with AccordDivergenceError on every rank, not in
+Gloo.
 
 A parameter no rank used in the accumulation window is not reduced;
 DeepSpeed counts it as a zero gradient in its flat partition, which would
