@@ -219,8 +219,9 @@ def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32", kind="toy
     return total
 
 
-def _trace_collectives():
-    """Prints each torch.distributed collective with its element count (debugging)."""
+def _trace_collectives(record=None):
+    """Prints each torch.distributed collective with its element count
+    (debugging), or appends (name, element counts) to `record`."""
     import torch.distributed as dist
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
@@ -233,7 +234,10 @@ def _trace_collectives():
         def wrap(fn=fn, name=name):
             def traced(*args, **kwargs):
                 sizes = [a.numel() for a in args if hasattr(a, "numel")]
-                print(f"accord-trace: {name} {sizes}", file=sys.stderr, flush=True)
+                if record is not None:
+                    record.append((name, tuple(sizes)))
+                else:
+                    print(f"accord-trace: {name} {sizes}", file=sys.stderr, flush=True)
                 return fn(*args, **kwargs)
             return traced
 
@@ -242,7 +246,7 @@ def _trace_collectives():
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=None, kind="toy"):
+          zero3=None, learn=None, kind="toy", turns=None, record=False):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step."""
@@ -251,8 +255,9 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
         safe_get_full_optimizer_state
 
-    if os.environ.get("ACCORD_TEST_TRACE"):
-        _trace_collectives()
+    collectives = [] if record else None  # every collective this rank issued, in order
+    if os.environ.get("ACCORD_TEST_TRACE") or record:
+        _trace_collectives(collectives)
     model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
@@ -269,7 +274,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         job_id=cluster["job_id"], rank=rank,
                                         world_size=world_size,
                                         local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional,
+        inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional, turns=turns,
                                  **({} if learn is None else {"learn_optional": learn}))
     names = [n for n, _ in engine.module.named_parameters()]
     if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
@@ -343,7 +348,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
             left += [n for n in (zero._ALL_GATHER, "reset_step")
                      if n in offload.get_param_coordinator().__dict__]
         out.append({"stats": stats, "left_patched": left, "all_gathers_recorded": recorded,
-                    "learned": learned})
+                    "learned": learned, "collectives": collectives})
     return out
 
 

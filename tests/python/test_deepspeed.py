@@ -252,6 +252,202 @@ def test_zero3_optional_tower_trains_with_reference_gradients(case, persistence)
         assert r[-1]["left_patched"] == []  # uninstall restored DeepSpeed's functions
 
 
+# ---------------------------------------------------------------- ZeRO-3: turns among all-gathers
+
+
+# DeepSpeed's backward all-gathers: `refetch` releases each module after its
+# forward and fetches it again at its backward, one all-gather per module;
+# `prefetch` also prefetches along the trace; `kept` (DeepSpeed's defaults)
+# keeps this small model gathered once its trace is complete.
+FETCH = {"refetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+         "prefetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1200},
+         "kept": {}}
+SEQ_GRAD_BYTES = sc.LAYERS * sc.SEQ * (sc.SEQ + 1) * 4  # 12,000: one backward's fp32 gradient
+
+
+def _same_collectives(results):
+    """Every rank issued the same collectives (name, element counts) in the same order."""
+    seqs = [r[-1]["collectives"] for r in results]
+    assert seqs[0], seqs
+    for other in seqs[1:]:
+        assert other == seqs[0]
+
+
+@pytest.mark.parametrize("fetch", ["refetch", "prefetch", "kept", "epilogue"])
+def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, cluster):
+    """ZeRO-3 hands DeepSpeed every parameter during the backward, before
+    the decision, at points placed among its all-gathers; every rank issues
+    the same collectives. Held beyond DeepSpeed: at most one module's
+    gradient where every backward fetches the same way; where DeepSpeed's
+    fetches change after the first backward (its trace complete: prefetch,
+    or nothing fetched any more), that second backward holds up to its whole
+    gradient, and none after. `epilogue` (turns off): every gradient of
+    every backward."""
+    info = cluster_info(cluster, 2, f"ds-z3-seq-{fetch}")
+    config = dict(FETCH.get(fetch, FETCH["refetch"]), reduce_bucket_size=BUCKET)
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, gas=2, kind="seq", zero3=config,
+                              persistence=0, accord="cluster", cluster=info, record=True,
+                              turns=fetch != "epilogue")
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        print(f"accord-test: ZeRO-3 sequential {fetch} held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
+        if fetch == "epilogue":
+            assert s["held_bytes"] == SEQ_GRAD_BYTES and s["speculated"] == 0, s
+            continue
+        assert 0 < s["speculated"] == s["reduced"], s
+        assert s["late"] == s["repaired"] == s["zero_filled"] == 0, s
+        steady = s["held_by_release"][2 if fetch != "refetch" else 0:]
+        assert len(s["held_by_release"]) == 6 and max(steady) <= BUCKET * 4, s
+
+
+def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
+    """The input layer, defined last, is first in the first backward's
+    release order: zeros at its turn on every rank, its gradient late, kept,
+    and added by the delta all-reduce into DeepSpeed's gradient partitions.
+    From then on the learned order has it last: nothing late."""
+    info = cluster_info(cluster, 2, "ds-z3-late")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, kind="late", persistence=0,
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info, record=True)
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        assert s["late"] == 2 and s["repaired"] == 2, s
+        assert s["held_by_release"][1:] == [0, 0], s
+        print(f"accord-test: ZeRO-3 late held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
+
+
+@pytest.mark.parametrize("dtype,gas,fetch", [("fp32", 1, "refetch"), ("bf16", 2, "refetch"),
+                                             ("fp32", 1, "prefetch")])
+def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype, gas, fetch,
+                                                                         cluster):
+    """The optional tower runs on rank 0 at steps 0 and 2, nowhere at 1 and
+    3: handed over as zeros at step 1 and left unchanged, left out of step
+    2's speculation and repaired into the gradient partitions; the same
+    collectives on both ranks."""
+    info = cluster_info(cluster, 2, f"ds-z3-some-{dtype}-{fetch}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4, gas=gas,
+                              dtype=dtype, persistence=0, optional=("tower",), record=True,
+                              zero3=dict(FETCH[fetch], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results, dtype=dtype)
+    _same_collectives(results)
+    if dtype == "fp32":
+        _check_unused_unchanged(results, step=1)
+    for s in _stats(results):
+        assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
+        print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
+              f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
+class _FakeZero3:
+    """What Zero3Turns calls on the adapter, recording each parameter
+    handed to DeepSpeed's bucketing and each all-gather, in order."""
+
+    def __init__(self):
+        self.log = []
+
+    def reduces_now(self):
+        return True
+
+    def gradient(self, p):
+        return p.grad
+
+    def zero_fill(self, p):
+        p.grad = torch.zeros_like(p)
+
+    def reduce(self, reduce_ready, p, i):
+        self.log.append(("hand", p.tag))
+        p.grad = None
+
+    def in_bucket(self, p):
+        return False
+
+    def gather_key(self, gathered):
+        return tuple(sorted(p.tag for p, _ in gathered))
+
+    def all_reduce_max(self, t):
+        pass  # every simulated rank learns from the same backward
+
+
+def _fake_rank(modules):
+    import types
+
+    from accord.deepspeed.installation import Stats
+    from accord.deepspeed.turns3 import Zero3Turns
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(modules)])
+    for k, p in enumerate(model.parameters()):
+        p.tag = k
+    inst = types.SimpleNamespace(zero=_FakeZero3(), engine=types.SimpleNamespace(module=model),
+                                 stats=Stats(), watch=None, _reduce=None, window_closed=True)
+    inst.order = [(0, p) for p in model.parameters()]
+    inst.names = [n for n, _ in model.named_parameters()]
+    return model, Zero3Turns(inst)
+
+
+def _fake_backward(model, turns, gathers, arrivals):
+    """`gathers`: the backward's all-gathers (module indices each);
+    `arrivals`: per all-gather count, the parameters whose gradient comes
+    then. Returns the log: hands and all-gathers in order."""
+    params = list(model.parameters())
+    turns.zero.log = []
+    turns.reset_gathers()
+    for c in range(len(gathers) + 1):
+        for k in arrivals.get(c, []):
+            if turns.taken[k]:
+                turns.late[k] = torch.ones_like(params[k])
+                continue
+            params[k].grad = torch.ones_like(params[k])
+            turns.held(params[k])
+        if c < len(gathers):
+            gathered = [(p, p.numel()) for m in gathers[c] for p in model[m].parameters()]
+            turns.before_all_gather(gathered)
+            turns.zero.log.append(("all-gather", c))
+    turns.through(len(turns.release) - 1)
+    return turns.zero.log
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whatever_the_order(
+        learned):
+    """The rule alone (no DeepSpeed): ranks whose gradients come in
+    different orders, at different all-gathers or not at all hand DeepSpeed
+    the same parameters in the same order between the same two all-gathers,
+    so its bucketing issues the same reductions between them. First
+    backward (the module fetched is next) and with a learned table
+    (prefetches: all-gathers of several modules)."""
+    import random
+
+    modules = 6
+    fetch = [[m] for m in reversed(range(modules))]
+    prefetch = [[5, 4], [3, 2], [1, 0]]
+    gathers = prefetch if learned else fetch
+    logs = []
+    for rank in range(8):
+        model, turns = _fake_rank(modules)
+        if learned:  # the same backward on every rank first, then learned
+            template = {c + 1: [k for m in ms for k in (2 * m + 1, 2 * m)]
+                        for c, ms in enumerate(gathers)}
+            _fake_backward(model, turns, gathers, template)
+            turns.learn()
+            turns.reset()
+        rng = random.Random(rank)
+        arrivals = {}
+        for k in range(2 * modules):
+            if rng.random() < 0.8:  # some ranks never get some gradients
+                arrivals.setdefault(rng.randrange(len(gathers) + 1), []).append(k)
+        for v in arrivals.values():
+            rng.shuffle(v)
+        logs.append(_fake_backward(model, turns, gathers, arrivals))
+    for log in logs[1:]:
+        assert log == logs[0]
+    assert sum(1 for e in logs[0] if e[0] == "hand") == 2 * modules
+
+
 def test_zero3_tower_used_nowhere_is_bitwise_unchanged_with_its_moments(cluster):
     info = cluster_info(cluster, 2, "ds-z3-nowhere")
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="nowhere_at_1", steps=3,
@@ -524,7 +720,8 @@ def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(sta
         s = r["stats"]
         print(f"accord-test: HF ZeRO-{stage} rank {rank}: " +
               ", ".join(f"{k} {s.get(k)}" for k in ("held_bytes", "zero_filled_bytes", "late",
-                                                     "repaired", "repaired_bytes")))
+                                                     "repaired", "repaired_bytes",
+                                                     "held_by_release")))
 
 
 # ---------------------------------------------------------------- the boundary

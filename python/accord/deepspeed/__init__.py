@@ -31,7 +31,7 @@ from accord.deepspeed.zero import (  # noqa: F401
 
 def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
             timeout_s: float = 300.0, optional=(), watch=None, guard=None,
-            learn_optional: bool = True) -> Installation:
+            learn_optional: bool = True, turns=None) -> Installation:
     """Hooks the gradient reduction (and, ZeRO-3, the fetch of `optional`
     modules) of a ZeRO engine (or EngineParts(module, zero_optimizer)), after
     deepspeed.initialize and before the first forward, on every rank.
@@ -50,7 +50,10 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
     them off. `learn_optional` (ZeRO-3, with the guard; on by default, as in
     accord.torch): a module whose forward diverges in step 0 is made
     optional on every rank instead of ending the job; a divergence in a later
-    step is AccordDivergenceError on every rank."""
+    step is AccordDivergenceError on every rank. `turns` (ZeRO-2, ZeRO-1 with
+    overlap_comm, ZeRO-3; on by default, ACCORD_DEEPSPEED_TURNS=0 turns it
+    off): reductions handed to DeepSpeed during the backward instead of all
+    at its end."""
     from accord.agreement import as_agreement
     from accord.deepspeed import zero
 
@@ -80,7 +83,8 @@ def install(engine, client_or_agreement=None, *, prefix: str = "deepspeed",
 
             learner = all_gathers.Learner(adapter, engine.module) if learn_optional else None
             sequence_guard = all_gathers.sequence_guard(agreement, prefix, timeout_s, learner)
-        inst = Installation(engine, adapter, agreement, prefix, step_watch, sequence_guard)
+        inst = Installation(engine, adapter, agreement, prefix, step_watch, sequence_guard,
+                            turns=_flag(turns, "ACCORD_DEEPSPEED_TURNS"))
         inst.register()
     except BaseException:
         for part in (step_watch, sequence_guard):

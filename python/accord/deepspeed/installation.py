@@ -5,28 +5,30 @@ DeepSpeed reduces a parameter's gradient from its autograd hook, in this
 rank's autograd order and only where the parameter got a gradient, packing
 gradients into buckets by size: which parameters share a bucket, and so the
 number and sizes of the all-reduces, follow the rank's data. Where DeepSpeed
-reduces from its hooks (ZeRO-2, ZeRO-1 with overlap_comm), the hook hands
-DeepSpeed parameters in one release order, speculated from the last
+reduces from its hooks (ZeRO-2, ZeRO-1 with overlap_comm, ZeRO-3), the hook
+hands DeepSpeed parameters in one release order, speculated from the last
 decision, and the epilogue repairs what the decision changes
-(accord.deepspeed.turns). Otherwise (ZeRO-1 without overlap_comm, ZeRO-3)
-the hook does nothing (the gradient stays where DeepSpeed keeps it), and no
-accord call is made inside autograd. At DeepSpeed's
-end-of-backward epilogue, which every rank reaches once per backward, the
-rank submits one manifest (which parameters have a gradient, in which
-dtype) and waits for the decision, the same on every rank; then it hands
-DeepSpeed, in parameter order, every parameter the decision includes, with a
-zero gradient where this rank has none. DeepSpeed's own bucketing then sees
-the same parameters with the same sizes in the same order on every rank.
+(accord.deepspeed.turns; under ZeRO-3 only as far as a cap placed among its
+parameter all-gathers allows, accord.deepspeed.turns3). Otherwise (ZeRO-1
+without overlap_comm, or turns off) the hook does nothing (the gradient
+stays where DeepSpeed keeps it), and no accord call is made inside autograd.
+At DeepSpeed's end-of-backward epilogue, which every rank reaches once per
+backward, the rank submits one manifest (which parameters have a gradient,
+in which dtype) and waits for the decision, the same on every rank; then it
+hands DeepSpeed, in parameter order, every parameter the decision includes,
+with a zero gradient where this rank has none. DeepSpeed's own bucketing
+then sees the same parameters with the same sizes in the same order on every
+rank.
 
-ZeRO-3 reduce-scatters the same way (its epilogue runs every backward).
-Its forward and backward fetches follow each rank's module trace, which
-DeepSpeed also requires to be the same on every rank: modules given as
-optional are made persistent, all-gathered at install on every rank, and
-kept out of DeepSpeed's per-module fetch, release and trace
-(accord.deepspeed.zero3.Zero3.pin). Every other fetch's all-gather is
+ZeRO-3 reduces every backward. Its forward and backward fetches follow each
+rank's module trace, which DeepSpeed also requires to be the same on every
+rank: modules given as optional are made persistent, all-gathered at install
+on every rank, and kept out of DeepSpeed's per-module fetch, release and
+trace (accord.deepspeed.zero3.Zero3.pin). Every other fetch's all-gather is
 recorded by accord.torch's collective-sequence guard just before it is
 issued (accord.deepspeed.all_gathers): a module that runs on some ranks only
-and was not given ends with AccordDivergenceError on every rank, not in Gloo.
+and was not given ends with AccordDivergenceError on every rank, not in
+Gloo.
 
 A parameter no rank used in the accumulation window is not reduced;
 DeepSpeed counts it as a zero gradient in its flat partition, which would
@@ -35,8 +37,8 @@ partition and of each optimizer state tensor is copied before the base
 optimizer's step and put back after it, so it and its moments are bitwise
 unchanged (DeepSpeed copies the fp32 partition into the model's parameters
 after the step). ZeRO-3 keeps the last reduced value in its flat gradient
-partition for a parameter it does not reduce: that slice is zeroed at the
-window's first release.
+partition for a parameter it does not reduce: that slice is zeroed in the
+window's first backward.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import torch
 
 from accord.deepspeed.all_gathers import GuardedAllGathers
 from accord.deepspeed.turns import Turns
+from accord.deepspeed.turns3 import Zero3Turns
 from accord.torch.errors import AccordDivergenceError, AccordJobError, waited
 
 
@@ -63,16 +66,19 @@ class Stats:
     restored: int = 0  # parameter-steps whose fp32 slice and moments were put back
     restored_bytes: int = 0  # bytes copied for those (each way)
     # The most bytes accord held at once beyond what DeepSpeed holds: with
-    # turns (ZeRO-2, ZeRO-1 with overlap_comm), gradients kept for the repair
-    # (late, or left out of the speculation), a zero gradient while DeepSpeed
-    # copies it, the repair's flat delta; without (ZeRO-1, ZeRO-3), every
-    # gradient of the backward, held to its epilogue.
+    # turns, gradients not yet handed (before their turn or the cap) or kept
+    # for the repair (late, or left out of the speculation), a zero gradient
+    # while DeepSpeed copies it, the repair's flat delta; without (ZeRO-1
+    # without overlap_comm, turns=False), every gradient of the backward,
+    # held to its epilogue.
     held_bytes: int = 0
     zero_filled_bytes: int = 0  # zeros this rank sent for parameters others used
     speculated: int = 0  # reductions handed to DeepSpeed before the decision
     late: int = 0  # gradients that came after their parameter's turn
     repaired: int = 0  # parameter-reductions repaired by accord's all-reduce
     repaired_bytes: int = 0  # bytes of those all-reduces
+    # With turns: the most held during each reducing backward, in order.
+    held_by_release: List[int] = dataclasses.field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -82,7 +88,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Installation:
     """One ZeRO engine under accord. Training thread only."""
 
-    def __init__(self, engine, adapter, agreement, prefix: str, watch=None, guard=None):
+    def __init__(self, engine, adapter, agreement, prefix: str, watch=None, guard=None,
+                 turns: bool = True):
         self.engine = engine
         self.zero = adapter
         self.agreement = agreement
@@ -105,8 +112,11 @@ class Installation:
         self._reduce = adapter.original("reduce_ready_partitions_and_remove_grads")
         self._epilogue = adapter.original("independent_gradient_partition_epilogue")
         self._optimizer_step = adapter.original("_optimizer_step")
-        turns = getattr(adapter, "reduces_in_hooks", None)
-        self.turns = Turns(self) if turns is not None and turns() else None
+        in_hooks = getattr(adapter, "reduces_in_hooks", None)
+        self.turns = None
+        if turns and in_hooks is not None and in_hooks():
+            gathers = hasattr(adapter, "route_all_gathers")  # ZeRO-3
+            self.turns = Zero3Turns(self) if gathers else Turns(self)
         self._handles: list = []  # hooks on the model, removed at uninstall
         self._wrapped: List[str] = []  # engine methods wrapped on the instance
 
@@ -160,6 +170,21 @@ class Installation:
             self.watch.progress("the forward")
         if self.guard is not None:
             self.guard.begin_step()
+
+    def route(self, params, forward: bool, issue):
+        """ZeRO-3's parameter all-gathers: the guard's record first, then
+        the turns before it (turns3.Zero3Turns), then DeepSpeed's own."""
+        turns = self.turns if isinstance(self.turns, Zero3Turns) else None
+        gathered = self.zero.to_gather(params) if turns is not None else None
+
+        def issue_after_turns():
+            if gathered:
+                turns.before_all_gather(gathered)
+            return issue()
+
+        if self.all_gathers is None:
+            return issue_after_turns()
+        return self.all_gathers.route(params, forward, issue_after_turns)
 
     @contextlib.contextmanager
     def explaining(self):
@@ -279,8 +304,9 @@ class Installation:
         self.zero.patch("_optimizer_step", self.optimizer_step)
         if self.turns is not None:
             self.turns.hook()
-        if self.all_gathers is not None:
-            self.zero.route_all_gathers(self.all_gathers.route, self.all_gathers.trace_check)
+        if self.all_gathers is not None or isinstance(self.turns, Zero3Turns):
+            check = self.all_gathers.trace_check if self.all_gathers is not None else None
+            self.zero.route_all_gathers(self.route, check)
         if self.watch is not None or self.guard is not None:
             self._handles.append(
                 self.engine.module.register_forward_pre_hook(self.begin_forward, prepend=True))

@@ -84,6 +84,10 @@ class Turns:
         self.order_by([float(x) for x in where])
         self.learned = True
 
+    def relearn(self, late_anywhere: List[bool]) -> bool:
+        """Whether this epilogue learns the release order (the same on every rank)."""
+        return not self.learned
+
     def reset(self) -> None:
         n = len(self.inst.order)
         self.next = 0  # release positions below it have had their turn
@@ -92,6 +96,7 @@ class Turns:
         self.arrived = [False] * n  # its hook ran in this backward
         self.late: Dict[int, torch.Tensor] = {}
         self.holding = 0  # gradient bytes accord holds now, beyond DeepSpeed
+        self.peak = 0  # the most held in this backward
 
     def hook(self) -> None:
         for k, (_, p) in enumerate(self.inst.order):
@@ -104,7 +109,8 @@ class Turns:
 
     def _peak(self, extra: int = 0) -> None:
         s = self.inst.stats
-        s.held_bytes = max(s.held_bytes, self.holding + extra)
+        self.peak = max(self.peak, self.holding + extra)
+        s.held_bytes = max(s.held_bytes, self.peak)
 
     # ------------------------------------------------------------ the backward
 
@@ -131,14 +137,19 @@ class Turns:
         if not self.taken[k] and not self.arrived[k]:
             self.arrived[k] = self.had[k] = True  # kept until its turn (the end: not speculated)
             self.holding += _bytes(self.zero.gradient(param))
-        self.through(self.module_start[self.position[k]] - 1)
-        n = len(self.release)
-        while self.next < n:
+        cap = self.cap()
+        self.through(min(self.module_start[self.position[k]] - 1, cap))
+        while self.next <= cap:
             k = self.release[self.next]
             if self.speculated[k] and not self.arrived[k]:
                 break
             self.through(self.next)
         self._peak()  # what waits now: DeepSpeed alone would have taken it
+
+    def cap(self) -> int:
+        """The last release position a hook may hand now: every one (no other
+        collective interleaves with DeepSpeed's reductions in ZeRO-1/2)."""
+        return len(self.release) - 1
 
     def through(self, last: int) -> None:
         s = self.inst.stats
@@ -186,9 +197,10 @@ class Turns:
         with self.inst.explaining():
             if delta:
                 self.repair(delta)
-            if not self.learned:
+            if self.relearn(late_anywhere):
                 self.learn()
         s = self.inst.stats
+        s.held_by_release.append(self.peak)
         s.skipped += sum(1 for k in range(len(order)) if not included[k])
         grew = any(inc and not spec for inc, spec in zip(included, self.speculated))
         self.speculated = [True] * len(order) if grew else included
@@ -200,23 +212,24 @@ class Turns:
         into DeepSpeed's reduced partition."""
         self.zero.flush()
         params = [self.inst.order[k][1] for k in delta]
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+        sizes = [self.zero.numel(p) for p in params]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32,
                            device=params[0].device)
         offset = 0
-        for k, p in zip(delta, params):
+        for k, p, size in zip(delta, params, sizes):
             mine = self.late.pop(k, None)
             if not self.speculated[k]:
                 mine = self.zero.take(p)  # never handed to DeepSpeed
             if mine is not None:  # converted to float32 in place: no copy of its own
-                flat.narrow(0, offset, p.numel()).copy_(mine.detach().reshape(-1))
-            offset += p.numel()
+                flat.narrow(0, offset, size).copy_(mine.detach().reshape(-1))
+            offset += size
         self._peak(_bytes(flat))
         self.zero.all_reduce_mean(flat)
         offset = 0
         s = self.inst.stats
-        for k in delta:
+        for k, size in zip(delta, sizes):
             i, p = self.inst.order[k]
-            self.zero.add_reduced(p, i, flat.narrow(0, offset, p.numel()))
-            offset += p.numel()
+            self.zero.add_reduced(p, i, flat.narrow(0, offset, size))
+            offset += size
         s.repaired += len(delta)
         s.repaired_bytes += _bytes(flat)

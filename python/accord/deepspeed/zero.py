@@ -137,6 +137,10 @@ class Zero12(_Adapter):
     def grad_dtype(self) -> torch.dtype:
         return self.opt._gradient_reduction_buffer_dtype()
 
+    @staticmethod
+    def numel(param) -> int:
+        return param.numel()
+
     def take(self, param) -> Optional[torch.Tensor]:
         """This rank's gradient of a parameter DeepSpeed never reduced, removed
         from where DeepSpeed would read it."""

@@ -18,6 +18,12 @@ prefetch all-gathers, only the parameters whose `ds_status` is
 its `reset_step()` (at each forward's start), which while
 `is_complete_trace()` is False compares the module trace `__submodule_order`
 across ranks with collectives (`assert_ints_same_as_other_ranks`).
+For turns (accord.deepspeed.turns3): `backward_prologue` (the engine calls
+it before autograd runs), `ipg_buckets` (each bucket's `params`),
+`__reduce_and_partition_ipg_grads(dtype)` and `reduce_and_partition_stream`,
+`_coalesce_grad_reduction`, `dtype`, `dp_process_group`,
+`_get_param_partition_group`, a parameter's `ds_id`, `ds_numel`,
+`partition_numel()`.
 """
 
 from __future__ import annotations
@@ -30,12 +36,18 @@ from accord.deepspeed.zero import (_ALL_GATHER, _COORDINATOR, _FETCHED_FOR, _STE
                                    _SUB_MODULE_FUNCTIONS, _TRACE, _Adapter)
 
 
+_GRAD_PARTITION = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_REDUCE_BUCKET = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+
+
 class Zero3(_Adapter):
     METHODS = ("reduce_independent_p_g_buckets_and_remove_grads", "get_param_id",
-               "is_gradient_accumulation_boundary")
+               "is_gradient_accumulation_boundary", "backward_prologue", _REDUCE_BUCKET,
+               "_get_param_partition_group")
     FIELDS = ("fp16_groups", "grad_position", "fp32_partitioned_groups_flat",
-              "persistent_parameters", "parameter_offload",
-              "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+              "persistent_parameters", "parameter_offload", _GRAD_PARTITION, "ipg_buckets",
+              "dp_process_group", "dtype", "_coalesce_grad_reduction",
+              "reduce_and_partition_stream")
 
     @classmethod
     def missing(cls, opt) -> List[str]:
@@ -128,7 +140,8 @@ class Zero3(_Adapter):
         all-gather of the forward's and backward's fetches and prefetches
         (issue(): DeepSpeed's own); trace_check(modules) just before
         `reset_step` compares the ranks' module traces (this rank's has
-        `modules` modules), which it does while the trace is not complete."""
+        `modules` modules), which it does while the trace is not complete
+        (None: `reset_step` is left alone)."""
         coordinator = self.opt.parameter_offload.get_param_coordinator()
         own = getattr(type(coordinator), _ALL_GATHER).__get__(coordinator)
         reset = type(coordinator).reset_step.__get__(coordinator)
@@ -142,7 +155,8 @@ class Zero3(_Adapter):
             return reset()
 
         coordinator.__dict__[_ALL_GATHER] = all_gather
-        coordinator.__dict__["reset_step"] = reset_step
+        if trace_check is not None:
+            coordinator.__dict__["reset_step"] = reset_step
         self.routed = coordinator
 
     def recording_trace(self) -> bool:
@@ -162,6 +176,7 @@ class Zero3(_Adapter):
 
     def unpatch(self) -> None:
         super().unpatch()
+        self.opt.__dict__.pop("backward_prologue", None)
         if self.routed is not None:
             for name in (_ALL_GATHER, "reset_step"):
                 self.routed.__dict__.pop(name, None)
@@ -197,7 +212,90 @@ class Zero3(_Adapter):
         reduce_ready(param)
 
     def reduces_now(self) -> bool:
-        return True  # ZeRO-3 reduce-scatters every backward
+        """Every backward (ZeRO-3 reduce-scatters each), except those inside
+        engine.coalesce_grad_reduction(), whose flush reduces them."""
+        return not self.opt._coalesce_grad_reduction
+
+    def reduces_in_hooks(self) -> bool:
+        return True
+
+    def grad_dtype(self) -> torch.dtype:
+        return self.opt.dtype
+
+    @staticmethod
+    def numel(param) -> int:
+        return int(param.ds_numel)
+
+    def take(self, param) -> Optional[torch.Tensor]:
+        g = param.grad
+        param.grad = None
+        return g
+
+    @staticmethod
+    def fetches_nothing(model) -> bool:
+        """Whether every parameter of `model` is persistent (gathered for
+        good): no forward or backward all-gathers anything."""
+        return all(getattr(p, "ds_persist", False) for p in model.parameters())
+
+    def in_bucket(self, param) -> bool:
+        """Whether `param` is in one of DeepSpeed's reduce buckets (its
+        gradient a view of the bucket, read when the bucket is reduced)."""
+        return any(q is param for b in self.opt.ipg_buckets.values() for q in b.params)
+
+    def flush(self) -> None:
+        """DeepSpeed reduces its buckets now (its epilogue then finds them empty)."""
+        from deepspeed.runtime.zero.stage3 import sort_dtypes
+
+        for dtype in sort_dtypes(self.opt.ipg_buckets.keys()):
+            getattr(self.opt, _REDUCE_BUCKET)(dtype)
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().resolves_data_dependency():
+            self.opt.reduce_and_partition_stream.synchronize()
+
+    def all_reduce_mean(self, flat: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        group = self.opt.dp_process_group
+        flat.div_(dist.get_world_size(group=group))
+        dist.all_reduce(flat, group=group)
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.opt.dp_process_group)
+
+    def add_reduced(self, param, group_index: int, reduced: torch.Tensor) -> int:
+        """Adds this rank's partition of an already reduced full gradient of
+        `param` into DeepSpeed's gradient partition of it. Returns the
+        elements added."""
+        import torch.distributed as dist
+
+        part = getattr(self.opt, _GRAD_PARTITION).get(param.ds_id)
+        if part is None:
+            return 0
+        rank = dist.get_rank(group=self.opt._get_param_partition_group(param))
+        size = int(param.partition_numel())
+        n = max(0, min(size, int(param.ds_numel) - rank * size))
+        if n:
+            part.narrow(0, 0, n).add_(reduced.reshape(-1).narrow(0, rank * size, n).to(part.dtype))
+        return n
+
+    def on_backward(self, fn) -> None:
+        """fn() at the start of each backward (the optimizer's
+        `backward_prologue`, called by the engine before autograd runs)."""
+        own = self.original("backward_prologue")
+
+        def prologue(*args, **kwargs):
+            fn()
+            return own(*args, **kwargs)
+
+        self.opt.__dict__["backward_prologue"] = prologue
+
+    @staticmethod
+    def gather_key(gathered) -> tuple:
+        """An all-gather's parameters by DeepSpeed's ids: the same on every rank."""
+        return tuple(sorted(int(p.ds_id) for p, _ in gathered))
 
     def clear_partition(self, param) -> None:
         """Zeroes `param`'s slice of the flat gradient partition, which keeps
