@@ -18,13 +18,15 @@
 // reconnect backoff and the network come on top). Peak RSS is printed last.
 //
 // --pp=P --tp=T: the job's ranks laid out as P pipeline stages x DP x T
-// (bench/coordinator/mesh_layout.h); each group of a stage is registered once
-// per TP index with that index's DP ranks as members (docs/MEMBERS.md), and
-// each node registers and submits only the groups of member sets with a
-// member on it, as node manifests without rank bits. The same invocation
-// first runs the 1-D job with as many groups per node (the baseline). Repeat
-// waves do not run for a job with members (docs/MEMBERS.md 2.11, step 9): a
-// batch repeat is decided entry by entry there.
+// (bench/coordinator/mesh_layout.h); --groups is then groups per stage, each
+// registered once per TP index with that index's DP ranks as members
+// (docs/MEMBERS.md) under an id unique per member set. Each node registers
+// and submits only the groups of member sets with a member on it, as node
+// manifests without rank bits. The same invocation first runs the 1-D job
+// with as many groups per node (the baseline). Repeat waves do not run for a
+// job with members (docs/MEMBERS.md 2.11, step 9): a batch repeat is decided
+// entry by entry there, and "waves on" runs the same path as "off". Mode
+// torch adds its guard group to every member set.
 //
 // Mode "torch" is the steady-state pattern of accord.torch (docs/PARTICIPATION.md,
 // "One order"): every rank submits its step as one batch at the release, the
