@@ -17,6 +17,17 @@
 // until every node has its decisions (the coordinator's side of recovery;
 // reconnect backoff and the network come on top). Peak RSS is printed last.
 //
+// --pp=P --tp=T: the job's ranks laid out as P pipeline stages x DP x T
+// (bench/coordinator/mesh_layout.h); --groups is then groups per stage, each
+// registered once per TP index with that index's DP ranks as members
+// (docs/MEMBERS.md) under an id unique per member set. Each node registers
+// and submits only the groups of member sets with a member on it, as node
+// manifests without rank bits. The same invocation first runs the 1-D job
+// with as many groups per node (the baseline). Repeat waves do not run for a
+// job with members (docs/MEMBERS.md 2.11, step 9): a batch repeat is decided
+// entry by entry there, and "waves on" runs the same path as "off". Mode
+// torch adds its guard group to every member set.
+//
 // Mode "torch" is the steady-state pattern of accord.torch (docs/PARTICIPATION.md,
 // "One order"): every rank submits its step as one batch at the release, the
 // model's groups plus the guard's step window (one more group, 128 slots), so
@@ -26,6 +37,7 @@
 //
 //   accord_coordinator_bench --nodes=2048 --ranks_per_node=8 --groups=200 --params=16 --steps=3
 //   accord_coordinator_bench --nodes=16384 --relays=128 --modes=batch,full,recover
+//   accord_coordinator_bench --nodes=16384 --pp=8 --tp=4 --groups=28 --modes=repeat,batch,full
 #include <sys/resource.h>
 #include <time.h>
 
@@ -44,6 +56,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/coordinator/mesh_layout.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/relay/relay.h"
@@ -51,7 +64,13 @@
 
 ABSL_FLAG(int, nodes, 2048, "sidecars");
 ABSL_FLAG(int, ranks_per_node, 8, "ranks per sidecar");
-ABSL_FLAG(int, groups, 200, "groups per step");
+ABSL_FLAG(int, groups, 200,
+          "groups per step; with --pp/--tp, groups per pipeline stage, each registered once per "
+          "TP index with that index's DP ranks (--pp x --tp x --groups group ids in the job)");
+ABSL_FLAG(int, pp, 1,
+          "pipeline stages (1: none); with --pp or --tp above 1 the 1-D job with as many groups "
+          "per node runs first, as the baseline (not with --relays)");
+ABSL_FLAG(int, tp, 1, "tensor-parallel ranks per stage replica (1: none)");
 ABSL_FLAG(int, params, 16, "parameters per group");
 ABSL_FLAG(int, steps, 3, "measured steps per mode");
 ABSL_FLAG(std::string, modes, "repeat,batch,full",
@@ -136,22 +155,76 @@ double ProcessCpuSeconds() {
 }
 
 // `nodes` are the coordinator's peers: sidecars, or relays (then `rpn` is the
-// ranks behind one relay).
+// ranks behind one relay); `mesh` lays out their ranks and groups (`groups`
+// per member set).
 struct Setup {
   int nodes, rpn, groups, params, world;
+  const bench::MeshLayout* mesh;
 };
 
-// Node n's full-form manifest for group g at `step`; `variant` changes usage.
-v1::Manifest FullManifest(const Setup& s, int n, int g, int64_t step, int variant) {
+// Node n's full-form manifest for group gi at `step`, covering the node's
+// member ranks of the group without rank bits; `variant` changes usage.
+v1::Manifest FullManifest(const Setup& s, int n, int gi, int64_t step, int variant) {
+  const int g = s.mesh->base(gi);
   std::vector<std::optional<DType>> dtypes(s.params);
   for (int p = 0; p < s.params; ++p) {
     if ((p + g + variant) % 4 != 0) dtypes[p] = DType::kBFloat16;
   }
-  Manifest m = RankManifest(step, n * s.rpn, s.world, dtypes);
-  for (int r = 0; r < s.rpn; ++r) m.ranks.Add(n * s.rpn + r);
+  const std::vector<int> ranks = s.mesh->NodeMembers(n, gi);
+  Manifest m = RankManifest(step, ranks.front(), s.world, dtypes);
+  for (int r : ranks) m.ranks.Add(r);
   v1::Manifest out;
-  wire::ManifestToProto(absl::StrCat("group", g), m, /*with_ranks=*/false, &out);
+  wire::ManifestToProto(s.mesh->id(gi), m, /*with_ranks=*/false, &out);
   return out;
+}
+
+// Each node's last cache key per group it submits (node_groups order).
+std::vector<std::vector<uint64_t>> NoKeys(const Setup& s) {
+  std::vector<std::vector<uint64_t>> keys(s.nodes);
+  for (int n = 0; n < s.nodes; ++n) keys[n].resize(s.mesh->node_groups(n).size());
+  return keys;
+}
+
+// Group gi's spec as every registrant sends it.
+GroupSpec BenchSpec(const Setup& s, int gi) {
+  GroupSpec spec;
+  spec.group_id = s.mesh->id(gi);
+  for (int p = 0; p < s.params; ++p) {
+    spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
+  }
+  spec.members = s.mesh->members(gi);
+  return spec;
+}
+
+enum class Mode { kRepeat, kBatchRepeat, kFull };
+
+// Node n's message at `step` in `mode`; full forms record their keys in
+// `keys`, repeats name them.
+v1::NodeMessage NodeBatch(const Setup& s, int n, Mode mode, int64_t step, int variant,
+                          std::vector<uint64_t>& keys) {
+  v1::NodeMessage msg;
+  const std::vector<int>& groups = s.mesh->node_groups(n);
+  if (mode == Mode::kBatchRepeat) {
+    // The previous batch (per-manifest repeats or full) had these keys.
+    wire::BatchKeyHasher hasher;
+    for (size_t i = 0; i < groups.size(); ++i) hasher.Add(s.mesh->id(groups[i]), keys[i]);
+    msg.mutable_manifests()->set_repeat_step(step);
+    msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
+    return msg;
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    v1::Manifest* m = msg.mutable_manifests()->add_manifests();
+    if (mode == Mode::kRepeat) {
+      m->set_group_id(s.mesh->id(groups[i]));
+      m->set_step(step);
+      m->set_repeat(true);
+      m->set_cache_key(keys[i]);
+    } else {
+      *m = FullManifest(s, n, groups[i], step, variant);
+      keys[i] = m->cache_key();
+    }
+  }
+  return msg;
 }
 
 struct Result {
@@ -162,37 +235,14 @@ struct Result {
   int64_t bytes = 0;
 };
 
-enum class Mode { kRepeat, kBatchRepeat, kFull };
-
 // One step: serializes every node's batch (untimed), then times parse +
 // HandleMessage for all nodes, on this thread or on `feeders` threads.
 Result RunStep(Coordinator& c, const std::vector<Coordinator::SessionId>& ids, const Setup& s,
                int64_t step, Mode mode, std::vector<std::vector<uint64_t>>& keys, int feeders = 1) {
   std::vector<std::string> wire(s.nodes);
   Result r;
-  const bool repeat = mode == Mode::kRepeat;
   for (int n = 0; n < s.nodes; ++n) {
-    v1::NodeMessage msg;
-    if (mode == Mode::kBatchRepeat) {
-      // The previous batch (per-manifest repeats or full) had these keys.
-      wire::BatchKeyHasher hasher;
-      for (int g = 0; g < s.groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
-      msg.mutable_manifests()->set_repeat_step(step);
-      msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
-    }
-    for (int g = 0; mode != Mode::kBatchRepeat && g < s.groups; ++g) {
-      v1::Manifest* m = msg.mutable_manifests()->add_manifests();
-      if (repeat) {
-        m->set_group_id(absl::StrCat("group", g));
-        m->set_step(step);
-        m->set_repeat(true);
-        m->set_cache_key(keys[n][g]);
-      } else {
-        *m = FullManifest(s, n, g, step, static_cast<int>(step % 2));
-        keys[n][g] = m->cache_key();
-      }
-    }
-    wire[n] = msg.SerializeAsString();
+    wire[n] = NodeBatch(s, n, mode, step, static_cast<int>(step % 2), keys[n]).SerializeAsString();
     r.bytes += static_cast<int64_t>(wire[n].size());
   }
   // Baseline: parsing alone.
@@ -238,17 +288,13 @@ std::vector<Coordinator::SessionId> JoinAll(Coordinator& c, std::vector<Counting
     for (int r = 0; r < s.rpn; ++r) hello.mutable_hello()->add_ranks(n * s.rpn + r);
     c.HandleMessage(ids[n], hello);
   }
-  for (int g = 0; g < s.groups; ++g) {
-    GroupSpec spec;
-    spec.group_id = absl::StrCat("group", g);
-    for (int p = 0; p < s.params; ++p) {
-      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
-    }
+  for (int gi = 0; gi < s.mesh->total_groups(); ++gi) {
     v1::NodeMessage reg;
-    *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());
-    for (int n = 0; n < s.nodes; ++n) {
+    *reg.mutable_registration()->mutable_registration() =
+        wire::GroupSpecToProto(BenchSpec(s, gi), Policy());
+    for (int n : s.mesh->NodesOf(gi)) {
       reg.mutable_registration()->clear_ranks();
-      for (int r = 0; r < s.rpn; ++r) reg.mutable_registration()->add_ranks(n * s.rpn + r);
+      for (int r : s.mesh->NodeMembers(n, gi)) reg.mutable_registration()->add_ranks(r);
       c.HandleMessage(ids[n], reg);
     }
   }
@@ -270,8 +316,9 @@ void Configure(std::vector<CountingSink>& sinks, Serialize mode, SharedSerializa
 
 // A restarted coordinator: every peer's hello, registrations and one pending
 // step in full form, until every peer has its decisions (synchronous here).
-void RunRecovery(const Setup& s, Serialize serialize, int decide_threads) {
-  std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+// False when a decision is missing.
+bool RunRecovery(const Setup& s, Serialize serialize, int decide_threads) {
+  std::vector<std::vector<uint64_t>> keys = NoKeys(s);
   std::unique_ptr<Coordinator> c = NewCoordinator(/*repeat_waves=*/true, decide_threads);
   std::vector<CountingSink> sinks(s.nodes);
   SharedSerialization shared;
@@ -283,12 +330,16 @@ void RunRecovery(const Setup& s, Serialize serialize, int decide_threads) {
   Result r = RunStep(*c, ids, s, /*step=*/0, Mode::kFull, keys);
   std::printf("decide threads %d: ", decide_threads);
   const double wall = absl::ToDoubleSeconds(absl::Now() - wall0);
+  int64_t registrations = 0;
+  for (int n = 0; n < s.nodes; ++n) registrations += s.mesh->node_groups(n).size();
   std::printf(
-      "%-12s CPU %8.1f ms (hellos + %d registrations %8.1f ms, pending step %8.1f ms)  "
+      "%-12s CPU %8.1f ms (hellos + %lld registrations %8.1f ms, pending step %8.1f ms)  "
       "wall %8.1f ms  decisions %lld (expected %d)\n",
-      "recover", 1e3 * (joined + r.cpu_s), s.nodes * s.groups, 1e3 * joined, 1e3 * r.cpu_s,
-      1e3 * wall, static_cast<long long>(r.decisions), s.groups);
+      "recover", 1e3 * (joined + r.cpu_s), static_cast<long long>(registrations), 1e3 * joined,
+      1e3 * r.cpu_s, 1e3 * wall, static_cast<long long>(r.decisions), s.mesh->total_groups());
+  const bool ok = r.decisions == s.mesh->total_groups() && c->stats().errors == 0;
   c->Stop();
+  return ok;
 }
 
 class CountingUpstream : public UpstreamSink {
@@ -324,14 +375,10 @@ std::vector<Relay::SessionId> JoinRelay(Relay& relay, std::vector<CountingSink>&
   v1::CoordinatorMessage welcome;
   welcome.mutable_welcome()->set_run_id("r");
   relay.HandleCoordinatorMessage(&welcome);
-  for (int g = 0; g < s.groups; ++g) {
-    GroupSpec spec;
-    spec.group_id = absl::StrCat("group", g);
-    for (int p = 0; p < s.params; ++p) {
-      spec.params.push_back(ParamSpec{absl::StrCat("p", p), 1024, 1024 * 64});
-    }
+  for (int gi = 0; gi < s.mesh->total_groups(); ++gi) {
     v1::NodeMessage reg;
-    *reg.mutable_registration()->mutable_registration() = wire::GroupSpecToProto(spec, Policy());
+    *reg.mutable_registration()->mutable_registration() =
+        wire::GroupSpecToProto(BenchSpec(s, gi), Policy());
     for (int n = 0; n < s.nodes; ++n) relay.HandleMessage(ids[n], reg);
   }
   return ids;
@@ -343,28 +390,9 @@ std::vector<std::string> SidecarBatches(const Setup& s, Mode mode, int64_t step,
                                         std::vector<std::vector<uint64_t>>& keys) {
   std::vector<std::string> wire(s.nodes);
   for (int n = 0; n < s.nodes; ++n) {
-    v1::NodeMessage msg;
-    if (mode == Mode::kBatchRepeat) {
-      // The sidecar's previous batch (full or per-manifest repeats) had
-      // these keys; the relay offers batch repeats downstream.
-      wire::BatchKeyHasher hasher;
-      for (int g = 0; g < s.groups; ++g) hasher.Add(absl::StrCat("group", g), keys[n][g]);
-      msg.mutable_manifests()->set_repeat_step(step);
-      msg.mutable_manifests()->set_repeat_batch_key(hasher.Finish());
-    }
-    for (int g = 0; mode != Mode::kBatchRepeat && g < s.groups; ++g) {
-      v1::Manifest* m = msg.mutable_manifests()->add_manifests();
-      if (mode == Mode::kRepeat) {
-        m->set_group_id(absl::StrCat("group", g));
-        m->set_step(step);
-        m->set_repeat(true);
-        m->set_cache_key(keys[n][g]);
-      } else {
-        *m = FullManifest(s, n, g, step, 0);
-        keys[n][g] = m->cache_key();
-      }
-    }
-    wire[n] = msg.SerializeAsString();
+    // A sidecar's batch repeat names its previous batch; the relay offers
+    // batch repeats downstream.
+    wire[n] = NodeBatch(s, n, mode, step, 0, keys[n]).SerializeAsString();
   }
   return wire;
 }
@@ -385,7 +413,8 @@ v1::CoordinatorMessage SameAsPreviousDecisions(int groups, int64_t step) {
 // `rpn` ranks) merged into one upstream manifest per group, then one decision
 // batch fanned out. Full form or per-manifest repeat form.
 void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
-  const Setup s{fanin, rpn, groups, params, fanin * rpn};
+  const absl::StatusOr<bench::MeshLayout> mesh = bench::MeshLayout::Make(fanin, rpn, 1, 1, groups);
+  const Setup s{fanin, rpn, groups, params, fanin * rpn, &*mesh};
   RelayOptions o;
   o.relay_id = "relay0";
   o.start_timer_thread = false;
@@ -395,7 +424,7 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
   relay.OnUpstreamConnected();
   std::vector<CountingSink> sinks(fanin);
   const std::vector<Relay::SessionId> ids = JoinRelay(relay, sinks, s);
-  std::vector<std::vector<uint64_t>> keys(fanin, std::vector<uint64_t>(groups));
+  std::vector<std::vector<uint64_t>> keys = NoKeys(s);
   int64_t step = 0;
   for (Mode mode : {Mode::kFull, Mode::kRepeat, Mode::kBatchRepeat}) {
     double cpu = 0;
@@ -420,6 +449,13 @@ void RunRelayFanIn(int fanin, int rpn, int groups, int params, int steps) {
   relay.Stop();
 }
 
+// A job the bench runs: its layout and the coordinator's view of it.
+struct Shape {
+  std::string label;  // empty for a run without --pp/--tp
+  std::shared_ptr<const bench::MeshLayout> mesh;
+  Setup setup{};  // its peers are the nodes, or the relays
+};
+
 // What the flags ask the bench to run.
 struct BenchConfig {
   int nodes = 0;
@@ -433,10 +469,50 @@ struct BenchConfig {
   bool recover = false;
   std::vector<bool> waves;  // repeat waves on or off, one coordinator each
   std::vector<int> decide_threads;
-  Setup setup{};  // as the coordinator sees it: its peers are the nodes, or the relays
+  std::vector<Shape> shapes;  // with --pp/--tp: the 1-D baseline, then the mesh
 };
 
-// INVALID_ARGUMENT naming the flag for a bad --relays or --decide_threads.
+Shape MakeShape(std::string label, bench::MeshLayout mesh, int params) {
+  Shape shape{std::move(label), std::make_shared<const bench::MeshLayout>(std::move(mesh))};
+  const bench::MeshLayout& m = *shape.mesh;
+  shape.setup = Setup{m.nodes(), m.ranks_per_node(), m.groups_per_set(), params, m.world(), &m};
+  return shape;
+}
+
+// The run's shapes: the --pp x --tp layout over the coordinator's `peers`,
+// and before it the 1-D job with as many groups per node. Make's errors.
+absl::Status AddShapes(BenchConfig& c, int peers, int groups) {
+  const int pp = absl::GetFlag(FLAGS_pp), tp = absl::GetFlag(FLAGS_tp);
+  if (c.relays > 0 && pp * tp > 1) {
+    return absl::InvalidArgumentError("--relays with --pp/--tp is not built");
+  }
+  const int params = absl::GetFlag(FLAGS_params);
+  absl::StatusOr<bench::MeshLayout> mesh =
+      bench::MeshLayout::Make(peers, c.nodes * c.rpn / peers, pp, tp, groups);
+  if (!mesh.ok()) return mesh.status();
+  if (pp * tp == 1) {
+    c.shapes.push_back(MakeShape("", *std::move(mesh), params));
+    return absl::OkStatus();
+  }
+  const int per_node = mesh->max_groups_per_node();
+  absl::StatusOr<bench::MeshLayout> flat =
+      bench::MeshLayout::Make(peers, mesh->ranks_per_node(), 1, 1, per_node);
+  if (!flat.ok()) return flat.status();
+  c.shapes.push_back(MakeShape(
+      absl::StrCat("1-D baseline: ", per_node, " groups, every node submits each, no members"),
+      *std::move(flat), params));
+  const bench::MeshLayout& m = *mesh;
+  std::string label =
+      absl::StrCat("PP ", pp, " x DP ", m.dp(), " x TP ", tp, ": ", m.member_sets(),
+                   " member sets of ", m.dp(), " ranks, ", groups, " groups each (",
+                   m.total_groups(), " group ids, e.g. \"", m.id(m.total_groups() - 1),
+                   "\"), node 0 submits ", m.node_groups(0).size(), " (most: ", per_node, ")");
+  c.shapes.push_back(MakeShape(std::move(label), *std::move(mesh), params));
+  return absl::OkStatus();
+}
+
+// INVALID_ARGUMENT naming the flag for a bad --relays, --decide_threads or
+// mesh.
 absl::StatusOr<BenchConfig> ConfigFromFlags() {
   BenchConfig c;
   c.nodes = absl::GetFlag(FLAGS_nodes);
@@ -453,10 +529,10 @@ absl::StatusOr<BenchConfig> ConfigFromFlags() {
   c.feeders = std::max(1, absl::GetFlag(FLAGS_feeders));
   const int peers = c.relays > 0 ? c.relays : c.nodes;
   const bool torch_pattern = absl::StrContains(absl::GetFlag(FLAGS_modes), "torch");
-  // accord.torch's pattern adds the guard's step-window group to every batch.
-  c.setup =
-      Setup{peers, c.nodes * c.rpn / peers, absl::GetFlag(FLAGS_groups) + (torch_pattern ? 1 : 0),
-            absl::GetFlag(FLAGS_params), c.nodes * c.rpn};
+  // accord.torch's pattern adds the guard's step-window group to every batch
+  // (with --pp/--tp: to every member set).
+  absl::Status shaped = AddShapes(c, peers, absl::GetFlag(FLAGS_groups) + (torch_pattern ? 1 : 0));
+  if (!shaped.ok()) return shaped;
   for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
     if (m == "repeat") c.modes.push_back(Mode::kRepeat);
     if (m == "batch" || m == "torch") c.modes.push_back(Mode::kBatchRepeat);
@@ -485,14 +561,14 @@ struct ModeTotals {
 };
 
 ModeTotals TimeMode(Coordinator& c, const std::vector<Coordinator::SessionId>& ids,
-                    const std::vector<CountingSink>& sinks, const BenchConfig& cfg, Mode mode,
-                    int64_t& step, std::vector<std::vector<uint64_t>>& keys) {
+                    const std::vector<CountingSink>& sinks, const BenchConfig& cfg, const Setup& s,
+                    Mode mode, int64_t& step, std::vector<std::vector<uint64_t>>& keys) {
   ModeTotals t;
   int64_t out_before = 0, out_after = 0;
   for (const auto& k : sinks) out_before += k.bytes_;
   for (int i = 0; i < cfg.steps; ++i) {
     const absl::Time w0 = absl::Now();
-    Result r = RunStep(c, ids, cfg.setup, step++, mode, keys, cfg.feeders);
+    Result r = RunStep(c, ids, s, step++, mode, keys, cfg.feeders);
     t.wall += absl::ToDoubleSeconds(absl::Now() - w0);
     t.handling_wall += r.wall_s;
     t.cpu += r.cpu_s;
@@ -506,9 +582,19 @@ ModeTotals TimeMode(Coordinator& c, const std::vector<Coordinator::SessionId>& i
   return t;
 }
 
-void PrintMode(const BenchConfig& cfg, Mode mode, const ModeTotals& t, const CoordinatorStats& st) {
-  const Setup& s = cfg.setup;
+// Node manifests the coordinator takes per step.
+int64_t NodeManifests(const Setup& s) {
+  int64_t n = 0;
+  for (int i = 0; i < s.nodes; ++i) n += static_cast<int64_t>(s.mesh->node_groups(i).size());
+  return n;
+}
+
+// False (and says so) when a decision is missing or the coordinator answered
+// an error.
+bool PrintMode(const BenchConfig& cfg, const Setup& s, Mode mode, const ModeTotals& t,
+               const CoordinatorStats& st) {
   const int steps = cfg.steps;
+  const int64_t expected = int64_t{s.mesh->total_groups()} * steps;
   if (cfg.serialize != Serialize::kNone) {
     std::printf("%-12s broadcast out %8.1f KB/peer/step, %8.1f MB/step\n", "",
                 t.out_bytes / 1e3 / steps / s.nodes, t.out_bytes / 1e6 / steps);
@@ -524,17 +610,21 @@ void PrintMode(const BenchConfig& cfg, Mode mode, const ModeTotals& t, const Coo
                                    : "none-repeat",
       1e3 * t.cpu / steps, 1e3 * t.worst, 1e3 * t.parse / steps, 1e3 * t.handling_wall / steps,
       1e3 * t.wall / steps, static_cast<long long>(st.parallel_decides), t.decisions / t.cpu,
-      double(s.nodes) * s.groups * steps / t.cpu, t.bytes / 1e6 / steps,
-      static_cast<long long>(t.decisions), static_cast<long long>(int64_t{s.groups} * steps),
+      double(NodeManifests(s)) * steps / t.cpu, t.bytes / 1e6 / steps,
+      static_cast<long long>(t.decisions), static_cast<long long>(expected),
       static_cast<long long>(st.cache_hits), static_cast<long long>(st.cache_misses),
       static_cast<long long>(st.same_as_previous), static_cast<long long>(st.errors),
       static_cast<long long>(st.repeat_waves));
+  if (t.decisions == expected && st.errors == 0) return true;
+  std::printf("FAILED: %lld decisions of %lld expected, %lld errors\n",
+              static_cast<long long>(t.decisions), static_cast<long long>(expected),
+              static_cast<long long>(st.errors));
+  return false;
 }
 
 // Every mode on a fresh coordinator with these settings, after one warm-up
-// step that fills the cache.
-void RunModes(const BenchConfig& cfg, bool waves_on, int threads) {
-  const Setup& s = cfg.setup;
+// step that fills the cache. False when a mode's decisions fell short.
+bool RunModes(const BenchConfig& cfg, const Setup& s, bool waves_on, int threads) {
   std::printf("repeat waves %s, decide threads %d, feeders %d\n",
               waves_on ? "on" : "off (baseline)", threads, cfg.feeders);
   std::unique_ptr<Coordinator> c = NewCoordinator(waves_on, threads);
@@ -542,12 +632,17 @@ void RunModes(const BenchConfig& cfg, bool waves_on, int threads) {
   SharedSerialization shared;
   Configure(sinks, cfg.serialize, &shared);
   std::vector<Coordinator::SessionId> ids = JoinAll(*c, sinks, s);
-  std::vector<std::vector<uint64_t>> keys(s.nodes, std::vector<uint64_t>(s.groups));
+  std::vector<std::vector<uint64_t>> keys = NoKeys(s);
   int64_t step = 0;
-  RunStep(*c, ids, s, step++, Mode::kFull, keys);  // warm-up, fills the cache
+  const Result warm = RunStep(*c, ids, s, step++, Mode::kFull, keys);  // fills the cache
+  bool ok = warm.decisions == s.mesh->total_groups();
+  if (!ok) {
+    std::printf("FAILED: the warm-up step made %lld decisions of %d\n",
+                static_cast<long long>(warm.decisions), s.mesh->total_groups());
+  }
   for (Mode mode : cfg.modes) {
-    const ModeTotals t = TimeMode(*c, ids, sinks, cfg, mode, step, keys);
-    PrintMode(cfg, mode, t, c->stats());
+    const ModeTotals t = TimeMode(*c, ids, sinks, cfg, s, mode, step, keys);
+    ok = PrintMode(cfg, s, mode, t, c->stats()) && ok;
   }
   int64_t sent = 0, out_bytes = 0;
   for (auto& k : sinks) {
@@ -561,6 +656,7 @@ void RunModes(const BenchConfig& cfg, bool waves_on, int threads) {
       static_cast<long long>(cfg.serialize == Serialize::kPerStream ? sent
                                                                     : shared.serializations));
   c->Stop();
+  return ok;
 }
 
 int Main(int argc, char** argv) {
@@ -570,23 +666,27 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
     return 2;
   }
-  const Setup& s = cfg->setup;
-  std::printf(
-      "coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params; the "
-      "coordinator sees %d %s; broadcast serialization: %s\n",
-      cfg->nodes, cfg->rpn, s.world, s.groups, s.params, s.nodes,
-      cfg->relays > 0 ? "relays" : "nodes", cfg->serialize_name.c_str());
-  for (bool waves_on : cfg->waves) {
-    for (int threads : cfg->decide_threads) RunModes(*cfg, waves_on, threads);
-  }
-  for (int threads : cfg->decide_threads) {
-    if (cfg->recover) RunRecovery(s, cfg->serialize, threads);
-  }
-  if (cfg->relays > 0) {
-    RunRelayFanIn(cfg->nodes / cfg->relays, cfg->rpn, s.groups, s.params, cfg->steps);
+  bool ok = true;
+  for (const Shape& shape : cfg->shapes) {
+    const Setup& s = shape.setup;
+    std::printf(
+        "coordinator capacity: %d nodes x %d ranks = %d ranks, %d groups x %d params; the "
+        "coordinator sees %d %s; broadcast serialization: %s\n",
+        cfg->nodes, cfg->rpn, s.world, s.groups, s.params, s.nodes,
+        cfg->relays > 0 ? "relays" : "nodes", cfg->serialize_name.c_str());
+    if (!shape.label.empty()) std::printf("%s\n", shape.label.c_str());
+    for (bool waves_on : cfg->waves) {
+      for (int threads : cfg->decide_threads) ok = RunModes(*cfg, s, waves_on, threads) && ok;
+    }
+    for (int threads : cfg->decide_threads) {
+      if (cfg->recover) ok = RunRecovery(s, cfg->serialize, threads) && ok;
+    }
+    if (cfg->relays > 0) {
+      RunRelayFanIn(cfg->nodes / cfg->relays, cfg->rpn, s.groups, s.params, cfg->steps);
+    }
   }
   std::printf("peak RSS %lld MiB\n", static_cast<long long>(PeakRssMiB()));
-  return 0;
+  return ok ? 0 : 1;
 }
 
 }  // namespace
