@@ -69,9 +69,11 @@ class StepWatch:
     thread (owned here, stopped by close()) watches for stalls."""
 
     def __init__(self, agreement, group_id: str, timeout_s: float, stall_s: float = STALL_S,
-                 on_failure: Optional[Callable[[str], None]] = None, grace_s: float = 0.5):
+                 on_failure: Optional[Callable[[str], None]] = None, grace_s: float = 0.5,
+                 members: Optional[tuple] = None):
         self.agreement = agreement
         self.group_id = group_id
+        self.members = members  # the ranks its item is agreed among (None: every rank)
         self.timeout_s = timeout_s
         self.stall_s = stall_s
         self.grace_s = grace_s
@@ -93,7 +95,8 @@ class StepWatch:
         stop_at_exit(self)
 
     def registration(self) -> tuple:
-        return (self.group_id, [("alive", 1, 1)], None, False)
+        reg = (self.group_id, [("alive", 1, 1)], None, False)
+        return reg if self.members is None else reg + (list(self.members),)
 
     # ------------------------------------------------------------ training thread
 
