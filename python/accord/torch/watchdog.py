@@ -215,6 +215,8 @@ class StepWatch:
                 self.handed(step, handle)
                 self.early += 1
             self._watch(handle)
+            if self.error is None:
+                self._wait_verdict()
             if self.error is not None:
                 return
 
@@ -236,6 +238,19 @@ class StepWatch:
                     return  # decided without error as the wait timed out: a slow step
                 self._fail(said)
                 return
+
+    def _wait_verdict(self) -> None:
+        """Still stalled after the step's item was decided: this rank's
+        member sets are alive, so the cause is elsewhere (a rank of another
+        pipeline stage); the job's verdict, pushed to every rank, ends it
+        (docs/MEMBERS.md 2.13)."""
+        wait = getattr(self.agreement, "wait_verdict", None)
+        if wait is None:
+            return
+        try:
+            wait(self.stall_s / 4)
+        except Exception as said:  # noqa: BLE001 - the job's verdict
+            self._fail(said)
 
     def _keep(self, said: BaseException) -> None:
         self._failure = verdict(said, f"accord.torch: a rank stopped or died while this rank "
