@@ -655,8 +655,8 @@ def _pp_install(rank, world_size, infos, job_wide, timeout_s, sid, mod, prefix, 
     if mode == "embedded":
         return accord.torch.install(mod, optional=optional,
                                     **({} if prefix is None else {"prefix": prefix}))
-    ag = _pp_agreement(rank, world_size, infos, job_wide if mode == "accord_job" else None,
-                       timeout_s)
+    ag = _pp_agreement(rank, world_size, infos,
+                       job_wide if mode.startswith("accord_job") else None, timeout_s)
     prefix = f"{prefix}-s{sid}" if mode == "accord" else prefix
     return accord.torch.install(mod, ag, prefix=prefix, optional=optional, timeout_s=timeout_s)
 
@@ -669,8 +669,9 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
     "accord_job": one job of all 4 ranks (`job_wide`), each stage's groups
     agreed among its DP ranks (their member set); "embedded": the same with
     accord.torch.install(stage_module) and nothing else (accord's embedded
-    default under torchrun). In the one-job modes the image projection is a
-    unit of its own, marked optional with layer 1 ("drop")."""
+    default under torchrun). In these two the image projection is a unit of
+    its own, marked optional with layer 1 ("drop"). "accord_learn" and
+    "accord_job_learn": nothing marked, the guard learns."""
     from torch.distributed import pipelining
 
     cls_name, per_rank = PP_SCHEDULES[schedule]

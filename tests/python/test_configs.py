@@ -77,7 +77,8 @@ RUNS_PP = (
     + [(s, m, PARAM, PP_PLAIN) for s in SCHEDULES for m in ("plain", "unused")]
     # A layer used by some ranks' microbatches only, marked optional or learned.
     + [(s, "accord", BOTH, {}) for s in SCHEDULES]
-    + [(s, "accord_learn", BOTH, {}) for s in LEARNED_SCHEDULES]
+    + [(s, m, BOTH, {}) for s in LEARNED_SCHEDULES
+       for m in ("accord_learn", "accord_job_learn")]
     + [("interleaved_zb", "plain", NONE, PP_PLAIN), ("interleaved_zb", "accord", NONE, PP_PLAIN)]
 )
 
@@ -379,13 +380,16 @@ def test_pipeline_fsdp2_alone(pipeline, schedule, mode):
 
 
 @pytest.mark.parametrize("schedule,mode", [(s, "accord") for s in SCHEDULES]
-                         + [(s, "accord_learn") for s in LEARNED_SCHEDULES])
+                         + [(s, m) for s in LEARNED_SCHEDULES
+                            for m in ("accord_learn", "accord_job_learn")])
 def test_pipeline_optional_units(pipeline, schedule, mode):
     """Layer 1 runs in some DP ranks' microbatches only (step 0) and on no
     rank (step 1), beside the image projection used in one rank's second
     microbatch: marked optional ("accord") or learned by the guard at the
-    stage's first step ("accord_learn"), it stays pinned across the
-    schedule's microbatches and is released at REDUCE_GRAD. Gradients equal
+    stage's first step ("accord_learn"; "accord_job_learn" with one job of
+    all stages: the guard's windows among the stage's DP ranks), it stays
+    pinned across the schedule's microbatches and is released at
+    REDUCE_GRAD. Gradients equal
     the single-process reference, identical across each stage's DP ranks,
     None where used nowhere; the same collectives on each stage's ranks."""
     run = (schedule, mode, BOTH)

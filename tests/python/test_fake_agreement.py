@@ -70,6 +70,7 @@ def test_prefixes_number_installations_per_member_set():
 class _Group:
     def __init__(self, gid, members):
         self.group_id, self.members = gid, members
+        self.unit = gid.split("/", 1)[1].split("@")[0]
 
     def registration(self):
         from accord.torch import members as ms
@@ -95,7 +96,7 @@ def test_the_installation_items_are_agreed_among_its_member_set(members):
                    f"p/~collective-sequence{tag}", f"p/~collective-sequence/step{tag}"]
     for r in regs:
         assert (len(r) == 4) if members is None else (r[4] == [2, 3]), r
-    assert regs[1][1] == [(f"p/<root>{tag}", 1, 1)]  # one ~late slot per group
+    assert regs[1][1] == [("p/<root>", 1, 1)]  # one ~late slot per group, named without tag
     assert neg.late_item(7, [groups[ids[0]]], [True]) == (f"p/~late{tag}", 7, ["float32"])
     assert guard.comparison.ranks == ((0, 1, 2, 3) if members is None else (2, 3))
 

@@ -52,7 +52,8 @@ class Installation:
         self.timing = NegotiationTiming()
         self.current: Optional[Release] = None  # this backward's release
         # All-gathers in the last backward that reduced (none yet: None). A
-        # one-rank job has none, ever: FSDP2 does not all-gather at W = 1.
+        # member set of one rank has none, ever: FSDP2 does not all-gather at
+        # W = 1.
         self.backward_all_gathers: Optional[int] = None
         self.release_index = 0  # releases so far: the step of the batch's other items
         self.optional: list = []  # OptionalUnit, given or learned, in the order added
@@ -325,8 +326,10 @@ def install(
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
     `client_or_agreement`: an accord client (accord.connect()), any
-    accord.Agreement, or None for accord.connect() with its defaults. Call
-    after fully_shard and before the model's first forward, on every rank.
+    accord.Agreement, or None for accord.connect() with its defaults (one
+    per process: every stage module of a pipeline shares it). Each group is
+    agreed among the ranks of its FSDP mesh (docs/MEMBERS.md). Call after
+    fully_shard and before the model's first forward, on every rank.
     `optional`: FSDP units (modules or paths) whose forward may run a
     different number of times on different ranks. `speculate` (default on;
     ACCORD_TORCH_SPECULATE=0 turns it off; `overlap` is a deprecated name)

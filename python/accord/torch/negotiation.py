@@ -82,9 +82,12 @@ class Negotiation:
         own = []
         if self.units is not None:
             own += self.units.registrations()
-        own.append((self.late_id, [(gid, 1, 1) for gid in self.groups], None, False))
-        own.append((self.wire_id,
-                    [(f"{gid}:{dt}", 1, 1) for gid in self.groups for dt in WIRE_DTYPES],
+        # Slots named by the group ids without their tags: every member of
+        # the installation's set registers the same (expert groups of two EP
+        # coordinates differ in their tags only).
+        slots = [f"{self.prefix}/{h.unit}" for h in self.groups.values()]
+        own.append((self.late_id, [(s, 1, 1) for s in slots], None, False))
+        own.append((self.wire_id, [(f"{s}:{dt}", 1, 1) for s in slots for dt in WIRE_DTYPES],
                     None, False))
         if self.guard is not None:
             own += self.guard.registrations()
