@@ -445,6 +445,9 @@ def run_one(rank, name, mode, kinds, agreement):
 
             inst = accord.torch.install(model, agreement, prefix=f"{name}-{'+'.join(kinds)}",
                                         optional=optional if "drop" in kinds else ())
+            # What install registered: (group id, members or None) per group.
+            result["registered"] = [(r[0], list(r[4]) if len(r) > 4 else None)
+                                    for r in inst.negotiation.registrations()]
             # What accord records for the guard at each release (a spy on the
             # real installation; the guard itself still gets every entry).
             recorded = result["recorded"] = []
@@ -634,20 +637,49 @@ def _pp_agreement(rank, world_size, infos, job_wide, timeout_s):
     return _PP_AGREEMENT[key]
 
 
+ONE_JOB = ("accord_job", "embedded")
+_EMBEDDED_RUNS: list = []  # schedules run in this process with accord
+
+
+def _pp_install(rank, world_size, infos, job_wide, timeout_s, sid, mod, prefix, mode, kinds):
+    """accord.torch.install of one stage module in `mode`. "embedded" passes
+    nothing but the optional units (and a prefix when `prefix` is not None:
+    runs after the first in one job need ids of their own)."""
+    import accord.torch
+
+    optional = []
+    if mode in ("accord", *ONE_JOB) and "drop" in kinds and str(DROP) in mod.layers:
+        optional.append(mod.layers[str(DROP)])
+    if mode in ONE_JOB and sid == 0:
+        optional.append(mod.proj)
+    if mode == "embedded":
+        return accord.torch.install(mod, optional=optional,
+                                    **({} if prefix is None else {"prefix": prefix}))
+    ag = _pp_agreement(rank, world_size, infos,
+                       job_wide if mode.startswith("accord_job") else None, timeout_s)
+    prefix = f"{prefix}-s{sid}" if mode == "accord" else prefix
+    return accord.torch.install(mod, ag, prefix=prefix, optional=optional, timeout_s=timeout_s)
+
+
 def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, timeout_s=60.0,
                  group_timeout=None):
     """2 pipeline stages x 2 data-parallel ranks (rank = 2 * stage + dp
     rank). Every stage module is its own FSDP root on the dp mesh. Mode
     "accord": one accord job per stage (its DP ranks), `infos[stage]`;
-    "accord_job": one job of all 4 ranks (`job_wide`), which install
-    refuses."""
+    "accord_job": one job of all 4 ranks (`job_wide`), each stage's groups
+    agreed among its DP ranks (their member set); "embedded": the same with
+    accord.torch.install(stage_module) and nothing else (accord's embedded
+    default under torchrun). In these two the image projection is a unit of
+    its own, marked optional with layer 1 ("drop"). "accord_learn" and
+    "accord_job_learn": nothing marked, the guard learns."""
     from torch.distributed import pipelining
 
     cls_name, per_rank = PP_SCHEDULES[schedule]
     pp_rank, dp_rank = rank // 2, rank % 2
     n_virtual = 2 * per_rank
     if group_timeout is None:
-        group_timeout = ACCORD_TIMEOUT if mode.startswith("accord") else PLAIN_TIMEOUT
+        group_timeout = ACCORD_TIMEOUT if mode.startswith("accord") or mode == "embedded" \
+            else PLAIN_TIMEOUT
     meshes = Meshes(rank, world_size, group_timeout)
     mesh = meshes.mesh((2, 2), ("pp", "dp"))
     dp_mesh, pp_group = mesh["dp"], mesh.get_group("pp")
@@ -659,6 +691,8 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
         mod = PipelinePiece(full, pieces[sid], first=sid == 0, last=sid == n_virtual - 1)
         for layer in mod.layers.values():
             fully_shard(layer, mesh=dp_mesh)
+        if sid == 0 and mode in ONE_JOB:
+            fully_shard(mod.proj, mesh=dp_mesh)
         fully_shard(mod, mesh=dp_mesh)
         for m in mod.modules():
             if isinstance(m, FSDPModule):
@@ -686,17 +720,16 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
               "stats": None}
     t0 = time.perf_counter()
     try:
-        if mode.startswith("accord"):
-            import accord.torch
-
-            ag = _pp_agreement(rank, world_size, infos,
-                               job_wide if mode == "accord_job" else None, timeout_s)
+        if mode.startswith("accord") or mode == "embedded":
+            prefix = f"pp-{schedule}-{mode}-{'+'.join(kinds)}"
+            if mode == "embedded" and not _EMBEDDED_RUNS:
+                prefix = None  # the process's first: install(stage_module, optional=...) only
+            _EMBEDDED_RUNS.append(schedule)
             for sid, mod in zip(stage_ids, mods):
-                optional = [mod.layers[str(DROP)]] if (
-                    mode == "accord" and "drop" in kinds and str(DROP) in mod.layers) else []
-                insts.append(accord.torch.install(
-                    mod, ag, prefix=f"pp-{schedule}-{mode}-{'+'.join(kinds)}-s{sid}",
-                    optional=optional, timeout_s=timeout_s))
+                insts.append(_pp_install(rank, world_size, infos, job_wide, timeout_s, sid, mod,
+                                         prefix, mode, kinds))
+            result["registered"] = [(r[0], list(r[4]) if len(r) > 4 else None)
+                                    for i in insts for r in i.negotiation.registrations()]
         for step in range(STEPS):
             result["failed_at"] = step
             data = [pp_usage(dp_rank, step, m, kinds) for m in range(PP_MICROS)]

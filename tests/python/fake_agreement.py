@@ -18,7 +18,10 @@ class FakeGlooAgreement:
         self.world_size = dist.get_world_size()
         self.specs = {}
 
-    def register(self, group_id, params, reduce_dtype, reduce_dtype_exact):
+    def register(self, group_id, params, reduce_dtype, reduce_dtype_exact, members=None):
+        if members is not None:
+            raise _accord.Error(f"UNIMPLEMENTED: group {group_id}: FakeGlooAgreement agrees "
+                                f"among every rank only, not members {list(members)}")
         mine = (group_id, list(params), reduce_dtype, reduce_dtype_exact)
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)

@@ -72,12 +72,13 @@ def _skip_unsupported(mode):
 
 PP_PLAIN = {"group_timeout_s": 6}  # stage 1 waits this long for a failed stage 0
 RUNS_PP = (
-    [("gpipe", "accord_job", PARAM, {"accord_timeout_s": 10})]
+    [(s, "accord_job", BOTH, {}) for s in SCHEDULES]
     + [(s, "accord", PARAM, {}) for s in SCHEDULES]
     + [(s, m, PARAM, PP_PLAIN) for s in SCHEDULES for m in ("plain", "unused")]
     # A layer used by some ranks' microbatches only, marked optional or learned.
     + [(s, "accord", BOTH, {}) for s in SCHEDULES]
-    + [(s, "accord_learn", BOTH, {}) for s in LEARNED_SCHEDULES]
+    + [(s, m, BOTH, {}) for s in LEARNED_SCHEDULES
+       for m in ("accord_learn", "accord_job_learn")]
     + [("interleaved_zb", "plain", NONE, PP_PLAIN), ("interleaved_zb", "accord", NONE, PP_PLAIN)]
 )
 
@@ -265,6 +266,28 @@ def test_accord_matches_reference_2d(four, config):
     assert four[0][run]["timing"]["releases"] == cs.STEPS
 
 
+def test_2d_groups_register_their_mesh_member_sets(four):
+    """TP x FSDP on a (dp, tp) 2 x 2 mesh: every registration of a rank (its
+    FSDP groups and the installation's own: ~late, ~wire, the guard, the
+    step watch, participation) carries the dp group of its TP coordinate,
+    ids tagged with it, the same ids otherwise on both TP coordinates. HSDP:
+    replicate x shard is every rank, so no members and no tag (the 1-D
+    form)."""
+    tp = [r[("tp", "accord", BOTH)]["registered"] for r in four]
+    for rank, regs in enumerate(tp):
+        t = rank % 2
+        assert len(regs) > 4, regs
+        assert all(m == [t, t + 2] for _, m in regs), (rank, regs)
+        assert all(gid.endswith(f"@ranks{t}..{t + 2}/2") for gid, _ in regs), (rank, regs)
+    untagged = [[gid.rsplit("@", 1)[0] for gid, _ in regs] for regs in tp]
+    assert untagged[0] == untagged[1] == untagged[2] == untagged[3]
+    assert any("/~late@" in gid for gid, _ in tp[0]) and any(
+        "/~collective-sequence/step@" in gid for gid, _ in tp[0]), tp[0]
+    for r in four:
+        regs = r[("hsdp_no_sync", "accord", BOTH)]["registered"]
+        assert regs and all(m is None and "@" not in gid for gid, m in regs), regs
+
+
 @pytest.mark.parametrize("run", [r for r in RUNS_FOUR if r[1] != "accord"], ids=_ids)
 def test_fsdp2_alone_2d(four, run):
     _skip_unsupported(run[1])
@@ -357,13 +380,16 @@ def test_pipeline_fsdp2_alone(pipeline, schedule, mode):
 
 
 @pytest.mark.parametrize("schedule,mode", [(s, "accord") for s in SCHEDULES]
-                         + [(s, "accord_learn") for s in LEARNED_SCHEDULES])
+                         + [(s, m) for s in LEARNED_SCHEDULES
+                            for m in ("accord_learn", "accord_job_learn")])
 def test_pipeline_optional_units(pipeline, schedule, mode):
     """Layer 1 runs in some DP ranks' microbatches only (step 0) and on no
     rank (step 1), beside the image projection used in one rank's second
     microbatch: marked optional ("accord") or learned by the guard at the
-    stage's first step ("accord_learn"), it stays pinned across the
-    schedule's microbatches and is released at REDUCE_GRAD. Gradients equal
+    stage's first step ("accord_learn"; "accord_job_learn" with one job of
+    all stages: the guard's windows among the stage's DP ranks), it stays
+    pinned across the schedule's microbatches and is released at
+    REDUCE_GRAD. Gradients equal
     the single-process reference, identical across each stage's DP ranks,
     None where used nowhere; the same collectives on each stage's ranks."""
     run = (schedule, mode, BOTH)
@@ -394,11 +420,17 @@ def test_pipeline_split_backward_schedules_are_refused(pipeline):
         assert not res["overrides_left"], res["overrides_left"]
 
 
-def test_pipeline_with_one_job_for_all_stages_names_the_fix(pipeline):
-    """Every rank of an accord job registers every group; a stage's groups are
-    never registered by the other stage's ranks. install fails at
-    registration, after its timeout, and says to use one job per stage."""
-    for r in pipeline:
-        out = r[("gpipe", "accord_job", PARAM)]["outcome"]
-        assert "DEADLINE_EXCEEDED: no registration result for group" in out, out
-        assert "connect one accord job per stage's data-parallel ranks" in out, out
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_with_one_job_for_all_stages(pipeline, schedule):
+    """One accord job of all 4 ranks (a client each, on 4 sidecars): each
+    stage registers its groups with its DP ranks as members, so neither
+    stage waits for the other; the projection (its own unit) and layer 1
+    are marked optional. Gradients as with one job per stage."""
+    run = (schedule, "accord_job", BOTH)
+    ref = pipeline[0][("ref", BOTH)]
+    for stage in (0, 1):
+        check_accord(pipeline[2 * stage:2 * stage + 2], run, ref)
+        for rank in (2 * stage, 2 * stage + 1):
+            regs = pipeline[rank][run]["registered"]
+            assert regs and all(m == [2 * stage, 2 * stage + 1] for _, m in regs), regs
+            assert all(gid.endswith(f"@ranks{2 * stage}..{2 * stage + 1}") for gid, _ in regs)

@@ -617,7 +617,7 @@ def test_a_failed_collective_after_the_steps_item_was_decided_asks_with_the_next
 
 
 def test_the_deprecated_overlap_names_still_choose_speculation_and_warn(monkeypatch):
-    from accord.torch.installation import _speculate
+    from accord.torch.options import speculate_flag as _speculate
 
     monkeypatch.delenv("ACCORD_TORCH_OVERLAP", raising=False)
     monkeypatch.delenv("ACCORD_TORCH_SPECULATE", raising=False)

@@ -9,27 +9,28 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
+from accord.torch import members as member_sets
 from accord.torch.windows import Window, Wording, describe, first_difference, past_final
 
 
 class WindowComparison:
     """One rank's side: writes its own window under a key of the run, then
-    reads every rank's."""
+    reads every member's (every rank's when `members` is None)."""
 
     def __init__(self, client, group_id: str, rank: int, world_size: int, timeout_s: float,
-                 wording: Wording = Wording()):
+                 wording: Wording = Wording(), members: member_sets.Members = None):
         self.client = client
         self.wording = wording  # of describe()
         self.group_id = group_id
         self.rank = rank
         self.world_size = world_size
+        self.ranks = member_sets.ranks_of(members, world_size)  # whose windows are compared
         self.timeout_s = timeout_s
         self._stall_written = -1  # the window index whose stall this rank wrote
 
     def _all(self, key: str, timeout_s: float) -> Dict[int, dict]:
-        values = self.client.kv_get([f"{key}/{r}" for r in range(self.world_size)],
-                                    timeout_s=timeout_s)
-        return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+        values = self.client.kv_get([f"{key}/{r}" for r in self.ranks], timeout_s=timeout_s)
+        return {r: json.loads(bytes(v).decode()) for r, v in zip(self.ranks, values)}
 
     def describe(self, entries: Dict[int, dict]) -> str:
         return describe(entries, self.wording)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import List
 
-from accord.errors import error_code
 from accord.torch import fsdp2
 
 
@@ -117,39 +116,3 @@ def watch(installation) -> list:
 
             handles.append(fsdp2.check_set_requires_all_reduce(m, check_all_reduce))
     return handles
-
-
-def registration_hint(model, world_size: int) -> str:
-    """Why registering the model's groups may never complete: groups whose
-    FSDP mesh is smaller than the accord job (appended to the registration
-    error). Every rank of the job must register every group; ranks outside
-    a group's mesh do so only if they hold the same module (tensor
-    parallelism), not if they hold another one (a pipeline stage)."""
-    for m in model.modules():
-        if not fsdp2.is_fsdp_module(m):
-            continue
-        for g in fsdp2.param_groups(m):
-            ranks = fsdp2.data_parallel_ranks(g)
-            if len(ranks) < world_size:
-                return (
-                    f"the model's FSDP mesh has ranks {ranks} of the accord job's {world_size}: "
-                    f"every rank of the job registers every group, so ranks that hold other "
-                    f"modules (another pipeline stage) never register these; under pipeline "
-                    f"parallelism connect one accord job per stage's data-parallel ranks "
-                    f"(accord.connect(job_id=<job>-stage<s>, rank=<dp rank>, "
-                    f"world_size=<dp size>)) and install each stage module with it")
-    return ""
-
-
-def with_registration_hint(e: BaseException, model, world_size: int) -> BaseException:
-    """A registration that never completed (the coordinator's deadline), with
-    why it may not: groups whose FSDP mesh is smaller than the job."""
-    if not isinstance(e, Exception) or error_code(e) != "DEADLINE_EXCEEDED":
-        return e
-    hint = registration_hint(model, world_size)
-    if not hint:
-        return e
-    try:
-        return type(e)(f"{e} [{hint}]")
-    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return e

@@ -10,7 +10,7 @@ import torch
 
 import accord
 from accord.agreement import ParamTuple
-from accord.torch import fsdp2
+from accord.torch import fsdp2, members
 from accord.torch.plan import Completion, History, Layout, turn_layout
 from accord.torch.turn import DTYPE_NAMES, GroupStats, Turn, dtype_name, torch_dtype
 
@@ -22,11 +22,13 @@ class AccordFSDPError(RuntimeError):
 class HookedGroup:
     """One FSDP parameter group under accord. Owned by the training thread."""
 
-    def __init__(self, installation, group, group_id: str, names: List[str]):
+    def __init__(self, installation, group, group_id: str, names: List[str],
+                 unit: Optional[str] = None, group_members: members.Members = None):
         self.installation = installation
         self.group = group
         self.group_id = group_id
-        self.unit = group_id.split("/", 1)[1] if "/" in group_id else group_id
+        self.unit = unit if unit is not None else group_id.split("/", 1)[-1]
+        self.members = group_members  # the ranks that reduce it; None: every rank
         self.params: List[ParamTuple] = []
         for name, fp in zip(names, fsdp2.group_params(group)):
             dim0, numel = fsdp2.param_shape(fp)
@@ -58,7 +60,7 @@ class HookedGroup:
             group, self, self.post_backward, self.pre_backward)
 
     def registration(self) -> tuple:
-        return (self.group_id, self.params, None, False)
+        return members.registration((self.group_id, self.params, None, False), self.members)
 
     # ------------------------------------------------------------ FSDP2's hooks
 
@@ -354,32 +356,3 @@ class HookedGroup:
         self.held_after_turn = False
         self.found_unsent = False
         self.sent_late = False
-
-
-def hook_groups(installation, model, prefix: str) -> Dict[str, HookedGroup]:
-    """A HookedGroup for every FSDP parameter group of `model`, by group id
-    (install order: module order). Raises ValueError, hooking nothing, when a
-    group is hooked by another installation or there is none."""
-    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    found = []  # (group id, group, names)
-    for module_name, module in model.named_modules():
-        if not fsdp2.is_fsdp_module(module):
-            continue
-        groups = fsdp2.param_groups(module)
-        for gi, group in enumerate(groups):
-            if any(g is group for _, g, _ in found):
-                continue  # fully_shard([a, b]): one state, listed under each member module
-            if fsdp2.hooked_by(group) is not None:
-                raise ValueError(f"accord.torch.install: FSDP group of "
-                                 f"'{module_name or '<root>'}' is already hooked by another "
-                                 f"installation")
-            base = f"{prefix}/{module_name or '<root>'}"
-            names = []
-            for j, fp in enumerate(fsdp2.group_params(group)):
-                n = param_names.get(id(fsdp2.sharded_param(fp)))
-                names.append(n if n is not None else f"{module_name}.param{j}")
-            found.append((base if len(groups) == 1 else f"{base}#{gi}", group, names))
-    if not found:
-        raise ValueError("accord.torch.install: the model has no FSDP2 parameter groups; call "
-                         "fully_shard(...) on it (and its submodules) first")
-    return {gid: HookedGroup(installation, group, gid, names) for gid, group, names in found}

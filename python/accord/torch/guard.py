@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
+from accord.torch import members as member_sets
 from accord.torch.compare import WindowComparison
 from accord.torch.errors import AccordDivergenceError, again, last_words, verdict
 from accord.torch.sequence import StepSequence
@@ -38,11 +39,14 @@ class SequenceGuard:
     def __init__(self, client, rank: int, world_size: int, group_id: str, timeout_s: float,
                  on_divergence: Optional[Callable[[str], None]] = None, learner=None,
                  stall_s: float = STALL_S, wording: Wording = Wording(),
-                 in_forward: Callable[[object], bool] = lambda group: False):
+                 in_forward: Callable[[object], bool] = lambda group: False,
+                 members: member_sets.Members = None):
         self.client = client
         self.rank = rank
         self.world_size = world_size
-        self.group_id = group_id
+        self.members = members  # windows are agreed among these ranks (None: every rank)
+        tag = member_sets.tag(members)
+        self.group_id, self.step_group_id = group_id + tag, f"{group_id}/step{tag}"
         self.timeout_s = timeout_s
         self.on_divergence = on_divergence or self._abort
         # learner.can_learn(units) -> units to pin or None (background thread,
@@ -50,30 +54,26 @@ class SequenceGuard:
         # collective is done (training thread). See record(). in_forward(group):
         # whether `group`'s collective is a forward all-gather (asked of new ones).
         self.learner, self.in_forward = learner, in_forward
-        self.step_group_id = f"{group_id}/step"
         self._new_windows = 0  # windows closed at a new collective (their group's step)
-        self.stall_s = stall_s
-        self.step = 0
+        self.stall_s, self.step = stall_s, 0
         self.sequence = StepSequence()  # which records are new
-        self.blocking_waits = 0
-        self.blocked_s = 0.0
+        self.blocking_waits, self.blocked_s = 0, 0.0
         self.reports = 0  # collectives recorded
         self.abort_grace_s = 2.0
         self._failure: Optional[BaseException] = None  # its finding, or the job's verdict
         self._open = Window(0, 0, 0)  # replaced under _mu (the stall check reads it)
         self._seen = (0, time.monotonic())  # (reports, when the guard's thread saw them)
         self._release: tuple = (None, None)  # the last release window's shape, manifest
-        self._waiting = False  # the training thread waits for a verdict
+        self._waiting = self._registered = False  # _waiting: the training thread waits
         self._raised = threading.Event()  # the training thread has seen the error
-        self._registered = False
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
         self._queue: List[Window] = []  # closed, not yet submitted
         self._inflight: List[Window] = []  # submitted, not yet checked
-        self._stop = False
+        self._stop = self._exiting = False
         self._thread: Optional[threading.Thread] = None
-        self._exiting = False
-        self.comparison = WindowComparison(client, group_id, rank, world_size, timeout_s, wording)
+        self.comparison = WindowComparison(client, self.group_id, rank, world_size, timeout_s,
+                                           wording, members=members)
 
     # ------------------------------------------------------------ training thread
 
@@ -214,9 +214,7 @@ class SequenceGuard:
             w.checked.set()
         return False
 
-    @property
-    def error(self) -> Optional[str]:  # the failure's text, once there is one
-        return None if self._failure is None else str(self._failure)
+    error = property(lambda self: None if self._failure is None else str(self._failure))
 
     def _check_error(self) -> None:
         if self._failure is not None:
@@ -246,17 +244,18 @@ class SequenceGuard:
         """The guard's groups (windows closed at new collectives; windows
         closed at releases), for the installation's one batched registration
         (then call registered())."""
-        return [(self.group_id, slot_params(), None, False),
-                (self.step_group_id, slot_params(), None, False)]
+        return [member_sets.registration((g, slot_params(), None, False), self.members)
+                for g in (self.group_id, self.step_group_id)]
 
     def registered(self) -> None:
         self._registered = True
 
     def _register(self) -> None:
         if not self._registered:
-            for group_id, params, _, _ in self.registrations():
+            for group_id, params, *_ in self.registrations():
                 self.client.register_group(group_id, params, reduce_dtype=None,
-                                           reduce_dtype_exact=False, timeout_s=self.timeout_s)
+                                           reduce_dtype_exact=False, timeout_s=self.timeout_s,
+                                           members=self.members and list(self.members))
             self._registered = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="accord-guard", daemon=True)
@@ -362,7 +361,7 @@ class SequenceGuard:
         error (accord.torch.windows.repairable_units)."""
         if self.learner is None:
             return None
-        units = repairable_units(entries, self.world_size)
+        units = repairable_units(entries, len(self.comparison.ranks))
         return None if units is None else self.learner.can_learn(units)
 
     def _check_stall(self) -> None:

@@ -21,21 +21,15 @@ import torch
 
 import accord
 from accord.agreement import as_agreement
-from accord.torch import configs, fsdp2
+from accord.torch import configs, fsdp2, members
 from accord.torch.all_gathers import Routes
-from accord.torch.group import hook_groups
+from accord.torch.hooking import find_groups, hook_groups
 from accord.torch.negotiation import Negotiation, NegotiationTiming
 from accord.torch.optional import OptionalUnits, resolve
+from accord.torch.options import default_client, env_flag, speculate_flag
 from accord.torch.release import Release
 from accord.torch.transformers_capture import fix_transformers_output_capture
 from accord.torch.windows import microbatch_record
-
-
-def env_flag(name: str, default: bool = True) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    return raw.strip().lower() not in ("0", "false", "off", "no")
 
 
 class Installation:
@@ -47,14 +41,20 @@ class Installation:
                  guard: bool, learn_optional: bool, watch: bool, timeout_s: float):
         self.model = model
         self.agreement = agreement
+        self.asked_prefix = prefix
         self.prefix = prefix
+        self._taken: Optional[str] = None  # the prefix taken from members.PREFIXES
+        # The ranks this installation's checks are agreed among: every rank
+        # that reduces one of its groups (None: every rank of the job).
+        self.members: members.Members = None
         self.rank = agreement.rank
         self.speculate = speculate
         self.timing = NegotiationTiming()
         self.current: Optional[Release] = None  # this backward's release
         # All-gathers in the last backward that reduced (none yet: None). A
-        # one-rank job has none, ever: FSDP2 does not all-gather at W = 1.
-        self.backward_all_gathers: Optional[int] = 0 if agreement.world_size == 1 else None
+        # member set of one rank has none, ever: FSDP2 does not all-gather at
+        # W = 1.
+        self.backward_all_gathers: Optional[int] = None
         self.release_index = 0  # releases so far: the step of the batch's other items
         self.optional: list = []  # OptionalUnit, given or learned, in the order added
         self.learned: list = []  # names of the units the guard made optional
@@ -73,16 +73,21 @@ class Installation:
         self.chunk: Optional[int] = None  # the schedule's microbatch now in its forward
         self._fsdp_root = next((m for m in model.modules() if fsdp2.is_fsdp_module(m)), None)
         try:
-            self.groups = hook_groups(self, model, prefix)
+            found = find_groups(model, agreement)
+            self.members = members.union([m for *_, m in found], agreement.world_size)
+            self.prefix = self._taken = members.PREFIXES.take(prefix, self.members)
+            self.groups = hook_groups(self, found, self.prefix)
+            if self.member_count == 1:
+                self.backward_all_gathers = 0
             configs.refuse_post_accumulate_grad_hooks(self.groups.values(), "at install")
             self.units = OptionalUnits(self, optional)
-            many = getattr(agreement, "client", None) is not None and agreement.world_size > 1
+            many = getattr(agreement, "client", None) is not None and self.member_count > 1
             if guard and many:
                 self.guard = self._sequence_guard(timeout_s, learn_optional)
             if watch and many:
                 self.watch = self._step_watch(timeout_s)
-            self.negotiation = Negotiation(agreement, prefix, self.groups, self.timing,
-                                           self.units, self.guard, self.watch)
+            self.negotiation = Negotiation(agreement, self.prefix, self.groups, self.timing,
+                                           self.units, self.guard, self.watch, self.members)
             self._handles.append(Routes(self))
             self._handles.extend(configs.watch(self))
             self._handles.append(_Schedules(self))
@@ -96,13 +101,24 @@ class Installation:
 
         return SequenceGuard(self.agreement.client, self.rank, self.agreement.world_size,
                              f"{self.prefix}/~collective-sequence", timeout_s,
-                             learner=self.units if learn else None, in_forward=fsdp2.in_forward)
+                             learner=self.units if learn else None, in_forward=fsdp2.in_forward,
+                             members=self.members)
 
     def _step_watch(self, timeout_s: float):
         from accord.torch.watchdog import StepWatch
 
         stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
-        return StepWatch(self.agreement, f"{self.prefix}/~step", timeout_s, stall_s=stall_s)
+        return StepWatch(self.agreement, self.item_id("~step"), timeout_s, stall_s=stall_s,
+                         members=self.members)
+
+    @property
+    def member_count(self) -> int:
+        return members.count(self.members, self.agreement.world_size)
+
+    def item_id(self, name: str) -> str:
+        """The id of one of this installation's own groups (`~late`, ...),
+        tagged with its member set."""
+        return f"{self.prefix}/{name}{members.tag(self.members)}"
 
     def _hook_states(self) -> None:
         for module in self.model.modules():
@@ -257,6 +273,9 @@ class Installation:
             for h in self.groups.values():
                 h.unhook()
             self.groups.clear()
+            if self._taken is not None:
+                members.PREFIXES.give_back(self.asked_prefix, self.members, self._taken)
+                self._taken = None
             self.model.__dict__.pop("_accord_installation", None)
 
 
@@ -291,17 +310,6 @@ def _existing(model, client_or_agreement, units):
     return existing
 
 
-def _speculate(speculate: Optional[bool], overlap: Optional[bool]) -> bool:
-    if overlap is not None or os.environ.get("ACCORD_TORCH_OVERLAP") is not None:
-        warnings.warn("accord.torch: `overlap` and ACCORD_TORCH_OVERLAP are deprecated names "
-                      "of `speculate` and ACCORD_TORCH_SPECULATE", DeprecationWarning,
-                      stacklevel=3)
-    if speculate is None:
-        speculate = overlap if overlap is not None else (
-            env_flag("ACCORD_TORCH_SPECULATE") and env_flag("ACCORD_TORCH_OVERLAP"))
-    return bool(speculate)
-
-
 def install(
     model: torch.nn.Module,
     client_or_agreement=None,
@@ -318,8 +326,10 @@ def install(
     """Hooks FSDP2's reduce path of every FSDP parameter group in `model`.
 
     `client_or_agreement`: an accord client (accord.connect()), any
-    accord.Agreement, or None for accord.connect() with its defaults. Call
-    after fully_shard and before the model's first forward, on every rank.
+    accord.Agreement, or None for accord.connect() with its defaults (one
+    per process: every stage module of a pipeline shares it). Each group is
+    agreed among the ranks of its FSDP mesh (docs/MEMBERS.md). Call after
+    fully_shard and before the model's first forward, on every rank.
     `optional`: FSDP units (modules or paths) whose forward may run a
     different number of times on different ranks. `speculate` (default on;
     ACCORD_TORCH_SPECULATE=0 turns it off; `overlap` is a deprecated name)
@@ -350,10 +360,10 @@ def install(
             "every rank (each group's step count must start at the same point)")
     configs.refuse(model)
     if client_or_agreement is None:
-        client_or_agreement = accord.connect()
+        client_or_agreement = default_client()
     agreement = as_agreement(client_or_agreement, timeout_s=timeout_s)
     inst = Installation(
-        model, agreement, prefix=prefix, speculate=_speculate(speculate, overlap),
+        model, agreement, prefix=prefix, speculate=speculate_flag(speculate, overlap),
         optional=units, timeout_s=timeout_s,
         guard=env_flag("ACCORD_TORCH_GUARD") if guard is None else guard,
         learn_optional=(env_flag("ACCORD_TORCH_LEARN_OPTIONAL") if learn_optional is None
@@ -361,9 +371,9 @@ def install(
         watch=env_flag("ACCORD_TORCH_WATCH") if watch is None else watch)
     try:
         inst.register()
-    except BaseException as e:
+    except BaseException:
         inst.uninstall()
-        raise configs.with_registration_hint(e, model, agreement.world_size)
+        raise
     fix_transformers_output_capture(model)
     model.__dict__["_accord_installation"] = inst
     return inst

@@ -9,6 +9,7 @@ import dataclasses
 import time
 from typing import Dict, List
 
+from accord.torch import members as member_sets
 from accord.torch.errors import waited
 from accord.torch.watchdog import stop_at_exit
 
@@ -57,9 +58,14 @@ class Negotiation:
     Training thread only."""
 
     def __init__(self, agreement, prefix: str, groups: dict, timing: NegotiationTiming,
-                 units=None, guard=None, watch=None):
+                 units=None, guard=None, watch=None, members: member_sets.Members = None):
         self.agreement = agreement
         self.prefix = prefix
+        # The installation's member set: `~late` and `~wire` are agreed
+        # among these ranks only (docs/MEMBERS.md 2.12).
+        self.members = members
+        tag = member_sets.tag(members)
+        self.late_id, self.wire_id = f"{prefix}/~late{tag}", f"{prefix}/~wire{tag}"
         self.groups = groups
         self.timing = timing
         self.units = units
@@ -73,18 +79,22 @@ class Negotiation:
     # ------------------------------------------------------------ install
 
     def registrations(self) -> List[tuple]:
-        regs = [h.registration() for h in self.groups.values()]
+        own = []
         if self.units is not None:
-            regs += self.units.registrations()
-        regs.append((f"{self.prefix}/~late", [(gid, 1, 1) for gid in self.groups], None, False))
-        regs.append((f"{self.prefix}/~wire",
-                     [(f"{gid}:{dt}", 1, 1) for gid in self.groups for dt in WIRE_DTYPES],
-                     None, False))
+            own += self.units.registrations()
+        # Slots named by the group ids without their tags: every member of
+        # the installation's set registers the same (expert groups of two EP
+        # coordinates differ in their tags only).
+        slots = [f"{self.prefix}/{h.unit}" for h in self.groups.values()]
+        own.append((self.late_id, [(s, 1, 1) for s in slots], None, False))
+        own.append((self.wire_id, [(f"{s}:{dt}", 1, 1) for s in slots for dt in WIRE_DTYPES],
+                    None, False))
         if self.guard is not None:
-            regs += self.guard.registrations()
+            own += self.guard.registrations()
         if self.watch is not None:
-            regs.append(self.watch.registration())
-        return regs
+            own.append(self.watch.registration())
+        return [h.registration() for h in self.groups.values()] + [
+            member_sets.registration(r, self.members) for r in own]
 
     def register(self) -> None:
         """Every registration in one batched round trip where the agreement
@@ -110,7 +120,7 @@ class Negotiation:
         mine = []
         for h in self.groups.values():
             mine += ["float32" if dt == h.wire else None for dt in WIRE_DTYPES]
-        decision = self.wait(self.submit([(f"{self.prefix}/~wire", 0, mine)])[0])
+        decision = self.wait(self.submit([(self.wire_id, 0, mine)])[0])
         used = list(decision.included)
         k = len(WIRE_DTYPES)
         for i, h in enumerate(self.groups.values()):
@@ -186,7 +196,7 @@ class Negotiation:
         """This rank's `~late` manifest: one slot per group (install order),
         present when the group's gradient came after its turn here."""
         mine = {h.group_id for h, l in zip(order, late) if l}
-        return (f"{self.prefix}/~late", index,
+        return (self.late_id, index,
                 ["float32" if gid in mine else None for gid in self.groups])
 
     def wait_late(self) -> Dict[str, bool]:

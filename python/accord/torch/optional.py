@@ -40,13 +40,15 @@ class ParticipationReporter:
 
     PARAMS = [("ran", 1, 1), ("repeated", 1, 1)]
 
-    def __init__(self, agreement, group_id: str):
+    def __init__(self, agreement, group_id: str, members: Optional[tuple] = None):
         self.agreement = agreement
         self.group_id = group_id
+        self.members = members  # the installation's member set (None: every rank)
         self.previous = None
 
     def registration(self) -> tuple:
-        return (self.group_id, self.PARAMS, None, False)
+        reg = (self.group_id, self.PARAMS, None, False)
+        return reg if self.members is None else reg + (list(self.members),)
 
     @staticmethod
     def manifest(calls: int) -> list:
@@ -146,8 +148,8 @@ class OptionalUnits:
         inst = self.inst
         reporter = None
         if callable(getattr(inst.agreement, "submit_async", None)):
-            reporter = ParticipationReporter(inst.agreement,
-                                             f"{inst.prefix}/~participation/{name}")
+            reporter = ParticipationReporter(inst.agreement, inst.item_id(f"~participation/{name}"),
+                                             inst.members)
             if register_now:
                 inst.agreement.register(*reporter.registration())
         groups = fsdp2.param_groups(module)

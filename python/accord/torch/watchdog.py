@@ -69,9 +69,11 @@ class StepWatch:
     thread (owned here, stopped by close()) watches for stalls."""
 
     def __init__(self, agreement, group_id: str, timeout_s: float, stall_s: float = STALL_S,
-                 on_failure: Optional[Callable[[str], None]] = None, grace_s: float = 0.5):
+                 on_failure: Optional[Callable[[str], None]] = None, grace_s: float = 0.5,
+                 members: Optional[tuple] = None):
         self.agreement = agreement
         self.group_id = group_id
+        self.members = members  # the ranks its item is agreed among (None: every rank)
         self.timeout_s = timeout_s
         self.stall_s = stall_s
         self.grace_s = grace_s
@@ -93,7 +95,8 @@ class StepWatch:
         stop_at_exit(self)
 
     def registration(self) -> tuple:
-        return (self.group_id, [("alive", 1, 1)], None, False)
+        reg = (self.group_id, [("alive", 1, 1)], None, False)
+        return reg if self.members is None else reg + (list(self.members),)
 
     # ------------------------------------------------------------ training thread
 
@@ -212,6 +215,8 @@ class StepWatch:
                 self.handed(step, handle)
                 self.early += 1
             self._watch(handle)
+            if self.error is None:
+                self._wait_verdict()
             if self.error is not None:
                 return
 
@@ -233,6 +238,19 @@ class StepWatch:
                     return  # decided without error as the wait timed out: a slow step
                 self._fail(said)
                 return
+
+    def _wait_verdict(self) -> None:
+        """Still stalled after the step's item was decided: this rank's
+        member sets are alive, so the cause is elsewhere (a rank of another
+        pipeline stage); the job's verdict, pushed to every rank, ends it
+        (docs/MEMBERS.md 2.13)."""
+        wait = getattr(self.agreement, "wait_verdict", None)
+        if wait is None:
+            return
+        try:
+            wait(self.stall_s / 4)
+        except Exception as said:  # noqa: BLE001 - the job's verdict
+            self._fail(said)
 
     def _keep(self, said: BaseException) -> None:
         self._failure = verdict(said, f"accord.torch: a rank stopped or died while this rank "
