@@ -244,12 +244,26 @@ def _trace_collectives(record=None):
         setattr(dist, name, wrap())
 
 
+def _mark_leaf(model, leaf):
+    """ZeRO-3 leaf modules (DeepSpeed fetches each whole at its forward and
+    reduces its parameters from one module backward hook, zero-filling those
+    without a gradient): module paths, or classes (set_z3_leaf_modules)."""
+    from deepspeed.utils import set_z3_leaf_module, set_z3_leaf_modules
+
+    classes = [m for m in leaf if isinstance(m, type)]
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    for path in (m for m in leaf if isinstance(m, str)):
+        set_z3_leaf_module(model.get_submodule(path), True)
+
+
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=None, kind="toy", turns=None, record=False):
+          zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=()):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
-    Adam moments of the tower before and after the step."""
+    Adam moments of the tower before and after the step. `leaf`: paths of
+    modules marked ZeRO-3 leaf modules before deepspeed.initialize."""
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
@@ -259,6 +273,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     if os.environ.get("ACCORD_TEST_TRACE") or record:
         _trace_collectives(collectives)
     model = make_model(kind)
+    _mark_leaf(model, leaf)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, world_size, gas, dtype,
@@ -372,12 +387,14 @@ def _family(name):
 
 
 def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embedded",
-           cluster=None, persistence=0):
+           cluster=None, persistence=0, leaf=False):
     """Real model code from model_scenarios (tiny configs, random weights) under
     ZeRO. llava: transformers' LlavaForConditionalGeneration (CLIP tower,
     Llama decoder), even ranks see an image in one microbatch per step, odd
     ranks are text-only. custom_moe: an MoE language model with one module
-    per expert, experts without tokens on some ranks and one on no rank.
+    per expert, experts without tokens on some ranks and one on no rank;
+    `leaf`: each MoE layer (router and experts) a ZeRO-3 leaf module, so
+    optional= is not given.
     Returns per step the reduced gradients, a single-process reference, and
     the parameters before and after the step."""
     import torch
@@ -386,6 +403,11 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
 
     build, make_batch, loss_of, optional = _family(name)
     model = build()
+    if leaf:
+        import model_scenarios as ms
+
+        _mark_leaf(model, [ms.HashMoE])
+        optional = ()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, _, _, _ = deepspeed.initialize(

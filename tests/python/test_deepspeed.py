@@ -621,19 +621,44 @@ def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
     assert unused and all(".layers.1." in n or "post_layernorm" in n for n in unused), unused
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage):
+@pytest.mark.parametrize("stage,leaf", [(2, False), (3, False), (3, True)])
+def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage, leaf):
     """An MoE language model with one module per expert (model_scenarios'
     custom_moe): experts 1 and 2 get no tokens on one rank, expert 3 on no
     rank. Without accord the job dies in step 0 (pinned); ZeRO-3 marks every
-    expert optional (persistent)."""
-    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe",
-                                       stage=stage, steps=1, accord="none"))
-    assert failed and all(_steps_done(r) == 0 for r in failed), failed
+    expert optional (persistent). `leaf`: each MoE layer a ZeRO-3 leaf module
+    (set_z3_leaf_modules), no optional=: without accord it trains, but
+    DeepSpeed zero-fills the gradients of experts without tokens, so expert
+    3 (no rank) moves by weight decay (pinned); accord takes a leaf
+    module's zero-filled gradient as no gradient, so expert 3 is bitwise
+    unchanged, as without leaf modules."""
+    plain = sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe", stage=stage,
+                            steps=1, accord="none", leaf=leaf)
+    if leaf:
+        _check_moves_unused_experts(plain)
+    else:
+        failed = _failures(plain)
+        assert failed and all(_steps_done(r) == 0 for r in failed), failed
     results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, name="custom_moe", stage=stage,
-                              steps=2, accord="embedded")
+                              steps=2, accord="embedded", leaf=leaf)
     unused = _check_family(results)
     assert unused and all(".experts.3." in n for n in unused), unused
+
+
+def _check_moves_unused_experts(results):
+    """DeepSpeed alone with leaf modules: reference gradients, but expert 3
+    (used on no rank) is changed by the step."""
+    for records in _steps(results):
+        rec = records[0]
+        unused = [n for n, g in rec["ref"].items() if g is None]
+        assert unused and all(".experts.3." in n for n in unused), unused
+        for n, g in rec["grads"].items():
+            ref = rec["ref"][n]
+            if ref is None:
+                assert torch.count_nonzero(g) == 0, n
+                assert not torch.equal(rec["after"][n], rec["start"][n]), n
+            else:
+                assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, n
 
 
 def _check_family(results):
