@@ -92,9 +92,12 @@ def _check_unused_unchanged(results, step):
 # ---------------------------------------------------------------- without accord (pinned)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage):
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2)
+@pytest.mark.parametrize("stage,leaf", [(1, ()), (2, ()), (3, ()), (3, ("tower",))])
+def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage, leaf):
+    """`leaf`: the tower a ZeRO-3 leaf module; still a forward all-gather
+    only rank 0 issues."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2, leaf=leaf,
+                              persistence=0 if leaf else None)
     failed = _failures(results)
     assert failed, "DeepSpeed trained without accord: the pinned failure changed"
     assert any(MISMATCH in _text(r) for r in failed), [_text(r)[-800:] for r in failed]
@@ -341,6 +344,27 @@ def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype,
         assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
         print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
               f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_zero3_leaf_module_tower_on_one_rank_trains_with_reference_gradients(given, cluster):
+    """The tower a ZeRO-3 leaf module (its parameters reduced from its
+    backward hook, which runs on rank 0 only). given: optional=["tower"],
+    used on rank 0 at steps 0 and 2, nowhere at 1 and 3 (bitwise unchanged
+    there, repaired at 2), the same collectives on both ranks; learned: not
+    given, never used on rank 1, made optional in step 0."""
+    info = cluster_info(cluster, 2, f"ds-z3-leaf-{given}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even" if given else "never_on_1",
+                              steps=4 if given else 2, persistence=0, leaf=("tower",),
+                              optional=("tower",) if given else (), record=given,
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    if given:
+        _same_collectives(results)
+        _check_unused_unchanged(results, step=1)
+    else:
+        assert all(r[-1]["learned"] == ["tower"] for r in results), [r[-1] for r in results]
 
 
 class _FakeZero3:
