@@ -177,15 +177,16 @@ def _stats(results):
     return [r[-1]["stats"] for r in results]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(stage, cluster):
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (2, 3)])
+def test_zero12_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(stage, world,
+                                                                           cluster):
     """Every reduction is handed to DeepSpeed during the backward, before
     the decision; accord holds at most one bucket's gradient bytes beyond
     DeepSpeed (here: the weight whose bias, released first, is still being
     computed); 2 accumulated microbatches."""
-    info = cluster_info(cluster, 2, f"ds-seq-{stage}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, steps=3, gas=2, kind="seq",
-                              zero3=TURNS, accord="cluster", cluster=info)
+    info = cluster_info(cluster, world, f"ds-seq-{stage}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=stage, steps=3, gas=2,
+                              kind="seq", zero3=TURNS, accord="cluster", cluster=info)
     _check_against_reference(results)
     for s in _stats(results):
         assert 0 < s["speculated"] == s["reduced"], s
@@ -209,17 +210,19 @@ def test_zero12_late_gradient_is_repaired_by_a_delta_with_reference_gradients(st
         print(f"accord-test: ZeRO-{stage} late held_bytes {s['held_bytes']}")
 
 
-@pytest.mark.parametrize("stage,dtype,gas", [(2, "fp32", 1), (1, "fp32", 1), (2, "bf16", 2),
-                                             (1, "bf16", 2)])
+@pytest.mark.parametrize("stage,dtype,gas,world", [(2, "fp32", 1, 2), (1, "fp32", 1, 2),
+                                                   (2, "bf16", 2, 2), (1, "bf16", 2, 2),
+                                                   (2, "fp32", 1, 3)])
 def test_zero12_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(stage, dtype, gas,
-                                                                          cluster):
+                                                                          world, cluster):
     """The tower runs on rank 0 at steps 0 and 2, nowhere at 1 and 3: step 1
     hands it over as zeros (speculated from step 0) and trims it, so it is
     bitwise unchanged; step 2's speculation (step 1's decision) leaves it
     out and the decision includes it: repaired by the delta."""
-    info = cluster_info(cluster, 2, f"ds-some-{stage}-{dtype}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="on_0_at_even", steps=4, gas=gas,
-                              dtype=dtype, zero3=TURNS, accord="cluster", cluster=info)
+    info = cluster_info(cluster, world, f"ds-some-{stage}-{dtype}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=stage,
+                              case="on_0_at_even", steps=4, gas=gas, dtype=dtype, zero3=TURNS,
+                              accord="cluster", cluster=info)
     _check_against_reference(results, dtype=dtype)
     if dtype == "fp32":
         _check_unused_unchanged(results, step=1)
@@ -276,8 +279,9 @@ def _same_collectives(results):
         assert other == seqs[0]
 
 
-@pytest.mark.parametrize("fetch", ["refetch", "prefetch", "kept", "epilogue"])
-def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, cluster):
+@pytest.mark.parametrize("fetch,world", [("refetch", 2), ("prefetch", 2), ("kept", 2),
+                                         ("epilogue", 2), ("refetch", 3), ("prefetch", 3)])
+def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, world, cluster):
     """ZeRO-3 hands DeepSpeed every parameter during the backward, before
     the decision, at points placed among its all-gathers; every rank issues
     the same collectives. Held beyond DeepSpeed: at most one module's
@@ -286,9 +290,10 @@ def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch,
     or nothing fetched any more), that second backward holds up to its whole
     gradient, and none after. `epilogue` (turns off): every gradient of
     every backward."""
-    info = cluster_info(cluster, 2, f"ds-z3-seq-{fetch}")
+    info = cluster_info(cluster, world, f"ds-z3-seq-{fetch}-{world}")
     config = dict(FETCH.get(fetch, FETCH["refetch"]), reduce_bucket_size=BUCKET)
-    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, gas=2, kind="seq", zero3=config,
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=3, steps=3, gas=2,
+                              kind="seq", zero3=config,
                               persistence=0, accord="cluster", cluster=info, record=True,
                               turns=fetch != "epilogue")
     _check_against_reference(results)
@@ -323,16 +328,19 @@ def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
               f"per backward {s['held_by_release']}")
 
 
-@pytest.mark.parametrize("dtype,gas,fetch", [("fp32", 1, "refetch"), ("bf16", 2, "refetch"),
-                                             ("fp32", 1, "prefetch")])
+@pytest.mark.parametrize("dtype,gas,fetch,world", [("fp32", 1, "refetch", 2),
+                                                   ("bf16", 2, "refetch", 2),
+                                                   ("fp32", 1, "prefetch", 2),
+                                                   ("fp32", 1, "prefetch", 3)])
 def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype, gas, fetch,
-                                                                         cluster):
+                                                                         world, cluster):
     """The optional tower runs on rank 0 at steps 0 and 2, nowhere at 1 and
     3: handed over as zeros at step 1 and left unchanged, left out of step
     2's speculation and repaired into the gradient partitions; the same
     collectives on both ranks."""
-    info = cluster_info(cluster, 2, f"ds-z3-some-{dtype}-{fetch}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4, gas=gas,
+    info = cluster_info(cluster, world, f"ds-z3-some-{dtype}-{fetch}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=3,
+                              case="on_0_at_even", steps=4, gas=gas,
                               dtype=dtype, persistence=0, optional=("tower",), record=True,
                               zero3=dict(FETCH[fetch], reduce_bucket_size=BUCKET),
                               accord="cluster", cluster=info)
