@@ -108,13 +108,18 @@ SEQ, LAYERS = 24, 5  # the sequential models: LAYERS Linear(SEQ, SEQ), 600 param
 
 
 def make_model(kind="toy"):
-    """`toy` (above); `seq`: LAYERS linear layers, autograd's order the
-    reverse of their definition; `late`: the same with the input layer
-    defined last, so it comes first in release order and its gradient last."""
+    """`toy` (above); `toy-torch-ckpt`: the same with the body and the tower
+    under torch.utils.checkpoint (non-reentrant), so their forward runs again
+    in the backward; `toy-deepspeed-ckpt`: the body under
+    deepspeed.checkpointing.checkpoint (reentrant: the tower's input needs no
+    gradient, so under it the tower would get none); `seq`: LAYERS linear layers,
+    autograd's order the reverse of their definition; `late`: the same with
+    the input layer defined last, so it comes first in release order and its
+    gradient last."""
     import torch
     from torch import nn
 
-    if kind != "toy":
+    if not kind.startswith("toy"):
         torch.manual_seed(0)
         layers = [nn.Linear(SEQ, SEQ) for _ in range(LAYERS)]
         if kind == "late":  # the first layer run, registered last
@@ -145,8 +150,20 @@ def make_model(kind="toy"):
         def forward(self, x, image=None):
             h = self.embed(x)
             if image is not None:
-                h = h + self.tower(image).mean(0, keepdim=True)
-            return self.head(torch.tanh(self.body(h))).pow(2).mean()
+                tower = _run if kind == "toy-torch-ckpt" else (lambda m, x: m(x))
+                h = h + tower(self.tower, image).mean(0, keepdim=True)
+            return self.head(torch.tanh(_run(self.body, h))).pow(2).mean()
+
+    def _run(module, x):
+        if kind == "toy-torch-ckpt":
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(module, x, use_reentrant=False)
+        if kind == "toy-deepspeed-ckpt":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(module, x)
+        return module(x)
 
     torch.manual_seed(0)
     return Toy()
@@ -175,7 +192,7 @@ def batch(rank, step, micro, case, kind="toy"):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
-    x = torch.randn(3, IN if kind == "toy" else SEQ, generator=g)
+    x = torch.randn(3, IN if kind.startswith("toy") else SEQ, generator=g)
     image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
 

@@ -375,6 +375,28 @@ def test_zero3_leaf_module_tower_on_one_rank_trains_with_reference_gradients(giv
         assert all(r[-1]["learned"] == ["tower"] for r in results), [r[-1] for r in results]
 
 
+@pytest.mark.parametrize("ckpt", ["torch", "deepspeed"])
+def test_zero3_activation_checkpointing_refetches_are_counted_alike_on_every_rank(ckpt, cluster):
+    """The body under activation checkpointing (torch's non-reentrant, with the
+    optional tower too; DeepSpeed's reentrant): the body's recomputation
+    fetches it again inside the backward (an all-gather the turns count with
+    the backward's), the tower's (rank 0 at steps 0 and 2 only) fetches
+    nothing. The same collectives on both ranks, reference
+    gradients, the tower bitwise unchanged where no rank used it."""
+    info = cluster_info(cluster, 2, f"ds-z3-ckpt-{ckpt}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4,
+                              kind=f"toy-{ckpt}-ckpt", persistence=0, optional=("tower",),
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              record=True, accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _same_collectives(results)
+    _check_unused_unchanged(results, step=1)
+    for s in _stats(results):
+        assert s["speculated"] > 0 and s["repaired"] >= 2, s
+        print(f"accord-test: ZeRO-3 {ckpt} checkpointing held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
+
+
 class _FakeZero3:
     """What Zero3Turns calls on the adapter, recording each parameter
     handed to DeepSpeed's bucketing and each all-gather, in order."""
