@@ -259,6 +259,21 @@ def _trace_collectives(record=None):
             return traced
 
         setattr(dist, name, wrap())
+    # DeepSpeed's torch backend keeps its own references to these two.
+    from deepspeed.comm import comm as ds_comm
+
+    for attr, name in (("all_gather_function", "all_gather_into_tensor"),
+                       ("reduce_scatter_function", "reduce_scatter_tensor")):
+        fn = getattr(ds_comm.cdb, attr, None)
+        if fn is not None:
+            def traced(*args, __fn=fn, __name=name, **kwargs):
+                sizes = [a.numel() for a in list(args) + list(kwargs.values())
+                         if hasattr(a, "numel")]
+                if record is not None:
+                    record.append((__name, tuple(sizes)))
+                return __fn(*args, **kwargs)
+
+            setattr(ds_comm.cdb, attr, traced)
 
 
 def _mark_leaf(model, leaf):

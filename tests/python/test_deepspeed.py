@@ -375,6 +375,9 @@ def test_zero3_leaf_module_tower_on_one_rank_trains_with_reference_gradients(giv
         assert all(r[-1]["learned"] == ["tower"] for r in results), [r[-1] for r in results]
 
 
+TOY_BUCKET = 100  # elements: each of the toy model's modules but the head fills a bucket
+
+
 @pytest.mark.parametrize("ckpt", ["torch", "deepspeed"])
 def test_zero3_activation_checkpointing_refetches_are_counted_alike_on_every_rank(ckpt, cluster):
     """The body under activation checkpointing (torch's non-reentrant, with the
@@ -386,7 +389,7 @@ def test_zero3_activation_checkpointing_refetches_are_counted_alike_on_every_ran
     info = cluster_info(cluster, 2, f"ds-z3-ckpt-{ckpt}")
     results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4,
                               kind=f"toy-{ckpt}-ckpt", persistence=0, optional=("tower",),
-                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=TOY_BUCKET),
                               record=True, accord="cluster", cluster=info)
     _check_against_reference(results)
     _same_collectives(results)
