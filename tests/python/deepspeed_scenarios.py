@@ -551,3 +551,60 @@ def hf_trainer(rank, world_size, out_dir, stage=2, accord="none", steps=2, accum
             "batches": seen[:accumulation],
             "stats": None if accord_cb is None else
             __import__("dataclasses").asdict(accord_cb.installation.stats)}
+
+
+# ---------------------------------------------------------------- Accelerate
+
+
+def accelerate_train(rank, world_size, stage=3, case="on_0_at_even", steps=4, accord="embedded"):
+    """The toy model through accelerate's Accelerator with a DeepSpeedPlugin
+    (no Trainer): accelerator.prepare builds the engine, accord installs on
+    it (ZeRO-3: optional=["tower"]), accelerator.backward runs the engine's
+    backward and step. Returns per step the gradients at the ZeRO optimizer's
+    step, the reference, and the parameters before and after."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29556"),
+                      ACCELERATE_USE_DEEPSPEED="true")  # as the Trainer sets it; else DDP on CPU
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(stage, world_size, 1, "fp32",
+                                                    0 if stage == 3 else None))
+    accelerator = Accelerator(deepspeed_plugin=plugin)  # not cpu=True: that means no DeepSpeed
+    engine, opt = accelerator.prepare(model, opt)
+    inst = None
+    if accord != "none":
+        from accord import deepspeed as accord_ds
+
+        inst = accord_ds.install(engine, timeout_s=30.0,
+                                 optional=("tower",) if stage == 3 else ())
+    params = dict(engine.module.named_parameters())
+    seen = {}
+    zero_optimizer = engine.optimizer
+    own = zero_optimizer.step
+
+    def step(*a, **k):  # the gradients DeepSpeed hands the optimizer
+        seen["grads"] = {n: safe_get_full_grad(p).detach().float().clone()
+                         for n, p in params.items()}
+        return own(*a, **k)
+
+    zero_optimizer.step = step
+    out = []
+    for s in range(steps):
+        start = {n: safe_get_full_fp32_param(p).clone() for n, p in params.items()}
+        batches = [batch(r, s, 0, case) for r in range(world_size)]
+        ref = _grad_of(start, batches, world_size, 1)
+        x, image = batch(rank, s, 0, case)
+        accelerator.backward(engine(x, image))
+        opt.step()
+        opt.zero_grad()
+        after = {n: safe_get_full_fp32_param(p).clone() for n, p in params.items()}
+        DONE[0] = s + 1
+        print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
+        out.append({"grads": seen.pop("grads"), "ref": ref, "start": start, "after": after})
+    if inst is not None:
+        inst.uninstall()
+    return out
