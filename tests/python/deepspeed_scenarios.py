@@ -12,6 +12,7 @@ with an image; `head` last. `usage(case, rank, step, micro)` says whether a
 rank's microbatch has an image.
 """
 
+import contextlib
 import os
 import pickle
 import sys
@@ -419,14 +420,15 @@ def _family(name):
 
 
 def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embedded",
-           cluster=None, persistence=0, leaf=False):
+           cluster=None, persistence=0, leaf=False, coalesce=False, turns=None):
     """Real model code from model_scenarios (tiny configs, random weights) under
     ZeRO. llava: transformers' LlavaForConditionalGeneration (CLIP tower,
     Llama decoder), even ranks see an image in one microbatch per step, odd
     ranks are text-only. custom_moe: an MoE language model with one module
     per expert, experts without tokens on some ranks and one on no rank;
     `leaf`: each MoE layer (router and experts) a ZeRO-3 leaf module, so
-    optional= is not given.
+    optional= is not given. `coalesce`: the `gas` backwards of a step in one
+    engine.coalesce_grad_reduction() block. `turns`: install's.
     Returns per step the reduced gradients, a single-process reference, and
     the parameters before and after the step."""
     import torch
@@ -443,7 +445,8 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=opt, config=ds_config(stage, world_size, gas, "fp32", persistence))
+        model=model, optimizer=opt,
+        config=ds_config(stage, world_size, 1 if coalesce else gas, "fp32", persistence))
     inst = None
     if accord != "none":
         from accord import connect
@@ -454,7 +457,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
             client = connect(socket_path=cluster["sockets"][rank], job_id=cluster["job_id"],
                              rank=rank, world_size=world_size,
                              local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0,
+        inst = accord_ds.install(engine, client, timeout_s=30.0, turns=turns,
                                  optional=optional if stage == 3 else ())
     params = dict(engine.module.named_parameters())
     names = list(params)
@@ -466,13 +469,15 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
         assert not unexpected and not set(missing) & set(start), (missing, unexpected)
         for r in range(world_size):
             for k in range(gas):
-                (loss_of(ref_model, make_batch(r, step, k)) / (world_size * gas)).backward()
+                scale = world_size * (1 if coalesce else gas)
+                (loss_of(ref_model, make_batch(r, step, k)) / scale).backward()
         ref = {n: (p.grad.clone() if p.grad is not None else None)
                for n, p in ref_model.named_parameters()}
-        for k in range(gas):
-            engine.backward(loss_of(engine, make_batch(rank, step, k)))
-            if k < gas - 1:
-                engine.step()
+        with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+            for k in range(gas):
+                engine.backward(loss_of(engine, make_batch(rank, step, k)))
+                if k < gas - 1 and not coalesce:
+                    engine.step()
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
         engine.step()
         after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}

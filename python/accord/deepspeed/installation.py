@@ -114,7 +114,8 @@ class Installation:
         self._optimizer_step = adapter.original("_optimizer_step")
         in_hooks = getattr(adapter, "reduces_in_hooks", None)
         # ZeRO-3 leaf modules' parameters, and those of them autograd gave a
-        # gradient in this backward: DeepSpeed's leaf hook zero-fills the others.
+        # gradient since the last reduction: DeepSpeed's leaf hook zero-fills
+        # the others.
         self.leaf = {id(p) for p in adapter.leaf_parameters([p for _, p in self.order])}
         self.came: set = set()
         self.turns = None
@@ -154,10 +155,9 @@ class Installation:
         until the epilogue (no collective, no accord call, inside autograd)."""
         if self.watch is not None:
             self.watch.progress("the backward")
-        if id(param) in self.leaf and self.zero.reduces_now():
-            if id(param) not in self.came and not self.zero.in_bucket(param):
-                param.grad = None  # DeepSpeed's zero-fill: no gradient on this rank
-            self.came.discard(id(param))
+        if id(param) in self.leaf and id(param) not in self.came and \
+                not self.zero.in_bucket(param):
+            param.grad = None  # DeepSpeed's zero-fill: no gradient on this rank
         if self.turns is not None and self.zero.reduces_now():
             self.turns.held(param)
 
@@ -165,6 +165,7 @@ class Installation:
         """DeepSpeed's end-of-backward epilogue, with accord's release first."""
         if self.zero.reduces_now():
             self.release()
+            self.came.clear()
         with self.explaining():
             self._epilogue()
         if self.watch is not None and self.zero.reduces_now():
