@@ -12,6 +12,7 @@ with an image; `head` last. `usage(case, rank, step, micro)` says whether a
 rank's microbatch has an image.
 """
 
+import contextlib
 import os
 import pickle
 import sys
@@ -108,13 +109,18 @@ SEQ, LAYERS = 24, 5  # the sequential models: LAYERS Linear(SEQ, SEQ), 600 param
 
 
 def make_model(kind="toy"):
-    """`toy` (above); `seq`: LAYERS linear layers, autograd's order the
-    reverse of their definition; `late`: the same with the input layer
-    defined last, so it comes first in release order and its gradient last."""
+    """`toy` (above); `toy-torch-ckpt`: the same with the body and the tower
+    under torch.utils.checkpoint (non-reentrant), so their forward runs again
+    in the backward; `toy-deepspeed-ckpt`: the body under
+    deepspeed.checkpointing.checkpoint (reentrant: the tower's input needs no
+    gradient, so under it the tower would get none); `seq`: LAYERS linear layers,
+    autograd's order the reverse of their definition; `late`: the same with
+    the input layer defined last, so it comes first in release order and its
+    gradient last."""
     import torch
     from torch import nn
 
-    if kind != "toy":
+    if not kind.startswith("toy"):
         torch.manual_seed(0)
         layers = [nn.Linear(SEQ, SEQ) for _ in range(LAYERS)]
         if kind == "late":  # the first layer run, registered last
@@ -145,8 +151,20 @@ def make_model(kind="toy"):
         def forward(self, x, image=None):
             h = self.embed(x)
             if image is not None:
-                h = h + self.tower(image).mean(0, keepdim=True)
-            return self.head(torch.tanh(self.body(h))).pow(2).mean()
+                tower = _run if kind == "toy-torch-ckpt" else (lambda m, x: m(x))
+                h = h + tower(self.tower, image).mean(0, keepdim=True)
+            return self.head(torch.tanh(_run(self.body, h))).pow(2).mean()
+
+    def _run(module, x):
+        if kind == "toy-torch-ckpt":
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(module, x, use_reentrant=False)
+        if kind == "toy-deepspeed-ckpt":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(module, x)
+        return module(x)
 
     torch.manual_seed(0)
     return Toy()
@@ -175,7 +193,7 @@ def batch(rank, step, micro, case, kind="toy"):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
-    x = torch.randn(3, IN if kind == "toy" else SEQ, generator=g)
+    x = torch.randn(3, IN if kind.startswith("toy") else SEQ, generator=g)
     image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
 
@@ -242,14 +260,43 @@ def _trace_collectives(record=None):
             return traced
 
         setattr(dist, name, wrap())
+    # DeepSpeed's torch backend keeps its own references to these two.
+    from deepspeed.comm import comm as ds_comm
+
+    for attr, name in (("all_gather_function", "all_gather_into_tensor"),
+                       ("reduce_scatter_function", "reduce_scatter_tensor")):
+        fn = getattr(ds_comm.cdb, attr, None)
+        if fn is not None:
+            def traced(*args, __fn=fn, __name=name, **kwargs):
+                sizes = [a.numel() for a in list(args) + list(kwargs.values())
+                         if hasattr(a, "numel")]
+                if record is not None:
+                    record.append((__name, tuple(sizes)))
+                return __fn(*args, **kwargs)
+
+            setattr(ds_comm.cdb, attr, traced)
+
+
+def _mark_leaf(model, leaf):
+    """ZeRO-3 leaf modules (DeepSpeed fetches each whole at its forward and
+    reduces its parameters from one module backward hook, zero-filling those
+    without a gradient): module paths, or classes (set_z3_leaf_modules)."""
+    from deepspeed.utils import set_z3_leaf_module, set_z3_leaf_modules
+
+    classes = [m for m in leaf if isinstance(m, type)]
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    for path in (m for m in leaf if isinstance(m, str)):
+        set_z3_leaf_module(model.get_submodule(path), True)
 
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=None, kind="toy", turns=None, record=False):
+          zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=()):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
-    Adam moments of the tower before and after the step."""
+    Adam moments of the tower before and after the step. `leaf`: paths of
+    modules marked ZeRO-3 leaf modules before deepspeed.initialize."""
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
@@ -259,6 +306,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     if os.environ.get("ACCORD_TEST_TRACE") or record:
         _trace_collectives(collectives)
     model = make_model(kind)
+    _mark_leaf(model, leaf)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, world_size, gas, dtype,
@@ -372,12 +420,15 @@ def _family(name):
 
 
 def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embedded",
-           cluster=None, persistence=0):
+           cluster=None, persistence=0, leaf=False, coalesce=False, turns=None):
     """Real model code from model_scenarios (tiny configs, random weights) under
     ZeRO. llava: transformers' LlavaForConditionalGeneration (CLIP tower,
     Llama decoder), even ranks see an image in one microbatch per step, odd
     ranks are text-only. custom_moe: an MoE language model with one module
-    per expert, experts without tokens on some ranks and one on no rank.
+    per expert, experts without tokens on some ranks and one on no rank;
+    `leaf`: each MoE layer (router and experts) a ZeRO-3 leaf module, so
+    optional= is not given. `coalesce`: the `gas` backwards of a step in one
+    engine.coalesce_grad_reduction() block. `turns`: install's.
     Returns per step the reduced gradients, a single-process reference, and
     the parameters before and after the step."""
     import torch
@@ -386,10 +437,16 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
 
     build, make_batch, loss_of, optional = _family(name)
     model = build()
+    if leaf:
+        import model_scenarios as ms
+
+        _mark_leaf(model, [ms.HashMoE])
+        optional = ()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=opt, config=ds_config(stage, world_size, gas, "fp32", persistence))
+        model=model, optimizer=opt,
+        config=ds_config(stage, world_size, 1 if coalesce else gas, "fp32", persistence))
     inst = None
     if accord != "none":
         from accord import connect
@@ -400,7 +457,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
             client = connect(socket_path=cluster["sockets"][rank], job_id=cluster["job_id"],
                              rank=rank, world_size=world_size,
                              local_rank=cluster["local_ranks"][rank])
-        inst = accord_ds.install(engine, client, timeout_s=30.0,
+        inst = accord_ds.install(engine, client, timeout_s=30.0, turns=turns,
                                  optional=optional if stage == 3 else ())
     params = dict(engine.module.named_parameters())
     names = list(params)
@@ -412,13 +469,15 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
         assert not unexpected and not set(missing) & set(start), (missing, unexpected)
         for r in range(world_size):
             for k in range(gas):
-                (loss_of(ref_model, make_batch(r, step, k)) / (world_size * gas)).backward()
+                scale = world_size * (1 if coalesce else gas)
+                (loss_of(ref_model, make_batch(r, step, k)) / scale).backward()
         ref = {n: (p.grad.clone() if p.grad is not None else None)
                for n, p in ref_model.named_parameters()}
-        for k in range(gas):
-            engine.backward(loss_of(engine, make_batch(rank, step, k)))
-            if k < gas - 1:
-                engine.step()
+        with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+            for k in range(gas):
+                engine.backward(loss_of(engine, make_batch(rank, step, k)))
+                if k < gas - 1 and not coalesce:
+                    engine.step()
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
         engine.step()
         after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
@@ -497,3 +556,60 @@ def hf_trainer(rank, world_size, out_dir, stage=2, accord="none", steps=2, accum
             "batches": seen[:accumulation],
             "stats": None if accord_cb is None else
             __import__("dataclasses").asdict(accord_cb.installation.stats)}
+
+
+# ---------------------------------------------------------------- Accelerate
+
+
+def accelerate_train(rank, world_size, stage=3, case="on_0_at_even", steps=4, accord="embedded"):
+    """The toy model through accelerate's Accelerator with a DeepSpeedPlugin
+    (no Trainer): accelerator.prepare builds the engine, accord installs on
+    it (ZeRO-3: optional=["tower"]), accelerator.backward runs the engine's
+    backward and step. Returns per step the gradients at the ZeRO optimizer's
+    step, the reference, and the parameters before and after."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29556"),
+                      ACCELERATE_USE_DEEPSPEED="true")  # as the Trainer sets it; else DDP on CPU
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(stage, world_size, 1, "fp32",
+                                                    0 if stage == 3 else None))
+    accelerator = Accelerator(deepspeed_plugin=plugin)  # not cpu=True: that means no DeepSpeed
+    engine, opt = accelerator.prepare(model, opt)
+    inst = None
+    if accord != "none":
+        from accord import deepspeed as accord_ds
+
+        inst = accord_ds.install(engine, timeout_s=30.0,
+                                 optional=("tower",) if stage == 3 else ())
+    params = dict(engine.module.named_parameters())
+    seen = {}
+    zero_optimizer = engine.optimizer
+    own = zero_optimizer.step
+
+    def step(*a, **k):  # the gradients DeepSpeed hands the optimizer
+        seen["grads"] = {n: safe_get_full_grad(p).detach().float().clone()
+                         for n, p in params.items()}
+        return own(*a, **k)
+
+    zero_optimizer.step = step
+    out = []
+    for s in range(steps):
+        start = {n: safe_get_full_fp32_param(p).clone() for n, p in params.items()}
+        batches = [batch(r, s, 0, case) for r in range(world_size)]
+        ref = _grad_of(start, batches, world_size, 1)
+        x, image = batch(rank, s, 0, case)
+        accelerator.backward(engine(x, image))
+        opt.step()
+        opt.zero_grad()
+        after = {n: safe_get_full_fp32_param(p).clone() for n, p in params.items()}
+        DONE[0] = s + 1
+        print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
+        out.append({"grads": seen.pop("grads"), "ref": ref, "start": start, "after": after})
+    if inst is not None:
+        inst.uninstall()
+    return out

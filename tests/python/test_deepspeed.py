@@ -92,9 +92,12 @@ def _check_unused_unchanged(results, step):
 # ---------------------------------------------------------------- without accord (pinned)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage):
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2)
+@pytest.mark.parametrize("stage,leaf", [(1, ()), (2, ()), (3, ()), (3, ("tower",))])
+def test_without_accord_a_rank_that_never_uses_the_tower_kills_the_job(stage, leaf):
+    """`leaf`: the tower a ZeRO-3 leaf module; still a forward all-gather
+    only rank 0 issues."""
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="never_on_1", steps=2, leaf=leaf,
+                              persistence=0 if leaf else None)
     failed = _failures(results)
     assert failed, "DeepSpeed trained without accord: the pinned failure changed"
     assert any(MISMATCH in _text(r) for r in failed), [_text(r)[-800:] for r in failed]
@@ -174,15 +177,16 @@ def _stats(results):
     return [r[-1]["stats"] for r in results]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(stage, cluster):
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (2, 3)])
+def test_zero12_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(stage, world,
+                                                                           cluster):
     """Every reduction is handed to DeepSpeed during the backward, before
     the decision; accord holds at most one bucket's gradient bytes beyond
     DeepSpeed (here: the weight whose bias, released first, is still being
     computed); 2 accumulated microbatches."""
-    info = cluster_info(cluster, 2, f"ds-seq-{stage}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, steps=3, gas=2, kind="seq",
-                              zero3=TURNS, accord="cluster", cluster=info)
+    info = cluster_info(cluster, world, f"ds-seq-{stage}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=stage, steps=3, gas=2,
+                              kind="seq", zero3=TURNS, accord="cluster", cluster=info)
     _check_against_reference(results)
     for s in _stats(results):
         assert 0 < s["speculated"] == s["reduced"], s
@@ -206,17 +210,18 @@ def test_zero12_late_gradient_is_repaired_by_a_delta_with_reference_gradients(st
         print(f"accord-test: ZeRO-{stage} late held_bytes {s['held_bytes']}")
 
 
-@pytest.mark.parametrize("stage,dtype,gas", [(2, "fp32", 1), (1, "fp32", 1), (2, "bf16", 2),
-                                             (1, "bf16", 2)])
+@pytest.mark.parametrize("stage,dtype,gas,world", [(2, "fp32", 1, 2), (1, "fp32", 1, 2),
+                                                   (2, "bf16", 2, 2), (1, "bf16", 2, 2)])
 def test_zero12_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(stage, dtype, gas,
-                                                                          cluster):
+                                                                          world, cluster):
     """The tower runs on rank 0 at steps 0 and 2, nowhere at 1 and 3: step 1
     hands it over as zeros (speculated from step 0) and trims it, so it is
     bitwise unchanged; step 2's speculation (step 1's decision) leaves it
     out and the decision includes it: repaired by the delta."""
-    info = cluster_info(cluster, 2, f"ds-some-{stage}-{dtype}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="on_0_at_even", steps=4, gas=gas,
-                              dtype=dtype, zero3=TURNS, accord="cluster", cluster=info)
+    info = cluster_info(cluster, world, f"ds-some-{stage}-{dtype}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=stage,
+                              case="on_0_at_even", steps=4, gas=gas, dtype=dtype, zero3=TURNS,
+                              accord="cluster", cluster=info)
     _check_against_reference(results, dtype=dtype)
     if dtype == "fp32":
         _check_unused_unchanged(results, step=1)
@@ -273,8 +278,9 @@ def _same_collectives(results):
         assert other == seqs[0]
 
 
-@pytest.mark.parametrize("fetch", ["refetch", "prefetch", "kept", "epilogue"])
-def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, cluster):
+@pytest.mark.parametrize("fetch,world", [("refetch", 2), ("prefetch", 2), ("kept", 2),
+                                         ("epilogue", 2), ("refetch", 3)])
+def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, world, cluster):
     """ZeRO-3 hands DeepSpeed every parameter during the backward, before
     the decision, at points placed among its all-gathers; every rank issues
     the same collectives. Held beyond DeepSpeed: at most one module's
@@ -283,9 +289,10 @@ def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch,
     or nothing fetched any more), that second backward holds up to its whole
     gradient, and none after. `epilogue` (turns off): every gradient of
     every backward."""
-    info = cluster_info(cluster, 2, f"ds-z3-seq-{fetch}")
+    info = cluster_info(cluster, world, f"ds-z3-seq-{fetch}-{world}")
     config = dict(FETCH.get(fetch, FETCH["refetch"]), reduce_bucket_size=BUCKET)
-    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, gas=2, kind="seq", zero3=config,
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=3, steps=3, gas=2,
+                              kind="seq", zero3=config,
                               persistence=0, accord="cluster", cluster=info, record=True,
                               turns=fetch != "epilogue")
     _check_against_reference(results)
@@ -320,16 +327,19 @@ def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
               f"per backward {s['held_by_release']}")
 
 
-@pytest.mark.parametrize("dtype,gas,fetch", [("fp32", 1, "refetch"), ("bf16", 2, "refetch"),
-                                             ("fp32", 1, "prefetch")])
+@pytest.mark.parametrize("dtype,gas,fetch,world", [("fp32", 1, "refetch", 2),
+                                                   ("bf16", 2, "refetch", 2),
+                                                   ("fp32", 1, "prefetch", 2),
+                                                   ("fp32", 1, "prefetch", 3)])
 def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype, gas, fetch,
-                                                                         cluster):
+                                                                         world, cluster):
     """The optional tower runs on rank 0 at steps 0 and 2, nowhere at 1 and
     3: handed over as zeros at step 1 and left unchanged, left out of step
     2's speculation and repaired into the gradient partitions; the same
     collectives on both ranks."""
-    info = cluster_info(cluster, 2, f"ds-z3-some-{dtype}-{fetch}")
-    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4, gas=gas,
+    info = cluster_info(cluster, world, f"ds-z3-some-{dtype}-{fetch}-{world}")
+    results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=3,
+                              case="on_0_at_even", steps=4, gas=gas,
                               dtype=dtype, persistence=0, optional=("tower",), record=True,
                               zero3=dict(FETCH[fetch], reduce_bucket_size=BUCKET),
                               accord="cluster", cluster=info)
@@ -341,6 +351,52 @@ def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype,
         assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
         print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
               f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_zero3_leaf_module_tower_on_one_rank_trains_with_reference_gradients(given, cluster):
+    """The tower a ZeRO-3 leaf module (its parameters reduced from its
+    backward hook, which runs on rank 0 only). given: optional=["tower"],
+    used on rank 0 at steps 0 and 2, nowhere at 1 and 3 (bitwise unchanged
+    there, repaired at 2), the same collectives on both ranks; learned: not
+    given, never used on rank 1, made optional in step 0."""
+    info = cluster_info(cluster, 2, f"ds-z3-leaf-{given}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even" if given else "never_on_1",
+                              steps=4 if given else 2, persistence=0, leaf=("tower",),
+                              optional=("tower",) if given else (), record=given,
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    if given:
+        _same_collectives(results)
+        _check_unused_unchanged(results, step=1)
+    else:
+        assert all(r[-1]["learned"] == ["tower"] for r in results), [r[-1] for r in results]
+
+
+TOY_BUCKET = 100  # elements: each of the toy model's modules but the head fills a bucket
+
+
+@pytest.mark.parametrize("ckpt", ["torch", "deepspeed"])
+def test_zero3_activation_checkpointing_refetches_are_counted_alike_on_every_rank(ckpt, cluster):
+    """The body under activation checkpointing (torch's non-reentrant, with the
+    optional tower too; DeepSpeed's reentrant): the body's recomputation
+    fetches it again inside the backward (an all-gather the turns count with
+    the backward's), the tower's (rank 0 at steps 0 and 2 only) fetches
+    nothing. The same collectives on both ranks, reference
+    gradients, the tower bitwise unchanged where no rank used it."""
+    info = cluster_info(cluster, 2, f"ds-z3-ckpt-{ckpt}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, case="on_0_at_even", steps=4,
+                              kind=f"toy-{ckpt}-ckpt", persistence=0, optional=("tower",),
+                              zero3=dict(FETCH["refetch"], reduce_bucket_size=TOY_BUCKET),
+                              record=True, accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _same_collectives(results)
+    _check_unused_unchanged(results, step=1)
+    for s in _stats(results):
+        assert s["speculated"] > 0 and s["repaired"] >= 2, s
+        print(f"accord-test: ZeRO-3 {ckpt} checkpointing held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
 
 
 class _FakeZero3:
@@ -621,19 +677,57 @@ def test_zero3_llava_text_only_rank_trains_with_reference_gradients(cluster):
     assert unused and all(".layers.1." in n or "post_layernorm" in n for n in unused), unused
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage):
+@pytest.mark.parametrize("stage,leaf", [(2, False), (3, False), (3, True)])
+def test_moe_with_tokenless_experts_trains_with_reference_gradients(stage, leaf):
     """An MoE language model with one module per expert (model_scenarios'
     custom_moe): experts 1 and 2 get no tokens on one rank, expert 3 on no
     rank. Without accord the job dies in step 0 (pinned); ZeRO-3 marks every
-    expert optional (persistent)."""
-    failed = _failures(sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe",
-                                       stage=stage, steps=1, accord="none"))
-    assert failed and all(_steps_done(r) == 0 for r in failed), failed
+    expert optional (persistent). `leaf`: each MoE layer a ZeRO-3 leaf module
+    (set_z3_leaf_modules), no optional=: without accord it trains, but
+    DeepSpeed zero-fills the gradients of experts without tokens, so expert
+    3 (no rank) moves by weight decay (pinned); accord takes a leaf
+    module's zero-filled gradient as no gradient, so expert 3 is bitwise
+    unchanged, as without leaf modules."""
+    plain = sc.run_ds_ranks(sc.family, 2, timeout_s=150, name="custom_moe", stage=stage,
+                            steps=1, accord="none", leaf=leaf)
+    if leaf:
+        _check_moves_unused_experts(plain)
+    else:
+        failed = _failures(plain)
+        assert failed and all(_steps_done(r) == 0 for r in failed), failed
     results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, name="custom_moe", stage=stage,
-                              steps=2, accord="embedded")
+                              steps=2, accord="embedded", leaf=leaf)
     unused = _check_family(results)
     assert unused and all(".experts.3." in n for n in unused), unused
+
+
+@pytest.mark.parametrize("mode", ["coalesce", "epilogue"])
+def test_zero3_moe_leaf_modules_keep_unused_experts_unchanged(mode):
+    """Each MoE layer a leaf module. coalesce: a step's 2 backwards in one
+    engine.coalesce_grad_reduction() block (experts 1 and 2 have tokens in
+    one backward of the block only); epilogue: turns=False. A zero-filled
+    gradient is no gradient there too: expert 3 bitwise unchanged."""
+    results = sc.run_ds_ranks(sc.family, 2, timeout_s=200, name="custom_moe", stage=3,
+                              steps=2, accord="embedded", leaf=True,
+                              coalesce=mode == "coalesce", turns=mode != "epilogue")
+    unused = _check_family(results)
+    assert unused and all(".experts.3." in n for n in unused), unused
+
+
+def _check_moves_unused_experts(results):
+    """DeepSpeed alone with leaf modules: reference gradients, but expert 3
+    (used on no rank) is changed by the step."""
+    for records in _steps(results):
+        rec = records[0]
+        unused = [n for n, g in rec["ref"].items() if g is None]
+        assert unused and all(".experts.3." in n for n in unused), unused
+        for n, g in rec["grads"].items():
+            ref = rec["ref"][n]
+            if ref is None:
+                assert torch.count_nonzero(g) == 0, n
+                assert not torch.equal(rec["after"][n], rec["start"][n]), n
+            else:
+                assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, n
 
 
 def _check_family(results):
@@ -722,6 +816,25 @@ def test_hf_trainer_with_deepspeed_and_the_accord_callback_matches_reference(sta
               ", ".join(f"{k} {s.get(k)}" for k in ("held_bytes", "zero_filled_bytes", "late",
                                                      "repaired", "repaired_bytes",
                                                      "held_by_release")))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_with_a_deepspeed_plugin_and_accord_matches_reference(stage):
+    """accelerate's Accelerator(deepspeed_plugin=...) without the Trainer:
+    accord.deepspeed.install on the engine accelerator.prepare returns. The
+    tower on rank 0 at steps 0 and 2, nowhere at 1 and 3: reference
+    gradients, identical on both ranks; the tower bitwise unchanged at step
+    1. Without accord (ZeRO-2) it dies in step 0 (pinned)."""
+    if stage == 2:
+        failed = _failures(sc.run_ds_ranks(sc.accelerate_train, 2, stage=2, steps=1,
+                                           accord="none"))
+        assert failed and any(MISMATCH in _text(r) for r in failed), failed
+    results = sc.run_ds_ranks(sc.accelerate_train, 2, stage=stage)
+    _check_against_reference(results)
+    for records in _steps(results):
+        for n in TOWER:
+            assert torch.equal(records[1]["after"][n], records[1]["start"][n]), n
+        assert not torch.equal(records[1]["after"]["body.weight"], records[1]["start"]["body.weight"])
 
 
 # ---------------------------------------------------------------- the boundary

@@ -113,6 +113,11 @@ class Installation:
         self._epilogue = adapter.original("independent_gradient_partition_epilogue")
         self._optimizer_step = adapter.original("_optimizer_step")
         in_hooks = getattr(adapter, "reduces_in_hooks", None)
+        # ZeRO-3 leaf modules' parameters, and those of them autograd gave a
+        # gradient since the last reduction: DeepSpeed's leaf hook zero-fills
+        # the others.
+        self.leaf = {id(p) for p in adapter.leaf_parameters([p for _, p in self.order])}
+        self.came: set = set()
         self.turns = None
         if turns and in_hooks is not None and in_hooks():
             gathers = hasattr(adapter, "route_all_gathers")  # ZeRO-3
@@ -150,6 +155,9 @@ class Installation:
         until the epilogue (no collective, no accord call, inside autograd)."""
         if self.watch is not None:
             self.watch.progress("the backward")
+        if id(param) in self.leaf and id(param) not in self.came and \
+                not self.zero.in_bucket(param):
+            param.grad = None  # DeepSpeed's zero-fill: no gradient on this rank
         if self.turns is not None and self.zero.reduces_now():
             self.turns.held(param)
 
@@ -157,6 +165,7 @@ class Installation:
         """DeepSpeed's end-of-backward epilogue, with accord's release first."""
         if self.zero.reduces_now():
             self.release()
+            self.came.clear()
         with self.explaining():
             self._epilogue()
         if self.watch is not None and self.zero.reduces_now():
@@ -304,6 +313,10 @@ class Installation:
         self.zero.patch("_optimizer_step", self.optimizer_step)
         if self.turns is not None:
             self.turns.hook()
+        for _, p in self.order:
+            if id(p) in self.leaf:
+                self._handles.append(p.register_hook(
+                    lambda grad, key=id(p): self.came.add(key)))
         if self.all_gathers is not None or isinstance(self.turns, Zero3Turns):
             check = self.all_gathers.trace_check if self.all_gathers is not None else None
             self.zero.route_all_gathers(self.route, check)

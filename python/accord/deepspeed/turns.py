@@ -134,7 +134,7 @@ class Turns:
         """DeepSpeed's hook for `param`: the modules before its own, then
         each next parameter whose gradient is there."""
         k = self.index[id(param)]
-        if not self.taken[k] and not self.arrived[k]:
+        if not self.taken[k] and not self.arrived[k] and self.zero.gradient(param) is not None:
             self.arrived[k] = self.had[k] = True  # kept until its turn (the end: not speculated)
             self.holding += _bytes(self.zero.gradient(param))
         cap = self.cap()

@@ -84,6 +84,12 @@ class _Adapter:
         for name in _PATCHED:
             self.opt.__dict__.pop(name, None)
 
+    @staticmethod
+    def leaf_parameters(params) -> List[torch.nn.Parameter]:
+        """Those of `params` reduced from a ZeRO-3 leaf module's backward hook
+        (none under ZeRO-1/2)."""
+        return []
+
 
 class Zero12(_Adapter):
     METHODS = ("get_gradient_for_reduction", "_gradient_reduction_buffer_dtype",

@@ -193,6 +193,15 @@ class Zero3(_Adapter):
     def param_groups(self) -> List[List[torch.nn.Parameter]]:
         return [list(g) for g in self.opt.fp16_groups]
 
+    @staticmethod
+    def leaf_parameters(params) -> List[torch.nn.Parameter]:
+        """Those of `params` in ZeRO-3 leaf modules (set_z3_leaf_modules):
+        DeepSpeed reduces them from the module's backward hook, each with a
+        zero gradient where autograd gave it none."""
+        from deepspeed.utils import z3_leaf_parameter
+
+        return [p for p in params if z3_leaf_parameter(p)]
+
     def gradient(self, param) -> Optional[torch.Tensor]:
         return param.grad
 
