@@ -116,8 +116,8 @@ struct LocalDecisionState {
 
 struct LocalGroup {
   std::string group_id;
-  int index = 0;  // dense, in registration order
-  GroupSpec spec;  // the first registration's, members included
+  int index = 0;                     // dense, in registration order
+  GroupSpec spec;                    // the first registration's, members included
   std::vector<int> ranks;            // local ranks that registered it, ascending
   GroupRegistrations registrations;  // as forwarded, for resends
   std::optional<v1::RegistrationResult> result;
