@@ -34,6 +34,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from accord.torch import members as member_sets
 from accord.torch.errors import again, last_words, verdict
 
 STALL_S = 1.0  # no progress this long inside a step starts the coordinator's clock
@@ -95,8 +96,8 @@ class StepWatch:
         stop_at_exit(self)
 
     def registration(self) -> tuple:
-        reg = (self.group_id, [("alive", 1, 1)], None, False)
-        return reg if self.members is None else reg + (list(self.members),)
+        return member_sets.registration((self.group_id, [("alive", 1, 1)], None, False),
+                                        self.members)
 
     # ------------------------------------------------------------ training thread
 
