@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Iterator, Optional
 
 from accord.torch.errors import AccordJobError, verdict
@@ -107,7 +108,11 @@ class JobItem:
         with self._mu:
             step = max(step, self._next)
             self._next = step + 1
-        handle = self.agreement.submit_async(GROUP, step, MANIFEST)
+        try:
+            handle = self.agreement.submit_async(GROUP, step, MANIFEST)
+        except Exception:  # noqa: BLE001 - refused here (a step this client sent): ask no more
+            self._verdict(failure)
+            return
         try:
             self.agreement.wait(handle, timeout_s=timeout_s)
         except Exception as said:  # noqa: BLE001 - the job's verdict, or none in time
@@ -127,7 +132,9 @@ class JobItem:
                                 "stage stopped or died)") from failure
 
 
-_ITEMS: dict = {}  # id(client) -> (client, JobItem)
+# id(client) -> its JobItem while an installation holds it (the client is
+# not kept alive from here; registering again is the same registration).
+_ITEMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _ITEMS_MU = threading.Lock()
 
 
@@ -138,11 +145,11 @@ def job_item(agreement) -> Optional[JobItem]:
     if client is None or not enabled():
         return None
     with _ITEMS_MU:
-        held = _ITEMS.get(id(client))
-        if held is None or held[0] is not client:
-            held = (client, JobItem(agreement))
-            _ITEMS[id(client)] = held
-        return held[1]
+        item = _ITEMS.get(id(client))
+        if item is None or item.agreement.client is not client:
+            item = JobItem(agreement)
+            _ITEMS[id(client)] = item
+        return item
 
 
 @contextlib.contextmanager

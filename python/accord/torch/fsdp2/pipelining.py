@@ -17,8 +17,9 @@ _PATCH = {"users": 0, "forward": None, "weight": None, "step": None, "single_ste
 
 
 def _classes():
-    """(stage base class, multi-stage schedule class), or None on a torch
-    without pipelining (no schedule can drive a module there)."""
+    """(stage base class, multi-stage and single-stage schedule classes), or
+    None on a torch without pipelining (no schedule can drive a module
+    there)."""
     try:
         from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
                                                             PipelineScheduleSingle)
