@@ -76,7 +76,7 @@ class RankClient:
             self.service.kv[key] = bytes(value)
             self.service.cv.notify_all()
 
-    def kv_get(self, keys, timeout_s=10.0):
+    def kv_get(self, keys, timeout_s=10.0, expected=None):
         with self.service.cv:
             if not self.service.cv.wait_for(lambda: all(k in self.service.kv for k in keys),
                                             timeout=timeout_s):
