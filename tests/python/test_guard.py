@@ -296,8 +296,7 @@ def test_a_steady_release_is_checked_off_by_the_training_thread():
     rank.run([seq] * 5)
     assert rank.error is None
     # Every release but the last had its verdict before the next release.
-    with rank.guard._mu:
-        pending = list(rank.guard._inflight)
+    pending = rank.guard.verdicts.pending()
     assert len(pending) <= 1
     rank.guard.close()
     assert rank.guard.error is None
