@@ -65,7 +65,7 @@ GrpcClient::GrpcClient(const ClientOptions& options)
       hub_(std::make_shared<FutureHub>()) {
   kv_ = MakeGrpcKeyValueStore(SidecarChannel(absl::StrCat("unix:", options.socket_path)),
                               absl::StrCat("the sidecar at ", options.socket_path), options.job_id,
-                              options.token, options.rank, [this] {
+                              options.token, options.rank, options.world_size, [this] {
                                 accord::MutexLock lock(&mu_);
                                 return conn_.CallStatus();
                               });

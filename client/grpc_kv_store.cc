@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "accord/v1/accord.grpc.pb.h"
+#include "core/members.h"
 #include "grpcpp/client_context.h"
 #include "proto/wire.h"
 
@@ -33,12 +34,14 @@ bool IsJobVerdict(const grpc::ClientContext& ctx) {
 class GrpcKeyValueStore : public KeyValueStore {
  public:
   GrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel, std::string target, std::string job_id,
-                    std::string token, int rank, std::function<absl::Status()> session_over)
+                    std::string token, int rank, int world_size,
+                    std::function<absl::Status()> session_over)
       : stub_(v1::KeyValueService::NewStub(channel)),
         target_(std::move(target)),
         job_id_(std::move(job_id)),
         token_(std::move(token)),
         rank_(rank),
+        world_size_(world_size),
         session_over_(std::move(session_over)) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
@@ -61,7 +64,27 @@ class GrpcKeyValueStore : public KeyValueStore {
 
   absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
                                                std::chrono::milliseconds timeout) override {
+    return Send(keys, timeout, nullptr);
+  }
+
+  absl::StatusOr<std::vector<std::string>> GetAmong(const std::vector<std::string>& keys,
+                                                    std::chrono::milliseconds timeout,
+                                                    const std::vector<int>& expected) override {
+    absl::StatusOr<std::shared_ptr<const MemberSet>> set = MembersOf(expected, world_size_);
+    if (!set.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "key-value Get for job \"", job_id_, "\": expected ranks: ", set.status().message()));
+    }
+    return Send(keys, timeout, set->get());
+  }
+
+ private:
+  // One Get; `expected` null: every rank of the job.
+  absl::StatusOr<std::vector<std::string>> Send(const std::vector<std::string>& keys,
+                                                std::chrono::milliseconds timeout,
+                                                const MemberSet* expected) {
     v1::KeyValueGetRequest req;
+    if (expected != nullptr) *req.mutable_expected() = wire::MembersToProto(*expected);
     req.set_job_id(job_id_);
     for (const std::string& k : keys) req.add_keys(k);
     req.set_timeout_ms(timeout.count());
@@ -85,7 +108,6 @@ class GrpcKeyValueStore : public KeyValueStore {
     return std::vector<std::string>(resp.values().begin(), resp.values().end());
   }
 
- private:
   // The session's words when `s` is an unreachable sidecar the session has
   // given up on; OK otherwise.
   absl::Status SidecarGone(const grpc::Status& s, bool verdict) const {
@@ -124,6 +146,7 @@ class GrpcKeyValueStore : public KeyValueStore {
   const std::string job_id_;
   const std::string token_;
   const int rank_;
+  const int world_size_;
   const std::function<absl::Status()> session_over_;
 };
 
@@ -131,10 +154,10 @@ class GrpcKeyValueStore : public KeyValueStore {
 
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
-                                                     std::string token, int rank,
+                                                     std::string token, int rank, int world_size,
                                                      std::function<absl::Status()> session_over) {
   return std::make_unique<GrpcKeyValueStore>(std::move(channel), std::move(target),
-                                             std::move(job_id), std::move(token), rank,
+                                             std::move(job_id), std::move(token), rank, world_size,
                                              std::move(session_over));
 }
 

@@ -17,7 +17,8 @@ namespace accord {
 // Creates a store over `channel` (the sidecar's Unix socket). `target` names
 // the endpoint in error messages. Each request says `rank` (the caller's), so
 // a Get that ends without its keys can name the ranks that did not set them
-// (docs/ARCHITECTURE.md, "Every wait names who is missing").
+// (docs/ARCHITECTURE.md, "Every wait names who is missing"); `world_size`
+// (the job's) puts GetAmong's ranks in their canonical form.
 //
 // A request that finds the sidecar unreachable (UNAVAILABLE: stopped,
 // restarted or restarting) is sent again with backoff, within the call's own
@@ -28,7 +29,7 @@ namespace accord {
 // restart"). A Set of the same value twice is harmless. Thread-safe.
 std::unique_ptr<KeyValueStore> MakeGrpcKeyValueStore(std::shared_ptr<grpc::Channel> channel,
                                                      std::string target, std::string job_id,
-                                                     std::string token, int rank,
+                                                     std::string token, int rank, int world_size,
                                                      std::function<absl::Status()> session_over);
 
 }  // namespace accord

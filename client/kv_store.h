@@ -25,6 +25,14 @@ class KeyValueStore {
   // the ranks expected to set them (ask again to wait longer).
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
                                                        std::chrono::milliseconds timeout) = 0;
+  // Get, for keys that `expected` (ranks of the job, ascending: a member set)
+  // set: a wait that ends without them names only those ranks. A store that
+  // names no ranks answers as Get.
+  virtual absl::StatusOr<std::vector<std::string>> GetAmong(const std::vector<std::string>& keys,
+                                                            std::chrono::milliseconds timeout,
+                                                            const std::vector<int>& expected) {
+    return Get(keys, timeout);
+  }
 };
 
 }  // namespace accord

@@ -110,14 +110,18 @@ v1::ReducePolicy PolicyToProto(const Policy& p) {
 
 absl::StatusOr<std::shared_ptr<const MemberSet>> MembersFromProto(const v1::Members& m,
                                                                   int world_size) {
+  absl::StatusOr<MemberSet> set = MemberSet::FromForm(MembersFormFromProto(m), world_size);
+  if (!set.ok()) return WithKind(set.status(), v1::INVALID_REQUEST);
+  return std::make_shared<const MemberSet>(*std::move(set));
+}
+
+MembersForm MembersFormFromProto(const v1::Members& m) {
   MembersForm form;
   form.start = m.start();
   form.count = m.count();
   form.stride = m.stride();
   form.ranks.assign(m.ranks().begin(), m.ranks().end());
-  absl::StatusOr<MemberSet> set = MemberSet::FromForm(form, world_size);
-  if (!set.ok()) return WithKind(set.status(), v1::INVALID_REQUEST);
-  return std::make_shared<const MemberSet>(*std::move(set));
+  return form;
 }
 
 v1::Members MembersToProto(const MemberSet& members) {

@@ -57,6 +57,9 @@ v1::ReducePolicy PolicyToProto(const Policy& p);
 // (sent as no members), an unsorted list, a duplicate, a rank out of range.
 absl::StatusOr<std::shared_ptr<const MemberSet>> MembersFromProto(const v1::Members& m,
                                                                   int world_size);
+// The form as sent, not validated (MemberSet::FromForm validates it against
+// a world size, for a receiver that learns the world size later).
+MembersForm MembersFormFromProto(const v1::Members& m);
 v1::Members MembersToProto(const MemberSet& members);
 
 // Validates (ValidateGroupSpec, MembersFromProto) while converting; the

@@ -1,6 +1,7 @@
 #include "daemon/coordinator/grpc_coordinator_service.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -195,7 +196,9 @@ grpc::ServerUnaryReactor* KeyValueGrpcService::Get(grpc::CallbackServerContext* 
         }
         FinishKeyValue(context, reactor, values.status());
       },
-      request->has_rank() ? request->rank() : KvStore::kUnknownRank);
+      request->has_rank() ? request->rank() : KvStore::kUnknownRank,
+      request->has_expected() ? std::optional(wire::MembersFormFromProto(request->expected()))
+                              : std::nullopt);
   return reactor;
 }
 

@@ -26,6 +26,25 @@ std::vector<int> Sorted(const absl::flat_hash_set<int>& ranks) {
 
 constexpr char kJobVerdictPayload[] = "type.accord.dev/job-verdict";
 
+// The ranks a Get's unset keys are expected from, of a job of `world` ranks:
+// its member set, or every rank (also when the set is not one of this job:
+// `*among` then says why). `*among` names them for the error.
+std::vector<int> ExpectedRanks(const std::optional<MembersForm>& expected, int world,
+                               std::string* among) {
+  std::vector<int> all(world);
+  for (int r = 0; r < world; ++r) all[r] = r;
+  *among = "the job";
+  if (!expected.has_value()) return all;
+  absl::StatusOr<MemberSet> set = MemberSet::FromForm(*expected, world);
+  if (!set.ok()) {
+    *among = absl::StrCat("the job (the Get's member set is not one of a job of ", world,
+                          " ranks: ", set.status().message(), ")");
+    return all;
+  }
+  *among = absl::StrCat("the Get's member set (", set->Describe(), ")");
+  return set->ranks();
+}
+
 }  // namespace
 
 absl::Status AsJobVerdict(absl::Status s) {
@@ -138,8 +157,8 @@ absl::Status KvStore::Set(const std::string& job_id, const std::string& run_id,
 }
 
 void KvStore::Get(const std::string& job_id, const std::string& run_id,
-                  std::vector<std::string> keys, absl::Duration timeout, GetCallback done,
-                  int rank) {
+                  std::vector<std::string> keys, absl::Duration timeout, GetCallback done, int rank,
+                  std::optional<MembersForm> expected) {
   if (job_id.empty() || keys.empty()) {
     done(absl::InvalidArgumentError("key-value Get needs a job_id and at least one key"));
     return;
@@ -161,6 +180,7 @@ void KvStore::Get(const std::string& job_id, const std::string& run_id,
       for (const std::string& k : keys) NoteRankLocked(scope, k, rank, /*asked=*/true);
       Waiter w{std::move(scope), std::move(keys), clock_->Now() + waits, std::move(done)};
       w.rank = rank;
+      w.expected = std::move(expected);
       w.waits = waits;
       w.bounded = waits < asked;
       waiters_.push_back(std::move(w));
@@ -217,6 +237,7 @@ KvStore::Unset KvStore::UnsetLocked(Waiter& w) {
   u.done = std::move(w.done);
   u.job_id = w.scope.first;
   u.rank = w.rank;
+  u.expected = std::move(w.expected);
   u.waited = w.waits;
   u.bounded = w.bounded;
   if (auto fit = failed_.find(w.scope); fit != failed_.end()) u.failed = fit->second;
@@ -278,8 +299,9 @@ absl::Status KvStore::UnsetKeysError(const Unset& u) {
         ". Check that the rank that publishes them runs and reaches the point where it sets them");
     return absl::DeadlineExceededError(msg);
   }
+  std::string among;
   std::vector<int> named;
-  for (int r = 0; r < world; ++r) {
+  for (int r : ExpectedRanks(u.expected, world, &among)) {
     if (!std::binary_search(u.set.begin(), u.set.end(), r) &&
         !std::binary_search(u.asked.begin(), u.asked.end(), r)) {
       named.push_back(r);
@@ -292,7 +314,8 @@ absl::Status KvStore::UnsetKeysError(const Unset& u) {
       u.asked.empty() ? std::string("no rank asked for one")
                       : absl::StrCat("ranks ", FormatRanks(u.asked), " asked for one"));
   if (named.empty()) {
-    absl::StrAppend(&msg, "; every rank of the job set a key ", under, " or asked for one (", who,
+    absl::StrAppend(&msg, "; every rank of ", among, " set a key ", under, " or asked for one (",
+                    who,
                     "), so no rank is expected to set these: check the keys' names against the "
                     "ones the publishing rank sets");
     return absl::DeadlineExceededError(msg);
@@ -301,7 +324,9 @@ absl::Status KvStore::UnsetKeysError(const Unset& u) {
   std::vector<std::string> parts =
       directory->DescribeRanks(u.job_id, std::vector<int>(named.begin(), named.begin() + shown));
   if (named.size() > shown) parts.push_back(absl::StrCat("and ", named.size() - shown, " more"));
-  absl::StrAppend(&msg, "; missing ranks ", FormatRanks(named), " (neither set a key ", under,
+  absl::StrAppend(&msg, "; missing ranks ", FormatRanks(named),
+                  u.expected.has_value() ? absl::StrCat(" of ", among) : std::string(),
+                  " (neither set a key ", under,
                   " nor asked for one): ", absl::StrJoin(parts, ", "), "; ", who,
                   ". Check the missing ranks' processes and their sidecars' logs: the rank that "
                   "publishes these keys is among them; a rank only slower than the wait can ask "

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <list>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -41,6 +42,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/members.h"
 #include "core/sync.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/rank_directory.h"
@@ -90,9 +92,12 @@ class KvStore {
   // timeout 0: answers at once, NOT_FOUND naming missing keys. Otherwise
   // waits up to min(timeout, wait_bound); DEADLINE_EXCEEDED names the
   // missing keys and the ranks expected to set them. `rank`: the rank that
-  // asks (kUnknownRank: not said).
+  // asks (kUnknownRank: not said). `expected`: the ranks among which those
+  // are named (a member set; absent: every rank of the job); a form that is
+  // not a member set of the job's world size is named as such in the error.
   void Get(const std::string& job_id, const std::string& run_id, std::vector<std::string> keys,
-           absl::Duration timeout, GetCallback done, int rank = kUnknownRank);
+           absl::Duration timeout, GetCallback done, int rank = kUnknownRank,
+           std::optional<MembersForm> expected = std::nullopt);
   // Deletes the run's keys; its waiting Gets get `why` (a RUN_ENDED status),
   // or, with a `successor` scope (a failed run's fresh scope), wait there. A
   // wait in that scope that ends without its keys ends with `why` (the run's
@@ -121,7 +126,8 @@ class KvStore {
     absl::Time deadline;
     GetCallback done;
     int rank = kUnknownRank;
-    absl::Duration waits;  // min(timeout, max_timeout, wait_bound)
+    std::optional<MembersForm> expected;  // absent: every rank of the job
+    absl::Duration waits;                 // min(timeout, max_timeout, wait_bound)
     bool bounded = false;  // `waits` is wait_bound, shorter than the caller's timeout
   };
   // Per run and key prefix: the ranks that set a key under it, and those that
@@ -152,6 +158,7 @@ class KvStore {
     std::vector<std::string> missing;
     std::vector<std::string> prefixes;  // of the missing keys, distinct, in order
     int rank = kUnknownRank;
+    std::optional<MembersForm> expected;
     absl::Duration waited;
     bool bounded = false;
     std::vector<int> set;    // set a key under every prefix (ascending)

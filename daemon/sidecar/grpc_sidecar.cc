@@ -165,10 +165,9 @@ struct ForwardedCall {
 // Nothing above answers while the channel is not up (restarting, killed,
 // cut), even before the node's stream, which retries after its backoff, says
 // so: an attempt that starts then, and waits for the channel, must end when
-// the node above counts as lost, not at the call's own deadline (chaos seeds
-// 5182, 5619: a Get that started just after the coordinator was killed for
-// good waited past the loss limit the job's other ranks were ended at). Any
-// answer from above clears it.
+// the node above counts as lost, not at the call's own deadline (else a Get
+// that starts just after the coordinator is gone for good waits past the loss
+// limit the job's other ranks end at). Any answer from above clears it.
 void NoteUnansweredIfChannelDown(KeyValueForwarder::Calls& calls, absl::Time now) {
   if (calls.health != nullptr && calls.channel != nullptr &&
       calls.channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
@@ -338,7 +337,7 @@ void KeyValueForwarder::WatchUpstream() {
 // learned its run waits here until the run is known (and names it
 // then; its node and epoch it carries from when it was made): sent without
 // it, it would start a run of its own at a coordinator that restarted
-// before the node's hello came back (chaos seeds 3006, 3177, 3250). A relay
+// before the node's hello came back. A relay
 // names its own run, which is its sidecars' run.
 void KeyValueForwarder::SetAgain(std::vector<v1::KeyValueSetRequest>* waiting) {
   std::vector<v1::KeyValueSetRequest> sets;

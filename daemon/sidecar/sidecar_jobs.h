@@ -33,8 +33,8 @@
 //    ranks it had) is kept for the job id: a rank of the same launch that
 //    it never had, arriving after the others left, continues that
 //    incarnation in the job's next launch instead of starting a new one, so
-//    the coordinator does not take a late rank for restarted ranks
-//    (chaos seed 7713). Only within `handover_timeout` of the retirement:
+//    the coordinator does not take a late rank for restarted ranks.
+//    Only within `handover_timeout` of the retirement:
 //    a launch id may repeat (the same torchrun --rdzv-id run again), and a
 //    later rank is far more likely such a new launch than a late one.
 //    Without a launch id a node cannot tell a late rank from a new launch,

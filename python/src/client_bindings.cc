@@ -216,19 +216,21 @@ void BindKeyValue(PyClient& cls) {
          nb::arg("key"), nb::arg("value"))
       .def(
           "kv_get",
-          [](Client& c, const std::vector<std::string>& keys, double timeout_s) {
+          [](Client& c, const std::vector<std::string>& keys, double timeout_s,
+             std::optional<std::vector<int>> expected) {
             absl::StatusOr<std::vector<std::string>> values;
             {
               GilReleased release;
-              values = c.kv().Get(
-                  keys, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
+              const std::chrono::milliseconds timeout(static_cast<int64_t>(timeout_s * 1000.0));
+              values = expected.has_value() ? c.kv().GetAmong(keys, timeout, *expected)
+                                            : c.kv().Get(keys, timeout);
             }
             std::vector<std::string> v = ValueOrThrow(std::move(values));
             nb::list out;
             for (const auto& s : v) out.append(nb::bytes(s.data(), s.size()));
             return out;
           },
-          nb::arg("keys"), nb::arg("timeout_s") = 60.0);
+          nb::arg("keys"), nb::arg("timeout_s") = 60.0, nb::arg("expected") = nb::none());
 }
 
 }  // namespace

@@ -272,6 +272,67 @@ TEST(KvStoreTest, AnAllGatherNamesTheRankThatDidNotSetItsKey) {
   }
 }
 
+// A Get among a member set (a guard's comparison of ranks 2 and 3 in a job
+// of 6): the member that did not write is named, never ranks outside the set;
+// when every member wrote or asked, the set is what the error says.
+TEST(KvStoreTest, AGetAmongAMemberSetNamesOnlyItsMembers) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(6);
+  kv.SetRankDirectory(&ranks);
+  MembersForm pair;  // ranks 2, 3: the arithmetic form
+  pair.start = 2;
+  pair.count = 2;
+  pair.stride = 1;
+  ASSERT_TRUE(kv.Set("j", "r1", "cmp/2", "v", 2).ok());
+  Result among, whole;
+  kv.Get("j", "r1", {"cmp/2", "cmp/3"}, absl::Seconds(1), among.Callback(), 2, pair);
+  kv.Get("j", "r1", {"cmp/2", "cmp/3"}, absl::Seconds(1), whole.Callback(), 2);
+  clock.Advance(absl::Seconds(1));
+  among.done.WaitForNotification();
+  EXPECT_EQ(among.value.status().message(),
+            "job j: keys still not set after the wait (1s, this Get's timeout): cmp/3; missing "
+            "ranks 3 of the Get's member set (ranks 2-3) (neither set a key under \"cmp/\" nor "
+            "asked for one): rank 3 (node \"n1\", connected); ranks 2 set one, ranks 2 asked for "
+            "one. Check the missing ranks' processes and their sidecars' logs: the rank that "
+            "publishes these keys is among them; a rank only slower than the wait can ask again");
+  whole.done.WaitForNotification();  // every rank of the job: 0, 1, 3, 4, 5
+  EXPECT_TRUE(absl::StrContains(whole.value.status().message(), "missing ranks 0-1,3-5 ("))
+      << whole.value.status().message();
+
+  ASSERT_TRUE(kv.Set("j", "r1", "cmp/3x", "v", 3).ok());
+  Result named_key;
+  kv.Get("j", "r1", {"cmp/3"}, absl::Seconds(1), named_key.Callback(), 2, pair);
+  clock.Advance(absl::Seconds(1));
+  named_key.done.WaitForNotification();
+  EXPECT_TRUE(absl::StrContains(named_key.value.status().message(),
+                                "every rank of the Get's member set (ranks 2-3) set a key under "
+                                "\"cmp/\" or asked for one"))
+      << named_key.value.status().message();
+}
+
+// A member set that is not one of the job's (a rank past its world size) is
+// said as such, and the ranks of the whole job are named instead.
+TEST(KvStoreTest, AGetAmongRanksOutsideTheJobSaysSoAndNamesEveryRank) {
+  FakeClock clock;
+  KvStore kv(Bounded(), &clock);
+  FakeRankDirectory ranks(2);
+  kv.SetRankDirectory(&ranks);
+  MembersForm outside;
+  outside.start = 1;
+  outside.count = 3;
+  outside.stride = 1;
+  Result r;
+  kv.Get("j", "r1", {"k/1"}, absl::Seconds(1), r.Callback(), 0, outside);
+  clock.Advance(absl::Seconds(1));
+  r.done.WaitForNotification();
+  const std::string msg(r.value.status().message());
+  EXPECT_TRUE(absl::StrContains(msg,
+                                "missing ranks 1 of the job (the Get's member set is not "
+                                "one of a job of 2 ranks: "))
+      << msg;
+}
+
 // Nobody is left to name: every rank set a key under the prefix or asked
 // for one, so the key's name is what to check.
 TEST(KvStoreTest, AKeyNoRankIsLeftToSetSaysToCheckItsName) {

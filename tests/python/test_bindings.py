@@ -111,6 +111,26 @@ def test_client_register_submit_wait_through_real_daemons():
         assert client.kv_get(["k"], timeout_s=5) == [b"v"]
 
 
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_kv_get_among_a_member_set_names_only_its_members():
+    """A Get that times out names the ranks that did not set their keys: among
+    `expected` (a member set) only, through the real sidecar and coordinator."""
+    with accord.LocalCluster(num_sidecars=1) as cluster:
+        sock, local_rank = cluster.socket_for(0, 4)
+        client = accord.connect(sock, "kv-members-job", 0, 4, local_rank=local_rank)
+        client.kv_set("cmp/0", b"v")
+        assert client.kv_get(["cmp/0"], timeout_s=5, expected=[0, 2]) == [b"v"]
+        with pytest.raises(accord.Error, match="DEADLINE_EXCEEDED") as among:
+            client.kv_get(["cmp/0", "cmp/2"], timeout_s=1, expected=[0, 2])
+        assert "missing ranks 2 of the Get's member set (ranks 0,2)" in str(among.value), \
+            str(among.value)
+        with pytest.raises(accord.Error, match="DEADLINE_EXCEEDED") as whole:
+            client.kv_get(["cmp/0", "cmp/2"], timeout_s=1)
+        assert "missing ranks 1-3 (" in str(whole.value), str(whole.value)
+        with pytest.raises(accord.Error, match="INVALID_ARGUMENT"):
+            client.kv_get(["cmp/0"], timeout_s=1, expected=[2, 0])
+
+
 def test_daemons_ship_with_the_package():
     for name in ("accord-coordinator", "accord-sidecar"):
         assert os.access(accord.daemon_path(name), os.X_OK)

@@ -76,7 +76,7 @@ class RankClient:
             self.service.kv[key] = bytes(value)
             self.service.cv.notify_all()
 
-    def kv_get(self, keys, timeout_s=10.0):
+    def kv_get(self, keys, timeout_s=10.0, expected=None):
         with self.service.cv:
             if not self.service.cv.wait_for(lambda: all(k in self.service.kv for k in keys),
                                             timeout=timeout_s):
@@ -296,8 +296,7 @@ def test_a_steady_release_is_checked_off_by_the_training_thread():
     rank.run([seq] * 5)
     assert rank.error is None
     # Every release but the last had its verdict before the next release.
-    with rank.guard._mu:
-        pending = list(rank.guard._inflight)
+    pending = rank.guard.verdicts.pending()
     assert len(pending) <= 1
     rank.guard.close()
     assert rank.guard.error is None

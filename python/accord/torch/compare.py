@@ -25,11 +25,14 @@ class WindowComparison:
         self.rank = rank
         self.world_size = world_size
         self.ranks = member_sets.ranks_of(members, world_size)  # whose windows are compared
+        # A Get that times out names only the members that did not write.
+        self._expected = {} if members is None else {"expected": list(self.ranks)}
         self.timeout_s = timeout_s
         self._stall_written = -1  # the window index whose stall this rank wrote
 
     def _all(self, key: str, timeout_s: float) -> Dict[int, dict]:
-        values = self.client.kv_get([f"{key}/{r}" for r in self.ranks], timeout_s=timeout_s)
+        values = self.client.kv_get([f"{key}/{r}" for r in self.ranks], timeout_s=timeout_s,
+                                    **self._expected)
         return {r: json.loads(bytes(v).decode()) for r, v in zip(self.ranks, values)}
 
     def describe(self, entries: Dict[int, dict]) -> str:
