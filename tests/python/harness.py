@@ -38,7 +38,7 @@ class RankDied:
         return f"RankDied(rank={self.rank}, exitcode={self.exitcode})\n{self.stderr}"
 
 
-def _entry(fn, rank, world_size, tmpdir, kwargs):
+def _entry(fn, rank, world_size, tmpdir, kwargs, as_script=False):
     import torch
     import torch.distributed as dist
 
@@ -55,6 +55,8 @@ def _entry(fn, rank, world_size, tmpdir, kwargs):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, **kwargs)
     except BaseException as e:  # reported to the parent, which fails the test
+        if as_script:
+            _end_as_script()
         result = RankFailure(rank, repr(e), traceback.format_exc())
     with open(out + ".tmp", "wb") as f:
         pickle.dump(result, f)
@@ -63,14 +65,31 @@ def _entry(fn, rank, world_size, tmpdir, kwargs):
     os._exit(0)
 
 
-def run_ranks(fn, world_size, timeout_s=120.0, victims=(), **kwargs):
+def _end_as_script():
+    """Ends the process as Python ends a script whose exception nobody
+    caught: the traceback on stderr, the exit functions (where accord.torch
+    stops its threads, and its step watch may end the process with the job's
+    verdict instead), exit status 1."""
+    import atexit
+    import sys
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run_ranks(fn, world_size, timeout_s=120.0, victims=(), as_script=False, **kwargs):
     """victims: ranks expected to stop (SIGSTOP) or die mid-run: the others
     are waited for, then the victims are killed; their result is whatever
-    they left (RankDied if none)."""
+    they left (RankDied if none). as_script: a rank whose fn raises ends as
+    a script with that exception uncaught would (RankDied, its stderr)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="accord-ranks-") as tmpdir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, tmpdir, kwargs), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, tmpdir, kwargs, as_script),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

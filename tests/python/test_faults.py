@@ -12,8 +12,9 @@ import time
 import pytest
 
 import fault_scenarios as fs
+import pp_fault_scenarios as pfs
 from cluster_fixture import cluster_info
-from harness import RankDied, RankFailure, run_ranks
+from harness import RankDied, RankFailure, RanksTimedOut, run_ranks
 
 import accord
 
@@ -134,3 +135,97 @@ def test_a_rank_stopped_mid_step_on_a_single_sidecar_is_named(fault):
     assert 'group "fsdp/~step" step 2: ' in text, text
     assert "missing ranks 1: rank 1 (last step 1, node " in text, text
     assert "ranks 0 submitted it" in text, text
+
+
+# ---------------------------------------------------------------- member sets
+
+def _fault_at(res):
+    """When the victim stopped or killed itself (it wrote it just before)."""
+    times = [float(l.rsplit(" ", 1)[1]) for l in res.stderr.splitlines()
+             if l.startswith("fault at ")]
+    assert times, res
+    return times[-1]
+
+
+def _told(res):
+    """(the error's text, when the rank ended) of a survivor that ended as a
+    script: the watch's last words (exit status 3), or the traceback of the
+    job's verdict raised by its training thread (exit status 1)."""
+    assert isinstance(res, RankDied), f"a survivor finished: {res}"
+    prefix = {3: "AccordJobError: ", 1: "accord.torch.errors.AccordJobError: "}.get(res.exitcode)
+    said = [l for l in res.stderr.splitlines() if prefix and l.startswith(prefix)]
+    # Nothing after the verdict but its notes (where this rank learned it).
+    assert said and "Error: " not in res.stderr.rsplit(said[-1], 1)[1], res
+    return said[-1][len(prefix):], res.ended_at
+
+
+# Every survivor ends within stall + deadline + grace + the watch's abort
+# grace of the fault, plus one stall for a rank that learns the job's
+# failure from another member set, and process and poll slack; the
+# assertion allows twice that (a loaded 2-core machine), as above.
+MEMBER_BOUND_S = 1.0 + DEADLINE_S + GRACE_S + 0.5 + 1.0 + 2.5
+
+
+def check_member_fault(results, victim, members, fault):
+    """The victim's member set names it; every other rank ends with the
+    job's failure, which carries the same words; all within the bound."""
+    fault_at = _fault_at(results[victim])
+    # One of the member set's own groups (its `~step`, or its guard's window).
+    group = re.compile(rf'group "[^"]*@ranks{members[0]}\.\.{members[-1]}'
+                       rf'{"" if members[1] - members[0] == 1 else f"/{members[1] - members[0]}"}" ')
+    named = f"missing ranks {victim}: rank {victim} ("
+    for r, res in enumerate(results):
+        if r == victim:
+            continue
+        text, ended_at = _told(res)
+        kind = "member" if r in members else "job"
+        seconds = ended_at - fault_at
+        print(f"[timing] {fault}: rank {r} ({kind}) ended {seconds:.2f}s after rank {victim}'s "
+              f"fault (bound {MEMBER_BOUND_S:.1f}s): {text[:160]}")
+        assert named in text and group.search(text), (r, text)
+        assert seconds < 2 * MEMBER_BOUND_S, (r, seconds)
+
+
+@pytest.mark.parametrize("victim", [3, 1])
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_pipeline_rank_stopped_mid_backward(cluster, fault, victim):
+    """PP 2 x 2 as one accord job: a stage's rank stopped or killed in its
+    first microbatch's backward is named to its stage's DP peer; the other
+    stage's ranks (blocked in a pipeline send or receive, a stage-1 rank
+    before its stage module runs) end with the job's failure."""
+    info = cluster_info(cluster, 4, f"pp-{fault}-{victim}")
+    results = run_ranks(pfs.pipeline_stopped, 4, 120.0, victims=(victim,), as_script=True,
+                        cluster=info, victim=victim, fault=fault)
+    check_member_fault(results, victim, (victim // 2 * 2, victim // 2 * 2 + 1), fault)
+
+
+def test_tp_fsdp_rank_stopped_is_named_to_its_member_set(cluster):
+    """(dp, tp) = (2, 2): rank 3 stopped mid-backward is named to rank 1
+    (its dp group, member set {1, 3}); ranks 0 and 2 end with the job's
+    failure."""
+    info = cluster_info(cluster, 4, "tp-stop")
+    results = run_ranks(pfs.tp_fsdp_stopped, 4, 120.0, victims=(3,), as_script=True,
+                        cluster=info, victim=3, fault="stop")
+    check_member_fault(results, 3, (1, 3), "stop")
+
+
+def test_pipeline_without_the_job_watch_hangs_past_the_bound(cluster, monkeypatch):
+    """Pinned: with `~job` and the schedule's step turned off
+    (ACCORD_TORCH_JOB_WATCH=0), the stage-1 ranks of a stopped stage-0 rank
+    block in the pipeline receive of the next step, outside any step the
+    watch sees, and never learn the job's failure: rank 3 (whose receive
+    waits for the stopped rank) is still running well past twice the bound
+    (the harness's limit ends it); rank 2 hangs too, or ends with Gloo's
+    error once rank 0 has ended."""
+    monkeypatch.setenv("ACCORD_TORCH_JOB_WATCH", "0")
+    info = cluster_info(cluster, 4, "pp-no-job-watch")
+    with pytest.raises(RanksTimedOut) as hung:
+        run_ranks(pfs.pipeline_stopped, 4, 75.0, victims=(1,), as_script=True, cluster=info,
+                  victim=1, fault="stop")
+    ended = time.time()
+    text = str(hung.value)
+    assert re.search(r"ranks \[(2, )?3\] of 4 still running", text), text
+    fault_at = float(re.search(r"fault at ([\d.]+)", text).group(1))
+    print(f"[timing] without the job watch: rank 3 still running {ended - fault_at:.1f}s "
+          f"after rank 1's fault (bound {MEMBER_BOUND_S:.1f}s)")
+    assert ended - fault_at > 2 * MEMBER_BOUND_S, text

@@ -16,6 +16,7 @@ import subprocess
 import pytest
 import torch
 
+import member_scenarios as ms
 import participation_scenarios as ps
 from cluster_fixture import cluster_info, start_cluster
 from harness import RankDied, RankFailure, RanksTimedOut, check_results, run_ranks
@@ -227,6 +228,23 @@ def test_bad_installs_get_precise_errors():
     }
     for key, prefix in expect.items():
         assert out[key].startswith(prefix), f"{key}: {out[key]!r}"
+
+
+def test_optional_unit_spanning_two_member_sets_is_refused_at_install():
+    """A unit whose FSDP groups have different member sets (its expert's
+    parameters on the expert data-parallel mesh by shard_placement_fn, the
+    rest on every rank) marked optional: refused at install, naming the unit
+    and both member sets (docs/MEMBERS.md 2.12)."""
+    results = check_results(run_ranks(ms.unit_spanning_two_member_sets, 4, 120.0))
+    for rank, out in enumerate(results):
+        first = 2 * (rank // 2)
+        assert out["groups"] == 2, out
+        assert out.get("error") == (
+            f"accord.torch.install: optional unit 'moe' spans 2 member sets of the job of 4 "
+            f"ranks (group 'fsdp/moe#0' by every rank; group 'fsdp/moe#1@ranks{first}.."
+            f"{first + 1}' by ranks [{first}, {first + 1}]); an optional unit's participation "
+            f"is agreed among one member set: shard the parameters on each mesh in a unit of "
+            f"their own (fully_shard on a submodule) and mark those units optional"), out
 
 
 def test_coordinator_shows_the_participation_matrix(cluster):

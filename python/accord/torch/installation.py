@@ -21,7 +21,7 @@ import torch
 
 import accord
 from accord.agreement import as_agreement
-from accord.torch import configs, fsdp2, members
+from accord.torch import configs, fsdp2, jobwatch, members
 from accord.torch.all_gathers import Routes
 from accord.torch.hooking import find_groups, hook_groups
 from accord.torch.negotiation import Negotiation, NegotiationTiming
@@ -62,6 +62,7 @@ class Installation:
         self.units: Optional[OptionalUnits] = None
         self.guard = None  # accord.torch.guard.SequenceGuard
         self.watch = None  # accord.torch.watchdog.StepWatch
+        self.job = None  # accord.torch.jobwatch.JobItem: `~job`, with members and a watch
         self.negotiation: Optional[Negotiation] = None
         self._handles: list = []  # each has remove(): routes, setter checks
         self._patched_states: list = []  # FSDP states whose final callback is wrapped
@@ -108,6 +109,8 @@ class Installation:
         from accord.torch.watchdog import StepWatch
 
         stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
+        if self.members is not None:  # `~job`: other member sets' ranks to hear from
+            self.job = jobwatch.job_item(self.agreement)
         return StepWatch(self.agreement, self.item_id("~step"), timeout_s, stall_s=stall_s,
                          members=self.members)
 
@@ -222,6 +225,11 @@ class Installation:
             yield
         finally:
             self.chunk = saved
+
+    def schedule_step(self):
+        """A context manager around a pipeline schedule's step() that drives
+        this module (accord.torch.jobwatch.schedule_step)."""
+        return jobwatch.schedule_step(self)
 
     def refuse_split_backward(self) -> None:
         """A schedule that splits this stage's backward into input and weight

@@ -146,13 +146,15 @@ class OptionalUnits:
 
     def add(self, name: str, module, register_now: bool = False) -> OptionalUnit:
         inst = self.inst
+        groups = fsdp2.param_groups(module)
+        _one_member_set(name, [h for h in inst.groups.values()
+                               if any(h.group is g for g in groups)], inst.agreement.world_size)
         reporter = None
         if callable(getattr(inst.agreement, "submit_async", None)):
             reporter = ParticipationReporter(inst.agreement, inst.item_id(f"~participation/{name}"),
                                              inst.members)
             if register_now:
                 inst.agreement.register(*reporter.registration())
-        groups = fsdp2.param_groups(module)
         unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: inst.step_open)
         for h in inst.groups.values():
             if any(h.group is g for g in groups):
@@ -239,6 +241,26 @@ class OptionalUnits:
                 f"optional=[...] to accord.torch.install to say so up front",
                 stacklevel=2)
         return current in units
+
+
+def _one_member_set(name: str, hooked: list, world_size: int) -> None:
+    """An optional unit's participation is agreed among one member set
+    (docs/MEMBERS.md 2.12): a unit whose FSDP groups are reduced by
+    different ranks (a per-parameter mesh, shard_placement_fn) is refused,
+    naming the unit and its groups' member sets."""
+    sets: Dict[object, str] = {}
+    for h in hooked:
+        sets.setdefault(h.members, h.group_id)
+    if len(sets) < 2:
+        return
+    said = "; ".join(
+        f"group '{gid}' by {'every rank' if m is None else 'ranks ' + str(list(m))}"
+        for m, gid in sets.items())
+    raise ValueError(
+        f"accord.torch.install: optional unit '{name}' spans {len(sets)} member sets of the "
+        f"job of {world_size} ranks ({said}); an optional unit's participation is agreed "
+        f"among one member set: shard the parameters on each mesh in a unit of their own "
+        f"(fully_shard on a submodule) and mark those units optional")
 
 
 def resolve(model, optional) -> List[Tuple[str, object]]:

@@ -108,6 +108,15 @@ class StepWatch:
             self._step = step
             self._last = time.monotonic()
 
+    def open_step(self, step: int) -> None:
+        """A pipeline schedule's step() began: the step is open from here,
+        so a rank blocked in the schedule's first receive, before its stage
+        module runs, is inside it (accord.torch.jobwatch)."""
+        self.check()
+        with self._mu:
+            if not self._in_step:
+                self._in_step, self._step, self._last = True, step, time.monotonic()
+
     def progress(self, where: str) -> None:
         # No lock: single assignments, read whole by the watch's thread.
         if self._failure is not None:

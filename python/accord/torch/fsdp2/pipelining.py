@@ -1,4 +1,5 @@
-"""torch.distributed.pipelining's methods that accord wraps: where a
+"""torch.distributed.pipelining's methods that accord wraps: a schedule's
+step() (its whole run, for the step watch: accord.torch.jobwatch), where a
 schedule's step begins for a stage module (its microbatch 0 forward), and
 schedules that split each microbatch's backward into input and weight
 passes (refused at the schedule's step(), before anything runs, on every
@@ -8,30 +9,34 @@ FSDP2 (docs/PARTICIPATION.md, "Pipeline schedules")."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 _STAGE = "_accord_stage"
-_PATCH = {"users": 0, "forward": None, "weight": None, "step": None}
+_PATCH = {"users": 0, "forward": None, "weight": None, "step": None, "single_step": None}
 
 
 def _classes():
-    """(stage base class, multi-stage schedule class), or None on a torch
-    without pipelining (no schedule can drive a module there)."""
+    """(stage base class, multi-stage and single-stage schedule classes), or
+    None on a torch without pipelining (no schedule can drive a module
+    there)."""
     try:
-        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+        from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                            PipelineScheduleSingle)
         from torch.distributed.pipelining.stage import _PipelineStageBase
     except ImportError:
         return None
     if not all(hasattr(_PipelineStageBase, m)
                for m in ("forward_one_chunk", "backward_weight_one_chunk")):
         return None
-    return _PipelineStageBase, PipelineScheduleMulti
+    return _PipelineStageBase, PipelineScheduleMulti, PipelineScheduleSingle
 
 
 def route_stage(module, owner) -> None:
     """Schedules that drive `module` (a stage's submod) tell `owner`:
-    owner.microbatch(chunk_id) is a context manager around each microbatch's
-    forward; owner.refuse_split_backward() raises, called at the step() of a
+    owner.schedule_step() is a context manager around each step() of the
+    schedule, owner.microbatch(chunk_id) around each microbatch's forward;
+    owner.refuse_split_backward() raises, called at the step() of a
     schedule whose actions split a backward and before any weight-only
     backward."""
     module.__dict__[_STAGE] = owner
@@ -51,13 +56,14 @@ def patch_stages() -> None:
     classes = _classes()
     if classes is None:
         return
-    stage, multi = classes
+    stage, multi, single = classes
     if _PATCH["users"] == 0:
         _PATCH.update(forward=stage.forward_one_chunk, weight=stage.backward_weight_one_chunk,
-                      step=multi.step)
+                      step=multi.step, single_step=single.step)
         stage.forward_one_chunk = _forward(_PATCH["forward"])
         stage.backward_weight_one_chunk = _weight(_PATCH["weight"])
         multi.step = _step(_PATCH["step"])
+        single.step = _single_step(_PATCH["single_step"])
     _PATCH["users"] += 1
 
 
@@ -67,10 +73,10 @@ def unpatch_stages() -> None:
         return
     _PATCH["users"] -= 1
     if _PATCH["users"] == 0:
-        stage, multi = classes
+        stage, multi, single = classes
         stage.forward_one_chunk, stage.backward_weight_one_chunk = _PATCH["forward"], _PATCH["weight"]
-        multi.step = _PATCH["step"]
-        _PATCH.update(forward=None, weight=None, step=None)
+        multi.step, single.step = _PATCH["step"], _PATCH["single_step"]
+        _PATCH.update(forward=None, weight=None, step=None, single_step=None)
 
 
 def _forward(original: Callable) -> Callable:
@@ -107,6 +113,22 @@ def _step(original: Callable) -> Callable:
             order = getattr(self, "pipeline_order", None) or {}
             if any(_splits(a) for actions in order.values() for a in actions):
                 owners[0].refuse_split_backward()
-        return original(self, *args, **kwargs)
+        return _bracketed(owners, original, self, *args, **kwargs)
 
     return step
+
+
+def _single_step(original: Callable) -> Callable:
+    def step(self, *args, **kwargs):
+        owner = _owner(getattr(self, "_stage", None))
+        return _bracketed([owner] if owner is not None else [], original, self, *args, **kwargs)
+
+    return step
+
+
+def _bracketed(owners, original, schedule, *args, **kwargs):
+    """original(schedule, ...) inside each owner's schedule_step()."""
+    with contextlib.ExitStack() as stack:
+        for owner in owners:
+            stack.enter_context(owner.schedule_step())
+        return original(schedule, *args, **kwargs)
