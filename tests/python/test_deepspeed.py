@@ -421,6 +421,9 @@ class _FakeZero3:
     def in_bucket(self, p):
         return False
 
+    def to_gather(self, params):
+        return [(p, p.numel()) for p in params if not getattr(p, "there", False)]
+
     def gather_key(self, gathered):
         return tuple(sorted(p.tag for p, _ in gathered))
 
@@ -466,30 +469,36 @@ def _fake_backward(model, turns, gathers, arrivals):
     return turns.zero.log
 
 
-@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("case", ["first", "learned", "changed"])
 def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whatever_the_order(
-        learned):
+        case):
     """The rule alone (no DeepSpeed): ranks whose gradients come in
     different orders, at different all-gathers or not at all hand DeepSpeed
     the same parameters in the same order between the same two all-gathers,
     so its bucketing issues the same reductions between them. First
-    backward (the module fetched is next) and with a learned table
-    (prefetches: all-gathers of several modules)."""
+    backward (the module fetched is next), with a learned table (prefetches:
+    all-gathers of several modules), and `changed`: learned from a backward
+    that fetched every module, then one where two modules are still there
+    and the rest come in two prefetches (tail after the last)."""
     import random
 
     modules = 6
     fetch = [[m] for m in reversed(range(modules))]
     prefetch = [[5, 4], [3, 2], [1, 0]]
-    gathers = prefetch if learned else fetch
+    gathers = {"first": fetch, "learned": prefetch, "changed": [[3, 2], [1, 0]]}[case]
     logs = []
     for rank in range(8):
         model, turns = _fake_rank(modules)
-        if learned:  # the same backward on every rank first, then learned
+        if case != "first":  # the same backward on every rank first, then learned
+            seen = prefetch if case == "learned" else fetch
             template = {c + 1: [k for m in ms for k in (2 * m + 1, 2 * m)]
-                        for c, ms in enumerate(gathers)}
-            _fake_backward(model, turns, gathers, template)
+                        for c, ms in enumerate(seen)}
+            _fake_backward(model, turns, seen, template)
             turns.learn()
             turns.reset()
+        for m in (5, 4):  # kept gathered from the forward
+            for p in model[m].parameters():
+                p.there = case == "changed"
         rng = random.Random(rank)
         arrivals = {}
         for k in range(2 * modules):
