@@ -116,7 +116,10 @@ def make_model(kind="toy"):
     gradient, so under it the tower would get none); `seq`: LAYERS linear layers,
     autograd's order the reverse of their definition; `late`: the same with
     the input layer defined last, so it comes first in release order and its
-    gradient last."""
+    gradient last; `toy-placed`: the toy whose tower output joins after the
+    body where the image has 3 rows (odd ranks' batches), before it
+    otherwise, so the tower's gradient comes before the body's backward
+    all-gather on one rank and after it on the other."""
     import torch
     from torch import nn
 
@@ -150,10 +153,14 @@ def make_model(kind="toy"):
 
         def forward(self, x, image=None):
             h = self.embed(x)
-            if image is not None:
+            after_body = kind == "toy-placed" and image is not None and image.shape[0] == 3
+            if image is not None and not after_body:
                 tower = _run if kind == "toy-torch-ckpt" else (lambda m, x: m(x))
                 h = h + tower(self.tower, image).mean(0, keepdim=True)
-            return self.head(torch.tanh(_run(self.body, h))).pow(2).mean()
+            h = _run(self.body, h)
+            if after_body:
+                h = h + self.tower(image).mean(0, keepdim=True)
+            return self.head(torch.tanh(h)).pow(2).mean()
 
     def _run(module, x):
         if kind == "toy-torch-ckpt":
@@ -194,7 +201,8 @@ def batch(rank, step, micro, case, kind="toy"):
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
     x = torch.randn(3, IN if kind.startswith("toy") else SEQ, generator=g)
-    image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
+    rows = 3 if kind == "toy-placed" and rank % 2 else 2
+    image = torch.randn(rows, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
 
 

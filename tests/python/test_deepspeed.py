@@ -326,6 +326,27 @@ def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
               f"per backward {s['held_by_release']}")
 
 
+@pytest.mark.parametrize("fetch", ["refetch", "prefetch"])
+def test_zero3_gradient_before_an_all_gather_on_one_rank_after_it_on_another(fetch, cluster):
+    """The optional (persistent) tower's output joins before the body on
+    rank 0 and after it on rank 1: its gradient comes after the body's
+    backward all-gather on rank 0 and before it on rank 1, and with a
+    100-element bucket nearly every hand-over reduces. Handed as gradients
+    come, rank 1 would reduce before that all-gather what rank 0 reduces
+    after it; the cap makes every rank's collectives the same, and the
+    gradients equal the reference."""
+    info = cluster_info(cluster, 2, f"ds-z3-placed-{fetch}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, kind="toy-placed", persistence=0,
+                              optional=("tower",), record=True,
+                              zero3=dict(FETCH[fetch], reduce_bucket_size=100),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        print(f"accord-test: ZeRO-3 placed {fetch} held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']} late {s['late']}")
+
+
 @pytest.mark.parametrize("dtype,gas,fetch,world", [("fp32", 1, "refetch", 2),
                                                    ("bf16", 2, "refetch", 2),
                                                    ("fp32", 1, "prefetch", 2),
