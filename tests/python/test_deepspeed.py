@@ -279,7 +279,8 @@ def _same_collectives(results):
 
 
 @pytest.mark.parametrize("fetch,world", [("refetch", 2), ("prefetch", 2), ("kept", 2),
-                                         ("epilogue", 2), ("refetch", 3)])
+                                         ("epilogue", 2), ("refetch", 3), ("prefetch", 3),
+                                         ("kept", 3)])
 def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, world, cluster):
     """ZeRO-3 hands DeepSpeed every parameter during the backward, before
     the decision, at points placed among its all-gathers; every rank issues
@@ -371,6 +372,64 @@ def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype,
         assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
         print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
               f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
+def _check_fp16_skip(results, skipped_step):
+    """fp16: the gradients (scaled by the loss scale) equal the reference
+    and are identical on every rank, except at `skipped_step`, which every
+    rank skips: the loss scale halves, and every parameter (fp32 and fp16)
+    and Adam moment is bitwise unchanged by that step."""
+    per_rank = _steps(results)
+    for step, records in enumerate(zip(*per_rank)):
+        first = records[0]
+        for rank, rec in enumerate(records):
+            assert rec["skipped"] == (step >= skipped_step) and rec["scale"] == first["scale"]
+            if step == skipped_step:
+                for n in rec["start"]:
+                    assert torch.equal(rec["after"][n], rec["start"][n]), n
+                    before = per_rank[rank][step - 1]["lp_after"][n]
+                    assert torch.equal(rec["lp_after"][n], before), n
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        assert torch.equal(rec["after_moments"][key][n], rec["moments"][key][n])
+                continue
+            for n, g in rec["grads"].items():
+                assert torch.equal(g, first["grads"][n]), (step, n)
+                ref = rec["ref"][n]
+                if ref is None:
+                    assert torch.count_nonzero(g) == 0, (step, n)
+                    continue
+                err = (g / rec["scale"] - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert err < 2e-2, (step, n, float(err))
+        if step == skipped_step + 1:
+            assert first["scale"] == per_rank[0][skipped_step]["scale"] / 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_loss_scaler_skips_an_overflow_on_one_rank_everywhere(stage, cluster):
+    """fp16 with DeepSpeed's dynamic loss scaler (its CPU accelerator's fp16
+    check overridden in the test's ranks: deepspeed_scenarios._allow_cpu_fp16),
+    turns on, the tower on rank 0 at even steps (ZeRO-3: optional). Rank 0's
+    loss is inf at step 1: every rank skips that step and leaves every
+    parameter and moment bitwise unchanged; at step 2 rank 0 runs the tower
+    (ZeRO-3: all-gathered again after the skipped step, which partitioned
+    it) and it is repaired; the other steps match the reference (the tower
+    bitwise unchanged at step 3, where no rank used it); ZeRO-3: the same
+    collectives."""
+    info = cluster_info(cluster, 2, f"ds-fp16-{stage}")
+    zero = dict(FETCH["refetch"], reduce_bucket_size=BUCKET) if stage == 3 else TURNS
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="on_0_at_even", steps=4,
+                              dtype="fp16", overflow=(0, 1), zero3=zero, record=stage == 3,
+                              persistence=0 if stage == 3 else None,
+                              optional=("tower",) if stage == 3 else (),
+                              accord="cluster", cluster=info)
+    _check_fp16_skip(results, skipped_step=1)
+    _check_unused_unchanged(results, step=3)
+    if stage == 3:
+        _same_collectives(results)
+    for s in _stats(results):
+        assert s["repaired"] >= 1 and s["speculated"] > 0, s
+        print(f"accord-test: ZeRO-{stage} fp16 held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
 
 
 @pytest.mark.parametrize("given", [True, False])
