@@ -116,7 +116,10 @@ def make_model(kind="toy"):
     gradient, so under it the tower would get none); `seq`: LAYERS linear layers,
     autograd's order the reverse of their definition; `late`: the same with
     the input layer defined last, so it comes first in release order and its
-    gradient last."""
+    gradient last; `toy-placed`: the toy whose tower output joins after the
+    body where the image has 3 rows (odd ranks' batches), before it
+    otherwise, so the tower's gradient comes before the body's backward
+    all-gather on one rank and after it on the other."""
     import torch
     from torch import nn
 
@@ -150,10 +153,14 @@ def make_model(kind="toy"):
 
         def forward(self, x, image=None):
             h = self.embed(x)
-            if image is not None:
+            after_body = kind == "toy-placed" and image is not None and image.shape[0] == 3
+            if image is not None and not after_body:
                 tower = _run if kind == "toy-torch-ckpt" else (lambda m, x: m(x))
                 h = h + tower(self.tower, image).mean(0, keepdim=True)
-            return self.head(torch.tanh(_run(self.body, h))).pow(2).mean()
+            h = _run(self.body, h)
+            if after_body:
+                h = h + self.tower(image).mean(0, keepdim=True)
+            return self.head(torch.tanh(h)).pow(2).mean()
 
     def _run(module, x):
         if kind == "toy-torch-ckpt":
@@ -194,7 +201,8 @@ def batch(rank, step, micro, case, kind="toy"):
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
     x = torch.randn(3, IN if kind.startswith("toy") else SEQ, generator=g)
-    image = torch.randn(2, IMG, generator=g) if usage(case, rank, step, micro) else None
+    rows = 3 if kind == "toy-placed" and rank % 2 else 2
+    image = torch.randn(rows, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
 
 
@@ -210,6 +218,9 @@ def ds_config(stage, world_size, gas=1, dtype="fp32", persistence=None, zero3=No
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scaling: a step with inf/nan gradients is skipped
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 100,
+                       "hysteresis": 1, "min_loss_scale": 1}
     if persistence is not None:  # ZeRO-3: parameters at most this large stay gathered
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
     cfg["zero_optimization"].update(zero3 or {})  # more ZeRO-3 settings
@@ -223,7 +234,7 @@ def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32", kind="toy
 
     model = make_model(kind)
     model.load_state_dict(model_state)
-    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     model.to(tdtype)
     total = {n: None for n, _ in model.named_parameters()}
     for x, image in rank_batches:
@@ -277,6 +288,18 @@ def _trace_collectives(record=None):
             setattr(ds_comm.cdb, attr, traced)
 
 
+def _allow_cpu_fp16():
+    """DeepSpeed's CPU accelerator says fp16 is supported only where oneDNN
+    has fp16 kernels (`torch.ops.mkldnn._is_mkldnn_fp16_supported()`, False
+    on this CPU), and the engine then refuses fp16 ("Type fp16 is not
+    supported on your device", engine.py `_do_sanity_check`). torch's CPU
+    half kernels run every op of these models, so the test overrides the
+    check, in this rank's process only, to test fp16 with the loss scaler."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
 def _mark_leaf(model, leaf):
     """ZeRO-3 leaf modules (DeepSpeed fetches each whole at its forward and
     reduces its parameters from one module backward hook, zero-filling those
@@ -292,11 +315,14 @@ def _mark_leaf(model, leaf):
 
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
-          zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=()):
+          zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=(),
+          overflow=None):
     """Trains `steps` steps; returns per step the full reduced gradients (read
     before engine.step()), the reference gradients, and the parameters and
     Adam moments of the tower before and after the step. `leaf`: paths of
-    modules marked ZeRO-3 leaf modules before deepspeed.initialize."""
+    modules marked ZeRO-3 leaf modules before deepspeed.initialize;
+    `overflow`: (rank, step) whose loss is made inf (fp16: the loss scaler
+    skips that step)."""
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, \
@@ -305,6 +331,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
     collectives = [] if record else None  # every collective this rank issued, in order
     if os.environ.get("ACCORD_TEST_TRACE") or record:
         _trace_collectives(collectives)
+    if dtype == "fp16":
+        _allow_cpu_fp16()
     model = make_model(kind)
     _mark_leaf(model, leaf)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=wd)
@@ -347,6 +375,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
             if die == (rank, step, "forward"):
                 os._exit(1)
             loss = engine(x.to(dt), None if image is None else image.to(dt))
+            if overflow == (rank, step):
+                loss = loss * float("inf")
             if die == (rank, step, "backward"):
                 os._exit(1)
             engine.backward(loss)
@@ -367,6 +397,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         moments = {key: None if step == 0 else  # no optimizer state before the first step
                    {n: safe_get_full_optimizer_state(params[n], key).clone() for n in names}
                    for key in ("exp_avg", "exp_avg_sq")}
+        scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
         after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
         after_moments = {key: {n: safe_get_full_optimizer_state(params[n], key).clone()
@@ -377,6 +408,7 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         guard = None if inst is None else inst.guard
         out.append({"grads": grads, "ref": ref, "start": start, "after": after,
                     "moments": moments, "after_moments": after_moments, "lp_after": lp_after,
+                    "scale": float(scale), "skipped": int(engine.skipped_steps),
                     "guard_waits": None if guard is None else guard.blocking_waits,
                     "guard_reports": None if guard is None else guard.reports})
     if inst is not None:
@@ -389,7 +421,8 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
         inst.uninstall()
         from accord.deepspeed import zero
 
-        left = [n for n in zero._PATCHED if n in engine.optimizer.__dict__]
+        left = [n for n in zero._PATCHED + ("step", "backward_prologue")
+                if n in engine.optimizer.__dict__]
         offload = getattr(engine.optimizer, "parameter_offload", None)
         if offload is not None:
             left += [n for n in zero._SUB_MODULE_FUNCTIONS if n in offload.__dict__]
@@ -479,6 +512,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
                 if k < gas - 1 and not coalesce:
                     engine.step()
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
+        scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
         after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
         DONE[0] = step + 1

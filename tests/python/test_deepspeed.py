@@ -279,16 +279,16 @@ def _same_collectives(results):
 
 
 @pytest.mark.parametrize("fetch,world", [("refetch", 2), ("prefetch", 2), ("kept", 2),
-                                         ("epilogue", 2), ("refetch", 3)])
+                                         ("epilogue", 2), ("refetch", 3), ("prefetch", 3),
+                                         ("kept", 3)])
 def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch, world, cluster):
     """ZeRO-3 hands DeepSpeed every parameter during the backward, before
     the decision, at points placed among its all-gathers; every rank issues
-    the same collectives. Held beyond DeepSpeed: at most one module's
-    gradient where every backward fetches the same way; where DeepSpeed's
-    fetches change after the first backward (its trace complete: prefetch,
-    or nothing fetched any more), that second backward holds up to its whole
-    gradient, and none after. `epilogue` (turns off): every gradient of
-    every backward."""
+    the same collectives. Held beyond DeepSpeed, in every backward: at most
+    one bucket (here one module's gradient), also in the second backward,
+    where DeepSpeed's fetches change (its trace complete: prefetch along it,
+    or, with its defaults, every parameter kept gathered from the forward).
+    `epilogue` (turns off): every gradient of every backward."""
     info = cluster_info(cluster, world, f"ds-z3-seq-{fetch}-{world}")
     config = dict(FETCH.get(fetch, FETCH["refetch"]), reduce_bucket_size=BUCKET)
     results = sc.run_ds_ranks(sc.train, world, timeout_s=60 * world, stage=3, steps=3, gas=2,
@@ -305,8 +305,8 @@ def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch,
             continue
         assert 0 < s["speculated"] == s["reduced"], s
         assert s["late"] == s["repaired"] == s["zero_filled"] == 0, s
-        steady = s["held_by_release"][2 if fetch != "refetch" else 0:]
-        assert len(s["held_by_release"]) == 6 and max(steady) <= BUCKET * 4, s
+        held = s["held_by_release"]
+        assert len(held) == 6 and 0 < max(held) <= BUCKET * 4, s
 
 
 def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
@@ -325,6 +325,27 @@ def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
         assert s["held_by_release"][1:] == [0, 0], s
         print(f"accord-test: ZeRO-3 late held_bytes {s['held_bytes']} "
               f"per backward {s['held_by_release']}")
+
+
+@pytest.mark.parametrize("fetch", ["refetch", "prefetch"])
+def test_zero3_gradient_before_an_all_gather_on_one_rank_after_it_on_another(fetch, cluster):
+    """The optional (persistent) tower's output joins before the body on
+    rank 0 and after it on rank 1: its gradient comes after the body's
+    backward all-gather on rank 0 and before it on rank 1, and with a
+    100-element bucket nearly every hand-over reduces. Handed as gradients
+    come, rank 1 would reduce before that all-gather what rank 0 reduces
+    after it; the cap makes every rank's collectives the same, and the
+    gradients equal the reference."""
+    info = cluster_info(cluster, 2, f"ds-z3-placed-{fetch}")
+    results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, kind="toy-placed", persistence=0,
+                              optional=("tower",), record=True,
+                              zero3=dict(FETCH[fetch], reduce_bucket_size=100),
+                              accord="cluster", cluster=info)
+    _check_against_reference(results)
+    _same_collectives(results)
+    for s in _stats(results):
+        print(f"accord-test: ZeRO-3 placed {fetch} held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']} late {s['late']}")
 
 
 @pytest.mark.parametrize("dtype,gas,fetch,world", [("fp32", 1, "refetch", 2),
@@ -351,6 +372,64 @@ def test_zero3_tower_on_one_rank_at_some_steps_is_speculated_and_repaired(dtype,
         assert s["repaired"] >= 2 and s["speculated"] > 0 and s["restored"] > 0, s
         print(f"accord-test: ZeRO-3 {dtype} {fetch} tower at some steps held_bytes "
               f"{s['held_bytes']} per backward {s['held_by_release']}")
+
+
+def _check_fp16_skip(results, skipped_step):
+    """fp16: the gradients (scaled by the loss scale) equal the reference
+    and are identical on every rank, except at `skipped_step`, which every
+    rank skips: the loss scale halves, and every parameter (fp32 and fp16)
+    and Adam moment is bitwise unchanged by that step."""
+    per_rank = _steps(results)
+    for step, records in enumerate(zip(*per_rank)):
+        first = records[0]
+        for rank, rec in enumerate(records):
+            assert rec["skipped"] == (step >= skipped_step) and rec["scale"] == first["scale"]
+            if step == skipped_step:
+                for n in rec["start"]:
+                    assert torch.equal(rec["after"][n], rec["start"][n]), n
+                    before = per_rank[rank][step - 1]["lp_after"][n]
+                    assert torch.equal(rec["lp_after"][n], before), n
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        assert torch.equal(rec["after_moments"][key][n], rec["moments"][key][n])
+                continue
+            for n, g in rec["grads"].items():
+                assert torch.equal(g, first["grads"][n]), (step, n)
+                ref = rec["ref"][n]
+                if ref is None:
+                    assert torch.count_nonzero(g) == 0, (step, n)
+                    continue
+                err = (g / rec["scale"] - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert err < 2e-2, (step, n, float(err))
+        if step == skipped_step + 1:
+            assert first["scale"] == per_rank[0][skipped_step]["scale"] / 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_loss_scaler_skips_an_overflow_on_one_rank_everywhere(stage, cluster):
+    """fp16 with DeepSpeed's dynamic loss scaler (its CPU accelerator's fp16
+    check overridden in the test's ranks: deepspeed_scenarios._allow_cpu_fp16),
+    turns on, the tower on rank 0 at even steps (ZeRO-3: optional). Rank 0's
+    loss is inf at step 1: every rank skips that step and leaves every
+    parameter and moment bitwise unchanged; at step 2 rank 0 runs the tower
+    (ZeRO-3: all-gathered again after the skipped step, which partitioned
+    it) and it is repaired; the other steps match the reference (the tower
+    bitwise unchanged at step 3, where no rank used it); ZeRO-3: the same
+    collectives."""
+    info = cluster_info(cluster, 2, f"ds-fp16-{stage}")
+    zero = dict(FETCH["refetch"], reduce_bucket_size=BUCKET) if stage == 3 else TURNS
+    results = sc.run_ds_ranks(sc.train, 2, stage=stage, case="on_0_at_even", steps=4,
+                              dtype="fp16", overflow=(0, 1), zero3=zero, record=stage == 3,
+                              persistence=0 if stage == 3 else None,
+                              optional=("tower",) if stage == 3 else (),
+                              accord="cluster", cluster=info)
+    _check_fp16_skip(results, skipped_step=1)
+    _check_unused_unchanged(results, step=3)
+    if stage == 3:
+        _same_collectives(results)
+    for s in _stats(results):
+        assert s["repaired"] >= 1 and s["speculated"] > 0, s
+        print(f"accord-test: ZeRO-{stage} fp16 held_bytes {s['held_bytes']} "
+              f"per backward {s['held_by_release']}")
 
 
 @pytest.mark.parametrize("given", [True, False])
@@ -422,6 +501,9 @@ class _FakeZero3:
     def in_bucket(self, p):
         return False
 
+    def to_gather(self, params):
+        return [(p, p.numel()) for p in params if not getattr(p, "there", False)]
+
     def gather_key(self, gathered):
         return tuple(sorted(p.tag for p, _ in gathered))
 
@@ -467,30 +549,36 @@ def _fake_backward(model, turns, gathers, arrivals):
     return turns.zero.log
 
 
-@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("case", ["first", "learned", "changed"])
 def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whatever_the_order(
-        learned):
+        case):
     """The rule alone (no DeepSpeed): ranks whose gradients come in
     different orders, at different all-gathers or not at all hand DeepSpeed
     the same parameters in the same order between the same two all-gathers,
     so its bucketing issues the same reductions between them. First
-    backward (the module fetched is next) and with a learned table
-    (prefetches: all-gathers of several modules)."""
+    backward (the module fetched is next), with a learned table (prefetches:
+    all-gathers of several modules), and `changed`: learned from a backward
+    that fetched every module, then one where two modules are still there
+    and the rest come in two prefetches (tail after the last)."""
     import random
 
     modules = 6
     fetch = [[m] for m in reversed(range(modules))]
     prefetch = [[5, 4], [3, 2], [1, 0]]
-    gathers = prefetch if learned else fetch
+    gathers = {"first": fetch, "learned": prefetch, "changed": [[3, 2], [1, 0]]}[case]
     logs = []
     for rank in range(8):
         model, turns = _fake_rank(modules)
-        if learned:  # the same backward on every rank first, then learned
+        if case != "first":  # the same backward on every rank first, then learned
+            seen = prefetch if case == "learned" else fetch
             template = {c + 1: [k for m in ms for k in (2 * m + 1, 2 * m)]
-                        for c, ms in enumerate(gathers)}
-            _fake_backward(model, turns, gathers, template)
+                        for c, ms in enumerate(seen)}
+            _fake_backward(model, turns, seen, template)
             turns.learn()
             turns.reset()
+        for m in (5, 4):  # kept gathered from the forward
+            for p in model[m].parameters():
+                p.there = case == "changed"
         rng = random.Random(rank)
         arrivals = {}
         for k in range(2 * modules):

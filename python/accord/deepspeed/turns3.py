@@ -36,6 +36,17 @@ backward), cap(c) is the position before the first parameter of the latest
 module fetched, through the all-gather itself (recorded by the guard first);
 where every parameter is persistent nothing is ever fetched, and every
 backward is tail from the first.
+
+Once something is learned, a backward is also tail from the moment nothing
+more is to be fetched: at its prologue, the parameters some earlier backward
+all-gathered that are not there now (`ds_status` NOT_AVAILABLE; the forward's
+fetches and releases, hence this set, are the same on every rank) are what it
+can still fetch; after the all-gather that fetches the last of them, and from
+the prologue where there is none, every position. DeepSpeed's fetches change
+once its module trace is complete (step 1: prefetch along the trace, and
+parameters kept gathered from the forward to their backward under
+`stage3_max_reuse_distance`), so the learned table, from a backward that
+fetched more, would otherwise hold that backward's gradients to its epilogue.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ class Zero3Turns(Turns):
     def __init__(self, inst):
         self.expected: Optional[int] = None  # all-gathers of the learned backward
         self.learned_key: Optional[tuple] = None
+        self.fetched: Dict[int, object] = {}  # id -> every parameter a backward all-gathered
         super().__init__(inst)
 
     def reset(self) -> None:
@@ -64,6 +76,8 @@ class Zero3Turns(Turns):
         self.in_backward = False  # from the backward's prologue to its epilogue
         self.arrival: Dict[int, int] = {}  # parameter index -> all-gathers before it came
         self.hooks_ran = {}
+        self.unfetched: set = set()  # ids of what this backward can still all-gather
+        self.tail = False  # every position, from now to the epilogue
 
     def hook(self) -> None:
         super().hook()
@@ -75,11 +89,15 @@ class Zero3Turns(Turns):
         """The backward begins (after the forward's all-gathers, on every rank)."""
         self.gathers, self.pending, self.key = 0, -1, ()
         self.in_backward = True
+        self.unfetched = {id(p) for p, _ in self.zero.to_gather(self.fetched.values())}
+        self.tail = self.expected is not None and not self.unfetched
 
     # ------------------------------------------------------------ the cap
 
     def cap(self) -> int:
         n = len(self.release)
+        if self.tail:
+            return n - 1
         if self.expected is None:
             return min(self.pending, n - 1)
         if self.gathers >= self.expected:
@@ -99,6 +117,10 @@ class Zero3Turns(Turns):
                 self.pending = max(self.pending, min(self.position[k] for k in ks) - 1)
         self.through(self.cap())
         self.gathers += 1
+        for p, _ in gathered:
+            self.fetched[id(p)] = p
+            self.unfetched.discard(id(p))
+        self.tail = self.tail or (self.expected is not None and not self.unfetched)
         self._peak()
 
     # ------------------------------------------------------------ gradients

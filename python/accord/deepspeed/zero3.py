@@ -23,7 +23,9 @@ it before autograd runs), `ipg_buckets` (each bucket's `params`),
 `__reduce_and_partition_ipg_grads(dtype)` and `reduce_and_partition_stream`,
 `_coalesce_grad_reduction`, `dtype`, `dp_process_group`,
 `_get_param_partition_group`, a parameter's `ds_id`, `ds_numel`,
-`partition_numel()`.
+`partition_numel()`. With pinned modules: `step` (wrapped on the instance:
+a step skipped for an overflow partitions every parameter and never reaches
+`_post_step`, which gathers the persistent ones again).
 """
 
 from __future__ import annotations
@@ -100,6 +102,27 @@ class Zero3(_Adapter):
         self.bypassed |= {id(d) for m in modules for d in m.modules()}
         if self.bypassed:
             self._bypass_sub_module_functions()
+        if self.pinned and "step" not in self.opt.__dict__:
+            self._gather_after_skipped_steps()
+
+    def _gather_after_skipped_steps(self) -> None:
+        """DeepSpeed's ZeRO-3 `step` partitions every parameter first
+        (`_partition_all_parameters`) and all-gathers the persistent ones
+        again in `_post_step`, which a step skipped for an overflow (fp16's
+        loss scaler; the overflow is all-reduced, so every rank skips) never
+        reaches. DeepSpeed's own persistent parameters are fetched again at
+        their next forward; the pinned ones, whose fetches are bypassed, are
+        all-gathered here, after such a step, on every rank alike."""
+        own = self.original("step")
+
+        def step(*args, **kwargs):
+            out = own(*args, **kwargs)
+            gone = [p for p, _ in self.to_gather(self.pinned)]
+            if gone:
+                gone[0].all_gather(gone)
+            return out
+
+        self.opt.__dict__["step"] = step
 
     def _bypass_sub_module_functions(self) -> None:
         """A pinned module's forward and backward skip DeepSpeed's per-module
@@ -129,6 +152,7 @@ class Zero3(_Adapter):
             if any(q is p for q in persistent):
                 persistent.remove(p)
         self.pinned.clear()
+        self.opt.__dict__.pop("step", None)
         offload = getattr(self.opt, "parameter_offload", None)
         if offload is not None:
             for name in _SUB_MODULE_FUNCTIONS:
