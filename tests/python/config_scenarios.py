@@ -459,7 +459,8 @@ def run_one(rank, name, mode, kinds, agreement):
             # real installation; the guard itself still gets every entry).
             recorded = result["recorded"] = []
             record = inst.record_reduce
-            inst.record_reduce = lambda entry: (recorded.append(entry), record(entry))[1]
+            inst.record_reduce = lambda entry, group=None: (recorded.append(entry),
+                                                            record(entry, group))[1]
         for step in range(STEPS):
             result["failed_at"] = step
             n_before = len(wire.calls)
