@@ -148,10 +148,10 @@ def reference(table=None):
 
 
 def run_ep(rank, world_size, cluster=None, use_accord=True, per_module=False, optional=True,
-           timeout_s=None):
+           group_timeout_s=None):
     """One rank. Per-module experts are each their own FSDP unit, marked
     optional unless `optional` is False (the guard learns them); every
-    process group gets `timeout_s` when given (FSDP2 alone: a hang is an
+    process group gets `group_timeout_s` when given (FSDP2 alone: a hang is an
     error)."""
     from fsdp_scenarios import make_agreement
 
@@ -159,7 +159,8 @@ def run_ep(rank, world_size, cluster=None, use_accord=True, per_module=False, op
 
     edp, e = rank // 2, rank % 2
     table = (PM_CHOICES if optional else LEARN_CHOICES) if per_module else None
-    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    kw = {} if group_timeout_s is None else {
+        "timeout": datetime.timedelta(seconds=group_timeout_s)}
     grid = torch.arange(4).view(2, 2)
     ep_groups = [dist.new_group(row.tolist(), **kw) for row in grid]
     edp_groups = [dist.new_group(col.tolist(), **kw) for col in grid.t()]

@@ -151,3 +151,14 @@ def test_per_module_experts_learned(per_module_learned):
     assert per_module_learned[0]["grads"][1]["experts.0.w"] is None
     for r in per_module_learned:
         assert r["learned"] == ["experts.0"], (r["rank"], r["learned"])
+
+
+def test_per_module_experts_fsdp2_alone_hang():
+    """The marked job's data with FSDP2 alone (5 s process-group timeouts):
+    rank 0 all-gathers expert 1, which its EDP peer rank 2 never runs, so the
+    pair's collectives no longer match and every rank ends in a timeout
+    (NCCL: a hang)."""
+    results = run_ranks(ep.run_ep, 4, 120.0, per_module=True, use_accord=False,
+                        group_timeout_s=5)
+    outcomes = [r["outcome"] if isinstance(r, dict) else repr(r) for r in results]
+    assert all("Timed out" in o for o in outcomes), outcomes
