@@ -8,7 +8,6 @@ ranks at the rank's TP coordinate (pp_torchrun.py --tp,
 config_scenarios.run_pipeline)."""
 
 import pytest
-import torch
 
 import accord
 import config_scenarios as cs
