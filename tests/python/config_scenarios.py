@@ -336,20 +336,27 @@ def dp_layout(cfg, rank):
     return rank, w
 
 
+def tensor_parallel(layers, tp_mesh):
+    """Megatron-style TP of each decoder layer's MLP over `tp_mesh` (gate
+    and up column-wise, down row-wise): its parameters become DTensors
+    sharded over the TP ranks, its input and output stay replicated."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    for layer in layers:
+        parallelize_module(layer.mlp, tp_mesh, {
+            "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+            "down_proj": RowwiseParallel()})
+
+
 def shard(model, cfg, meshes, mode):
     """Applies the configuration to a fresh model; returns the optional units."""
     kwargs = {}
     if cfg.get("hsdp"):
         kwargs["mesh"] = meshes.mesh((2, 2), ("replicate", "shard"))
     elif cfg.get("tp"):
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
-
         mesh = meshes.mesh((2, 2), ("dp", "tp"))
-        for layer in model.layers:
-            parallelize_module(layer.mlp, mesh["tp"], {
-                "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                "down_proj": RowwiseParallel()})
+        tensor_parallel(model.layers, mesh["tp"])
         kwargs["mesh"] = mesh["dp"]
     else:
         kwargs["mesh"] = meshes.mesh((cfg["world"],), ("dp",))
@@ -452,7 +459,8 @@ def run_one(rank, name, mode, kinds, agreement):
             # real installation; the guard itself still gets every entry).
             recorded = result["recorded"] = []
             record = inst.record_reduce
-            inst.record_reduce = lambda entry: (recorded.append(entry), record(entry))[1]
+            inst.record_reduce = lambda entry, group=None: (recorded.append(entry),
+                                                            record(entry, group))[1]
         for step in range(STEPS):
             result["failed_at"] = step
             n_before = len(wire.calls)
@@ -661,10 +669,19 @@ def _pp_install(rank, world_size, infos, job_wide, timeout_s, sid, mod, prefix, 
     return accord.torch.install(mod, ag, prefix=prefix, optional=optional, timeout_s=timeout_s)
 
 
+def pp_layout(rank, tp=False):
+    """(stage, dp rank) of a pipeline rank: rank = 2 * stage + dp rank, or
+    with tensor parallel rank = 4 * stage + 2 * dp rank + tp rank."""
+    return (rank // 4, rank // 2 % 2) if tp else (rank // 2, rank % 2)
+
+
 def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, timeout_s=60.0,
-                 group_timeout=None):
+                 group_timeout=None, tp=False):
     """2 pipeline stages x 2 data-parallel ranks (rank = 2 * stage + dp
-    rank). Every stage module is its own FSDP root on the dp mesh. Mode
+    rank), or with `tp` 2 stages x 2 DP x 2 TP ranks on a (pp, dp, tp) mesh
+    (rank = 4 * stage + 2 * dp rank + tp rank; each layer's MLP tensor
+    parallel over the tp dimension, tensor_parallel). Every stage module is
+    its own FSDP root on the dp (sub)mesh of its TP coordinate. Mode
     "accord": one accord job per stage (its DP ranks), `infos[stage]`;
     "accord_job": one job of all 4 ranks (`job_wide`), each stage's groups
     agreed among its DP ranks (their member set); "embedded": the same with
@@ -675,13 +692,14 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
     from torch.distributed import pipelining
 
     cls_name, per_rank = PP_SCHEDULES[schedule]
-    pp_rank, dp_rank = rank // 2, rank % 2
+    pp_rank, dp_rank = pp_layout(rank, tp)
     n_virtual = 2 * per_rank
     if group_timeout is None:
         group_timeout = ACCORD_TIMEOUT if mode.startswith("accord") or mode == "embedded" \
             else PLAIN_TIMEOUT
     meshes = Meshes(rank, world_size, group_timeout)
-    mesh = meshes.mesh((2, 2), ("pp", "dp"))
+    mesh = meshes.mesh((2, 2, 2), ("pp", "dp", "tp")) if tp else \
+        meshes.mesh((2, 2), ("pp", "dp"))
     dp_mesh, pp_group = mesh["dp"], mesh.get_group("pp")
     full = build()
     pieces = _pp_pieces(n_virtual)
@@ -689,6 +707,8 @@ def run_pipeline(rank, world_size, schedule, mode, kinds, infos, job_wide=None, 
     mods, stages = [], []
     for sid in stage_ids:
         mod = PipelinePiece(full, pieces[sid], first=sid == 0, last=sid == n_virtual - 1)
+        if tp:
+            tensor_parallel(mod.layers.values(), mesh["tp"])
         for layer in mod.layers.values():
             fully_shard(layer, mesh=dp_mesh)
         if sid == 0 and mode in ONE_JOB:

@@ -21,17 +21,25 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 pytestmark = pytest.mark.skipif(not accord.HAVE_CLIENT, reason="built without the client")
 
 
-@pytest.fixture(scope="module")
-def one_job(tmp_path_factory):
-    job = Job(tmp_path_factory.mktemp("pp"), "pp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(HERE, "pp_torchrun.py"), str(job.out), "+".join(BOTH), *SCHEDULES]
+def pp_job(tmp_path_factory, name, nproc, kinds, runs, tp=False):
+    """pp_torchrun.py under torchrun --nproc-per-node=NPROC with the
+    embedded default, `runs` its SCHEDULE[:MODE] arguments: every rank's
+    results and torchrun's output."""
+    job = Job(tmp_path_factory.mktemp(name), name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(HERE, "pp_torchrun.py"),
+           *(["--tp"] if tp else []), str(job.out), "+".join(kinds), *runs]
     code, out = finish(subprocess.Popen(cmd, env=job.env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True), "torchrun")
     assert code == 0, out
-    results = [torch.load(job.out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    results = [torch.load(job.out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
     job.assert_clean()
     return results, out
+
+
+@pytest.fixture(scope="module")
+def one_job(tmp_path_factory):
+    return pp_job(tmp_path_factory, "pp", 4, BOTH, SCHEDULES)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

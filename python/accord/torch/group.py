@@ -203,7 +203,7 @@ class HookedGroup:
         `entries`, with the guard and the step watch, then `send(*args)`s it."""
         inst = self.installation
         for entry in entries:
-            inst.record_reduce(entry)
+            inst.record_reduce(entry, self.group)
         self.reducing = True
         try:
             send(*args)

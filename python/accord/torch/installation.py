@@ -98,12 +98,21 @@ class Installation:
             raise
 
     def _sequence_guard(self, timeout_s: float, learn: bool):
+        """The collective-sequence guard: one per member set of the groups
+        when they have several (accord.torch.guards)."""
         from accord.torch.guard import SequenceGuard
+        from accord.torch.guards import GuardSet, member_sets_of
 
-        return SequenceGuard(self.agreement.client, self.rank, self.agreement.world_size,
-                             f"{self.prefix}/~collective-sequence", timeout_s,
-                             learner=self.units if learn else None, in_forward=fsdp2.in_forward,
-                             members=self.members)
+        def make(mine):
+            return SequenceGuard(self.agreement.client, self.rank, self.agreement.world_size,
+                                 f"{self.prefix}/~collective-sequence", timeout_s,
+                                 learner=self.units if learn else None,
+                                 in_forward=fsdp2.in_forward, members=mine)
+
+        sets = member_sets_of(self.groups.values(), self.agreement.world_size)
+        if len(sets) > 1:
+            return GuardSet(make, self.groups.values(), sets)
+        return make(self.members)
 
     def _step_watch(self, timeout_s: float):
         from accord.torch.watchdog import StepWatch
@@ -177,11 +186,12 @@ class Installation:
             return None
         return self.current if self.current is not None else self.backward()
 
-    def record_reduce(self, entry: str) -> None:
+    def record_reduce(self, entry: str, group=None) -> None:
+        """A reduce-scatter of FSDP2 parameter group `group` about to go out."""
         if self.watch is not None:
             self.watch.progress(entry)
         if self.guard is not None:
-            self.guard.record(entry)
+            self.guard.record(entry, None, group)
 
     def explain(self, failure: BaseException) -> None:
         """A collective failed: the guard's divergence or the watch's named

@@ -11,6 +11,7 @@ from typing import Dict, List
 
 from accord.torch import members as member_sets
 from accord.torch.errors import waited
+from accord.torch.guards import parts as guard_parts
 from accord.torch.watchdog import stop_at_exit
 
 
@@ -79,22 +80,22 @@ class Negotiation:
     # ------------------------------------------------------------ install
 
     def registrations(self) -> List[tuple]:
-        own = []
-        if self.units is not None:
-            own += self.units.registrations()
+        """Every group's and check's registration, each with its member set:
+        an optional unit's ranks, one guard per member set
+        (accord.torch.guards), the installation's for `~late`, `~wire` and
+        the step watch."""
+        units = self.units.registrations() if self.units is not None else []
         # Slots named by the group ids without their tags: every member of
         # the installation's set registers the same (expert groups of two EP
         # coordinates differ in their tags only).
         slots = [f"{self.prefix}/{h.unit}" for h in self.groups.values()]
-        own.append((self.late_id, [(s, 1, 1) for s in slots], None, False))
-        own.append((self.wire_id, [(f"{s}:{dt}", 1, 1) for s in slots for dt in WIRE_DTYPES],
-                    None, False))
-        if self.guard is not None:
-            own += self.guard.registrations()
-        if self.watch is not None:
-            own.append(self.watch.registration())
-        return [h.registration() for h in self.groups.values()] + [
-            member_sets.registration(r, self.members) for r in own]
+        own = [(self.late_id, [(s, 1, 1) for s in slots], None, False),
+               (self.wire_id, [(f"{s}:{dt}", 1, 1) for s in slots for dt in WIRE_DTYPES],
+                None, False)]
+        guard = self.guard.registrations() if self.guard is not None else []
+        watch = [self.watch.registration()] if self.watch is not None else []
+        return [h.registration() for h in self.groups.values()] + units + [
+            member_sets.registration(r, self.members) for r in own] + guard + watch
 
     def register(self) -> None:
         """Every registration in one batched round trip where the agreement
@@ -173,10 +174,9 @@ class Negotiation:
         unchanged step is one batch repeat upstream. Returns the manifests'
         handles."""
         extra = self.units.release_items() if self.units is not None else []
-        window = None
-        if self.guard is not None:
-            item, window = self.guard.release_item(index)
-            extra.append((item, None))
+        guards = guard_parts(self.guard)
+        windows = [g.release_item(index) for g in guards]
+        extra += [(item, None) for item, _ in windows]
         live = self.watch.item(index) if self.watch is not None else None
         if live is not None:
             extra.insert(0, (live, None))
@@ -187,8 +187,8 @@ class Negotiation:
                 reporter.handed(handle)
         if live is not None:
             self.watch.handed(index, handles[n])
-        if window is not None:
-            self.guard.release_handle(window, handles[-2])
+        for g, (_, window), handle in zip(guards, windows, handles[-1 - len(windows):-1]):
+            g.release_handle(window, handle)
         self._late = handles[-1]
         return handles[:n]
 

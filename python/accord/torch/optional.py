@@ -17,6 +17,7 @@ import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from accord.torch import fsdp2
+from accord.torch import members as member_sets
 from accord.torch.errors import waited
 
 
@@ -43,7 +44,7 @@ class ParticipationReporter:
     def __init__(self, agreement, group_id: str, members: Optional[tuple] = None):
         self.agreement = agreement
         self.group_id = group_id
-        self.members = members  # the installation's member set (None: every rank)
+        self.members = members  # the unit's member set (None: every rank)
         self.previous = None
 
     def registration(self) -> tuple:
@@ -147,18 +148,23 @@ class OptionalUnits:
     def add(self, name: str, module, register_now: bool = False) -> OptionalUnit:
         inst = self.inst
         groups = fsdp2.param_groups(module)
-        _one_member_set(name, [h for h in inst.groups.values()
-                               if any(h.group is g for g in groups)], inst.agreement.world_size)
+        hooked = [h for h in inst.groups.values() if any(h.group is g for g in groups)]
+        _one_member_set(name, hooked, inst.agreement.world_size)
         reporter = None
         if callable(getattr(inst.agreement, "submit_async", None)):
-            reporter = ParticipationReporter(inst.agreement, inst.item_id(f"~participation/{name}"),
-                                             inst.members)
+            # Agreed among the ranks that reduce the unit: under expert
+            # parallel the same path is another module on another EP
+            # coordinate, and a learned unit registers on its members only.
+            mine = member_sets.union([h.members for h in hooked], inst.agreement.world_size) \
+                if hooked else inst.members
+            reporter = ParticipationReporter(
+                inst.agreement, f"{inst.prefix}/~participation/{name}{member_sets.tag(mine)}",
+                mine)
             if register_now:
                 inst.agreement.register(*reporter.registration())
         unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: inst.step_open)
-        for h in inst.groups.values():
-            if any(h.group is g for g in groups):
-                h.optional = unit
+        for h in hooked:
+            h.optional = unit
         inst.optional.append(unit)
         if not self._handles:
             # After FSDP2's root pre-forward (its hook is prepended; this one
