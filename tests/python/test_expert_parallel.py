@@ -156,9 +156,12 @@ def test_per_module_experts_learned(per_module_learned):
 def test_per_module_experts_fsdp2_alone_hang():
     """The marked job's data with FSDP2 alone (5 s process-group timeouts):
     rank 0 all-gathers expert 1, which its EDP peer rank 2 never runs, so the
-    pair's collectives no longer match and every rank ends in a timeout
-    (NCCL: a hang)."""
+    pair's collectives no longer match and no rank trains through: the pair
+    times out (NCCL: a hang), and a rank whose peer ended first may see the
+    connection closed instead."""
     results = run_ranks(ep.run_ep, 4, 120.0, per_module=True, use_accord=False,
                         group_timeout_s=5)
     outcomes = [r["outcome"] if isinstance(r, dict) else repr(r) for r in results]
-    assert all("Timed out" in o for o in outcomes), outcomes
+    gloo_failures = ("Timed out", "Connection closed by peer", "Connection reset by peer")
+    assert all(any(f in o for f in gloo_failures) for o in outcomes), outcomes
+    assert any("Timed out" in o for o in outcomes), outcomes
