@@ -196,7 +196,15 @@ void Job::CompleteWave(RepeatWaves::Wave wave, absl::Time now, JobEffects& fx) {
   const int64_t nodes = static_cast<int64_t>(members.size());
   const int64_t wait_us = absl::ToInt64Microseconds(now - wave.first_seen);
   const std::vector<BatchEntry>& entries = members.front()->last_batch.entries;
-  v1::DecisionBatch& batch = fx.Decisions();
+  // Without member sets the domain is the job; with them its decisions go to
+  // its nodes (the wave's), which serve every member of its groups.
+  auto scoped = [&]() -> v1::DecisionBatch& {
+    std::vector<NodeSink*> sinks;
+    sinks.reserve(members.size());
+    for (NodeStream* m : members) sinks.push_back(m->sink);
+    return fx.ScopedDecisions(std::move(sinks));
+  };
+  v1::DecisionBatch& batch = core_.member_sets.empty() ? fx.Decisions() : scoped();
   for (size_t i = 0; i < entries.size(); ++i) {
     GroupState& g = *entries[i].group;
     g.counters.cache_hits += nodes;
