@@ -23,10 +23,10 @@
 // (docs/MEMBERS.md) under an id unique per member set. Each node registers
 // and submits only the groups of member sets with a member on it, as node
 // manifests without rank bits. The same invocation first runs the 1-D job
-// with as many groups per node (the baseline). Repeat waves do not run for a
-// job with members (docs/MEMBERS.md 2.11, step 9): a batch repeat is decided
-// entry by entry there, and "waves on" runs the same path as "off". Mode
-// torch adds its guard group to every member set.
+// with as many groups per node (the baseline). Repeat waves run per wave
+// domain (docs/MEMBERS.md 2.11): each node's batch names its stage's member
+// sets, so each stage is one domain and completes its own wave. Mode torch
+// adds its guard group to every member set.
 //
 // Mode "torch" is the steady-state pattern of accord.torch (docs/PARTICIPATION.md,
 // "One order"): every rank submits its step as one batch at the release, the

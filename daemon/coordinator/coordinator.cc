@@ -147,7 +147,7 @@ void Coordinator::DispatchLocked(SessionId id, Session& s, const v1::NodeMessage
       if (jit != jobs_.end()) job = &jit->second;
     }
     Effects fx(*this, out, job);
-    if (job != nullptr) job->BreakWave(now, fx);
+    if (job != nullptr) job->BreakWavesFor(s.stream, message, now, fx);
   }
   Effects fx(*this, out, s.job);
   switch (message.body_case()) {
@@ -180,6 +180,8 @@ void Coordinator::DispatchLocked(SessionId id, Session& s, const v1::NodeMessage
     default:
       fx.SendError(s.sink, Error(v1::INVALID_REQUEST, "empty or unknown NodeMessage body"));
   }
+  // A failure fails every domain's steps: none stays held back.
+  if (options_.repeat_waves && s.job != nullptr) s.job->BreakWavesIfFailed(now, fx);
 }
 
 void Coordinator::FlushLocked(Outbox& out) {
@@ -195,6 +197,12 @@ void Coordinator::FlushLocked(Outbox& out) {
   };
   for (auto& [job, msg] : out.broadcast_other) broadcast(job, std::move(msg));
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
+  for (auto& [sinks, msg] : out.scoped_decisions) {
+    auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(msg));
+    for (NodeSink* sink : sinks) {
+      if (sink != nullptr) sink->Send(shared);
+    }
+  }
   for (auto& [job, msg] : out.broadcast_last) broadcast(job, std::move(msg));
 }
 

@@ -216,6 +216,8 @@ class Coordinator : public NodeSessionHandler, public RankDirectory {
     absl::flat_hash_map<Job*, v1::CoordinatorMessage> broadcast_decisions;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_other;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_last;
+    // deque: ScopedDecisions hands out references into it.
+    std::deque<std::pair<std::vector<NodeSink*>, v1::CoordinatorMessage>> scoped_decisions;
     std::vector<std::pair<NodeSink*, v1::CoordinatorMessage>> direct;
     v1::DecisionBatch* ReplyBatch(NodeSink* sink);
   };

@@ -24,6 +24,10 @@ class Coordinator::Effects final : public JobEffects {
   v1::DecisionBatch& Decisions() override {
     return *out_.broadcast_decisions[job_].mutable_decisions();
   }
+  v1::DecisionBatch& ScopedDecisions(std::vector<NodeSink*> sinks) override {
+    out_.scoped_decisions.emplace_back(std::move(sinks), v1::CoordinatorMessage());
+    return *out_.scoped_decisions.back().second.mutable_decisions();
+  }
   void BroadcastLast(v1::CoordinatorMessage message) override {
     out_.broadcast_last.emplace_back(job_, std::move(message));
   }

@@ -52,6 +52,7 @@ NodeStream& Job::Connect(StreamId id, NodeSink* sink, const v1::NodeHello& hello
   s.sink = sink;
   s.node = &node;
   core_.member_sets.Refresh(node);
+  waves_.Changed();
   core_.ObserveNode(node, /*connected=*/true, fx);
   v1::CoordinatorMessage reply;
   reply.mutable_welcome()->set_node_id(node.node_id);
@@ -81,6 +82,7 @@ bool Job::Disconnect(NodeStream& s, absl::Time now, JobEffects& fx) {
   streams_.erase(id);
   if (node == nullptr || node->session != id) return false;
   core_.members.Disconnect(*node, now);
+  waves_.Changed();
   core_.ObserveNode(*node, /*connected=*/false, fx);
   if (core_.members.connected() == 0) {
     ACCORD_LOG(INFO) << "job " << core_.job_id << ": last node (" << node->node_id
@@ -109,7 +111,10 @@ void Job::HandleRankEvent(NodeStream& s, const v1::RankEvent& e, JobEffects& fx)
   }
   if (e.joined()) {
     const Membership::Join join = job.members.JoinRank(node, r);
-    if (join == Membership::Join::kJoined) job.member_sets.Refresh(node);
+    if (join == Membership::Join::kJoined) {
+      job.member_sets.Refresh(node);
+      waves_.Changed();
+    }
     if (join == Membership::Join::kHeldElsewhere) {
       v1::DecisionError err =
           Error(v1::DUPLICATE_RANK,
@@ -192,16 +197,34 @@ void Job::HandleProgress(NodeStream& s, const v1::NodeProgress& progress, absl::
 
 absl::Time Job::CheckDeadlines(absl::Time now, JobEffects& fx) {
   absl::Time next = absl::InfiniteFuture();
-  if (waves_.holding()) {
+  // With several domains, what the monitor does about one domain's steps
+  // (a failure, a progress ask) may concern another's held repeats: they
+  // become pending steps first.
+  if (!core_.member_sets.empty() && waves_.holding() && MonitorMayAct()) BreakWave(now, fx);
+  for (int e = 0; e < waves_.elements(); ++e) {
+    const RepeatWaves& w = waves_.at(e);
+    if (!w.holding()) continue;
     // A wave still waiting at its stall or deadline check becomes pending
     // steps, which the monitor checks.
-    if (waves_.wake() <= now) {
-      BreakWave(now, fx);
+    if (w.wake() <= now) {
+      BreakDomain(e, now, fx);
     } else {
-      next = waves_.wake();
+      next = std::min(next, w.wake());
     }
   }
   return std::min(next, DeadlineMonitor(core_).Check(now, fx));
+}
+
+bool Job::MonitorMayAct() const {
+  if (!core_.members.all_connected()) return true;
+  for (const auto& [id, g] : core_.groups) {
+    if (!g.pending.empty()) return true;
+    if (g.registration.state() == GroupRegistration::State::kCollecting &&
+        g.registration_due != absl::InfiniteFuture()) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void Job::HandleRegistration(NodeStream& s, const v1::NodeRegistration& nr, absl::Time now,
@@ -220,7 +243,11 @@ void Job::HandleRegistration(NodeStream& s, const v1::NodeRegistration& nr, absl
                     job.job_id, reg.group_id()));
     return;
   }
+  const bool one_domain = core_.member_sets.empty();
   spec->members = core_.member_sets.Intern(std::move(spec->members), core_.members);
+  waves_.Changed();
+  // The first member set: the job's waves run per domain from now on.
+  if (one_domain && !core_.member_sets.empty()) waves_.world().Reset();
   absl::StatusOr<Policy> policy = wire::PolicyFromProto(reg.policy());
   if (!policy.ok()) {
     reply(ErrorFrom(v1::INVALID_REQUEST, policy.status(),

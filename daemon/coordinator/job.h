@@ -87,16 +87,23 @@ class Job {
   void HandleProgress(NodeStream& s, const v1::NodeProgress& progress, absl::Time now,
                       JobEffects& fx);
 
-  // Repeat waves (docs/ARCHITECTURE.md, "Repeat waves"). TryJoinWave holds
-  // back a batch repeat that may join the job's wave (returns false,
-  // changing nothing, when it may not); the last node in decides every group
-  // of the records as same_as_previous. BreakWave: any other event of the
-  // job first hands the held-back repeats to the entry-by-entry path, as if
-  // they had been handled on arrival.
+  // Repeat waves (docs/ARCHITECTURE.md, "Repeat waves"), one per wave
+  // domain (docs/MEMBERS.md 2.11). TryJoinWave holds back a batch repeat
+  // that may join its domain's wave (returns false, changing nothing, when
+  // it may not); the last node of the domain in decides every group of its
+  // records as same_as_previous. BreakWave: any other event of the job
+  // first hands the held-back repeats of every domain to the entry-by-entry
+  // path, as if they had been handled on arrival; BreakWavesFor only those
+  // of the domains `message` on stream `s` (null: not attached) touches.
   // `now` is read only when the repeat starts or completes the wave.
   bool TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch,
                    absl::FunctionRef<absl::Time()> now, JobEffects& fx);
   void BreakWave(absl::Time now, JobEffects& fx);
+  void BreakWavesFor(const NodeStream* s, const v1::NodeMessage& message, absl::Time now,
+                     JobEffects& fx);
+  // After an event that failed the job: the held-back repeats of other
+  // domains go the entry-by-entry path too.
+  void BreakWavesIfFailed(absl::Time now, JobEffects& fx);
 
   // Everything due at `now` (a held wave's check, lost nodes, registrations,
   // pending steps); returns when the next thing is due.
@@ -126,10 +133,21 @@ class Job {
   // After a batch handled entry by entry: `all_added` when every entry was
   // added to `step`.
   void NoteSynced(NodeStream& s, int64_t step, bool all_added);
+  // NoteSynced in a job with member sets: the record's domain.
+  void NoteSyncedInDomain(NodeStream& s, int64_t step, bool all_added);
   void CompleteWave(RepeatWaves::Wave wave, absl::Time now, JobEffects& fx);
+  // Whether the deadline monitor may act at a check (a pending step, a
+  // registration collecting, a node lost).
+  bool MonitorMayAct() const;
+  // Hands the held-back repeats of domain `element` (a root, or stale) to the
+  // entry-by-entry path.
+  void BreakDomain(int element, absl::Time now, JobEffects& fx);
+  // The domain roots of the groups `batch` on stream `s` names, and of the
+  // stream's record.
+  std::vector<int> DomainsOf(const NodeStream& s, const v1::ManifestBatch& batch);
 
   JobCore core_;
-  RepeatWaves waves_;
+  WaveDomains waves_;
   StepPipeline pipeline_;
   // node_hash_map: the coordinator's sessions point at the values.
   absl::node_hash_map<StreamId, NodeStream> streams_;

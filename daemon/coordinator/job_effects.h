@@ -41,6 +41,9 @@ class JobEffects {
   virtual void Broadcast(v1::CoordinatorMessage message) = 0;
   // The decisions this event broadcasts to every node of the job.
   virtual v1::DecisionBatch& Decisions() = 0;
+  // Decisions this event sends to `sinks` only (one shared message, after
+  // Decisions()): a wave domain's decisions go to the domain's nodes.
+  virtual v1::DecisionBatch& ScopedDecisions(std::vector<NodeSink*> sinks) = 0;
   // Queues `message` for every node of the job after Decisions(): the job's
   // verdict follows the answers to its steps.
   virtual void BroadcastLast(v1::CoordinatorMessage message) = 0;

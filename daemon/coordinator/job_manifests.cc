@@ -1,7 +1,9 @@
 // Job: node manifests (full form, repeat form, batch repeats) and repeat
 // waves (docs/ARCHITECTURE.md, "Repeat waves").
 #include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/job.h"
@@ -109,26 +111,60 @@ void Job::ResolveEntry(NodeStream& s, BatchEntry& e) {
   }
 }
 
-// Waves are job-wide: a job with groups with members decides entry by entry
-// until waves run per domain (docs/MEMBERS.md 2.11).
 void Job::NoteSynced(NodeStream& s, int64_t step, bool all_added) {
-  if (!core_.options.repeat_waves || !core_.member_sets.empty()) return;
-  waves_.NoteSynced(s.wave, s.last_batch, step, all_added,
-                    !core_.failed() && core_.members.all_connected(), core_.members.connected());
+  if (!core_.options.repeat_waves) return;
+  if (!core_.member_sets.empty()) {
+    NoteSyncedInDomain(s, step, all_added);
+    return;
+  }
+  // Without member sets: one domain, the job's nodes.
+  waves_.world().NoteSynced(s.wave, s.last_batch, step, all_added,
+                            !core_.failed() && core_.members.all_connected(),
+                            core_.members.connected());
+}
+
+void Job::NoteSyncedInDomain(NodeStream& s, int64_t step, bool all_added) {
+  WaveStream& w = s.wave;
+  // Counted at this step already: that count was not the step's record.
+  if (w.domain >= 0 && w.synced_step == step) waves_.at(waves_.Find(w.domain)).Spoil(step);
+  w.domain = -1;
+  BatchRecord& record = s.last_batch;
+  if (!all_added || record.entries.empty()) return;
+  // The record's member sets are one domain from now on. O(entries), on the
+  // entry-by-entry path only.
+  int root = -1;
+  for (const BatchEntry& e : record.entries) {
+    if (e.group == nullptr) return;
+    const int r = waves_.Find(waves_.ElementOf(e.group->members()));
+    if (root < 0) {
+      root = r;
+    } else if (r != root) {
+      if (!waves_.Link(root, r)) return;  // a domain holds a wave: counted at a later sync
+      root = waves_.Find(root);
+    }
+  }
+  w.domain = root;
+  const bool whole = !core_.failed() && waves_.AllConnected(root, core_.members);
+  waves_.at(root).NoteSynced(w, record, step, all_added, whole,
+                             waves_.Connected(root, core_.members));
 }
 
 bool Job::TryJoinWave(NodeStream& s, const v1::ManifestBatch& batch,
                       absl::FunctionRef<absl::Time()> now, JobEffects& fx) {
   if (batch.repeat_batch_key() == 0 || batch.manifests_size() > 0) return false;
-  if (!core_.member_sets.empty()) return false;
+  // Without member sets one domain; with them the one the record was
+  // counted in (a stale root's waves hold no base).
+  const bool one = core_.member_sets.empty();
+  if (!one && s.wave.domain < 0) return false;
+  RepeatWaves& waves = one ? waves_.world() : waves_.at(s.wave.domain);
   const int64_t step = batch.repeat_step();
   absl::Time wake = absl::InfiniteFuture();
-  const RepeatWaves::Join join = waves_.TryJoin(
+  const RepeatWaves::Join join = waves.TryJoin(
       s.id, s.wave, s.last_batch, step, batch.repeat_batch_key(), core_.failed(), now, &wake);
   if (join == RepeatWaves::Join::kNo) return false;
   if (wake != absl::InfiniteFuture()) fx.WakeAt(wake);
   s.node->last_step = std::max(s.node->last_step, step);
-  if (join == RepeatWaves::Join::kComplete) CompleteWave(waves_.TakeComplete(), now(), fx);
+  if (join == RepeatWaves::Join::kComplete) CompleteWave(waves.TakeComplete(), now(), fx);
   return true;
 }
 
@@ -160,7 +196,15 @@ void Job::CompleteWave(RepeatWaves::Wave wave, absl::Time now, JobEffects& fx) {
   const int64_t nodes = static_cast<int64_t>(members.size());
   const int64_t wait_us = absl::ToInt64Microseconds(now - wave.first_seen);
   const std::vector<BatchEntry>& entries = members.front()->last_batch.entries;
-  v1::DecisionBatch& batch = fx.Decisions();
+  // Without member sets the domain is the job; with them its decisions go to
+  // its nodes (the wave's), which serve every member of its groups.
+  auto scoped = [&]() -> v1::DecisionBatch& {
+    std::vector<NodeSink*> sinks;
+    sinks.reserve(members.size());
+    for (NodeStream* m : members) sinks.push_back(m->sink);
+    return fx.ScopedDecisions(std::move(sinks));
+  };
+  v1::DecisionBatch& batch = core_.member_sets.empty() ? fx.Decisions() : scoped();
   for (size_t i = 0; i < entries.size(); ++i) {
     GroupState& g = *entries[i].group;
     g.counters.cache_hits += nodes;
@@ -186,7 +230,13 @@ void Job::CompleteWave(RepeatWaves::Wave wave, absl::Time now, JobEffects& fx) {
 }
 
 void Job::BreakWave(absl::Time now, JobEffects& fx) {
-  const RepeatWaves::Wave wave = waves_.Break();
+  for (int e = 0; e < waves_.elements(); ++e) {
+    if (waves_.IsRoot(e)) BreakDomain(e, now, fx);
+  }
+}
+
+void Job::BreakDomain(int element, absl::Time now, JobEffects& fx) {
+  const RepeatWaves::Wave wave = waves_.at(element).Break();
   if (wave.streams.empty()) return;
   // The held-back repeats are handled as if on arrival: the steps they
   // create start at the wave's first arrival.
@@ -196,7 +246,47 @@ void Job::BreakWave(absl::Time now, JobEffects& fx) {
     it->second.wave.wave_step = -1;
     RepeatBatch(it->second, wave.step, {now, wave.first_seen}, fx);
   }
-  waves_.Left();  // RepeatBatch may have synced it again
+  waves_.at(element).Left();  // RepeatBatch may have synced it again
+}
+
+void Job::BreakWavesFor(const NodeStream* s, const v1::NodeMessage& message, absl::Time now,
+                        JobEffects& fx) {
+  // Manifests touch the domains of their groups (docs/MEMBERS.md 2.11);
+  // anything else, or a job without member sets, every domain.
+  if (core_.member_sets.empty() || s == nullptr || !message.has_manifests()) {
+    BreakWave(now, fx);
+    return;
+  }
+  for (int root : DomainsOf(*s, message.manifests())) BreakDomain(root, now, fx);
+}
+
+std::vector<int> Job::DomainsOf(const NodeStream& s, const v1::ManifestBatch& batch) {
+  std::vector<int> roots;
+  if (s.wave.domain >= 0) roots.push_back(waves_.Find(s.wave.domain));
+  auto add = [&](const GroupState* g) {
+    if (g != nullptr) roots.push_back(waves_.Find(waves_.ElementOf(g->members())));
+  };
+  const std::vector<BatchEntry>& record = s.last_batch.entries;
+  if (batch.repeat_batch_key() != 0) {
+    for (const BatchEntry& e : record) add(e.group);
+  }
+  for (int i = 0; i < batch.manifests_size(); ++i) {
+    const std::string& id = batch.manifests(i).group_id();
+    const size_t at = static_cast<size_t>(i);
+    if (at < record.size() && record[at].group != nullptr && record[at].group_id == id) {
+      add(record[at].group);  // the common case: the record's group at this position
+      continue;
+    }
+    auto it = core_.groups.find(id);
+    if (it != core_.groups.end()) add(&it->second);
+  }
+  std::sort(roots.begin(), roots.end());
+  roots.erase(std::unique(roots.begin(), roots.end()), roots.end());
+  return roots;
+}
+
+void Job::BreakWavesIfFailed(absl::Time now, JobEffects& fx) {
+  if (core_.failed() && waves_.holding()) BreakWave(now, fx);
 }
 
 }  // namespace accord::daemon

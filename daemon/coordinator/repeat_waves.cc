@@ -1,5 +1,6 @@
 #include "daemon/coordinator/repeat_waves.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -86,6 +87,91 @@ RepeatWaves::Wave RepeatWaves::Break() {
   Wave wave = std::move(wave_);
   wave_ = Wave();
   return wave;
+}
+
+void RepeatWaves::Reset() {
+  base_ = -1;
+  members_ = 0;
+  wave_ = Wave();
+  sync_step_ = -1;
+  sync_streams_ = 0;
+  sync_groups_ = 0;
+  sync_ok_ = false;
+}
+
+WaveDomains::WaveDomains(absl::Duration deadline, bool stalls)
+    : deadline_(deadline), stalls_(stalls) {
+  waves_.emplace_back(deadline_, stalls_);
+  parent_.push_back(0);
+}
+
+int WaveDomains::ElementOf(const MemberSet* m) {
+  if (m == nullptr) return 0;
+  auto [it, added] = elements_.try_emplace(m, static_cast<int>(parent_.size()));
+  if (added) {
+    parent_.push_back(it->second);
+    waves_.emplace_back(deadline_, stalls_);
+    counted_ = false;
+  }
+  return it->second;
+}
+
+int WaveDomains::Find(int element) {
+  while (parent_[element] != element) {
+    parent_[element] = parent_[parent_[element]];  // path halving
+    element = parent_[element];
+  }
+  return element;
+}
+
+bool WaveDomains::Link(int a, int b) {
+  a = Find(a);
+  b = Find(b);
+  if (a == b) return true;
+  if (at(a).holding() || at(b).holding()) return false;
+  if (b < a) std::swap(a, b);
+  parent_[b] = a;
+  at(a).Reset();
+  at(b).Reset();
+  counted_ = false;
+  return true;
+}
+
+bool WaveDomains::holding() const {
+  for (const RepeatWaves& w : waves_) {
+    if (w.holding()) return true;
+  }
+  return false;
+}
+
+bool WaveDomains::AllConnected(int root, const Membership& members) {
+  if (!counted_) Count(members);
+  return serving_[root] == connected_[root];
+}
+
+int WaveDomains::Connected(int root, const Membership& members) {
+  if (!counted_) Count(members);
+  return connected_[root];
+}
+
+void WaveDomains::Count(const Membership& members) {
+  for (const auto& [id, node] : members.nodes()) {
+    for (const auto& [m, ranks] : node.member_ranks) ElementOf(m);
+  }
+  serving_.assign(parent_.size(), 0);
+  connected_.assign(parent_.size(), 0);
+  std::vector<int> roots;
+  for (const auto& [id, node] : members.nodes()) {
+    roots.assign(1, Find(0));  // every node serves the world
+    for (const auto& [m, ranks] : node.member_ranks) roots.push_back(Find(elements_.at(m)));
+    std::sort(roots.begin(), roots.end());
+    roots.erase(std::unique(roots.begin(), roots.end()), roots.end());
+    for (int r : roots) {
+      ++serving_[r];
+      if (node.connected()) ++connected_[r];
+    }
+  }
+  counted_ = true;
 }
 
 }  // namespace accord::daemon

@@ -3,6 +3,7 @@
 #ifndef ACCORD_TESTS_DAEMON_FAKE_JOB_EFFECTS_H_
 #define ACCORD_TESTS_DAEMON_FAKE_JOB_EFFECTS_H_
 
+#include <deque>
 #include <map>
 #include <utility>
 #include <vector>
@@ -22,6 +23,10 @@ class FakeEffects : public JobEffects {
     broadcasts.push_back(std::move(message));
   }
   v1::DecisionBatch& Decisions() override { return decisions; }
+  v1::DecisionBatch& ScopedDecisions(std::vector<NodeSink*> sinks) override {
+    scoped.emplace_back(std::move(sinks), v1::DecisionBatch());
+    return scoped.back().second;
+  }
   void BroadcastLast(v1::CoordinatorMessage message) override {
     last_broadcasts.push_back(std::move(message));
   }
@@ -38,6 +43,7 @@ class FakeEffects : public JobEffects {
   std::map<NodeSink*, v1::DecisionBatch> replies;
   std::vector<v1::CoordinatorMessage> broadcasts;
   v1::DecisionBatch decisions;
+  std::deque<std::pair<std::vector<NodeSink*>, v1::DecisionBatch>> scoped;
   std::vector<v1::CoordinatorMessage> last_broadcasts;
   std::vector<v1::DecisionError> errors;
   std::vector<ObserveEvent> events;

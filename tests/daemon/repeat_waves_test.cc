@@ -5,6 +5,7 @@
 // (batch repeats, changed contents, per-manifest repeats, resends, silent
 // nodes, reconnects, clock movement) and compares every message each node
 // receives, the counters and the observe views.
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <random>
@@ -12,9 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/members.h"
 #include "daemon/common/clock.h"
 #include "daemon/coordinator/coordinator.h"
 #include "gmock/gmock.h"
@@ -33,11 +36,18 @@ using testing::NodeManifest;
 using testing::Registration;
 using testing::Repeat;
 
-// A job's shape: ranks per node (uneven allowed), groups, parameters.
+// A job's shape: ranks per node (uneven allowed), groups, parameters, and
+// member sets (docs/MEMBERS.md): without stages every group has every rank;
+// with them each node serves one stage, each stage's ranks are split into
+// `sets_per_stage` member sets (rank % sets_per_stage, as TP ranks of a
+// stage replica), and each member set has `groups` groups. A node's record
+// names the groups of its stage's sets: one wave domain per stage.
 struct Shape {
   std::vector<int> ranks_per_node;
   int groups = 3;
   int params = 3;
+  std::vector<int> stage_of_node;  // empty: no member sets
+  int sets_per_stage = 1;
   int nodes() const { return static_cast<int>(ranks_per_node.size()); }
   int world() const {
     int w = 0;
@@ -51,15 +61,69 @@ struct Shape {
     for (int i = 0; i < ranks_per_node[node]; ++i) r.push_back(first + i);
     return r;
   }
+  struct Group {
+    std::string id;
+    std::vector<int> members;  // empty: every rank
+  };
+  std::vector<Group> AllGroups() const {
+    std::vector<Group> out;
+    if (stage_of_node.empty()) {
+      for (int g = 0; g < groups; ++g) out.push_back({absl::StrCat("g", g), {}});
+      return out;
+    }
+    const int stages = *std::max_element(stage_of_node.begin(), stage_of_node.end()) + 1;
+    for (int k = 0; k < stages; ++k) {
+      for (int t = 0; t < sets_per_stage; ++t) {
+        std::vector<int> members;
+        for (int n = 0; n < nodes(); ++n) {
+          if (stage_of_node[n] != k) continue;
+          for (int r : RanksOf(n)) {
+            if (r % sets_per_stage == t) members.push_back(r);
+          }
+        }
+        if (members.empty()) continue;
+        for (int g = 0; g < groups; ++g)
+          out.push_back({absl::StrCat("g", g, "@s", k, "t", t), members});
+      }
+    }
+    return out;
+  }
+  // The groups node `n` submits (indices into AllGroups()) with its ranks
+  // among each one's members, in AllGroups() order.
+  std::vector<std::pair<int, std::vector<int>>> GroupsOf(int n) const {
+    std::vector<std::pair<int, std::vector<int>>> out;
+    const std::vector<Group> all = AllGroups();
+    for (int i = 0; i < static_cast<int>(all.size()); ++i) {
+      std::vector<int> mine;
+      for (int r : RanksOf(n)) {
+        if (all[i].members.empty() ||
+            std::find(all[i].members.begin(), all[i].members.end(), r) != all[i].members.end()) {
+          mine.push_back(r);
+        }
+      }
+      if (!mine.empty()) out.emplace_back(i, std::move(mine));
+    }
+    return out;
+  }
+  GroupSpec Spec(const Group& g) const {
+    GroupSpec spec = MakeSpec(g.id, params);
+    if (!g.members.empty()) {
+      spec.members = std::make_shared<const MemberSet>(*MemberSet::FromRanks(g.members, world()));
+    }
+    return spec;
+  }
   std::string Name() const {
     return absl::StrCat(nodes(), " nodes of [", absl::StrJoin(ranks_per_node, ","), "] ranks, ",
-                        groups, " groups x ", params, " params");
+                        groups, " groups x ", params, " params",
+                        stage_of_node.empty()
+                            ? std::string()
+                            : absl::StrCat(", stages [", absl::StrJoin(stage_of_node, ","), "] x ",
+                                           sets_per_stage, " member sets"));
   }
 };
 
 constexpr auto kDeadline = absl::Seconds(30);
 
-std::string GroupId(int g) { return absl::StrCat("g", g); }
 std::string NodeId(int n) { return absl::StrCat("n", n); }
 
 v1::NodeMessage BatchRepeat(int64_t step, const std::vector<v1::Manifest>& record) {
@@ -94,11 +158,22 @@ struct Side {
   std::vector<Coordinator::SessionId> ids;
 };
 
-std::vector<std::string> Drain(FakeNodeSink& sink) {
+// The node's messages, without decisions of groups it does not serve (a
+// wave domain's decisions go to the domain's nodes only; the entry-by-entry
+// path broadcasts them, and a node ignores unknown groups' decisions).
+std::vector<std::string> Drain(FakeNodeSink& sink, const absl::flat_hash_set<std::string>& served) {
   std::vector<std::string> out;
   for (v1::CoordinatorMessage m : sink.messages()) {
     // Run ids are random per coordinator.
     if (m.has_welcome()) m.mutable_welcome()->clear_run_id();
+    if (m.has_decisions()) {
+      auto* ds = m.mutable_decisions()->mutable_decisions();
+      ds->erase(
+          std::remove_if(ds->begin(), ds->end(),
+                         [&](const v1::Decision& d) { return !served.contains(d.group_id()); }),
+          ds->end());
+      if (ds->empty()) continue;
+    }
     out.push_back(m.DebugString());
   }
   sink.Clear();
@@ -134,8 +209,12 @@ class Twins {
   }
   // Every node's messages so far are identical on both sides.
   void Compare(const std::string& when) {
+    const std::vector<Shape::Group> groups = shape_.AllGroups();
     for (int n = 0; n < shape_.nodes(); ++n) {
-      ASSERT_EQ(Drain(*fast_.sinks[n]), Drain(*slow_.sinks[n])) << "node " << n << " " << when;
+      absl::flat_hash_set<std::string> served;
+      for (const auto& [i, ranks] : shape_.GroupsOf(n)) served.insert(groups[i].id);
+      ASSERT_EQ(Drain(*fast_.sinks[n], served), Drain(*slow_.sinks[n], served))
+          << "node " << n << " " << when;
     }
   }
   // Counters and observe views, once no wave can be held back.
@@ -162,17 +241,16 @@ class Twins {
     EXPECT_EQ(fast_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}),
               slow_.coord.RankLastSteps("job").value_or(std::vector<int64_t>{}))
         << when;
-    for (int g = 0; g < shape_.groups; ++g) {
-      absl::StatusOr<SkipMatrix> x = fast_.coord.SkipCounts("job", GroupId(g));
-      absl::StatusOr<SkipMatrix> y = slow_.coord.SkipCounts("job", GroupId(g));
+    for (const Shape::Group& group : shape_.AllGroups()) {
+      const std::string& g = group.id;
+      absl::StatusOr<SkipMatrix> x = fast_.coord.SkipCounts("job", g);
+      absl::StatusOr<SkipMatrix> y = slow_.coord.SkipCounts("job", g);
       ASSERT_EQ(x.ok(), y.ok()) << when;
       if (x.ok()) {
         EXPECT_EQ(x->skips, y->skips) << "group " << g << " " << when;
       }
-      absl::StatusOr<v1::SkipMatrixResponse> u =
-          fast_.coord.ObserveSkipMatrix("job", GroupId(g), 0);
-      absl::StatusOr<v1::SkipMatrixResponse> v =
-          slow_.coord.ObserveSkipMatrix("job", GroupId(g), 0);
+      absl::StatusOr<v1::SkipMatrixResponse> u = fast_.coord.ObserveSkipMatrix("job", g, 0);
+      absl::StatusOr<v1::SkipMatrixResponse> v = slow_.coord.ObserveSkipMatrix("job", g, 0);
       ASSERT_EQ(u.ok(), v.ok()) << when;
       if (u.ok()) {
         EXPECT_EQ(u->DebugString(), v->DebugString()) << "group " << g << " " << when;
@@ -224,21 +302,29 @@ FastPaths RunScenario(const Shape& shape, uint32_t seed, int fast_threads) {
     t.Open(n);
     t.Send(n, Hello("job", NodeId(n), world, shape.RanksOf(n)));
   }
-  for (int g = 0; g < shape.groups; ++g) {
-    for (int n = 0; n < nodes; ++n)
-      t.Send(n, Registration(MakeSpec(GroupId(g), shape.params), shape.RanksOf(n)));
+  const std::vector<Shape::Group> groups = shape.AllGroups();
+  std::vector<std::vector<std::pair<int, std::vector<int>>>> mine(nodes);
+  for (int n = 0; n < nodes; ++n) mine[n] = shape.GroupsOf(n);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int n = 0; n < nodes; ++n) {
+      for (const auto& [i, ranks] : mine[n]) {
+        if (i == static_cast<int>(g)) t.Send(n, Registration(shape.Spec(groups[g]), ranks));
+      }
+    }
   }
   // Each node's usage per group, and the batch its stream last sent in
   // full or per-manifest form (what a batch repeat stands for).
   std::vector<std::vector<std::vector<std::optional<DType>>>> usage(nodes);
   std::vector<std::vector<v1::Manifest>> record(nodes);
   for (int n = 0; n < nodes; ++n) {
-    for (int g = 0; g < shape.groups; ++g) usage[n].push_back(RandomUsage(rng, shape.params));
+    for (size_t g = 0; g < mine[n].size(); ++g) usage[n].push_back(RandomUsage(rng, shape.params));
   }
+  // A node manifest without rank bits: the node's ranks among the members.
   auto full_manifests = [&](int n, int64_t step) {
     std::vector<v1::Manifest> ms;
-    for (int g = 0; g < shape.groups; ++g) {
-      ms.push_back(NodeManifest(GroupId(g), step, usage[n][g], world, shape.RanksOf(n)));
+    for (size_t g = 0; g < mine[n].size(); ++g) {
+      const auto& [i, ranks] = mine[n][g];
+      ms.push_back(NodeManifest(groups[i].id, step, usage[n][g], world, ranks));
     }
     return ms;
   };
@@ -265,7 +351,7 @@ FastPaths RunScenario(const Shape& shape, uint32_t seed, int fast_threads) {
       } else if (roll < 62) {
         t.Send(n, BatchRepeat(step, record[n]));
       } else if (roll < 70) {
-        usage[n][rng() % shape.groups] = RandomUsage(rng, shape.params);  // may be unchanged
+        usage[n][rng() % usage[n].size()] = RandomUsage(rng, shape.params);  // may be unchanged
         t.Send(n, full_batch(n, step));
       } else if (roll < 76) {
         std::vector<v1::Manifest> ms;
@@ -273,7 +359,7 @@ FastPaths RunScenario(const Shape& shape, uint32_t seed, int fast_threads) {
           ms.push_back(Repeat(m.group_id(), step, m.cache_key()));
         t.Send(n, Batch(ms));
         // The stream's record is now the repeat-form batch: same groups and keys.
-      } else if (roll < 82 && shape.groups > 1) {
+      } else if (roll < 82 && mine[n].size() > 1) {
         // The step's groups in two batches, as a client that submits some
         // groups early does; the stream's record is the second batch.
         std::vector<v1::Manifest> ms = full_manifests(n, step);
@@ -344,6 +430,23 @@ TEST(RepeatWavesTest, DecideExactlyAsTheEntryByEntryPathForOtherShapes) {
     SCOPED_TRACE(shape.Name());
     // With more nodes, a step more often has an event that breaks its wave;
     // the fast path must still be taken in a good share of the runs.
+    EXPECT_GT(RunShape(shape, 150), 40);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Member sets (docs/MEMBERS.md 2.11): waves run per wave domain (here one
+// per stage), each completing, holding and breaking on its own, and still
+// decide exactly as the entry-by-entry path.
+TEST(RepeatWavesTest, WavesPerDomainDecideExactlyAsTheEntryByEntryPath) {
+  const std::vector<Shape> shapes = {
+      {{2, 2, 2, 2}, 2, 3, {0, 0, 1, 1}},                 // two stages: two domains
+      {{2, 2, 2, 2, 2, 2}, 2, 2, {0, 0, 1, 1, 2, 2}, 2},  // 3 stages x 2 sets, nodes in both
+      {{1, 3, 2, 2}, 2, 2, {0, 1, 0, 1}, 2},              // uneven nodes, a node in one set
+      {{2, 2, 2}, 3, 3, {0, 0, 0}, 2},                    // two sets linked into one domain
+  };
+  for (const Shape& shape : shapes) {
+    SCOPED_TRACE(shape.Name());
     EXPECT_GT(RunShape(shape, 150), 40);
     if (HasFatalFailure()) return;
   }
@@ -431,6 +534,85 @@ TEST(RepeatWavesTest, SteadyStateIsOneWavePerStepAndASilentNodeIsNamedAtTheDeadl
     EXPECT_EQ(got[1].error().kind(), v1::JOB_FAILED);
     EXPECT_EQ(got[1].step(), 6);
   }
+}
+
+// Two stages, each a member set of its two nodes' ranks: a stage's wave
+// completes when its own nodes are in while the other stage's record is
+// missing, and a full-form batch of one stage breaks only its own wave.
+TEST(RepeatWavesTest, AStageWaveNeitherWaitsForNorBreaksWithTheOtherStage) {
+  const Shape shape{{2, 2, 2, 2}, 2, 2, {0, 0, 1, 1}};
+  const int kNodes = shape.nodes();
+  const int kWorld = shape.world();
+  const std::vector<Shape::Group> groups = shape.AllGroups();
+  Side s(true, /*threads=*/1, kNodes);
+  std::vector<std::vector<v1::Manifest>> record(kNodes);
+  auto full = [&](int n, int64_t step, DType dtype) {
+    record[n].clear();
+    for (const auto& [i, ranks] : shape.GroupsOf(n)) {
+      record[n].push_back(NodeManifest(groups[i].id, step, {dtype, std::nullopt}, kWorld, ranks));
+    }
+    s.coord.HandleMessage(s.ids[n], Batch(record[n]));
+  };
+  for (int n = 0; n < kNodes; ++n) {
+    s.ids[n] = s.coord.OpenSession(s.sinks[n].get());
+    s.coord.HandleMessage(s.ids[n], Hello("job", NodeId(n), kWorld, shape.RanksOf(n)));
+    for (const auto& [i, ranks] : shape.GroupsOf(n)) {
+      s.coord.HandleMessage(s.ids[n], Registration(shape.Spec(groups[i]), ranks));
+    }
+  }
+  for (int n = 0; n < kNodes; ++n) full(n, 0, DType::kBFloat16);
+  auto repeat = [&](int n, int64_t step) {
+    s.coord.HandleMessage(s.ids[n], BatchRepeat(step, record[n]));
+  };
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (int n = 0; n < kNodes; ++n) repeat(n, step);
+  }
+  EXPECT_EQ(s.coord.stats().repeat_waves, 6);  // two domains, three steps
+  // The decisions of `step` node `n` got for a stage's groups ("@s0" or
+  // "@s1").
+  auto decided_at = [&](int n, int64_t step, const std::string& stage, bool* same) {
+    int count = 0;
+    *same = true;
+    for (const v1::Decision& d : s.sinks[n]->decisions()) {
+      if (d.step() != step || !absl::StrContains(d.group_id(), stage)) continue;
+      ++count;
+      *same = *same && d.same_as_previous();
+    }
+    return count;
+  };
+  // Each stage's decisions as its first node got them.
+  auto decided = [&](int64_t step, const std::string& stage, bool* same) {
+    return decided_at(stage == "@s0" ? 0 : 2, step, stage, same);
+  };
+  bool same = false;
+  // Step 4: node 3 (stage 1) is late; stage 0 is decided without it.
+  repeat(0, 4);
+  repeat(2, 4);
+  repeat(1, 4);
+  EXPECT_EQ(s.coord.stats().repeat_waves, 7);
+  EXPECT_EQ(decided(4, "@s0", &same), 2);
+  EXPECT_TRUE(same);
+  EXPECT_EQ(decided(4, "@s1", &same), 0);
+  repeat(3, 4);
+  EXPECT_EQ(s.coord.stats().repeat_waves, 8);
+  EXPECT_EQ(decided(4, "@s1", &same), 2);
+  EXPECT_TRUE(same);
+  // A wave's decisions go to its domain's nodes only.
+  EXPECT_EQ(decided_at(0, 4, "@s1", &same), 0);
+  EXPECT_EQ(decided_at(2, 4, "@s0", &same), 0);
+  // Step 5: stage 1's wave is held when node 0 changes its usage; stage 0
+  // goes entry by entry, stage 1 stays a wave.
+  repeat(2, 5);
+  full(0, 5, DType::kFloat32);
+  repeat(1, 5);
+  EXPECT_EQ(decided(5, "@s0", &same), 2);
+  EXPECT_FALSE(same);
+  EXPECT_EQ(s.coord.stats().repeat_waves, 8);
+  repeat(3, 5);
+  EXPECT_EQ(s.coord.stats().repeat_waves, 9);
+  EXPECT_EQ(decided(5, "@s1", &same), 2);
+  EXPECT_TRUE(same);
+  EXPECT_EQ(s.coord.stats().errors, 0);
 }
 
 }  // namespace
