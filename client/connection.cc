@@ -60,6 +60,19 @@ absl::Status ClientConnection::Unreachable(const StreamEnd& end) const {
       "; check that accord-sidecar runs on this node with --socket=", options_.socket_path));
 }
 
+absl::Status ClientConnection::ConnectTimedOut(bool connected) const {
+  if (last_miss_.has_value() && !connected) {
+    StreamEnd end;
+    end.unavailable = true;
+    end.message = *last_miss_;
+    return Unreachable(end);
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "no welcome from the sidecar at ", options_.socket_path, " within ",
+      absl::FormatDuration(options_.connect_timeout), " (job \"", options_.job_id, "\", rank ",
+      options_.rank, "); check that accord-sidecar is healthy and connected to its coordinator"));
+}
+
 absl::Status ClientConnection::SidecarGone() const {
   // The same text on every rank of the node (no rank in it).
   return absl::UnavailableError(absl::StrCat(
@@ -85,8 +98,8 @@ ClientConnection::AfterEnd ClientConnection::FirstStreamEnded(const StreamEnd& e
   } else if (!end.unavailable) {
     out.close = Close(Unreachable(end));
   } else {
-    out.first_miss = !first_miss_seen_;
-    first_miss_seen_ = true;
+    out.first_miss = !last_miss_.has_value();
+    last_miss_ = end.message;
     const absl::Duration wait = NextBackoff();
     if (now + wait >= connect_deadline_) {
       out.close = Close(Unreachable(end));

@@ -114,6 +114,11 @@ class ClientConnection {
   // OK while calls may proceed; else the error they fail with (a fatal
   // error, or why the session closed).
   const absl::Status& CallStatus() const { return error_; }
+  // The error of a first connect that ran out of time without a welcome:
+  // UNAVAILABLE naming the socket when the last attempt found no sidecar and
+  // the one under way, if any, has not connected either (`connected`: its
+  // channel is up); otherwise DEADLINE_EXCEEDED, no welcome.
+  absl::Status ConnectTimedOut(bool connected) const;
   absl::Time connect_deadline() const { return connect_deadline_; }
   const std::string& node_id() const { return resume_.node_id; }
   const std::string& run_id() const { return resume_.run_id; }
@@ -148,7 +153,8 @@ class ClientConnection {
   absl::Status error_;
   // kConnecting: a stream that cannot reach the sidecar is tried again until then.
   absl::Time connect_deadline_ = absl::InfiniteFuture();
-  bool first_miss_seen_ = false;
+  // The last first-stream attempt that found no sidecar (its message).
+  std::optional<std::string> last_miss_;
   // kReconnecting: when the last welcomed stream ended, and whether the
   // attempt under way began past the grace (the last one).
   absl::Time lost_at_ = absl::InfinitePast();

@@ -106,12 +106,11 @@ absl::Status GrpcClient::Start() {
   mu_.AwaitWithDeadline(absl::Condition(&answered), conn_.connect_deadline());
   if (absl::Status s = conn_.CallStatus(); !s.ok()) return s;
   if (!conn_.welcomed()) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("no welcome from the sidecar at ", options_.socket_path, " within ",
-                     absl::FormatDuration(options_.connect_timeout), " (job \"", options_.job_id,
-                     "\", rank ", options_.rank,
-                     "); check that accord-sidecar is healthy and connected to "
-                     "its coordinator"));
+    // The deadline may fall while an attempt is under way: unless its channel
+    // connected, the sidecar was never reached.
+    const bool connected =
+        stream_.channel != nullptr && stream_.channel->GetState(false) == GRPC_CHANNEL_READY;
+    return conn_.ConnectTimedOut(connected);
   }
   return absl::OkStatus();
 }

@@ -101,6 +101,23 @@ TEST(ClientConnectionTest, FirstStreamClosesAtTheConnectTimeoutNamingTheSocket) 
   EXPECT_EQ(c.CallStatus(), *after.close);
 }
 
+// The connect timeout can fall while an attempt is under way (its end not
+// seen yet): a sidecar that no attempt reached is named unreachable, with the
+// last attempt's words, unless the attempt under way connected.
+TEST(ClientConnectionTest, AConnectTimeoutWithoutAWelcomeSaysWhetherTheSidecarWasReached) {
+  ClientConnection c(Options(), 1);
+  c.Start(kT0);
+  absl::Status none = c.ConnectTimedOut(/*connected=*/false);  // no attempt ended yet
+  EXPECT_EQ(none.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(none.message(), HasSubstr("no welcome from the sidecar at /tmp/sidecar.sock"));
+  ASSERT_FALSE(c.StreamEnded(Unavailable(), kT0).close.has_value());
+  absl::Status missed = c.ConnectTimedOut(/*connected=*/false);
+  EXPECT_EQ(missed.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(missed.message(), HasSubstr("cannot reach the sidecar at /tmp/sidecar.sock"));
+  EXPECT_THAT(missed.message(), HasSubstr("connection refused"));
+  EXPECT_EQ(c.ConnectTimedOut(/*connected=*/true).code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST(ClientConnectionTest, FirstStreamEndingOtherwiseClosesAtOnce) {
   ClientConnection c(Options(), 1);
   c.Start(kT0);
