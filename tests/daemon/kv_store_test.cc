@@ -272,6 +272,15 @@ TEST(KvStoreTest, AnAllGatherNamesTheRankThatDidNotSetItsKey) {
   }
 }
 
+// Consecutive ranks start, start + 1, ... in the members' arithmetic form.
+MembersForm Arithmetic(int start, int count) {
+  MembersForm form;
+  form.start = start;
+  form.count = count;
+  form.stride = 1;
+  return form;
+}
+
 // A Get among a member set (a guard's comparison of ranks 2 and 3 in a job
 // of 6): the member that did not write is named, never ranks outside the set;
 // when every member wrote or asked, the set is what the error says.
@@ -280,10 +289,7 @@ TEST(KvStoreTest, AGetAmongAMemberSetNamesOnlyItsMembers) {
   KvStore kv(Bounded(), &clock);
   FakeRankDirectory ranks(6);
   kv.SetRankDirectory(&ranks);
-  MembersForm pair;  // ranks 2, 3: the arithmetic form
-  pair.start = 2;
-  pair.count = 2;
-  pair.stride = 1;
+  const MembersForm pair = Arithmetic(2, 2);  // ranks 2, 3
   ASSERT_TRUE(kv.Set("j", "r1", "cmp/2", "v", 2).ok());
   Result among, whole;
   kv.Get("j", "r1", {"cmp/2", "cmp/3"}, absl::Seconds(1), among.Callback(), 2, pair);
@@ -318,10 +324,7 @@ TEST(KvStoreTest, AGetAmongRanksOutsideTheJobSaysSoAndNamesEveryRank) {
   KvStore kv(Bounded(), &clock);
   FakeRankDirectory ranks(2);
   kv.SetRankDirectory(&ranks);
-  MembersForm outside;
-  outside.start = 1;
-  outside.count = 3;
-  outside.stride = 1;
+  const MembersForm outside = Arithmetic(1, 3);  // ranks 1-3 of a job of 2
   Result r;
   kv.Get("j", "r1", {"k/1"}, absl::Seconds(1), r.Callback(), 0, outside);
   clock.Advance(absl::Seconds(1));
