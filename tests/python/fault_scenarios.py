@@ -58,6 +58,15 @@ def stop_mid_step(rank, world_size, cluster=None, victim=2, fault="stop", when="
             model.blocks[5].register_full_backward_hook(lambda m, gi, go: die())
         elif when == "backward":
             model.blocks[3].register_full_backward_hook(lambda m, gi, go: die())
+        elif when == "after-release":  # its step's batch went up, the end's turns not yet
+            submit = inst.negotiation.submit_step
+
+            def submit_then_die(*args):
+                handles = submit(*args)
+                die()
+                return handles
+
+            inst.negotiation.submit_step = submit_then_die
         elif when != "optimizer":
             raise ValueError(when)
     g = torch.Generator().manual_seed(rank)

@@ -275,11 +275,18 @@ class FakeGroup:
         self.turn, self.post_backwarded, self.unsent_grads = None, False, [None]
         self.passed_unready = False
 
-    def take_turn(self, in_backward):
+    def take_turn(self, in_backward, queue=None):
         self.turn = FakeTurn(self.step, late=in_backward and not self.post_backwarded)
         self.step += 1
         self.log.append(("turn", self.group_id, in_backward, self.turn.late))
+        if queue is None:
+            self.issue(None, ())
+        else:
+            queue.append((self, None, ()))
         return self.turn
+
+    def issue(self, send, args):
+        self.log.append(("sent", self.group_id))
 
     def hold(self):
         self.post_backwarded = True
@@ -347,13 +354,49 @@ def test_turns_before_the_end_go_out_during_the_backward_the_rest_at_the_end():
     release.before_all_gather(g["b"])
     release.after_all_gather(g["b"])  # pending: c
     release.pre_backward(g["b"])  # c's turn: its post-backward ran
-    assert log == [("turn", "c", True, False)]
+    assert log == [("turn", "c", True, False), ("sent", "c")]
     release.finish()
     # One batch: every group's manifest, then the ~late item.
     assert agreement.batches == [[("c", 0), ("b", 0), ("a", 0), ("p/~late", 0)]]
-    assert [e[:3] for e in log[1:3]] == [("turn", "b", False), ("turn", "a", False)]
+    turns = [e[:3] for e in log if e[0] == "turn"]
+    assert turns[1:] == [("turn", "b", False), ("turn", "a", False)]
     assert [e[1] for e in log if e[0] == "complete"] == ["c", "b", "a"]
     assert inst.timing.during == 1 and inst.timing.at_end == 2 and inst.timing.releases == 1
+
+
+def test_turns_at_the_end_are_recorded_before_the_batch_and_sent_after_it_in_order():
+    """The end's reduce-scatters hide the batch's round trip; what they
+    change (FSDP2's unsharded gradients) is not in the batch."""
+    inst, agreement, log = make(_decide())
+    submit = agreement.submit_batch
+    agreement.submit_batch = lambda items: (log.append(("batch",)), submit(items))[1]
+    g = inst.groups
+    release = inst.backward()
+    g["c"].post_backwarded = True
+    release.before_all_gather(g["b"])
+    release.after_all_gather(g["b"])
+    release.pre_backward(g["b"])  # c's turn, during the backward: sent at once
+    release.finish()
+    assert [e for e in log if e[0] != "complete"] == [
+        ("turn", "c", True, False), ("sent", "c"),
+        ("turn", "b", False, False), ("turn", "a", False, False),
+        ("batch",), ("sent", "b"), ("sent", "a")]
+    # Completions only after every reduce-scatter went out.
+    assert log.index(("sent", "a")) < [e[0] for e in log].index("complete")
+
+
+def test_turns_recorded_at_the_end_are_sent_even_when_the_batch_fails():
+    """Every rank issues what it recorded: a rank whose submit failed still
+    joins the reduce-scatters its peers are in, then raises."""
+    inst, agreement, log = make(_decide())
+
+    def fail(items):
+        raise RuntimeError("sidecar gone")
+
+    agreement.submit_batch = fail
+    with pytest.raises(RuntimeError, match="sidecar gone"):
+        inst.backward().finish()
+    assert [e for e in log if e[0] == "sent"] == [("sent", "c"), ("sent", "b"), ("sent", "a")]
 
 
 def test_a_group_late_somewhere_is_completed_with_a_delta_of_every_included_parameter():
@@ -614,6 +657,33 @@ def test_a_failed_collective_after_the_steps_item_was_decided_asks_with_the_next
         assert str(again.value) == DecidedThenVerdictAgreement.VERDICT
     finally:
         watch.close()
+
+
+def test_a_stall_after_the_release_is_named_by_the_next_releases_item():
+    """The end's reduce-scatters go out after the release's batch: a peer
+    that stops between its batch and them leaves this rank blocked with the
+    step's item decided. The watch submits the next release's item, which
+    the stopped peer never sends, and reports the coordinator's words."""
+    import threading
+
+    from accord.torch.watchdog import StepWatch
+
+    agreement = DecidedThenVerdictAgreement()
+    said, done = [], threading.Event()
+    watch = StepWatch(agreement, "fsdp/~step", timeout_s=5.0, stall_s=0.05, grace_s=0.01,
+                      on_failure=lambda m: (said.append(m), done.set()))
+    try:
+        watch.begin_step(0)
+        watch.handed(0, agreement.submit_async("fsdp/~step", 0, ["float32"]))  # the release's
+        watch.released(0)
+        watch.progress("reduce-scatter of '<root>' (64 x float32)")  # then blocked in it
+        assert done.wait(5.0), "the watch never reported"
+    finally:
+        watch.close()
+    assert agreement.submitted == [("fsdp/~step", 0), ("fsdp/~step", 1)]
+    (message,) = said
+    assert message.endswith(DecidedThenVerdictAgreement.VERDICT), message
+    assert "reduce-scatter of '<root>'" in message
 
 
 def test_the_deprecated_overlap_names_still_choose_speculation_and_warn(monkeypatch):

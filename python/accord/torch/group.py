@@ -93,10 +93,12 @@ class HookedGroup:
 
     # ------------------------------------------------------------ the turn
 
-    def take_turn(self, in_backward: bool) -> Turn:
+    def take_turn(self, in_backward: bool, queue: Optional[list] = None) -> Turn:
         """Reduce-scatters the group now with the layout its history gives.
         A group whose post-backward has not run yet is *late*: it sends zeros
-        and keeps its unit as it is (its gradient goes in the delta)."""
+        and keeps its unit as it is (its gradient goes in the delta). With a
+        `queue`, the reduce-scatter is recorded now and appended to it, to
+        be issued later by issue() (the end-of-backward point)."""
         inst = self.installation
         layout = self._turn_layout()
         ready = self.post_backwarded or not in_backward
@@ -110,7 +112,7 @@ class HookedGroup:
         if not ready:
             turn.was_none = fsdp2.sharded_grads_none(self.group)
             if turn.applied is not None:
-                self._send(layout, None, midway=True)
+                self._send(layout, None, midway=True, queue=queue)
             return turn
         local = fsdp2.local_grads(self.group)
         key = (layout, tuple([g.dtype if g is not None else None for g in local]))
@@ -122,8 +124,8 @@ class HookedGroup:
             # post-backward sends them as they are.
             turn.dtypes, turn.sent_bytes = steady
             turn.steady = True
-            self._reduce(self._entries(layout, ""), fsdp2.reduce_scatter_as_held, self.group,
-                         self.original, torch_dtype(layout.wire_dtype))
+            self._reduce(self._entries(layout, ""), queue, fsdp2.reduce_scatter_as_held,
+                         self.group, self.original, torch_dtype(layout.wire_dtype))
             return turn
         names = DTYPE_NAMES
         turn.dtypes = tuple([(names.get(g.dtype) or dtype_name(g.dtype)) if g is not None
@@ -137,7 +139,7 @@ class HookedGroup:
         if turn.applied is None:
             fsdp2.drop_local_grads(self.group)  # kept in turn.owed
         else:
-            self._send(layout, local, midway=False)
+            self._send(layout, local, midway=False, queue=queue)
         return turn
 
     def _turn_layout(self) -> Layout:
@@ -176,7 +178,8 @@ class HookedGroup:
             self.layouts[decision.layout_fingerprint] = layout
         return layout
 
-    def _send(self, layout: Layout, local, midway: bool, suffix: str = "") -> None:
+    def _send(self, layout: Layout, local, midway: bool, suffix: str = "",
+              queue: Optional[list] = None) -> None:
         """FSDP2's own post-backward reduce-scatters `layout`: this rank's
         gradient where `local` has one, zeros for the other included
         parameters, in the group's wire dtype."""
@@ -195,20 +198,28 @@ class HookedGroup:
                     f"unit's forward once on every rank (e.g. on an empty batch), or mark "
                     f"it optional")
             fills.append(grad if grad is not None else wire)
-        self._reduce(self._entries(layout, suffix), fsdp2.reduce_scatter, self.group,
+        self._reduce(self._entries(layout, suffix), queue, fsdp2.reduce_scatter, self.group,
                      self.original, fills, wire, midway)
 
-    def _reduce(self, entries: tuple, send, *args) -> None:
+    def _reduce(self, entries: tuple, queue: Optional[list], send, *args) -> None:
         """Records the group's reduce-scatter (and HSDP's all-reduce), its
-        `entries`, with the guard and the step watch, then `send(*args)`s it."""
+        `entries`, with the guard and the step watch, then `send(*args)`s it,
+        or appends it to `queue` for issue()."""
         inst = self.installation
         for entry in entries:
             inst.record_reduce(entry, self.group)
+        if queue is not None:
+            queue.append((self, send, args))
+        else:
+            self.issue(send, args)
+
+    def issue(self, send, args: tuple) -> None:
+        """Issues a reduce-scatter _reduce() recorded."""
         self.reducing = True
         try:
             send(*args)
         except RuntimeError as e:
-            inst.explain(e)
+            self.installation.explain(e)
             raise
         finally:
             self.reducing = False
@@ -247,14 +258,15 @@ class HookedGroup:
         this step not sent at the turn (a late gradient, a second use after
         the turn, the owed ones)."""
         turn = self.turn
-        if turn.late or self.held_after_turn or self.passed_unready:
+        if turn.in_backward and (turn.late or self.held_after_turn or self.passed_unready):
             local = fsdp2.local_grads(self.group)
             found = [i for i, g in enumerate(local) if g is not None]
             self.found_unsent = bool(found)
             self.sent_late = any([i not in turn.owed for i in found])
         else:
-            # The turn carried every gradient there was (FSDP2 took them), and
-            # a gradient after it comes only with a post-backward (hold()).
+            # The turn carried (or, at the end, will carry) every gradient
+            # there was, and a gradient after it comes only with a
+            # post-backward (hold()); none comes after a turn at the end.
             local = [None] * len(self.params)
             self.found_unsent = self.sent_late = False
         for i, g in turn.owed.items():

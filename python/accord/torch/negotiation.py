@@ -187,6 +187,8 @@ class Negotiation:
                 reporter.handed(handle)
         if live is not None:
             self.watch.handed(index, handles[n])
+        if self.watch is not None:
+            self.watch.released(index)
         for g, (_, window), handle in zip(guards, windows, handles[-1 - len(windows):-1]):
             g.release_handle(window, handle)
         self._late = handles[-1]

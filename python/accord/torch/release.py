@@ -80,7 +80,7 @@ class Release:
             if turns:
                 self._turns(turns, in_backward=True)
 
-    def _turns(self, indices, in_backward: bool) -> None:
+    def _turns(self, indices, in_backward: bool, queue: Optional[list] = None) -> None:
         timing = self.inst.timing
         for i in indices:
             h = self.order[i]
@@ -88,7 +88,7 @@ class Release:
                 # Its turn is at the end; note whether it would have been late.
                 h.passed_unready = in_backward and not h.post_backwarded
                 continue
-            turn = h.take_turn(in_backward)
+            turn = h.take_turn(in_backward, queue)
             if in_backward and not turn.late:
                 timing.during += 1
             elif not in_backward:
@@ -112,18 +112,26 @@ class Release:
         # The rest of the turns, then the deferred groups', then the batch:
         # the guard's window of the step closes with the batch, after every
         # turn on every rank (turns of the last interval come before the end
-        # on some ranks only).
-        self._turns(self.schedule.at_end(), in_backward=False)
+        # on some ranks only). The turns taken here are recorded first and
+        # issued after the batch, in the same order: their reduce-scatters
+        # hide the batch's round trip, and nothing they change is in it.
+        queue = []
+        self._turns(self.schedule.at_end(), in_backward=False, queue=queue)
         for h in self.order:
             if h.history.deferred:
-                h.take_turn(in_backward=False)
+                h.take_turn(in_backward=False, queue=queue)
                 inst.timing.at_end += 1
-        closing = [h.closing() for h in self.order]  # (unsent, manifest, late here)
-        manifests = [(h.group_id, h.turn.step, dtypes)
-                     for h, (_, dtypes, _) in zip(self.order, closing)]
-        negotiation = inst.negotiation
-        handles = negotiation.submit_step(index, manifests, negotiation.late_item(
-            index, self.order, [late for _, _, late in closing]))
+        try:
+            closing = [h.closing() for h in self.order]  # (unsent, manifest, late here)
+            manifests = [(h.group_id, h.turn.step, dtypes)
+                         for h, (_, dtypes, _) in zip(self.order, closing)]
+            negotiation = inst.negotiation
+            handles = negotiation.submit_step(index, manifests, negotiation.late_item(
+                index, self.order, [late for _, _, late in closing]))
+        finally:
+            # Recorded: issued on every rank whatever happened to the batch.
+            for h, send, args in queue:
+                h.issue(send, args)
         late_any = negotiation.wait_late()
         for h, decision, (unsent, dtypes, _) in zip(self.order, negotiation.wait_all(handles),
                                                     closing):

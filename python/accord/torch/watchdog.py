@@ -138,6 +138,15 @@ class StepWatch:
         with self._mu:
             self._handle, self._handle_step = handle, step
 
+    def released(self, step: int) -> None:
+        """The release of `step` went up with its item: what the training
+        thread does next inside the step (the end's reduce-scatters, the
+        completions' deltas) is watched as the next release's, so a peer that
+        stops there is named by that item, which it never sends."""
+        with self._mu:
+            if self._step == step:
+                self._step, self._last = step + 1, time.monotonic()
+
     def end_step(self) -> None:
         with self._mu:
             self._in_step = False
