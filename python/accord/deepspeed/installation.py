@@ -285,6 +285,8 @@ class Installation:
         handles = list(submit_batch(mine + ([item] if item else []) + ([seq] if seq else [])))
         if item:
             self.watch.handed(self.step, handles[len(mine)])
+        if self.watch is not None:
+            self.watch.released(self.step)  # the reductions after it: the next item's
         if seq is not None:
             self.guard.release_handle(window, handles[-1])
         where = "accord.deepspeed: learned at the end-of-backward release"
