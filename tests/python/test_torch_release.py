@@ -303,7 +303,7 @@ class FakeGroup:
 
 
 class FakeInstallation:
-    """What a Release reads and writes of its installation."""
+    """What a Release reads of its installation and calls on it."""
 
     def __init__(self, agreement):
         self.groups = {}
@@ -318,6 +318,12 @@ class FakeInstallation:
             order = list(reversed(self.groups.values()))
             self.current = Release(self, order, self.backward_all_gathers)
         return self.current
+
+    def released(self, all_gathers):
+        self.timing.releases += 1
+        self.backward_all_gathers = all_gathers
+        index, self.release_index = self.release_index, self.release_index + 1
+        return index
 
 
 def make(decide, names=("a", "b", "c")):

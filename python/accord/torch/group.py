@@ -39,7 +39,6 @@ class HookedGroup:
         self.step = 0
         self.stats = GroupStats()
         self.history = History()
-        self.optional = None  # the _OptionalUnit this group belongs to, if any
         self.turn: Optional[Turn] = None  # this backward's, once the group had it
         self.post_backwarded = False  # in this backward
         self.passed_unready = False  # deferred: not ready where its turn would have been

@@ -148,7 +148,7 @@ class SequenceGuard:
             self._new_windows += 1
         return transition, self.verdicts.note(entry, closing, self.step, self.sequence.position)
 
-    # The release (accord.torch.installation) closes the open window and sends
+    # The release (accord.torch.release) closes the open window and sends
     # it in the step's one batch, to a group of its own at the release's step:
     # in the steady state it is the same manifest every step, so the whole
     # batch repeats (docs/PARTICIPATION.md, "The collective-sequence guard").

@@ -5,7 +5,7 @@ after the root's pre-forward) and kept unsharded until the end of the
 backward, so running it 0, 1 or 2 times issues the same collectives; it is
 left out of FSDP2's record of the forward order, so the other units' backward
 prefetch is the same on every rank. Its reduce-scatter is released with every
-other group's (accord.torch.installation). The guard's learner also lives
+other group's (accord.torch.release). The guard's learner also lives
 here: units that diverged at every rank's first forward all-gather become
 optional units on every rank.
 """
@@ -135,6 +135,8 @@ class OptionalUnits:
 
     def __init__(self, installation, units: Sequence[Tuple[str, object]] = ()):
         self.inst = installation
+        self.units: List[OptionalUnit] = []  # given or learned, in the order added
+        self.learned: List[str] = []  # names of the units the guard made optional
         self._order: Dict[str, int] = {}
         self._handles: list = []  # the root's step hooks, once a unit is added
         # Units that may become optional: every FSDP unit below the root with
@@ -162,10 +164,9 @@ class OptionalUnits:
                 mine)
             if register_now:
                 inst.agreement.register(*reporter.registration())
-        unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: inst.step_open)
-        for h in hooked:
-            h.optional = unit
-        inst.optional.append(unit)
+        steps = inst.steps
+        unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: steps.open)
+        self.units.append(unit)
         if not self._handles:
             # After FSDP2's root pre-forward (its hook is prepended; this one
             # is appended), before any other unit's all-gather.
@@ -174,7 +175,7 @@ class OptionalUnits:
         return unit
 
     def registrations(self) -> List[tuple]:
-        return [u.reporter.registration() for u in self.inst.optional if u.reporter]
+        return [u.reporter.registration() for u in self.units if u.reporter]
 
     def release_items(self) -> list:
         """(item, reporter) per optional unit with a reporter: whether this
@@ -182,7 +183,7 @@ class OptionalUnits:
         is the release's step when every backward releases), for the
         release's batch."""
         out = []
-        for u in self.inst.optional:
+        for u in self.units:
             if u.reporter is not None and not u.reported:
                 u.reported = True
                 p = u.participation
@@ -196,9 +197,9 @@ class OptionalUnits:
             reporter.handed(self.inst.agreement.submit_async(*item))
 
     def _begin_step(self, module, args):
-        if fsdp2.in_backward() or self.inst.continues_step():
+        if fsdp2.in_backward() or self.inst.steps.continues():
             return None  # recomputation inside backward; a schedule's later microbatch
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.begin_step()
         return None
 
@@ -206,19 +207,19 @@ class OptionalUnits:
         import torch
 
         if not torch.is_grad_enabled():  # no backward will follow
-            self.inst.step_open = False
+            self.inst.steps.close()
             self.end_step()
         return None
 
     def end_step(self) -> None:
         self._report_rest()
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.end_step()
 
     def remove(self) -> None:
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.remove()
-        self.inst.optional.clear()
+        self.units.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -228,7 +229,7 @@ class OptionalUnits:
         """Background thread; pure. The unit to pin: the first of `units` in
         module order, or None when one of them cannot be made optional (the
         root, a grouped unit, one already optional)."""
-        optional = {o.name for o in self.inst.optional}
+        optional = {o.name for o in self.units}
         if any(u not in self._order or u in optional for u in units):
             return None
         return [min(units, key=self._order.__getitem__)]
@@ -240,7 +241,7 @@ class OptionalUnits:
         for name in units:
             unit = self.add(name, self.inst.model.get_submodule(name), register_now=True)
             unit.begin_step()
-            self.inst.learned.append(name)
+            self.learned.append(name)
             warnings.warn(
                 f"accord: FSDP unit '{name}' ran its forward on some ranks only; accord made it "
                 f"an optional unit (all-gathered on every rank at each step). Pass "

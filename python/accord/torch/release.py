@@ -102,10 +102,7 @@ class Release:
         if not self.order:
             return
         inst = self.inst
-        inst.timing.releases += 1
-        inst.backward_all_gathers = self.schedule.all_gathers
-        index = inst.release_index
-        inst.release_index += 1
+        index = inst.released(self.schedule.all_gathers)
         for h in self.order:
             if not h.post_backwarded:
                 h.hold()
