@@ -296,7 +296,7 @@ class FakeGroup:
 
     def settle(self, decision, layout, dtypes, late_somewhere):
         self.history.last = layout
-        self.history.deferred = late_somewhere
+        self.history.turn_at_end = late_somewhere
 
     def end_backward(self):
         self.turn, self.post_backwarded = None, False
@@ -384,7 +384,7 @@ def test_a_group_late_somewhere_takes_its_turn_at_the_end_from_the_next_step():
     release.finish()
     release.end()
     inst.current = None
-    assert inst.groups["c"].history.deferred
+    assert inst.groups["c"].history.turn_at_end
     log.clear()
     release = inst.backward()
     release.before_all_gather(inst.groups["b"])

@@ -41,7 +41,7 @@ class HookedGroup:
         self.history = History()
         self.turn: Optional[Turn] = None  # this backward's, once the group had it
         self.post_backwarded = False  # in this backward
-        self.passed_unready = False  # deferred: not ready where its turn would have been
+        self.passed_unready = False  # turn at the end: not ready where it would have been
         self.reducing = False  # FSDP2's own post-backward is reduce-scattering
         self.held_after_turn = False  # a post-backward held a gradient after the turn
         self.found_unsent = False  # unsent() found a gradient FSDP2 still held
@@ -262,7 +262,7 @@ class HookedGroup:
 
     def late_here(self, unsent: List[Optional[torch.Tensor]]) -> bool:
         """This rank's `~late` slot: a gradient came after the turn (or,
-        deferred, would have: the turn's place passed before it came)."""
+        its turn at the end, would have: the turn's place passed before it came)."""
         if self.passed_unready:
             return any(dt is not None for dt in self.turn.dtypes)
         return self.sent_late
@@ -323,7 +323,7 @@ class HookedGroup:
         s.skipped += layout.included.count(False)
         self.history.last = layout
         self.history.grew_last = False
-        self.history.deferred = False
+        self.history.turn_at_end = False
 
     def settle(self, decision, layout: Layout, dtypes: List[Optional[str]],
                late_somewhere: bool) -> None:
@@ -342,7 +342,7 @@ class HookedGroup:
             s.widened += len([dt for dt in used if dt is not None and dt != self.wire])
         self.history.last = layout
         self.history.grew_last = any([r and not a for a, r in zip(applied, included)])
-        self.history.deferred = late_somewhere
+        self.history.turn_at_end = late_somewhere
 
     def unhook(self) -> None:
         """Gives the group FSDP2's own post- and pre-backward back."""
