@@ -101,10 +101,7 @@ class SequenceGuard:
         if v.failure is not None:
             v.check()
         if self.sequence.follows(entry):
-            # The steady state: agreed in an earlier step. No lock: only this
-            # thread appends, and the stall check copies the list whole.
-            v.reports += 1
-            v.open.entries.append(entry)
+            v.follow(entry)  # the steady state: agreed in an earlier step
             return False
         return self._record_new(entry, unit, group)
 
@@ -139,7 +136,6 @@ class SequenceGuard:
         """The bookkeeping of a record off the paths: appends the collective
         to the open window; returns (transition, window), the window closed
         for a verdict when the transition is new, else None."""
-        self.verdicts.reports += 1
         transition, new = self.sequence.off_path_record(entry)
         closing = None
         if new:
