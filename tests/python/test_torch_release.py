@@ -284,6 +284,12 @@ class FakeGroup:
     def hold(self):
         self.post_backwarded = True
 
+    def post_backward_ran(self):
+        self.post_backwarded = True
+
+    def turn_passed(self, in_backward):
+        self.passed_unready = in_backward and not self.post_backwarded
+
     def closing(self):
         return self.unsent_grads, ["float32"], self.turn.late
 

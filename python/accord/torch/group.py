@@ -35,7 +35,8 @@ class HookedGroup:
             self.params.append((name, dim0, numel))
         self.sizes = [p[2] for p in self.params]
         self.trainable = [fsdp2.trainable(fp) for fp in fsdp2.group_params(group)]
-        self.wire = dtype_name(fsdp2.widest_grad_dtype(group))  # agreed at install
+        # This rank's reduce-scatter dtype, then the ranks' join (agreed_wire()).
+        self.wire = dtype_name(fsdp2.widest_grad_dtype(group))
         self.step = 0
         self.stats = GroupStats()
         self.history = History()
@@ -61,6 +62,10 @@ class HookedGroup:
     def registration(self) -> tuple:
         return members.registration((self.group_id, self.params, None, False), self.members)
 
+    def agreed_wire(self, dtype: str) -> None:
+        """The wire dtype agreed at install (`~wire`), fixed for the run."""
+        self.wire = dtype
+
     # ------------------------------------------------------------ FSDP2's hooks
 
     def post_backward(self, *args, **kwargs):
@@ -83,6 +88,16 @@ class HookedGroup:
         self.post_backwarded = True
         if self.turn is not None:
             self.held_after_turn = True  # a gradient after the turn: unsent() looks
+
+    def post_backward_ran(self) -> None:
+        """Its post-backward is running now and its turn came there: FSDP2's
+        own post-backward reduce-scatters it (accord.torch.release)."""
+        self.post_backwarded = True
+
+    def turn_passed(self, in_backward: bool) -> None:
+        """Its turn is at the end; this was where it would have been: notes
+        whether it would have been late."""
+        self.passed_unready = in_backward and not self.post_backwarded
 
     def pre_backward(self, *args, **kwargs):
         release = self.installation.release_now()

@@ -69,7 +69,7 @@ class Release:
             return False
         own = i in turns
         if own:
-            hooked.post_backwarded = True
+            hooked.post_backward_ran()
         self._turns(turns, in_backward=True)
         return own
 
@@ -85,8 +85,7 @@ class Release:
         for i in indices:
             h = self.order[i]
             if h.history.turn_at_end:
-                # Its turn is at the end; note whether it would have been late.
-                h.passed_unready = in_backward and not h.post_backwarded
+                h.turn_passed(in_backward)
                 continue
             turn = h.take_turn(in_backward)
             if in_backward and not turn.late:
