@@ -99,6 +99,15 @@ class OptionalUnit:
     def _count(self, module, args):
         self.participation.calls_this_step += 1
 
+    def release_item(self) -> Optional[tuple]:
+        """This step's participation item, once per step (None: already
+        given, or no reporter)."""
+        if self.reporter is None or self.reported:
+            return None
+        self.reported = True
+        p = self.participation
+        return self.reporter.item(p.steps, p.calls_this_step)
+
     def begin_step(self) -> None:
         if self.pinned:  # a forward without backward left it pinned
             self.end_step(count=False)
@@ -182,13 +191,8 @@ class OptionalUnits:
         rank ran it in this step (its step: the unit's count of steps, which
         is the release's step when every backward releases), for the
         release's batch."""
-        out = []
-        for u in self.units:
-            if u.reporter is not None and not u.reported:
-                u.reported = True
-                p = u.participation
-                out.append((u.reporter.item(p.steps, p.calls_this_step), u.reporter))
-        return out
+        return [(item, u.reporter) for u in self.units
+                if (item := u.release_item()) is not None]
 
     def _report_rest(self) -> None:
         """Steps that ended without a release (accumulation microbatches, a
