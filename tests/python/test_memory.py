@@ -88,7 +88,7 @@ def test_a_gradient_after_its_turn_is_completed_exactly(cluster, world_size, spe
         if rank % 2:  # aux's post-backward only in the callback: late every step
             assert all(n == 1 for n in r["late"]), r["late"]
             assert all(b > 0 for b in r["late_bytes"]), r["late_bytes"]
-        # Late in step 0: a delta; from step 1 on aux is deferred to the end
+        # Late in step 0: a delta; from step 1 on aux takes its turn at the end
         # (its turn after its gradient everywhere): no delta.
         assert r["deltas"][0] >= 1 and r["deltas"][1:] == [0] * (len(r["deltas"]) - 1), r
 

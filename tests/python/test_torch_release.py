@@ -291,6 +291,12 @@ class FakeGroup:
     def hold(self):
         self.post_backwarded = True
 
+    def post_backward_ran(self):
+        self.post_backwarded = True
+
+    def turn_passed(self, in_backward):
+        self.passed_unready = in_backward and not self.post_backwarded
+
     def closing(self):
         return self.unsent_grads, ["float32"], self.turn.late
 
@@ -303,14 +309,14 @@ class FakeGroup:
 
     def settle(self, decision, layout, dtypes, late_somewhere):
         self.history.last = layout
-        self.history.deferred = late_somewhere
+        self.history.turn_at_end = late_somewhere
 
     def end_backward(self):
         self.turn, self.post_backwarded = None, False
 
 
 class FakeInstallation:
-    """What a Release reads and writes of its installation."""
+    """What a Release reads of its installation and calls on it."""
 
     def __init__(self, agreement):
         self.groups = {}
@@ -325,6 +331,12 @@ class FakeInstallation:
             order = list(reversed(self.groups.values()))
             self.current = Release(self, order, self.backward_all_gathers)
         return self.current
+
+    def released(self, all_gathers):
+        self.timing.releases += 1
+        self.backward_all_gathers = all_gathers
+        index, self.release_index = self.release_index, self.release_index + 1
+        return index
 
 
 def make(decide, names=("a", "b", "c")):
@@ -421,7 +433,7 @@ def test_a_group_late_somewhere_takes_its_turn_at_the_end_from_the_next_step():
     release.finish()
     release.end()
     inst.current = None
-    assert inst.groups["c"].history.deferred
+    assert inst.groups["c"].history.turn_at_end
     log.clear()
     release = inst.backward()
     release.before_all_gather(inst.groups["b"])

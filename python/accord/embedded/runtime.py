@@ -10,7 +10,7 @@ import os
 import secrets
 import socket
 import threading
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from accord.embedded.mode import EMBEDDED, EmbeddedError, ModeChoice
 from accord.embedded.processes import Daemon, LifelineClient, LifelineServer, PrivateDir
@@ -36,14 +36,15 @@ class Bootstrap:
 
 
 class _Runtime:
-    """The daemons this process started and the lifelines it holds."""
+    """The daemons this process started and the lifelines it holds; each is
+    added by a method here, and close() ends them all."""
 
     def __init__(self):
         self.daemons: List[Daemon] = []
         self.dir: Optional[PrivateDir] = None
-        self.server: Optional[LifelineServer] = None
-        self.lifeline: Optional[LifelineClient] = None
-        self.bootstrap: Optional[Bootstrap] = None
+        self.server: Optional[LifelineServer] = None  # the lifelines of this process's dependents
+        self.lifeline: Optional[LifelineClient] = None  # to the rank whose daemons this one uses
+        self.bootstrap: Optional[Bootstrap] = None  # what connect() agreed on, once it did
         self._closed = False
         self._lock = threading.Lock()
 
@@ -51,6 +52,28 @@ class _Runtime:
         if self.dir is None:
             self.dir = PrivateDir()
         return self.dir
+
+    def start_daemon(self, label: str, argv: List[str], ready_prefix: str,
+                     timeout_s: float) -> Tuple[Daemon, str]:
+        """Starts a daemon (ended by close()); once it is ready, the daemon
+        and what it printed after `ready_prefix` (its address)."""
+        daemon = Daemon(label, argv, _daemon_env(), ready_prefix)
+        self.daemons.append(daemon)
+        return daemon, daemon.wait_ready(timeout_s)
+
+    def serve_lifelines(self, host: str) -> str:
+        """The address of this process's lifeline server, started at the
+        first call (on `host`)."""
+        if self.server is None:
+            self.server = LifelineServer(host)
+        return self.server.address
+
+    def hold_lifeline(self, address: str, timeout_s: float, on_lost) -> None:
+        """A lifeline to the rank at `address`, whose daemons this rank uses."""
+        self.lifeline = LifelineClient(address, timeout_s, on_lost=on_lost)
+
+    def booted(self, bootstrap: Bootstrap) -> None:
+        self.bootstrap = bootstrap
 
     def stop_daemons(self, label: str):
         for d in self.daemons:
@@ -120,11 +143,9 @@ def _start_coordinator(rt: _Runtime, job_id: str, host: str, timeout_s: float) -
             "--metrics_port=0", f"--tokens_file={tokens}"]
     if not is_loopback(host):
         argv.append("--plaintext")  # the per-run token still guards the job
-    daemon = Daemon("coordinator", argv, _daemon_env(), "accord-coordinator listening on ")
-    rt.daemons.append(daemon)
-    address = daemon.wait_ready(timeout_s)
-    rt.server = LifelineServer(host)
-    return {"address": address, "token": token, "lifeline": rt.server.address,
+    daemon, address = rt.start_daemon("coordinator", argv, "accord-coordinator listening on ",
+                                      timeout_s)
+    return {"address": address, "token": token, "lifeline": rt.serve_lifelines(host),
             "metrics": daemon.metrics_url or "", "token_file": token_file,
             "host": socket.gethostname(), "pid": os.getpid()}
 
@@ -144,12 +165,9 @@ def _start_sidecar(rt: _Runtime, job_id: str, coordinator: dict, node: str,
             f"--max_ranks={max(64, local_world)}"]
     if not is_loopback(split_host_port(coordinator["address"])[0]):
         argv.append("--plaintext")
-    daemon = Daemon("sidecar", argv, _daemon_env(), "accord-sidecar serving unix:")
-    rt.daemons.append(daemon)
-    path = daemon.wait_ready(timeout_s)
-    if rt.server is None:
-        rt.server = LifelineServer("127.0.0.1")
-    return {"socket": path, "lifeline": rt.server.address, "metrics": daemon.metrics_url or "",
+    daemon, path = rt.start_daemon("sidecar", argv, "accord-sidecar serving unix:", timeout_s)
+    return {"socket": path, "lifeline": rt.serve_lifelines("127.0.0.1"),
+            "metrics": daemon.metrics_url or "",
             "node_id": node_id}
 
 
@@ -220,7 +238,7 @@ def _node_sidecar(store, prefix: str, rt: _Runtime, job_id: str, coord: dict, ra
             raise EmbeddedError(
                 f"accord.connect (embedded mode): local rank 0 of node {node} could not "
                 f"start its sidecar: {info['error']}")
-        rt.lifeline = LifelineClient(info["lifeline"], timeout_s, on_lost=None)
+        rt.hold_lifeline(info["lifeline"], timeout_s, on_lost=None)
         return {**info, "node": node}
     try:
         info = _start_sidecar(rt, job_id, coord, node,
@@ -230,8 +248,8 @@ def _node_sidecar(store, prefix: str, rt: _Runtime, job_id: str, coord: dict, ra
         raise
     store.set(key, json.dumps(info))
     if rank != 0:
-        rt.lifeline = LifelineClient(coord["lifeline"], timeout_s,
-                                     on_lost=lambda: _coordinator_lost(rt, coord, node))
+        rt.hold_lifeline(coord["lifeline"], timeout_s,
+                         on_lost=lambda: _coordinator_lost(rt, coord, node))
     return {**info, "node": node}
 
 
@@ -267,18 +285,18 @@ def bootstrap(
         else:
             hello = _read_hello(store, prefix + "hello", choice, job_id, job_id_source, rank,
                                 peer_s)
-        out = Bootstrap(mode=choice.mode, job_id=hello["job_id"], socket_path=choice.socket_path)
         if rt is None:
-            return out
+            return Bootstrap(mode=choice.mode, job_id=hello["job_id"],
+                             socket_path=choice.socket_path)
         coord = hello["coordinator"]
-        out.coordinator, out.token = coord["address"], coord["token"]
-        out.metrics["coordinator"] = coord["metrics"]
-        out.token_file = coord.get("token_file")
-        info = _node_sidecar(store, prefix, rt, out.job_id, coord, rank, local_rank, environ,
-                             timeout_s, peer_s)
-        out.socket_path = info["socket"]
-        out.metrics[f"sidecar {info.get('node_id', info['node'])}"] = info["metrics"]
-        rt.bootstrap = out
+        info = _node_sidecar(store, prefix, rt, hello["job_id"], coord, rank, local_rank,
+                             environ, timeout_s, peer_s)
+        out = Bootstrap(
+            mode=choice.mode, job_id=hello["job_id"], socket_path=info["socket"],
+            token=coord["token"], coordinator=coord["address"], token_file=coord.get("token_file"),
+            metrics={"coordinator": coord["metrics"],
+                     f"sidecar {info.get('node_id', info['node'])}": info["metrics"]})
+        rt.booted(out)
         with _runtime_lock:
             _runtime = rt
         return out

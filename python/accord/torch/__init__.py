@@ -49,7 +49,8 @@ from accord.torch.errors import AccordDivergenceError, AccordJobError, AccordPee
 from accord.torch.group import AccordFSDPError  # noqa: F401
 from accord.torch.turn import GroupStats, dtype_name, torch_dtype  # noqa: F401
 from accord.torch.transformers_capture import fix_transformers_output_capture  # noqa: F401
-from accord.torch.installation import Installation, install  # noqa: F401
+from accord.torch.installation import Installation  # noqa: F401
+from accord.torch.entry import install  # noqa: F401
 from accord.torch.negotiation import NegotiationTiming  # noqa: F401
 from accord.torch.optional import UnitParticipation  # noqa: F401
 

@@ -35,14 +35,14 @@ class HookedGroup:
             self.params.append((name, dim0, numel))
         self.sizes = [p[2] for p in self.params]
         self.trainable = [fsdp2.trainable(fp) for fp in fsdp2.group_params(group)]
-        self.wire = dtype_name(fsdp2.widest_grad_dtype(group))  # agreed at install
+        # This rank's reduce-scatter dtype, then the ranks' join (agreed_wire()).
+        self.wire = dtype_name(fsdp2.widest_grad_dtype(group))
         self.step = 0
         self.stats = GroupStats()
         self.history = History()
-        self.optional = None  # the _OptionalUnit this group belongs to, if any
         self.turn: Optional[Turn] = None  # this backward's, once the group had it
         self.post_backwarded = False  # in this backward
-        self.passed_unready = False  # deferred: not ready where its turn would have been
+        self.passed_unready = False  # turn at the end: not ready where it would have been
         self.reducing = False  # FSDP2's own post-backward is reduce-scattering
         self.held_after_turn = False  # a post-backward held a gradient after the turn
         self.found_unsent = False  # unsent() found a gradient FSDP2 still held
@@ -61,6 +61,10 @@ class HookedGroup:
 
     def registration(self) -> tuple:
         return members.registration((self.group_id, self.params, None, False), self.members)
+
+    def agreed_wire(self, dtype: str) -> None:
+        """The wire dtype agreed at install (`~wire`), fixed for the run."""
+        self.wire = dtype
 
     # ------------------------------------------------------------ FSDP2's hooks
 
@@ -84,6 +88,16 @@ class HookedGroup:
         self.post_backwarded = True
         if self.turn is not None:
             self.held_after_turn = True  # a gradient after the turn: unsent() looks
+
+    def post_backward_ran(self) -> None:
+        """Its post-backward is running now and its turn came there: FSDP2's
+        own post-backward reduce-scatters it (accord.torch.release)."""
+        self.post_backwarded = True
+
+    def turn_passed(self, in_backward: bool) -> None:
+        """Its turn is at the end; this was where it would have been: notes
+        whether it would have been late."""
+        self.passed_unready = in_backward and not self.post_backwarded
 
     def pre_backward(self, *args, **kwargs):
         release = self.installation.release_now()
@@ -275,7 +289,7 @@ class HookedGroup:
 
     def late_here(self, unsent: List[Optional[torch.Tensor]]) -> bool:
         """This rank's `~late` slot: a gradient came after the turn (or,
-        deferred, would have: the turn's place passed before it came)."""
+        its turn at the end, would have: the turn's place passed before it came)."""
         if self.passed_unready:
             return any(dt is not None for dt in self.turn.dtypes)
         return self.sent_late
@@ -336,7 +350,7 @@ class HookedGroup:
         s.skipped += layout.included.count(False)
         self.history.last = layout
         self.history.grew_last = False
-        self.history.deferred = False
+        self.history.turn_at_end = False
 
     def settle(self, decision, layout: Layout, dtypes: List[Optional[str]],
                late_somewhere: bool) -> None:
@@ -355,7 +369,7 @@ class HookedGroup:
             s.widened += len([dt for dt in used if dt is not None and dt != self.wire])
         self.history.last = layout
         self.history.grew_last = any([r and not a for a, r in zip(applied, included)])
-        self.history.deferred = late_somewhere
+        self.history.turn_at_end = late_somewhere
 
     def unhook(self) -> None:
         """Gives the group FSDP2's own post- and pre-backward back."""

@@ -101,10 +101,7 @@ class SequenceGuard:
         if v.failure is not None:
             v.check()
         if self.sequence.follows(entry):
-            # The steady state: agreed in an earlier step. No lock: only this
-            # thread appends, and the stall check copies the list whole.
-            v.reports += 1
-            v.open.entries.append(entry)
+            v.follow(entry)  # the steady state: agreed in an earlier step
             return False
         return self._record_new(entry, unit, group)
 
@@ -139,7 +136,6 @@ class SequenceGuard:
         """The bookkeeping of a record off the paths: appends the collective
         to the open window; returns (transition, window), the window closed
         for a verdict when the transition is new, else None."""
-        self.verdicts.reports += 1
         transition, new = self.sequence.off_path_record(entry)
         closing = None
         if new:
@@ -148,7 +144,7 @@ class SequenceGuard:
             self._new_windows += 1
         return transition, self.verdicts.note(entry, closing, self.step, self.sequence.position)
 
-    # The release (accord.torch.installation) closes the open window and sends
+    # The release (accord.torch.release) closes the open window and sends
     # it in the step's one batch, to a group of its own at the release's step:
     # in the steady state it is the same manifest every step, so the whole
     # batch repeats (docs/PARTICIPATION.md, "The collective-sequence guard").

@@ -132,9 +132,9 @@ class JobItem:
                                 "stage stopped or died)") from failure
 
 
-# id(client) -> its JobItem while an installation holds it (the client is
-# not kept alive from here; registering again is the same registration).
-_ITEMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+# Every JobItem while an installation holds it, weakly (registering again
+# is the same registration); found by its client.
+_ITEMS: "weakref.WeakSet[JobItem]" = weakref.WeakSet()
 _ITEMS_MU = threading.Lock()
 
 
@@ -145,10 +145,10 @@ def job_item(agreement) -> Optional[JobItem]:
     if client is None or not enabled():
         return None
     with _ITEMS_MU:
-        item = _ITEMS.get(id(client))
-        if item is None or item.agreement.client is not client:
+        item = next((i for i in _ITEMS if i.agreement.client is client), None)
+        if item is None:
             item = JobItem(agreement)
-            _ITEMS[id(client)] = item
+            _ITEMS.add(item)
         return item
 
 

@@ -125,8 +125,8 @@ class Negotiation:
         used = list(decision.included)
         k = len(WIRE_DTYPES)
         for i, h in enumerate(self.groups.values()):
-            h.wire = join_dtypes([dt for dt, u in zip(WIRE_DTYPES, used[i * k:(i + 1) * k])
-                                  if u] or [h.wire])
+            h.agreed_wire(join_dtypes([dt for dt, u in zip(WIRE_DTYPES, used[i * k:(i + 1) * k])
+                                       if u] or [h.wire]))
 
     # ------------------------------------------------------------ each step
 

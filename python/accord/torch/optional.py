@@ -5,7 +5,7 @@ after the root's pre-forward) and kept unsharded until the end of the
 backward, so running it 0, 1 or 2 times issues the same collectives; it is
 left out of FSDP2's record of the forward order, so the other units' backward
 prefetch is the same on every rank. Its reduce-scatter is released with every
-other group's (accord.torch.installation). The guard's learner also lives
+other group's (accord.torch.release). The guard's learner also lives
 here: units that diverged at every rank's first forward all-gather become
 optional units on every rank.
 """
@@ -99,6 +99,15 @@ class OptionalUnit:
     def _count(self, module, args):
         self.participation.calls_this_step += 1
 
+    def release_item(self) -> Optional[tuple]:
+        """This step's participation item, once per step (None: already
+        given, or no reporter)."""
+        if self.reporter is None or self.reported:
+            return None
+        self.reported = True
+        p = self.participation
+        return self.reporter.item(p.steps, p.calls_this_step)
+
     def begin_step(self) -> None:
         if self.pinned:  # a forward without backward left it pinned
             self.end_step(count=False)
@@ -135,6 +144,8 @@ class OptionalUnits:
 
     def __init__(self, installation, units: Sequence[Tuple[str, object]] = ()):
         self.inst = installation
+        self.units: List[OptionalUnit] = []  # given or learned, in the order added
+        self.learned: List[str] = []  # names of the units the guard made optional
         self._order: Dict[str, int] = {}
         self._handles: list = []  # the root's step hooks, once a unit is added
         # Units that may become optional: every FSDP unit below the root with
@@ -162,10 +173,9 @@ class OptionalUnits:
                 mine)
             if register_now:
                 inst.agreement.register(*reporter.registration())
-        unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: inst.step_open)
-        for h in hooked:
-            h.optional = unit
-        inst.optional.append(unit)
+        steps = inst.steps
+        unit = OptionalUnit(name, module, groups, reporter, step_open=lambda: steps.open)
+        self.units.append(unit)
         if not self._handles:
             # After FSDP2's root pre-forward (its hook is prepended; this one
             # is appended), before any other unit's all-gather.
@@ -174,20 +184,15 @@ class OptionalUnits:
         return unit
 
     def registrations(self) -> List[tuple]:
-        return [u.reporter.registration() for u in self.inst.optional if u.reporter]
+        return [u.reporter.registration() for u in self.units if u.reporter]
 
     def release_items(self) -> list:
         """(item, reporter) per optional unit with a reporter: whether this
         rank ran it in this step (its step: the unit's count of steps, which
         is the release's step when every backward releases), for the
         release's batch."""
-        out = []
-        for u in self.inst.optional:
-            if u.reporter is not None and not u.reported:
-                u.reported = True
-                p = u.participation
-                out.append((u.reporter.item(p.steps, p.calls_this_step), u.reporter))
-        return out
+        return [(item, u.reporter) for u in self.units
+                if (item := u.release_item()) is not None]
 
     def _report_rest(self) -> None:
         """Steps that ended without a release (accumulation microbatches, a
@@ -196,9 +201,9 @@ class OptionalUnits:
             reporter.handed(self.inst.agreement.submit_async(*item))
 
     def _begin_step(self, module, args):
-        if fsdp2.in_backward() or self.inst.continues_step():
+        if fsdp2.in_backward() or self.inst.steps.continues():
             return None  # recomputation inside backward; a schedule's later microbatch
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.begin_step()
         return None
 
@@ -206,19 +211,19 @@ class OptionalUnits:
         import torch
 
         if not torch.is_grad_enabled():  # no backward will follow
-            self.inst.step_open = False
+            self.inst.steps.close()
             self.end_step()
         return None
 
     def end_step(self) -> None:
         self._report_rest()
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.end_step()
 
     def remove(self) -> None:
-        for unit in self.inst.optional:
+        for unit in self.units:
             unit.remove()
-        self.inst.optional.clear()
+        self.units.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -228,7 +233,7 @@ class OptionalUnits:
         """Background thread; pure. The unit to pin: the first of `units` in
         module order, or None when one of them cannot be made optional (the
         root, a grouped unit, one already optional)."""
-        optional = {o.name for o in self.inst.optional}
+        optional = {o.name for o in self.units}
         if any(u not in self._order or u in optional for u in units):
             return None
         return [min(units, key=self._order.__getitem__)]
@@ -240,7 +245,7 @@ class OptionalUnits:
         for name in units:
             unit = self.add(name, self.inst.model.get_submodule(name), register_now=True)
             unit.begin_step()
-            self.inst.learned.append(name)
+            self.learned.append(name)
             warnings.warn(
                 f"accord: FSDP unit '{name}' ran its forward on some ranks only; accord made it "
                 f"an optional unit (all-gathered on every rank at each step). Pass "

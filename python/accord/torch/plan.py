@@ -36,9 +36,9 @@ class History:
     # The last step's decision included a parameter its turn's layout left
     # out (some rank had a gradient the turn did not carry).
     grew_last: bool = False
-    # Some rank was late for the group in its last step (or, deferred, would
-    # have been): its turn goes to the end-of-backward point.
-    deferred: bool = False
+    # Some rank was late for the group in its last step (or, its turn at the
+    # end, would have been): its turn goes to the end-of-backward point.
+    turn_at_end: bool = False
 
 
 def turn_layout(history: History, trainable: Sequence[bool], wire: str,

@@ -9,8 +9,8 @@ every rank (accord.torch.plan.ReleaseSchedule). A turn carries the layout the
 group's history gives (accord.torch.plan.turn_layout), with zeros where this
 rank has no gradient, and FSDP2 frees the unsharded gradient right after, as
 it does alone. A group whose gradient is not there at its turn (late) sends
-zeros. A group late on some rank in its last step is *deferred*: it takes its
-turn at the end-of-backward point, after the others, until a step in which
+zeros. A group late on some rank in its last step takes its turn *at the
+end*, at the end-of-backward point, after the others, until a step in which
 it would have been on time everywhere (a branch that autograd runs after the
 layers that follow it in module order pays its gradient's memory to the end,
 not a second reduce-scatter every step).
@@ -69,7 +69,7 @@ class Release:
             return False
         own = i in turns
         if own:
-            hooked.post_backwarded = True
+            hooked.post_backward_ran()
         self._turns(turns, in_backward=True)
         return own
 
@@ -84,9 +84,8 @@ class Release:
         timing = self.inst.timing
         for i in indices:
             h = self.order[i]
-            if h.history.deferred:
-                # Its turn is at the end; note whether it would have been late.
-                h.passed_unready = in_backward and not h.post_backwarded
+            if h.history.turn_at_end:
+                h.turn_passed(in_backward)
                 continue
             turn = h.take_turn(in_backward, queue)
             if in_backward and not turn.late:
@@ -102,23 +101,21 @@ class Release:
         if not self.order:
             return
         inst = self.inst
-        inst.timing.releases += 1
-        inst.backward_all_gathers = self.schedule.all_gathers
-        index = inst.release_index
-        inst.release_index += 1
+        index = inst.released(self.schedule.all_gathers)
         for h in self.order:
             if not h.post_backwarded:
                 h.hold()
-        # The rest of the turns, then the deferred groups', then the batch:
-        # the guard's window of the step closes with the batch, after every
-        # turn on every rank (turns of the last interval come before the end
-        # on some ranks only). The turns taken here are recorded first and
-        # issued after the batch, in the same order: their reduce-scatters
-        # hide the batch's round trip, and nothing they change is in it.
+        # The rest of the turns, then the groups whose turn is at the end,
+        # then the batch: the guard's window of the step closes with the
+        # batch, after every turn on every rank (turns of the last interval
+        # come before the end on some ranks only). The turns taken here are
+        # recorded first and issued after the batch, in the same order: their
+        # reduce-scatters hide the batch's round trip, and nothing they
+        # change is in it.
         queue = []
         self._turns(self.schedule.at_end(), in_backward=False, queue=queue)
         for h in self.order:
-            if h.history.deferred:
+            if h.history.turn_at_end:
                 h.take_turn(in_backward=False, queue=queue)
                 inst.timing.at_end += 1
         try:
@@ -140,9 +137,9 @@ class Release:
             if unsent is None and not late_somewhere and real is h.turn.applied:
                 h.settle_steady(decision, real)  # exactly what was sent: nothing to complete
                 continue
-            # A deferred group's turn came at the end, after its gradient: its
-            # `~late` slot only says whether to keep it deferred.
-            completion = complete(h.turn.applied, real, late_somewhere and not h.history.deferred)
+            # A turn at the end came after the gradient: the group's `~late`
+            # slot only says whether to keep its turn at the end.
+            completion = complete(h.turn.applied, real, late_somewhere and not h.history.turn_at_end)
             h.complete(completion, unsent)
             if not completion.exact:
                 inst.timing.repairs += 1

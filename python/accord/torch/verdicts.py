@@ -59,10 +59,18 @@ class Verdicts:
         with self._mu:
             self.open.begin(step)
 
+    def follow(self, entry: str) -> None:
+        """Records `entry`, agreed in an earlier step, in the open window. No
+        lock: only the training thread appends, and the stall check copies
+        the list whole."""
+        self.reports += 1
+        self.open.entries.append(entry)
+
     def note(self, entry: str, closing: Optional[tuple], step: int, position: int):
-        """Appends `entry` to the open window; with `closing` = (group,
+        """Records `entry` in the open window; with `closing` = (group,
         group_step, unit, forward_all_gather) also closes it for a verdict
         and submits it. Returns the closed window, or None."""
+        self.reports += 1
         with self._mu:
             w = self.open
             w.entries.append(entry)
