@@ -135,6 +135,22 @@ def _gather_full(params, rank, num_experts, ep_size):
     return out
 
 
+def _trace_reduce(record):
+    """Also records torch.distributed.reduce (ZeRO-1/2 reduce a bucket's
+    slices to their owners), with the size of the group it runs on."""
+    import torch.distributed as dist
+
+    own = dist.reduce
+
+    def traced(tensor, *args, **kwargs):
+        group = kwargs.get("group")
+        if record is not None:
+            record.append(("reduce", (tensor.numel(),), dist.get_world_size(group=group)))
+        return own(tensor, *args, **kwargs)
+
+    dist.reduce = traced
+
+
 def _local_state(engine, params):
     """Per parameter, this rank's slice of its fp32 partition and of each Adam
     moment (DeepSpeed 0.19.8 links the optimizer state of its first parameter
@@ -167,6 +183,7 @@ def train(rank, world_size, stage=2, case="tokenless_on_1", steps=3, num_experts
     collectives = [] if record else None
     if record or os.environ.get("ACCORD_TEST_TRACE"):
         sc._trace_collectives(collectives)
+        _trace_reduce(collectives)
     model = make_model(num_experts, ep_size)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "params"})
