@@ -170,3 +170,13 @@ def test_moe_layer_skipped_by_one_expert_parallel_group_trains_on_four_ranks():
     _check_same_collectives(results)
     for r in results:
         assert r[-1]["stats"]["repaired"] >= 3, r[-1]["stats"]
+
+
+def test_zero3_refuses_deepspeeds_moe_layer():
+    """DeepSpeed 0.19.8 refuses its own MoE layer under ZeRO-3 at
+    deepspeed.initialize (pinned: a release that supports it is noticed)."""
+    results = sc.run_ds_ranks(ms.train, 2, timeout_s=150, case="mixed", steps=1, stage=3)
+    failed = _failures(results)
+    assert len(failed) == 2, results
+    assert all("Native DeepSpeed MoE is not supported with ZeRO Stage 3" in _text(r)
+               for r in failed), [_text(r)[-800:] for r in failed]
