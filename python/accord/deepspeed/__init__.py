@@ -8,7 +8,9 @@ collectives, whatever parameters its data used.
 
 ZeRO-1, -2 and -3 on the DeepSpeed versions in SUPPORTED_DEEPSPEED, with
 DeepSpeed's ZeRO optimizers (tested: fp32, bf16, gradient accumulation,
-engine.coalesce_grad_reduction()). How it works and what it costs: docs/DEEPSPEED.md. Every private DeepSpeed
+engine.coalesce_grad_reduction(); ZeRO-1/2 with DeepSpeed's MoE layer, expert
+gradients repaired over their expert-data-parallel group). How it works and
+what it costs: docs/DEEPSPEED.md. Every private DeepSpeed
 name is in accord.deepspeed.zero, checked at install; `uninstall()` restores
 DeepSpeed's own methods. Under ZeRO-3, a module that runs on some ranks only
 and is not given as optional ends the job with the same

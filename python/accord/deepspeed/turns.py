@@ -208,9 +208,20 @@ class Turns:
         return included
 
     def repair(self, delta: List[int]) -> None:
-        """One all-reduce of what each rank has not sent for `delta`, added
-        into DeepSpeed's reduced partition."""
+        """What each rank has not sent for `delta`, added into DeepSpeed's
+        reduced partition: one all-reduce per process group DeepSpeed reduces
+        them over (the data-parallel group; each MoE expert group's
+        expert-data-parallel group), in order of first release position."""
         self.zero.flush()
+        by_group: Dict[int, List[int]] = {}
+        for k in delta:
+            by_group.setdefault(self.zero.reduction_key(self.inst.order[k][0]), []).append(k)
+        for group_index, ks in by_group.items():
+            self._repair_over(ks, group_index)
+
+    def _repair_over(self, delta: List[int], group_index: int) -> None:
+        """One float32 all-reduce of `delta`, all reduced over the process
+        group of parameter group `group_index`."""
         params = [self.inst.order[k][1] for k in delta]
         sizes = [self.zero.numel(p) for p in params]
         flat = torch.zeros(sum(sizes), dtype=torch.float32,
@@ -224,7 +235,7 @@ class Turns:
                 flat.narrow(0, offset, size).copy_(mine.detach().reshape(-1))
             offset += size
         self._peak(_bytes(flat))
-        self.zero.all_reduce_mean(flat)
+        self.zero.all_reduce_mean(flat, group_index)
         offset = 0
         s = self.inst.stats
         for k, size in zip(delta, sizes):

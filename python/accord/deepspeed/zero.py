@@ -22,7 +22,10 @@ parameter's `_hp_mapping` (utils/tensor_fragment.py); for the repair,
 `is_param_in_current_partition`, `get_param_gradient_attribute` and the
 bf16 compact partition (`_use_compact_grad_partition_buffer`,
 `grad_start_offset`, `partition_size`, `real_dp_process_group`,
-`_get_compact_grad_partition_slice`, `grad_partition_insertion_offset`).
+`_get_compact_grad_partition_slice`, `grad_partition_insertion_offset`);
+for the restore, `single_partition_of_fp32_groups` and the mapping's
+`param_group_index` and `hp_fragment_address`. DeepSpeed's MoE layer:
+`real_dp_process_group[i]` is an expert group's expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class Zero12(_Adapter):
     FIELDS = ("bit16_groups", "partition_gradients", "use_grad_accum_attribute", "overlap_comm",
               "dp_process_group", "is_param_in_current_partition", "grad_start_offset",
               "partition_size", "real_dp_process_group",
-              "grad_partition_insertion_offset")
+              "grad_partition_insertion_offset", "single_partition_of_fp32_groups")
 
     @classmethod
     def missing(cls, opt) -> List[str]:
@@ -160,14 +163,26 @@ class Zero12(_Adapter):
         """DeepSpeed reduces its last bucket now (its epilogue then finds it empty)."""
         self.opt.reduce_ipg_grads()
 
-    def all_reduce_mean(self, flat: torch.Tensor) -> None:
-        """Sum over DeepSpeed's data-parallel group, divided by its size, as
-        DeepSpeed averages a bucket."""
+    def reduction_key(self, group_index: int) -> int:
+        """The first parameter group DeepSpeed reduces over the same process
+        group as `group_index`: the data-parallel group, or, for a group of
+        DeepSpeed's MoE experts, its expert-data-parallel group (one per
+        expert group name). The same on every rank."""
+        groups = self.opt.real_dp_process_group
+        return next(j for j, g in enumerate(groups) if g is groups[group_index])
+
+    def all_reduce_mean(self, flat: torch.Tensor, group_index: Optional[int] = None) -> None:
+        """Sum over the ranks that reduce parameter group `group_index`
+        (None: DeepSpeed's data-parallel group), divided by the
+        data-parallel size, as DeepSpeed averages a bucket, expert
+        gradients included (stage_1_and_2.py `average_tensor`)."""
         import torch.distributed as dist
 
-        group = self.opt.dp_process_group
-        flat.div_(dist.get_world_size(group=group))
-        dist.all_reduce(flat, group=group)
+        dp = self.opt.dp_process_group
+        group = dp if group_index is None else self.opt.real_dp_process_group[group_index]
+        flat.div_(dist.get_world_size(group=dp))
+        if dist.get_world_size(group=group) > 1:
+            dist.all_reduce(flat, group=group)
 
     def add_reduced(self, param, group_index: int, reduced: torch.Tensor) -> int:
         """Adds an already reduced gradient of `param` into what DeepSpeed
@@ -219,15 +234,18 @@ class Zero12(_Adapter):
         """Views of `param`'s slice of this rank's fp32 partition and of each
         optimizer state tensor shaped like it (Adam's moments); empty where
         this rank's partition holds none of `param`."""
-        linker = getattr(self.opt, "_lazy_init_hp_params_optimizer_state", None)
-        if callable(linker) and self.opt.optimizer.state:
-            linker()  # DeepSpeed links the state lazily, after the first step
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
             return []
-        out = [mapping.hp_fragment]
-        optim = getattr(mapping, "optim_fragment", None) or {}
-        return out + [v for v in optim.values() if torch.is_tensor(v)]
+        # Read from the optimizer's state, not the mapping's optim_fragment:
+        # DeepSpeed links that after the first group's first step, so every
+        # later group (weight-decay groups, MoE expert groups) links empty.
+        flat = self.opt.single_partition_of_fp32_groups[mapping.param_group_index]
+        where = mapping.hp_fragment_address
+        state = self.opt.optimizer.state.get(flat, {})
+        return [mapping.hp_fragment] + [v.narrow(0, where.start, where.numel)
+                                        for v in state.values()
+                                        if torch.is_tensor(v) and v.shape == flat.shape]
 
 
 class EngineParts:

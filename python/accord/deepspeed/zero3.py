@@ -286,7 +286,12 @@ class Zero3(_Adapter):
         if not get_accelerator().resolves_data_dependency():
             self.opt.reduce_and_partition_stream.synchronize()
 
-    def all_reduce_mean(self, flat: torch.Tensor) -> None:
+    @staticmethod
+    def reduction_key(group_index: int) -> int:
+        """One process group: DeepSpeed refuses its MoE layer under ZeRO-3."""
+        return 0
+
+    def all_reduce_mean(self, flat: torch.Tensor, group_index: Optional[int] = None) -> None:
         import torch.distributed as dist
 
         group = self.opt.dp_process_group
