@@ -228,8 +228,10 @@ class Installation:
         return self.step_open and self.chunk is not None and self.chunk > 0
 
     @contextlib.contextmanager
-    def microbatch(self, chunk: int) -> Iterator[None]:
-        """Around a pipeline schedule's forward of microbatch `chunk`."""
+    def microbatch(self, chunk: int, stage: Optional[int] = None) -> Iterator[None]:
+        """Around a pipeline schedule's forward of microbatch `chunk` of the
+        schedule's stage `stage` (its index: part of the release's sync_key)."""
+        self.negotiation.stage = stage
         saved, self.chunk = self.chunk, chunk
         try:
             yield
