@@ -127,7 +127,15 @@ class Client {
   // backwards) complete the future with that error.
   virtual DecisionFuture Submit(const GroupSubmission& submission) = 0;
   // Submits many groups in one message.
-  virtual std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) = 0;
+  std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) {
+    return SubmitBatch(batch, /*sync_key=*/0);
+  }
+  // The same; a non-zero `sync_key` marks the message as one of this rank's
+  // releases: the sidecar sends the node manifests completed by the n-th
+  // releases with one key of its ranks upstream together (docs/MEMBERS.md
+  // 2.11). Ranks pass equal keys only when they run the same action list.
+  virtual std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch,
+                                                  uint64_t sync_key) = 0;
 
   // Waits for a decision. The same Decision on every rank, or the same error
   // on every rank (missing ranks past the coordinator's deadline, mismatched

@@ -75,7 +75,9 @@ class GrpcClient : public Client {
   absl::Status RegisterGroups(const std::vector<std::pair<GroupSpec, Policy>>& groups,
                               absl::Time deadline) override;
   DecisionFuture Submit(const GroupSubmission& submission) override;
-  std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch) override;
+  using Client::SubmitBatch;
+  std::vector<DecisionFuture> SubmitBatch(const std::vector<GroupSubmission>& batch,
+                                          uint64_t sync_key) override;
   absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) override;
   std::optional<absl::Status> WaitVerdict(absl::Time deadline) override;
   KeyValueStore& kv() override { return *kv_; }

@@ -102,7 +102,8 @@ DecisionFuture GrpcClient::Submit(const GroupSubmission& submission) {
   return SubmitBatch({submission}).front();
 }
 
-std::vector<DecisionFuture> GrpcClient::SubmitBatch(const std::vector<GroupSubmission>& batch) {
+std::vector<DecisionFuture> GrpcClient::SubmitBatch(const std::vector<GroupSubmission>& batch,
+                                                    uint64_t sync_key) {
   std::vector<DecisionFuture> out;
   out.reserve(batch.size());
   v1::RankMessage msg;
@@ -124,7 +125,10 @@ std::vector<DecisionFuture> GrpcClient::SubmitBatch(const std::vector<GroupSubmi
     }
     AddManifestLocked(sub, *group, std::move(state), mb);
   }
-  if (mb->manifests_size() != 0) SendBatchLocked(std::move(msg));
+  if (mb->manifests_size() != 0) {
+    mb->set_sync_key(sync_key);
+    SendBatchLocked(std::move(msg));
+  }
   return out;
 }
 

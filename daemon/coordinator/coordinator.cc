@@ -129,6 +129,10 @@ void Coordinator::HandleMessage(SessionId id, const v1::NodeMessage& message) {
 
 void Coordinator::DispatchLocked(SessionId id, Session& s, const v1::NodeMessage& message,
                                  std::vector<PredecodedContent>* predecoded, Outbox& out) {
+  if (message.has_manifests()) {
+    ++(message.manifests().repeat_batch_key() != 0 ? stats_.batch_repeats
+                                                   : stats_.manifest_batches);
+  }
   if (options_.repeat_waves && message.has_manifests() && s.stream != nullptr) {
     // The clock is read only when a wave starts or completes: a join is
     // O(1) per node.

@@ -98,6 +98,10 @@ struct CoordinatorStats {
   int64_t decisions = 0;
   int64_t same_as_previous = 0;
   int64_t repeat_waves = 0;  // steps decided as one repeat wave
+  // ManifestBatches received from nodes: with manifests, and batch repeats
+  // (one record standing for the stream's previous batch).
+  int64_t manifest_batches = 0;
+  int64_t batch_repeats = 0;
   // Core Decides computed side by side on the worker pool (decide_threads).
   int64_t parallel_decides = 0;
   // Manifests whose HandleEntry part ran on the worker pool.

@@ -272,7 +272,16 @@ class BoundsGauges {
                    .AddCounter("accord_repeat_waves_total",
                                "Steps decided as one repeat wave (docs/ARCHITECTURE.md, Repeat "
                                "waves).")
-                   .Get()) {}
+                   .Get()),
+        batches_(registry
+                     .AddCounter("accord_node_batches_total",
+                                 "Manifest batches with manifests received from nodes.")
+                     .Get()),
+        batch_repeats_(registry
+                           .AddCounter("accord_node_batch_repeats_total",
+                                       "Batch repeats received from nodes: one record standing "
+                                       "for the node stream's previous batch at a new step.")
+                           .Get()) {}
 
   void Set(const CoordinatorStats& st, KvStore& kv) {
     runs_.Set(static_cast<double>(st.runs));
@@ -284,6 +293,8 @@ class BoundsGauges {
     while (seen < st.repeat_waves && !waves_seen_.compare_exchange_weak(seen, st.repeat_waves)) {
     }
     if (seen < st.repeat_waves) waves_.Increment(static_cast<double>(st.repeat_waves - seen));
+    batches_.SetTotal(static_cast<double>(st.manifest_batches));
+    batch_repeats_.SetTotal(static_cast<double>(st.batch_repeats));
     kv_runs_.Set(kv.NumRuns());
     kv_keys_.Set(static_cast<double>(kv.NumKeys()));
   }
@@ -297,16 +308,20 @@ class BoundsGauges {
   Gauge& usage_;
   Counter& waves_;
   std::atomic<int64_t> waves_seen_{0};
+  Counter& batches_;
+  Counter& batch_repeats_;
 };
 
 void PrintStats(const CoordinatorStats& stats) {
   std::printf(
       "accord-coordinator stats: decisions=%lld same_as_previous=%lld manifests=%lld "
-      "cache_hits=%lld cache_misses=%lld errors=%lld repeat_waves=%lld\n",
+      "cache_hits=%lld cache_misses=%lld errors=%lld repeat_waves=%lld batches=%lld "
+      "batch_repeats=%lld\n",
       static_cast<long long>(stats.decisions), static_cast<long long>(stats.same_as_previous),
       static_cast<long long>(stats.manifests), static_cast<long long>(stats.cache_hits),
       static_cast<long long>(stats.cache_misses), static_cast<long long>(stats.errors),
-      static_cast<long long>(stats.repeat_waves));
+      static_cast<long long>(stats.repeat_waves), static_cast<long long>(stats.manifest_batches),
+      static_cast<long long>(stats.batch_repeats));
   std::fflush(stdout);
 }
 

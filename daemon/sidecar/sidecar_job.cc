@@ -20,6 +20,8 @@ void SidecarJob::ContinueIncarnation(std::string run_id, uint64_t node_epoch) {
 
 SidecarStats SidecarJob::stats() const {
   SidecarStats s = stats_;
+  s.release_held = static_cast<int64_t>(upstream_.releases.held_manifests());
+  s.release_holds_expired = upstream_.releases.expired();
   s.ranks = static_cast<int>(ranks_.connected.size());
   s.sessions = static_cast<int>(ranks_.sessions.size());
   return s;
@@ -264,6 +266,9 @@ void SidecarJob::AcceptRank(absl::Time now, SessionId id, Session& s, const v1::
     ACCORD_LOG(INFO) << "job " << node_.job_id() << ": rank " << s.rank << " resumed run "
                      << hello.resume().run_id() << " (" << hello.resume().groups_size()
                      << " groups)" << (resume_.fresh ? " on this restarted sidecar" : "");
+    std::vector<ReleaseCoalescer::Batch> flushed;
+    upstream_.releases.RestartRank(s.rank, &flushed);
+    SendBatches(flushed);
   }
   effects_.SendToSession(id, RankWelcome());
   if (rs.resumed && node_.announced().count(s.rank) != 0) {
@@ -377,12 +382,14 @@ void SidecarJob::HandleManifests(absl::Time now, int rank, const v1::ManifestBat
   }
   const uint64_t epoch = ++scratch_.touch_epoch;
   scratch_.touched.clear();
+  // A release batch counts in its sync class even when it completes nothing.
+  const ReleaseCoalescer::Release release =
+      upstream_.releases.NoteRelease(rank, job_failure_.has_value() ? 0 : batch.sync_key());
   for (const v1::Manifest& m : batch.manifests()) {
     HandleRankManifest(now, rank, rs, m, epoch, errors);
   }
   if (errors.decisions().decisions_size() > 0) SendToRank(rank, std::move(errors));
   SendLate();
-  if (scratch_.touched.empty()) return;
   // Registration order: the same groups go up in the same order every step,
   // whichever rank completes them (what batch repeats match on).
   std::sort(scratch_.touched.begin(), scratch_.touched.end(),
@@ -391,7 +398,7 @@ void SidecarJob::HandleManifests(absl::Time now, int rank, const v1::ManifestBat
   // one goes up as a batch repeat without building its manifests.
   for (LocalGroup* g : scratch_.touched) CollectComplete(now, *g, &scratch_.outgoing);
   DeliverLocalDecisions();
-  SendOutgoing(scratch_.outgoing);
+  SendCompleted(now, release);
 }
 
 // One manifest of a rank's batch: added to its group's local step (the group
@@ -613,16 +620,24 @@ void SidecarJob::CloseSession(absl::Time now, SessionId id) {
     ResetJob();
     return;
   }
-  // Steps that only waited for this rank are now complete: they go up
+  // Its class's held manifests go first (earlier steps), then the steps
+  // that only waited for this rank, which are now complete: they go up
   // before the rank's leave, so that when the leave fails a step at the
   // coordinator, the node-mates that submitted it are known to have done so
   // and are not named as missing.
+  std::vector<ReleaseCoalescer::Batch> flushed;
+  if (detach) {
+    upstream_.releases.FlushClassesOf(rank, &flushed);
+  } else {
+    upstream_.releases.RemoveRank(rank, &flushed);
+  }
+  SendBatches(flushed);
   for (LocalGroup* g : groups_.ordered()) {
     g->ranks.erase(std::remove(g->ranks.begin(), g->ranks.end(), rank), g->ranks.end());
     CollectComplete(now, *g, &scratch_.outgoing);
   }
   DeliverLocalDecisions();
-  SendOutgoing(scratch_.outgoing);
+  SendCompleted(now, ReleaseCoalescer::Release{});
   if (detach) return;
   node_.LeaveRank(rank, last_step);
 }
@@ -636,6 +651,7 @@ void SidecarJob::ResetJob() {
   scratch_.late.clear();
   ranks_.detached.clear();
   upstream_.held.clear();
+  upstream_.releases.Clear();
   adapter_last_.clear();  // the next ranks are new processes
   groups_.Clear();
   if (options_.reset_when_empty) node_.sink()->Reconnect();
@@ -653,6 +669,9 @@ absl::Time SidecarJob::ExpireDetached(absl::Time now) {
                         << " did not come back within "
                         << absl::FormatDuration(options_.rank_reconnect_grace)
                         << " (--rank_reconnect_grace); it left";
+    std::vector<ReleaseCoalescer::Batch> flushed;
+    upstream_.releases.RemoveRank(it->first, &flushed);
+    SendBatches(flushed);
     node_.LeaveRank(it->first, it->second.last_step);
     it = ranks_.detached.erase(it);
   }

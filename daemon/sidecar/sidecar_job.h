@@ -83,6 +83,7 @@
 #include "daemon/common/upstream_loss.h"
 #include "daemon/common/upstream_node.h"
 #include "daemon/sidecar/local_group.h"
+#include "daemon/sidecar/release_coalescer.h"
 #include "proto/wire.h"
 
 namespace accord::daemon {
@@ -137,6 +138,10 @@ struct SidecarStats {
   int64_t node_manifests_full = 0;
   int64_t node_manifests_repeat = 0;
   int64_t node_batch_repeats = 0;  // batches sent as one batch repeat record
+  // Node manifests held for their sync class now, and holds flushed by the
+  // hold limit rather than by the class (docs/MEMBERS.md 2.11).
+  int64_t release_held = 0;
+  int64_t release_holds_expired = 0;
   int64_t decisions_in = 0;
   // Decisions of groups no local rank registered (docs/MEMBERS.md 2.5).
   int64_t decisions_ignored = 0;
@@ -282,14 +287,7 @@ class SidecarJob {
     std::string continued_run;
     uint64_t continued_epoch = 0;
   };
-  // A node manifest ready to go upstream.
-  struct Outgoing {
-    const LocalGroup* group;
-    int64_t step;
-    bool repeat;
-    uint64_t key;
-    std::shared_ptr<const v1::Manifest> full;  // full form (step unset) when !repeat
-  };
+  using Outgoing = OutgoingManifest;
   // A rank's manifest for a step already sent upstream (SendLate).
   struct Late {
     LocalGroup* group;
@@ -357,6 +355,12 @@ class SidecarJob {
   void AnswerProgress(const v1::ProgressQuery& query);
   // Appends every complete local step of `g` to `out` (sidecar_job.cc).
   void CollectComplete(absl::Time now, LocalGroup& g, std::vector<Outgoing>* out);
+  // Sends the node manifests collected in scratch_.outgoing, completed by
+  // `release` (Release{}: not by a rank's release batch), as the release
+  // coalescer says: now, or held with their class.
+  void SendCompleted(absl::Time now, const ReleaseCoalescer::Release& release);
+  // Sends each of `batches` (SendOutgoing); clears it.
+  void SendBatches(std::vector<ReleaseCoalescer::Batch>& batches);
   // Sends collected node manifests as one batch, or as a batch repeat when
   // they repeat the stream's previous batch (built only when they do not);
   // clears `items`. The upstream side is in sidecar_upstream.cc.
@@ -455,6 +459,9 @@ class SidecarJob {
     // job, against SidecarOptions::upstream_loss_limit.
     UpstreamLossClock loss;
     std::vector<HeldRegistration> held;
+    // Release coalescing by sync_key (docs/MEMBERS.md 2.11); its hold limit
+    // is report_after.
+    ReleaseCoalescer releases;
   };
   UpstreamState upstream_ = UpstreamState(options_.upstream_loss_limit);
   Ranks ranks_;
@@ -468,7 +475,7 @@ class SidecarJob {
   LocalGroups groups_;
   Scratch scratch_;
   // The counters, and the job served now, else the last one (job_id, set
-  // when a job starts).
+  // when a job starts); release_holds_expired is the coalescer's.
   SidecarStats stats_;
   // Each rank's last AdapterCounts (kept when its stream ends: a resumed
   // rank reports the same totals again).

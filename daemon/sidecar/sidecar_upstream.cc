@@ -25,7 +25,22 @@ void SidecarJob::NoteStepStarted(absl::Time now, LocalStep& st) {
 absl::Time SidecarJob::CheckTimers(absl::Time now) {
   const absl::Time detached = ExpireDetached(now);
   const absl::Time lost = CheckUpstreamLoss(now);
-  return std::min({detached, lost, CheckPartialSteps(now)});
+  std::vector<ReleaseCoalescer::Batch> expired;
+  const absl::Time held = upstream_.releases.CheckHolds(now, &expired);
+  SendBatches(expired);
+  return std::min({detached, lost, held, CheckPartialSteps(now)});
+}
+
+void SidecarJob::SendCompleted(absl::Time now, const ReleaseCoalescer::Release& release) {
+  std::vector<ReleaseCoalescer::Batch> batches;
+  const absl::Time due = upstream_.releases.Complete(now, release, scratch_.outgoing, &batches);
+  if (due != absl::InfiniteFuture()) effects_.ArmTimer(due);
+  SendBatches(batches);
+}
+
+void SidecarJob::SendBatches(std::vector<ReleaseCoalescer::Batch>& batches) {
+  for (ReleaseCoalescer::Batch& b : batches) SendOutgoing(b);
+  batches.clear();
 }
 
 void SidecarJob::StartUnanswered(absl::Time now) {
@@ -126,6 +141,10 @@ void SidecarJob::OnUpstreamConnected(absl::Time now) {
     for (LocalStep& st : g->collect.steps) st.partial_reported = false;
   }
   upstream_.report_after = absl::ZeroDuration();  // until the new stream's Welcome says
+  // Held node manifests are among the resends; nothing is held until the
+  // Welcome says the deadline.
+  upstream_.releases.DropHolds();
+  upstream_.releases.SetHoldLimit(absl::ZeroDuration());
   // A new stream: the previous one ended, or this is the first. Unanswered
   // until its Welcome; the loss limit counts while a job is served.
   upstream_.welcomed = false;
@@ -156,6 +175,7 @@ void SidecarJob::HandleWelcome(absl::Time now, const v1::Welcome& welcome) {
   upstream_.loss.Answered();
   if (!upstream_.held.empty()) ReleaseHeldRegistrations();
   upstream_.report_after = absl::Milliseconds(welcome.deadline_ms()) / 2;
+  upstream_.releases.SetHoldLimit(upstream_.report_after);
   // Steps that began before this stream are checked now.
   if (upstream_.report_after > absl::ZeroDuration()) effects_.ArmTimer(now);
 }

@@ -78,9 +78,13 @@ class ClientAgreement:
     def ready(self, handle) -> bool:
         return handle.ready()
 
-    def submit_batch(self, items):
-        """Submits many (group_id, step, dtypes) as one message; handles in order."""
-        return self.client.submit_batch([(g, s, list(d)) for g, s, d in items])
+    def submit_batch(self, items, sync_key=0):
+        """Submits many (group_id, step, dtypes) as one message; handles in
+        order. A non-zero `sync_key` (64-bit) marks the batch as one of this
+        rank's releases: the sidecar sends what the n-th releases with one key
+        of its ranks complete upstream together (docs/MEMBERS.md 2.11)."""
+        return self.client.submit_batch([(g, s, list(d)) for g, s, d in items],
+                                         sync_key=sync_key)
 
     def report(self, speculated: int, repaired: int, redone: int) -> None:
         """Adds accord.torch's speculation and repair counts since its last

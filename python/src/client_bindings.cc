@@ -170,14 +170,17 @@ void BindSubmission(PyClient& cls) {
          "Submits one manifest (a dtype name or None per parameter); never blocks.")
       .def(
           "submit_batch",
-          [](Client& c, const std::vector<PySubmission>& batch) {
+          [](Client& c, const std::vector<PySubmission>& batch, uint64_t sync_key) {
             std::vector<GroupSubmission> subs;
             subs.reserve(batch.size());
             for (const auto& s : batch) subs.push_back(SubmissionFromPy(s));
             GilReleased release;
-            return c.SubmitBatch(subs);
+            return c.SubmitBatch(subs, sync_key);
           },
-          nb::arg("batch"), "Submits many (group_id, step, dtypes) in one message.")
+          nb::arg("batch"), nb::arg("sync_key") = 0,
+          "Submits many (group_id, step, dtypes) in one message. A non-zero sync_key "
+          "marks it as one of this rank's releases (docs/MEMBERS.md 2.11): equal keys "
+          "only for ranks that run the same action list.")
       .def(
           "wait",
           [](Client& c, const DecisionFuture& f, double timeout_s) {

@@ -571,6 +571,140 @@ TEST_F(SidecarTest, AdapterCountsAddUpOverRanksAndOverARanksNewProcess) {
   EXPECT_FALSE(r0_.closed.has_value()) << "counts never end a rank's stream";
 }
 
+// Release coalescing (docs/MEMBERS.md 2.11): ranks 0..3 of a TP 2 x DP 2
+// job on one sidecar, dp member sets {0, 2} (group "a") and {1, 3} (group
+// "b"); every rank's release batch carries `sync_key`.
+class SidecarSyncTest : public ::testing::Test {
+ protected:
+  static constexpr int kWorld = 4;
+
+  SidecarSyncTest() : sidecar_(Options(&clock_)) {
+    sidecar_.SetUpstream(&up_);
+    v1::CoordinatorMessage welcome;
+    welcome.mutable_welcome()->set_members(true);
+    welcome.mutable_welcome()->set_batch_repeat(true);
+    welcome.mutable_welcome()->set_deadline_ms(2000);
+    for (int r = 0; r < kWorld; ++r) {
+      sessions_.push_back(sidecar_.OpenRank(&sinks_[r]));
+      sidecar_.HandleRankMessage(sessions_[r], Hello(r, kWorld));
+    }
+    sidecar_.HandleCoordinatorMessage(welcome);
+    for (int r = 0; r < kWorld; ++r) sidecar_.HandleRankMessage(sessions_[r], Reg(GroupOf(r)));
+  }
+
+  static SidecarOptions Options(FakeClock* clock) {
+    SidecarOptions o{"n0", "", 64};
+    o.clock = clock;
+    o.start_timer_thread = false;
+    return o;
+  }
+  static GroupSpec GroupOf(int rank) {
+    GroupSpec spec{rank % 2 == 0 ? "a" : "b", {ParamSpec{"w", 8, 64}}};
+    spec.members =
+        std::make_shared<const MemberSet>(*MemberSet::FromRanks({rank % 2, rank % 2 + 2}, kWorld));
+    return spec;
+  }
+  // Rank `rank`'s release of `step` with `key`.
+  void Release(int rank, int64_t step, uint64_t key) {
+    v1::RankMessage m;
+    wire::ManifestToProto(GroupOf(rank).group_id,
+                          RankManifest(step, rank, kWorld, {DType::kBFloat16}), false,
+                          m.mutable_manifests()->add_manifests());
+    m.mutable_manifests()->set_sync_key(key);
+    sidecar_.HandleRankMessage(sessions_[rank], m);
+  }
+  // The manifest batches sent upstream since the last call.
+  std::vector<v1::ManifestBatch> Batches() {
+    std::vector<v1::ManifestBatch> out;
+    for (const v1::NodeMessage& m : up_.sent) {
+      if (m.has_manifests()) out.push_back(m.manifests());
+    }
+    up_.sent.clear();
+    return out;
+  }
+  static std::vector<std::string> Groups(const v1::ManifestBatch& b) {
+    std::vector<std::string> out;
+    for (const v1::Manifest& m : b.manifests()) out.push_back(m.group_id());
+    return out;
+  }
+
+  FakeClock clock_;
+  Sidecar sidecar_;
+  FakeUpstream up_;
+  FakeRankSink sinks_[kWorld];
+  std::vector<Sidecar::SessionId> sessions_;
+};
+
+TEST_F(SidecarSyncTest, OneKeyGoesUpAsOneBatchPerStepAndTheNextEqualStepAsABatchRepeat) {
+  constexpr uint64_t kKey = 0x5eed;
+  // Step 0: the class is the ranks that sent the key so far; each member
+  // set's node manifest goes as it completes.
+  for (int r = 0; r < kWorld; ++r) Release(r, 0, kKey);
+  EXPECT_EQ(Batches().size(), 2u);
+  // Then one batch per step in registration order, whichever member set
+  // completes first (odd steps arrive in the opposite rank order).
+  for (int64_t step = 1; step < 5; ++step) {
+    for (int i = 0; i < kWorld; ++i) Release(step % 2 == 1 ? kWorld - 1 - i : i, step, kKey);
+    const std::vector<v1::ManifestBatch> sent = Batches();
+    ASSERT_EQ(sent.size(), 1u) << "step " << step;
+    if (step == 1) {
+      EXPECT_EQ(Groups(sent[0]), (std::vector<std::string>{"a", "b"}));
+    } else {
+      EXPECT_EQ(sent[0].manifests_size(), 0) << "step " << step;
+      EXPECT_EQ(sent[0].repeat_step(), step);
+    }
+  }
+  EXPECT_EQ(sidecar_.stats().node_batch_repeats, 3);
+  EXPECT_EQ(sidecar_.stats().release_held, 0);
+}
+
+TEST_F(SidecarSyncTest, WithoutAKeyEachMemberSetGoesUpAsItCompletes) {
+  for (int64_t step = 0; step < 4; ++step) {
+    for (int i = 0; i < kWorld; ++i) Release(step % 2 == 1 ? kWorld - 1 - i : i, step, 0);
+    EXPECT_EQ(Batches().size(), 2u) << "step " << step;
+  }
+}
+
+// A silent rank holds its class's other member set for half the deadline.
+TEST_F(SidecarSyncTest, AHoldWaitingForASilentRankGoesAtHalfTheDeadline) {
+  constexpr uint64_t kKey = 0x5eed;
+  for (int r = 0; r < kWorld; ++r) Release(r, 0, kKey);
+  Batches();
+  for (int r : {1, 2, 3}) Release(r, 1, kKey);  // "b" complete; rank 0 silent
+  EXPECT_TRUE(Batches().empty());
+  EXPECT_EQ(sidecar_.stats().release_held, 1);
+  clock_.Advance(absl::Milliseconds(999));
+  sidecar_.CheckPartialSteps();
+  EXPECT_TRUE(Batches().empty());
+  clock_.Advance(absl::Milliseconds(1));
+  sidecar_.CheckPartialSteps();
+  // Rank 0's own group is reported partial, as without holds.
+  ASSERT_EQ(up_.progress().size(), 1u);
+  EXPECT_EQ(up_.progress()[0].group_id(), "a");
+  // "b" alone: the previous batch (step 0's second) again, a batch repeat.
+  const std::vector<v1::ManifestBatch> sent = Batches();
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].manifests_size(), 0);
+  EXPECT_EQ(sent[0].repeat_step(), 1);
+  EXPECT_EQ(sidecar_.stats().release_holds_expired, 1);
+}
+
+TEST_F(SidecarSyncTest, AClassRankLeavingFlushesItsClass) {
+  constexpr uint64_t kKey = 0x5eed;
+  for (int r = 0; r < kWorld; ++r) Release(r, 0, kKey);
+  Batches();
+  for (int r : {1, 3, 2}) Release(r, 1, kKey);  // "b" held for rank 0
+  EXPECT_TRUE(Batches().empty());
+  sidecar_.CloseRank(sessions_[0]);
+  // The held "b" first (step 0's second batch again: a batch repeat), then
+  // "a", which waited only for rank 0.
+  const std::vector<v1::ManifestBatch> sent = Batches();
+  ASSERT_EQ(sent.size(), 2u);
+  EXPECT_EQ(sent[0].repeat_step(), 1);
+  EXPECT_EQ(Groups(sent[1]), (std::vector<std::string>{"a"}));
+  EXPECT_EQ(sent[1].manifests(0).step(), 1);
+}
+
 TEST(UsageDetailTest, ListsOnlyTheRanksWhoseUsageDiffersFromTheMergeWithTheirUsedBits) {
   LocalStep st;
   st.ranks = {2, 5, 7};

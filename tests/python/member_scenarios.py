@@ -55,3 +55,53 @@ def unit_spanning_two_member_sets(rank, world_size):
     except ValueError as e:
         out["error"] = str(e)
     return out
+
+
+class TpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D)
+        self.down = nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class TpModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = TpBlock()
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def tp_fsdp_steady(rank, world_size, cluster, steps):
+    """TP x FSDP on a (dp, tp) 2 x 2 mesh (rank = 2 * dp rank + tp rank), the
+    block's MLP tensor parallel, every module sharded over its TP
+    coordinate's dp ranks, the same batch every step: each rank's groups
+    have the member set of its TP coordinate, and the release batches of
+    both carry one sync_key (docs/MEMBERS.md 2.11)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    import accord.torch
+    from fsdp_scenarios import make_agreement
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    model = TpModel()
+    parallelize_module(model.block, mesh["tp"], {"up": ColwiseParallel(),
+                                                 "down": RowwiseParallel()})
+    fully_shard(model.block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    inst = accord.torch.install(model, make_agreement("accord", rank, world_size, cluster))
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(rank // 2))
+    for _ in range(steps):
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+    out = {"sync_key": inst.negotiation.sync_key(), "groups": sorted(inst.groups),
+           "members": inst.members}
+    inst.uninstall()
+    return out

@@ -54,6 +54,21 @@ def test_member_sets_are_canonical_and_every_rank_is_none():
     assert ms.registration(reg, (2, 3)) == reg + ([2, 3],)
 
 
+def test_sync_keys_are_equal_for_the_same_layout_and_stage_only():
+    from accord.torch.members import sync_key
+
+    key = sync_key("fsdp", ["fsdp/layers.0", "fsdp/root"], None)
+    assert 0 < key < 2**64
+    # blake2b, not Python's hash(): the same in every process and run.
+    assert key == sync_key("fsdp", ("fsdp/layers.0", "fsdp/root"), None)
+    others = [sync_key("fsdp", ["fsdp/root", "fsdp/layers.0"], None),
+              sync_key("fsdp.1", ["fsdp/layers.0", "fsdp/root"], None),
+              sync_key("fsdp", ["fsdp/layers.0"], None),
+              sync_key("fsdp", ["fsdp/layers.0", "fsdp/root"], 0),
+              sync_key("fsdp", ["fsdp/layers.0", "fsdp/root"], 1)]
+    assert len({key, *others}) == 1 + len(others)
+
+
 def test_prefixes_number_installations_per_member_set():
     from accord.torch.members import Prefixes
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import accord
+import member_scenarios as ms
 import order_scenarios as osc
 from cluster_fixture import cluster_info, start_cluster
 from harness import RankDied, RankFailure, RanksTimedOut, check_results, run_ranks
@@ -219,3 +220,26 @@ def test_steady_steps_reach_the_coordinator_as_repeat_waves():
     # wave base, and step 1, whose tail releases during autograd where step
     # 0's could not: a new collective sequence); every later one is a wave.
     assert waves and waves[0] >= steps - 4, waves
+
+
+def test_tp_fsdp_steady_steps_reach_the_coordinator_as_one_batch_repeat_per_node():
+    """TP x FSDP 2 x 2 with both TP ranks of a dp coordinate on one sidecar:
+    each node holds ranks of two member sets, whose groups complete at
+    different messages; with the release batches' one sync_key the sidecar
+    sends them as one batch per step, so the steady steps arrive as one batch
+    repeat per node (docs/MEMBERS.md 2.11)."""
+    port = _free_port()
+    steps = 8
+    with accord.LocalCluster(num_sidecars=2, coordinator_flags=[f"--metrics_port={port}"]) as c:
+        results = check_results(run_ranks(ms.tp_fsdp_steady, 4, TIMEOUT_S,
+                                          cluster=cluster_info(c, 4, "tpsync"), steps=steps))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    assert len({r["sync_key"] for r in results}) == 1, results
+    # Ranks 0 and 1 (one node) are in two member sets, with the same key.
+    assert [r["members"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)], results
+    assert results[0]["groups"] != results[1]["groups"]
+    counts = {line.split()[0]: float(line.split()[-1]) for line in text.decode().splitlines()
+              if line.startswith(("accord_node_batches_total", "accord_node_batch_repeats_total"))}
+    # The first steps differ (registration, the guard's first windows, the
+    # class forming at step 0); every later one is one batch repeat per node.
+    assert counts.get("accord_node_batch_repeats_total", 0) >= 2 * (steps - 4), counts

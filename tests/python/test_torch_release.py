@@ -238,7 +238,7 @@ class FakeAgreement:
 
     def __init__(self, decide):
         self.decide = decide
-        self.batches, self.waited = [], []
+        self.batches, self.waited, self.sync_keys = [], [], []
 
     def register(self, *a):
         pass
@@ -246,8 +246,9 @@ class FakeAgreement:
     def submit_async(self, group_id, step, dtypes):
         return (group_id, step, tuple(dtypes))
 
-    def submit_batch(self, items):
+    def submit_batch(self, items, sync_key=0):
         self.batches.append([(g, s) for g, s, _ in items])
+        self.sync_keys.append(sync_key)
         return [(g, s, tuple(d)) for g, s, d in items]
 
     def ready(self, handle):
@@ -270,6 +271,7 @@ class FakeGroup:
         from accord.torch.turn import GroupStats
 
         self.group_id, self.log, self.step = gid, log, 0
+        self.members = None
         self.group = type("G", (), {"reduce_grads": True, "fsdp_params": []})()
         self.stats, self.history = GroupStats(), History()
         self.turn, self.post_backwarded, self.unsent_grads = None, False, [None]
@@ -381,7 +383,7 @@ def test_turns_at_the_end_are_recorded_before_the_batch_and_sent_after_it_in_ord
     change (FSDP2's unsharded gradients) is not in the batch."""
     inst, agreement, log = make(_decide())
     submit = agreement.submit_batch
-    agreement.submit_batch = lambda items: (log.append(("batch",)), submit(items))[1]
+    agreement.submit_batch = lambda items, **kw: (log.append(("batch",)), submit(items, **kw))[1]
     g = inst.groups
     release = inst.backward()
     g["c"].post_backwarded = True
@@ -402,13 +404,40 @@ def test_turns_recorded_at_the_end_are_sent_even_when_the_batch_fails():
     joins the reduce-scatters its peers are in, then raises."""
     inst, agreement, log = make(_decide())
 
-    def fail(items):
+    def fail(items, **kw):
         raise RuntimeError("sidecar gone")
 
     agreement.submit_batch = fail
     with pytest.raises(RuntimeError, match="sidecar gone"):
         inst.backward().finish()
     assert [e for e in log if e[0] == "sent"] == [("sent", "c"), ("sent", "b"), ("sent", "a")]
+
+
+def test_the_release_batch_carries_the_installations_sync_key():
+    from accord.torch.members import sync_key
+
+    inst, agreement, _ = make(_decide())
+    inst.backward().finish()
+    assert agreement.sync_keys == [sync_key("p", ["a", "b", "c"], None)]
+    # Under a pipeline schedule the stage index is part of it.
+    inst.current = None
+    inst.negotiation.at_stage(1)
+    inst.backward().finish()
+    assert agreement.sync_keys[1] == sync_key("p", ["a", "b", "c"], 1) != agreement.sync_keys[0]
+    # Other batches (the `~wire` agreement at install) carry none.
+    inst.negotiation.submit([("p/~wire", 0, [None])])
+    assert agreement.sync_keys[2] == 0
+
+
+def test_an_agreement_without_sync_keys_gets_the_release_batch_without_one():
+    class OlderAgreement(FakeAgreement):
+        def submit_batch(self, items):
+            return super().submit_batch(items)
+
+    inst = FakeInstallation(OlderAgreement(_decide()))
+    inst.groups["a"] = FakeGroup("a", [])
+    inst.backward().finish()
+    assert inst.negotiation.agreement.sync_keys == [0]
 
 
 def test_a_group_late_somewhere_is_completed_with_a_delta_of_every_included_parameter():

@@ -214,9 +214,11 @@ class Installation:
 
         return callback
 
-    def microbatch(self, chunk: int):
+    def microbatch(self, chunk: int, stage: Optional[int] = None):
         """A context manager around a pipeline schedule's forward of
-        microbatch `chunk`."""
+        microbatch `chunk` of the schedule's stage `stage` (its index: part
+        of the release's sync_key)."""
+        self.negotiation.at_stage(stage)
         return self.steps.microbatch(chunk)
 
     def schedule_step(self):

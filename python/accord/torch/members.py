@@ -76,6 +76,17 @@ def registration(reg: tuple, members: Members) -> tuple:
     return tuple(reg) if members is None else tuple(reg[:4]) + (list(members),)
 
 
+def sync_key(prefix: str, base_ids: Iterable[str], stage: Optional[int]) -> int:
+    """The release batch's sync_key (docs/MEMBERS.md 2.11): a 64-bit blake2b
+    of the installation's prefix, its group ids without member tags in
+    order, and the pipeline stage index of the installed module (None: no
+    schedule drives it). Equal keys mean the same layout at the same stage,
+    i.e. the same action list; never 0 (0 is "no key" on the wire)."""
+    text = "\n".join([prefix, *base_ids, "-" if stage is None else f"stage {int(stage)}"])
+    key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return key or 1
+
+
 class Prefixes:
     """Live installations per (prefix, member set) in this process: the n-th
     at once (n >= 1) uses `<prefix>.<n>` (two chunks of one rank under an

@@ -6,8 +6,9 @@ unit's participation, the guard's window, the step watch's item and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from accord.torch import members as member_sets
 from accord.torch.errors import waited
@@ -36,6 +37,16 @@ class NegotiationTiming:
 WIRE_DTYPES = ("float64", "float32", "bfloat16", "float16")
 _IN_RELEASE = "accord.torch: learned in this rank's release (a group's decision)"
 REPORT_EVERY_S = 1.0  # the longest a count waits at the rank before it is reported
+
+
+def _takes_sync_key(submit_batch) -> bool:
+    """Whether an agreement's submit_batch takes `sync_key` (ClientAgreement
+    does; an agreement of an older protocol is called without it)."""
+    try:
+        params = inspect.signature(submit_batch).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "sync_key" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def join_dtypes(names: List[str]) -> str:
@@ -73,6 +84,13 @@ class Negotiation:
         self.guard = guard
         self.watch = watch
         self._late = None  # the ~late item's handle, from submit to wait
+        # The installed module's pipeline stage index, told by the schedule
+        # boundary (accord.torch.fsdp2.pipelining) before its first release;
+        # None: no schedule drives it.
+        self.stage: Optional[int] = None
+        self._sync = (None, 0)  # (stage, sync_key) last computed
+        batch = getattr(agreement, "submit_batch", None)
+        self._takes_sync_key = callable(batch) and _takes_sync_key(batch)
         self._reported = (0, 0, 0)  # (speculated, repairs, redone) sent by report()
         self._reported_at = 0.0  # time.monotonic() of the last report sent
         stop_at_exit(self)  # what is left is reported at exit
@@ -130,9 +148,26 @@ class Negotiation:
 
     # ------------------------------------------------------------ each step
 
-    def submit(self, items: List[tuple]) -> list:
+    def sync_key(self) -> int:
+        """This installation's release batches' sync_key (members.sync_key)."""
+        if self._sync[1] == 0 or self._sync[0] != self.stage:
+            bases = [gid[:len(gid) - len(member_sets.tag(h.members))]
+                     for gid, h in self.groups.items()]
+            self._sync = (self.stage, member_sets.sync_key(self.prefix, bases, self.stage))
+        return self._sync[1]
+
+    def at_stage(self, stage: Optional[int]) -> None:
+        """The pipeline stage index of the installed module (part of the
+        release's sync_key); None: no schedule drives it."""
+        self.stage = stage
+
+    def submit(self, items: List[tuple], sync_key: int = 0) -> list:
+        """Submits `items` as one batch where the agreement can; `sync_key`
+        (release batches only) where its submit_batch takes one."""
         batch = getattr(self.agreement, "submit_batch", None)
         if callable(batch):
+            if sync_key and self._takes_sync_key:
+                return list(batch(items, sync_key=sync_key))
             return list(batch(items))
         if callable(getattr(self.agreement, "submit_async", None)):
             return [self.agreement.submit_async(*i) for i in items]
@@ -180,7 +215,8 @@ class Negotiation:
         live = self.watch.item(index) if self.watch is not None else None
         if live is not None:
             extra.insert(0, (live, None))
-        handles = self.submit(list(manifests) + [item for item, _ in extra] + [late])
+        handles = self.submit(list(manifests) + [item for item, _ in extra] + [late],
+                              sync_key=self.sync_key())
         n = len(manifests)
         for (_, reporter), handle in zip(extra, handles[n:]):
             if reporter is not None:

@@ -35,7 +35,8 @@ def _classes():
 def route_stage(module, owner) -> None:
     """Schedules that drive `module` (a stage's submod) tell `owner`:
     owner.schedule_step() is a context manager around each step() of the
-    schedule, owner.microbatch(chunk_id) around each microbatch's forward;
+    schedule, owner.microbatch(chunk_id, stage_index) around each
+    microbatch's forward (the stage's index in the pipeline);
     owner.refuse_split_backward() raises, called at the step() of a
     schedule whose actions split a backward and before any weight-only
     backward."""
@@ -84,7 +85,8 @@ def _forward(original: Callable) -> Callable:
         owner = _owner(self)
         if owner is None:
             return original(self, fwd_chunk_id, *args, **kwargs)
-        with owner.microbatch(int(fwd_chunk_id)):
+        stage = getattr(self, "stage_index", None)
+        with owner.microbatch(int(fwd_chunk_id), None if stage is None else int(stage)):
             return original(self, fwd_chunk_id, *args, **kwargs)
 
     return forward_one_chunk
