@@ -71,6 +71,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -216,8 +217,9 @@ class Coordinator : public NodeSessionHandler, public RankDirectory {
     absl::flat_hash_map<Job*, v1::CoordinatorMessage> broadcast_decisions;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_other;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_last;
-    // deque: ScopedDecisions hands out references into it.
-    std::deque<std::pair<std::vector<NodeSink*>, v1::CoordinatorMessage>> scoped_decisions;
+    // list: ScopedDecisions hands out references into it, and an empty list
+    // allocates nothing (an Outbox is built per message; a deque allocates).
+    std::list<std::pair<std::vector<NodeSink*>, v1::CoordinatorMessage>> scoped_decisions;
     std::vector<std::pair<NodeSink*, v1::CoordinatorMessage>> direct;
     v1::DecisionBatch* ReplyBatch(NodeSink* sink);
   };
