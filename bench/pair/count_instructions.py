@@ -28,6 +28,7 @@ runs, and new/old - 1.
 
 import argparse
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -40,15 +41,22 @@ BENCH = "bench/coordinator/accord_coordinator_bench"
 
 
 def callgrind(exe: str, args: list, toggles: list, dump_after: str, out: str) -> list:
-    """Runs exe under callgrind; returns the instruction total of each dump, in order."""
-    os.makedirs(out, exist_ok=True)
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.out",
-           "--collect-atstart=no", f"--dump-after={dump_after}"]
-    cmd += [f"--toggle-collect={t}" for t in toggles]
-    p = subprocess.run(cmd + [exe] + args, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd + [exe] + args)}\n{p.stdout[-2000:]}\n"
-                         f"{p.stderr[-2000:]}")
+    """Runs exe under callgrind into `out` (kept: a later call with the same binary and
+    arguments reads it again); returns the instruction total of each dump, in order."""
+    with open(exe, "rb") as f:
+        tag = hashlib.sha1(f.read() + repr((args, toggles, dump_after)).encode()).hexdigest()
+    out = f"{out}-{tag[:12]}"
+    if not os.path.exists(os.path.join(out, "done")):
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished run
+        os.makedirs(out)
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.out",
+               "--collect-atstart=no", f"--dump-after={dump_after}"]
+        cmd += [f"--toggle-collect={t}" for t in toggles]
+        p = subprocess.run(cmd + [exe] + args, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"failed: {' '.join(cmd + [exe] + args)}\n{p.stdout[-2000:]}\n"
+                             f"{p.stderr[-2000:]}")
+        open(os.path.join(out, "done"), "w").write(" ".join(cmd + [exe] + args) + "\n")
     dumps = sorted(glob.glob(f"{out}/cg.out.*"), key=lambda f: int(f.rsplit(".", 1)[1]))
     totals = []
     for f in dumps:
@@ -98,7 +106,9 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="measured steps per mode (even)")
     ap.add_argument("--runs", type=int, default=2, help="runs per tree (they should be equal)")
     ap.add_argument("--benches", default="coordinator,relay")
-    ap.add_argument("--keep", default=None, help="keep the callgrind files under this folder")
+    ap.add_argument("--keep", default=None,
+                    help="keep the callgrind files under this folder, and reuse the runs of an "
+                    "unchanged binary with the same arguments from it")
     a = ap.parse_args()
     root = a.keep or tempfile.mkdtemp(prefix="count-instr-")
     groups = 200  # the bench's default --groups
@@ -109,7 +119,7 @@ def main():
         fn = {"coordinator": coordinator, "relay": relay}[bench]
         per = {}
         for tree, build in (("old", a.old), ("new", a.new)):
-            per[tree] = [fn(build, a, os.path.join(root, f"{bench}-{tree}-{r}"))
+            per[tree] = [fn(build, a, os.path.join(root, f"{bench}-run{r}"))
                          for r in range(a.runs)]
         for mode in MODES[bench]:
             o = [mean(run[mode]) for run in per["old"]]
