@@ -201,13 +201,14 @@ void Coordinator::FlushLocked(Outbox& out) {
   };
   for (auto& [job, msg] : out.broadcast_other) broadcast(job, std::move(msg));
   for (auto& [job, msg] : out.broadcast_decisions) broadcast(job, std::move(msg));
-  for (auto& [sinks, msg] : out.scoped_decisions) {
+  if (out.late == nullptr) return;
+  for (auto& [sinks, msg] : out.late->scoped_decisions) {
     auto shared = std::make_shared<const v1::CoordinatorMessage>(std::move(msg));
     for (NodeSink* sink : sinks) {
       if (sink != nullptr) sink->Send(shared);
     }
   }
-  for (auto& [job, msg] : out.broadcast_last) broadcast(job, std::move(msg));
+  for (auto& [job, msg] : out.late->broadcast_last) broadcast(job, std::move(msg));
 }
 
 absl::Status Coordinator::ValidateHello(const Session& s, const v1::NodeHello& hello,

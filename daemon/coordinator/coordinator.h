@@ -71,6 +71,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -215,11 +216,21 @@ class Coordinator : public NodeSessionHandler, public RankDirectory {
   struct Outbox {
     absl::flat_hash_map<Job*, v1::CoordinatorMessage> broadcast_decisions;
     std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_other;
-    std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_last;
-    // deque: ScopedDecisions hands out references into it.
-    std::deque<std::pair<std::vector<NodeSink*>, v1::CoordinatorMessage>> scoped_decisions;
     std::vector<std::pair<NodeSink*, v1::CoordinatorMessage>> direct;
+    // Sent after the above: a member-set wave's decisions, then job verdicts.
+    struct Late {
+      // list: ScopedDecisions hands out references into it.
+      std::list<std::pair<std::vector<NodeSink*>, v1::CoordinatorMessage>> scoped_decisions;
+      std::vector<std::pair<Job*, v1::CoordinatorMessage>> broadcast_last;
+    };
+    // Built on first use: an Outbox is built per message and few need it
+    // (a 1-D job's none but a verdict's; docs/MEMBERS.md 2.11).
+    std::unique_ptr<Late> late;
     v1::DecisionBatch* ReplyBatch(NodeSink* sink);
+    Late& GetLate() {
+      if (late == nullptr) late = std::make_unique<Late>();
+      return *late;
+    }
   };
   // JobEffects of one event (of `job`; nullptr before NodeHello placed the
   // session): into `out`, the counters, the events and the timer. Used with

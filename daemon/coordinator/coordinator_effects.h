@@ -25,11 +25,12 @@ class Coordinator::Effects final : public JobEffects {
     return *out_.broadcast_decisions[job_].mutable_decisions();
   }
   v1::DecisionBatch& ScopedDecisions(std::vector<NodeSink*> sinks) override {
-    out_.scoped_decisions.emplace_back(std::move(sinks), v1::CoordinatorMessage());
-    return *out_.scoped_decisions.back().second.mutable_decisions();
+    auto& scoped = out_.GetLate().scoped_decisions;
+    scoped.emplace_back(std::move(sinks), v1::CoordinatorMessage());
+    return *scoped.back().second.mutable_decisions();
   }
   void BroadcastLast(v1::CoordinatorMessage message) override {
-    out_.broadcast_last.emplace_back(job_, std::move(message));
+    out_.GetLate().broadcast_last.emplace_back(job_, std::move(message));
   }
   void NoteError(const v1::DecisionError& error) override {
     ++c_.stats_.errors;
