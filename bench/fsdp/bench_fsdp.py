@@ -34,7 +34,7 @@ time, so `exposed(speculative) / exposed(blocking)` is the share of the
 negotiation still on the critical path. It also prints, per step, the
 training thread's CPU time (time.thread_time), the CPU of the rank's other
 threads (the accord client's, the guard's, Gloo's), and the daemons' CPU
-(coordinator and sidecar, from /proc), and the time spent in Python's garbage
+(coordinator and sidecar, and the latency proxy when there is one, from /proc), and the time spent in Python's garbage
 collector ("gc"), so the overhead is attributed.
 
 Costs near the machine's noise are read from the paired per-round
@@ -60,7 +60,6 @@ ends (exit status 1) instead of hanging.
 """
 
 import argparse
-import asyncio
 import collections
 import copy
 import gc
@@ -341,43 +340,47 @@ def free_port():
 
 def proxy_main(listen_port, target_port, delay_s, ready):
     """Forwards TCP 127.0.0.1:listen_port -> :target_port, delaying every chunk
-    by delay_s in each direction (order kept, no throughput limit)."""
+    by delay_s in each direction (order kept, no throughput limit). One
+    thread and one select loop, so the proxy's own CPU (counted with the
+    daemons') stays small: it stands for a network, which costs the hosts
+    none."""
+    import selectors
 
-    async def pipe(reader, writer):
-        pending = asyncio.Queue()
-
-        async def deliver():
-            while True:
-                due, data = await pending.get()
-                if data is None:
-                    writer.close()
-                    return
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                writer.write(data)
-                await writer.drain()
-
-        task = asyncio.ensure_future(deliver())
-        while True:
-            data = await reader.read(65536)
-            await pending.put((time.monotonic() + delay_s, data or None))
+    sel = selectors.DefaultSelector()
+    server = socket.create_server(("127.0.0.1", listen_port))
+    sel.register(server, selectors.EVENT_READ)
+    peer = {}
+    due = collections.deque()  # (time, destination, bytes): one delay, so FIFO is due order
+    ready.set()
+    while True:
+        timeout = max(0.0, due[0][0] - time.monotonic()) if due else None
+        for key, _ in sel.select(timeout):
+            s = key.fileobj
+            if s is server:
+                a, _ = server.accept()
+                b = socket.create_connection(("127.0.0.1", target_port))
+                for x in (a, b):
+                    x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sel.register(x, selectors.EVENT_READ)
+                peer[a], peer[b] = b, a
+                continue
+            try:
+                data = s.recv(65536)
+            except OSError:
+                data = b""
             if not data:
-                break
-        await task
-
-    async def handle(reader, writer):
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
-                             return_exceptions=True)
-
-    async def serve():
-        server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
-        ready.set()
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(serve())
+                sel.unregister(s)
+            due.append((time.monotonic() + delay_s, peer[s], data))
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, dst, data = due.popleft()
+            try:
+                if data:
+                    dst.sendall(data)
+                else:
+                    dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the other side is gone; its own EOF follows
 
 
 # ------------------------------------------------------------------ parent
@@ -470,7 +473,8 @@ def main():
                 tempfile.TemporaryDirectory() as tmpdir:
             q = ctx.Queue()
             procs = []
-            daemons = daemon_pids()
+            # The latency proxy counts with the daemons: it stands for the network.
+            daemons = daemon_pids() + ([proxy.pid] if proxy is not None else [])
             for r in range(args.world):
                 sock, lr = cluster.socket_for(r, args.world)
                 p = ctx.Process(target=rank_main,
