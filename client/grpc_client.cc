@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/grpc_kv_store.h"
+#include "core/lock_checks.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -130,6 +131,8 @@ std::string LaunchIdFromEnvironment() {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  static const bool lock_checks_configured = (ConfigureLockChecks(), true);
+  (void)lock_checks_configured;
   ClientOptions resolved = options;
   if (resolved.launch_id.empty()) resolved.launch_id = LaunchIdFromEnvironment();
   auto client = std::make_unique<GrpcClient>(resolved);

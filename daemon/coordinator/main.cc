@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/lock_checks.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
 #include "daemon/common/clock.h"
@@ -411,6 +412,7 @@ int Serve(std::shared_ptr<grpc::ServerCredentials> creds, std::unique_ptr<JobTok
 }
 
 int Main(int argc, char** argv) {
+  ConfigureLockChecks();
   ParseCoordinatorFlags(argc, argv);
   BlockTerminationSignals();
   if (absl::Status s = ApplyLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {

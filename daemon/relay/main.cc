@@ -14,6 +14,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/lock_checks.h"
 #include "core/log.h"
 #include "daemon/common/auth_tokens.h"
 #include "daemon/common/flags_env.h"
@@ -178,6 +179,7 @@ WriteQueueLimits QueueLimitsFromFlags() {
 }
 
 int Main(int argc, char** argv) {
+  ConfigureLockChecks();
   ParseFlagsWithEnv(argc, argv, __FILE__,
                     "relays the node streams of many sidecars (a rack) to the coordinator as one "
                     "node: one merged manifest per group and step upstream, decisions fanned "

@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/lock_checks.h"
 #include "core/log.h"
 #include "daemon/common/flags_env.h"
 #include "daemon/common/metrics_flags.h"
@@ -218,6 +219,7 @@ int Fail(int code, const absl::Status& status) {
 }
 
 int Main(int argc, char** argv) {
+  ConfigureLockChecks();
   ParseFlagsWithEnv(
       argc, argv, __FILE__,
       "serves the local ranks of a node over a Unix socket and speaks for them to the "
