@@ -29,6 +29,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/kv_store.h"
 #include "core/decide.h"
@@ -62,6 +64,22 @@ struct ClientOptions {
 // The launch id the environment gives (ClientOptions::launch_id), "" when
 // none.
 std::string LaunchIdFromEnvironment();
+
+// The DEADLINE_EXCEEDED that Wait and RegisterGroup(s) return when the
+// caller's deadline passes before the result: this rank's wait ended, nothing
+// was decided or failed, and waiting or registering again waits for the same
+// result. It carries kLocalTimeoutPayloadUrl; the coordinator's
+// DEADLINE_EXCEEDED (ranks that never submitted or registered) does not, so
+// callers tell them apart with IsLocalTimeout, never by the message.
+inline constexpr char kLocalTimeoutPayloadUrl[] = "type.accord.dev/accord.client.LocalTimeout";
+inline absl::Status LocalTimeoutError(absl::string_view message) {
+  absl::Status status = absl::DeadlineExceededError(message);
+  status.SetPayload(kLocalTimeoutPayloadUrl, absl::Cord("1"));
+  return status;
+}
+inline bool IsLocalTimeout(const absl::Status& status) {
+  return status.GetPayload(kLocalTimeoutPayloadUrl).has_value();
+}
 
 // A submitted manifest's eventual decision. Cheap to copy.
 class DecisionFuture {
@@ -112,8 +130,8 @@ class Client {
   // before anything is sent for members when the sidecar's Welcome lacks
   // Welcome.members; DEADLINE_EXCEEDED naming the members that did not
   // register it within the coordinator's --deadline of its first
-  // registration (or, when `deadline` passes first, saying that no result
-  // came). Members of every rank are registered as none.
+  // registration (or, when `deadline` passes first, a LocalTimeoutError
+  // saying that no result came). Members of every rank are registered as none.
   virtual absl::Status RegisterGroup(const GroupSpec& spec, const Policy& policy,
                                      absl::Time deadline) = 0;
   // Registers many groups: every registration is sent before any result is
@@ -139,7 +157,7 @@ class Client {
 
   // Waits for a decision. The same Decision on every rank, or the same error
   // on every rank (missing ranks past the coordinator's deadline, mismatched
-  // registration, ...). DEADLINE_EXCEEDED when `deadline` passes first;
+  // registration, ...). A LocalTimeoutError when `deadline` passes first;
   // UNAVAILABLE when the sidecar is gone.
   virtual absl::StatusOr<Decision> Wait(const DecisionFuture& future, absl::Time deadline) = 0;
 

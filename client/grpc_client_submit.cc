@@ -193,7 +193,7 @@ absl::StatusOr<Decision> GrpcClient::Wait(const DecisionFuture& future, absl::Ti
   accord::MutexLock lock(&st->hub->mu);
   st->hub->mu.AwaitWithDeadline(absl::Condition(&st->done), deadline);
   if (!st->done) {
-    return absl::DeadlineExceededError(absl::StrCat(
+    return LocalTimeoutError(absl::StrCat(
         "no decision for group \"", st->group_id, "\" step ", st->step, " (job \"", options_.job_id,
         "\", rank ", options_.rank,
         ") before the caller's deadline; the coordinator reports ranks that never submitted "
@@ -297,7 +297,7 @@ absl::Status GrpcClient::AwaitRegistrationLocked(const GroupSpec& spec, absl::Ti
   if (g.reg == RegState::kOk) return absl::OkStatus();
   if (g.reg == RegState::kFailed) return g.reg_status;
   if (absl::Status s = conn_.CallStatus(); !s.ok()) return s;
-  return absl::DeadlineExceededError(
+  return LocalTimeoutError(
       absl::StrCat("no registration result for group \"", spec.group_id, "\" (job \"",
                    options_.job_id, "\", rank ", options_.rank,
                    ") before the caller's deadline; the coordinator answers once every "

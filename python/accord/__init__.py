@@ -19,7 +19,7 @@ from accord._accord import (  # noqa: F401
     parse_dtype,
 )
 from accord.agreement import Agreement, ClientAgreement, as_agreement  # noqa: F401
-from accord.errors import error_code  # noqa: F401
+from accord.errors import error_code, is_local_timeout  # noqa: F401
 
 __version__ = "0.1.0"
 

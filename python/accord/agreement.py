@@ -71,7 +71,8 @@ class ClientAgreement:
 
     def wait(self, handle, timeout_s=None) -> "_accord.Decision":
         """The decision of a submit_async handle (blocks until it is there, or
-        for timeout_s: then accord.Error DEADLINE_EXCEEDED, handle not ready)."""
+        for timeout_s: then accord.Error DEADLINE_EXCEEDED with local_timeout
+        set, handle not ready)."""
         return self.client.wait(handle, timeout_s=self.timeout_s if timeout_s is None
                                 else timeout_s)
 

@@ -9,7 +9,6 @@ from typing import Optional, Tuple
 
 from accord import _accord
 from accord import embedded
-from accord.errors import error_code
 
 Client = _accord.Client
 DecisionFuture = _accord.DecisionFuture
@@ -121,7 +120,7 @@ def _bootstrap(dist, choice, job, job_src, rank, world_size, local_rank, timeout
     return embedded.Bootstrap(mode=choice.mode, job_id=job, socket_path=choice.socket_path)
 
 
-def _with_socket_hint(e: BaseException, choice, path: str) -> BaseException:
+def _with_socket_hint(e: "_accord.Error", choice, path: str) -> "_accord.Error":
     """A failed connection to a named or deployed socket, with why nothing
     answers there."""
     if choice.mode in (embedded.ENV, embedded.DEPLOYED):
@@ -129,10 +128,8 @@ def _with_socket_hint(e: BaseException, choice, path: str) -> BaseException:
         if not answers:
             hint = (", or unset ACCORD_SOCKET to let the job start its own daemons"
                     if choice.mode == embedded.ENV else "")
-            hinted = _accord.Error(f"{e} [{choice.reason}: {why}; start accord-sidecar "
-                                   f"--socket={path}{hint}]")
-            hinted.code = error_code(e)
-            return hinted
+            return _accord.make_error(e.code, f"{e.message} [{choice.reason}: {why}; start "
+                                              f"accord-sidecar --socket={path}{hint}]")
     return e
 
 

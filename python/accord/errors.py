@@ -12,3 +12,11 @@ def error_code(e: BaseException) -> Optional[str]:
     or None for any other exception. Branch on this, never on the message."""
     code = getattr(e, "code", None) if isinstance(e, _accord.Error) else None
     return code if isinstance(code, str) else None
+
+
+def is_local_timeout(e: BaseException) -> bool:
+    """True for the client's own wait ending at the caller's deadline (no
+    decision or registration result yet; waiting again waits for the same
+    one), False for the coordinator's DEADLINE_EXCEEDED verdict and any other
+    error. The message says the same for humans; branch on this."""
+    return isinstance(e, _accord.Error) and getattr(e, "local_timeout", False) is True

@@ -2,8 +2,11 @@
 // exceptions, and the small conversions every binding file needs.
 //
 // Errors cross into Python as accord._accord.Error (a RuntimeError) whose
-// message starts with the canonical code, e.g. "FAILED_PRECONDITION: ...";
-// `code` carries the code name. Nothing else is thrown from these bindings.
+// text starts with the canonical code, e.g. "FAILED_PRECONDITION: ...";
+// `code` carries the code name, `message` the text after it, and
+// `local_timeout` whether the client's own wait ended at the caller's
+// deadline (client/client.h, IsLocalTimeout). Nothing else is thrown from
+// these bindings.
 #ifndef ACCORD_PYTHON_SRC_COMMON_H_
 #define ACCORD_PYTHON_SRC_COMMON_H_
 
@@ -22,6 +25,9 @@
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/group.h"
+#ifdef ACCORD_PY_CLIENT
+#include "client/client.h"
+#endif
 
 namespace accord::python {
 
@@ -60,13 +66,27 @@ class GilReleased {
 class StatusError : public std::runtime_error {
  public:
   explicit StatusError(const absl::Status& status)
-      : std::runtime_error(std::string(absl::StatusCodeToString(status.code())) + ": " +
-                           std::string(status.message())),
-        code_(absl::StatusCodeToString(status.code())) {}
+      : StatusError(status.code(), std::string(status.message()), LocalTimeout(status)) {}
+  StatusError(absl::StatusCode code, std::string message, bool local_timeout)
+      : std::runtime_error(absl::StatusCodeToString(code) + ": " + message),
+        code_(absl::StatusCodeToString(code)),
+        message_(std::move(message)),
+        local_timeout_(local_timeout) {}
   const std::string& code() const { return code_; }
+  const std::string& message() const { return message_; }
+  bool local_timeout() const { return local_timeout_; }
 
  private:
+  static bool LocalTimeout(const absl::Status& status) {
+#ifdef ACCORD_PY_CLIENT
+    return IsLocalTimeout(status);
+#else
+    return false;  // only the client's waits end at the caller's deadline
+#endif
+  }
   std::string code_;
+  std::string message_;
+  bool local_timeout_;
 };
 
 inline void ThrowIfError(const absl::Status& status) {

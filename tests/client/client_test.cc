@@ -266,7 +266,7 @@ TEST_F(ClientTest, BadSubmissionsCompleteTheirFutureWithAPreciseError) {
   EXPECT_THAT(back.status().message(), HasSubstr("already submitted step 5"));
 }
 
-TEST_F(ClientTest, WaitPastTheCallersDeadlineIsDeadlineExceeded) {
+TEST_F(ClientTest, WaitPastTheCallersDeadlineIsALocalTimeout) {
   StartFake(2);
   auto clients = ConnectAll(2);
   ASSERT_EQ(clients.size(), 2u);
@@ -275,8 +275,41 @@ TEST_F(ClientTest, WaitPastTheCallersDeadlineIsDeadlineExceeded) {
   DecisionFuture f = clients[0]->Submit({"g", 0, {DType::kFloat32, std::nullopt, std::nullopt}});
   absl::StatusOr<Decision> d = clients[0]->Wait(f, absl::Now());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(IsLocalTimeout(d.status())) << d.status();
   EXPECT_THAT(d.status().message(), HasSubstr("step 0"));
   EXPECT_FALSE(f.Ready());
+}
+
+TEST_F(ClientTest, RegistrationPastTheCallersDeadlineIsALocalTimeout) {
+  StartFake(2);
+  auto clients = ConnectAll(2);
+  ASSERT_EQ(clients.size(), 2u);
+  // Rank 1 never registers, so the fake never answers.
+  absl::Status s = clients[0]->RegisterGroup(ThreeParams(), Policy(), absl::Now());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(IsLocalTimeout(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("group \"g\""));
+}
+
+TEST_F(ClientTest, TheCoordinatorsDeadlineVerdictIsNotALocalTimeout) {
+  StartFake(2);
+  auto clients = ConnectAll(2);
+  ASSERT_EQ(clients.size(), 2u);
+  RegisterAll(clients, ThreeParams());
+  DecisionFuture f = clients[0]->Submit({"g", 0, {DType::kFloat32, std::nullopt, std::nullopt}});
+  v1::DecisionError e;
+  e.set_kind(v1::MISSING_RANKS);
+  e.set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  e.set_message("job \"job\" group \"g\" step 0: not every rank reported; missing ranks 1");
+  e.set_group_id("g");
+  e.set_step(0);
+  e.set_job_failed(true);
+  fake_->SendErrorToAll(e);
+  absl::StatusOr<Decision> d = clients[0]->Wait(f, absl::Now() + kLong);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(IsLocalTimeout(d.status())) << d.status();
+  EXPECT_THAT(d.status().message(), HasSubstr("missing ranks 1"));
+  EXPECT_TRUE(f.Ready());
 }
 
 TEST_F(ClientTest, MalformedIncludedBitsAreRejected) {

@@ -40,6 +40,25 @@ def test_errors_carry_the_canonical_code():
         accord.decide("g", P, 0, [[None] * 3, [None]], None, True)
     assert accord.error_code(raised.value) == raised.value.code != ""
     assert accord.error_code(ValueError("DEADLINE_EXCEEDED: text is not a code")) is None
+    assert raised.value.local_timeout is False and not accord.is_local_timeout(raised.value)
+
+
+def test_make_error_builds_the_error_the_bindings_raise_and_it_pickles():
+    import pickle
+
+    made = _accord.make_error("UNAVAILABLE", "no sidecar [hint]")
+    assert isinstance(made, accord.Error)
+    assert str(made) == "UNAVAILABLE: no sidecar [hint]" and made.message == "no sidecar [hint]"
+    assert accord.error_code(made) == "UNAVAILABLE" and not accord.is_local_timeout(made)
+    local = _accord.make_error("DEADLINE_EXCEEDED", "no decision yet", local_timeout=True)
+    back = pickle.loads(pickle.dumps(local))
+    assert type(back) is accord.Error and str(back) == str(local)
+    assert accord.error_code(back) == "DEADLINE_EXCEEDED" and accord.is_local_timeout(back)
+    with pytest.raises(accord.Error, match="not the name of a canonical error code") as bad:
+        _accord.make_error("NOT_A_CODE", "x")
+    assert accord.error_code(bad.value) == "INVALID_ARGUMENT"
+    assert not accord.is_local_timeout(RuntimeError("DEADLINE_EXCEEDED: before the caller's "
+                                                    "deadline"))
 
 
 def fsdp_layout_reference(grads, params, world, wire):
@@ -109,6 +128,43 @@ def test_client_register_submit_wait_through_real_daemons():
         assert d2.step == 1 and list(d2.included) == list(d.included)
         client.kv_set("k", b"v")
         assert client.kv_get(["k"], timeout_s=5) == [b"v"]
+
+
+@pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")
+def test_a_local_wait_timeout_is_marked_and_the_coordinators_deadline_verdict_is_not():
+    """Both are DEADLINE_EXCEEDED: this rank's wait ending at its timeout_s
+    (nothing decided yet) carries local_timeout; the coordinator's verdict
+    on a rank that never submitted does not. Real coordinator and sidecar."""
+    import threading
+
+    with accord.LocalCluster(num_sidecars=1, coordinator_flags=["--deadline=3s"]) as cluster:
+        clients = []
+        for r in range(2):
+            sock, local_rank = cluster.socket_for(r, 2)
+            clients.append(accord.connect(sock, "local-timeout-job", r, 2, local_rank=local_rank))
+        # Rank 1 has not registered "g" yet: rank 0's registration waits.
+        with pytest.raises(accord.Error) as registering:
+            clients[0].register_group("g", P, timeout_s=0)
+        assert accord.error_code(registering.value) == "DEADLINE_EXCEEDED"
+        assert accord.is_local_timeout(registering.value), str(registering.value)
+        threads = [threading.Thread(target=c.register_group, args=("g", P), kwargs={"timeout_s": 30})
+                   for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # Rank 1 never submits step 0.
+        future = clients[0].submit("g", 0, ["float32", None, None])
+        with pytest.raises(accord.Error) as waiting:
+            clients[0].wait(future, timeout_s=0)
+        assert accord.error_code(waiting.value) == "DEADLINE_EXCEEDED"
+        assert accord.is_local_timeout(waiting.value) and waiting.value.local_timeout is True
+        assert not future.ready()
+        with pytest.raises(accord.Error, match="missing ranks 1") as verdict:
+            clients[0].wait(future, timeout_s=30)
+        assert accord.error_code(verdict.value) == "DEADLINE_EXCEEDED"
+        assert not accord.is_local_timeout(verdict.value) and verdict.value.local_timeout is False
+        assert future.ready()
 
 
 @pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")

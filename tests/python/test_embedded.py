@@ -252,7 +252,10 @@ def test_stale_accord_socket_gets_an_error_naming_the_path(tmp_path):
         "try:\n"
         "    accord.connect(connect_timeout_s=2)\n"
         "except accord.Error as e:\n"
+        "    import pickle\n"
+        "    back = pickle.loads(pickle.dumps(e))\n"
         "    print('ERROR', e)\n"
+        "    print('CODE', accord.error_code(e), accord.error_code(back), e.local_timeout)\n"
     )
     env = dict(Job(tmp_path, "stale").env, ACCORD_SOCKET=path, ACCORD_JOB_ID="stale-job",
                RANK="0", WORLD_SIZE="1")
@@ -263,6 +266,8 @@ def test_stale_accord_socket_gets_an_error_naming_the_path(tmp_path):
     assert (f"[ACCORD_SOCKET={path}: {path} exists but nothing listens on it (connection "
             f"refused): a stale socket left by a sidecar that is gone; start accord-sidecar "
             f"--socket={path}, or unset ACCORD_SOCKET") in p.stdout, p.stdout
+    # The hinted error is built with its code (and keeps it through pickling).
+    assert p.stdout.endswith("\nCODE UNAVAILABLE UNAVAILABLE False\n"), p.stdout
 
 
 @pytest.mark.skipif(not accord.HAVE_CLUSTER, reason="built without the local cluster")

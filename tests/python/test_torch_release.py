@@ -526,8 +526,9 @@ class RaceAgreement:
         if timeout_s == 0 or handle.done:
             raise RuntimeError(self.COORDINATOR)
         handle.done = True  # arrives as the local wait gives up
-        raise RuntimeError("DEADLINE_EXCEEDED: no decision for group \"fsdp/~step\" step 0 "
-                           "before the caller's deadline")
+        raise accord._accord.make_error(
+            "DEADLINE_EXCEEDED", "no decision for group \"fsdp/~step\" step 0 before the "
+            "caller's deadline", local_timeout=True)
 
 
 def test_the_step_watch_reports_the_decision_not_a_local_timeout_that_raced_it():
@@ -588,8 +589,10 @@ class DecidedAgreement:
         return self.decided
 
     def wait(self, handle, timeout_s=None):
-        raise accord.Error(RaceAgreement.COORDINATOR if self.decided else
-                           "DEADLINE_EXCEEDED: no decision before the caller's deadline")
+        if self.decided:
+            raise accord.Error(RaceAgreement.COORDINATOR)
+        raise accord._accord.make_error("DEADLINE_EXCEEDED", "no decision before the caller's "
+                                        "deadline", local_timeout=True)
 
 
 def test_a_decided_error_is_the_jobs_verdict_and_a_local_one_stays_as_it_came():
@@ -603,6 +606,38 @@ def test_a_decided_error_is_the_jobs_verdict_and_a_local_one_stays_as_it_came():
         waited(DecidedAgreement(False), object(), "accord.torch: learned in a release")
     assert not isinstance(local.value, accord.torch.AccordJobError)
     assert "caller's deadline" in str(local.value)
+
+
+class RegisteringClient:
+    """register_group ends in `waits` local timeouts, then raises `last`
+    (None: registered)."""
+
+    def __init__(self, waits, last=None):
+        self.waits, self.last, self.calls = waits, last, 0
+
+    def register_group(self, group_id, params, **kwargs):
+        self.calls += 1
+        if self.calls <= self.waits:
+            raise accord._accord.make_error("DEADLINE_EXCEEDED", "no registration result yet",
+                                            local_timeout=True)
+        if self.last is not None:
+            raise self.last
+
+
+def test_the_job_item_registers_again_after_a_local_timeout_and_keeps_a_verdict():
+    """`~job`'s registration is asked again while the client's own wait ends
+    (err.local_timeout), whatever the message says; the coordinator's
+    DEADLINE_EXCEEDED ends it."""
+    from accord.torch.jobwatch import JobItem
+
+    registered = JobItem(types.SimpleNamespace(client=RegisteringClient(waits=2)))
+    assert registered._registered.wait(10)
+    assert registered._error is None and registered.agreement.client.calls == 3
+    said = accord._accord.make_error("DEADLINE_EXCEEDED", 'job j group "~job": not every rank '
+                                     "registered the group within 3s; missing ranks 1")
+    refused = JobItem(types.SimpleNamespace(client=RegisteringClient(waits=1, last=said)))
+    assert refused._registered.wait(10)
+    assert refused._error is said and refused.agreement.client.calls == 2
 
 
 def test_the_all_gather_and_its_copy_out_are_patched_and_restored():

@@ -33,6 +33,7 @@ import threading
 import weakref
 from typing import Iterator, Optional
 
+from accord.errors import is_local_timeout
 from accord.torch.errors import AccordJobError, verdict
 from accord.torch.options import env_flag
 from accord.torch.watchdog import stop_at_exit
@@ -40,9 +41,9 @@ from accord.torch.watchdog import stop_at_exit
 GROUP = "~job"
 MANIFEST = ["float32"]
 REGISTER_WAIT_S = 1.0
-_LOCAL_TIMEOUT = "before the caller's deadline"  # the client's own wait ended, no result
-# What Gloo says when the other end of a transfer is gone (its process
-# ended); a schedule's other errors are the caller's own and pass unchanged.
+# Gloo's words when the other end of a transfer is gone (its process ended):
+# Gloo raises a plain RuntimeError with no code, so its text is all there is
+# to match. A schedule's other errors are the caller's own and pass unchanged.
 _PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "ECONNRESET")
 
 
@@ -88,7 +89,7 @@ class JobItem:
                         timeout_s=REGISTER_WAIT_S)
                     return
                 except Exception as e:  # noqa: BLE001 - not yet, or refused
-                    if _LOCAL_TIMEOUT not in str(e):
+                    if not is_local_timeout(e):
                         self._error = e  # reported at the item's first use
                         return
         finally:
