@@ -140,7 +140,9 @@ def pipeline_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps
         state["step"] = k
         step(k)
 
-    return _steps({"armed": False}, rank, counted, steps, -1, -1)
+    result = _steps({"armed": False}, rank, counted, steps, -1, -1)
+    result["early"] = mod.__dict__["_accord_installation"].job.early
+    return result
 
 
 def tp_fsdp_stopped(rank, world_size, cluster=None, victim=3, fault="stop", steps=5,

@@ -55,7 +55,7 @@ class Installation:
         self.units: Optional[OptionalUnits] = None  # optional units, given or learned
         self.guard = None  # accord.torch.guard.SequenceGuard (GuardSet: several member sets)
         self.watch = None  # accord.torch.watchdog.StepWatch
-        self.job = None  # accord.torch.jobwatch.JobItem: `~job`, with members and a watch
+        self.job = None  # accord.torch.jobitem.JobItem: `~job`, with members
         self.negotiation: Optional[Negotiation] = None
         self._handles: list = []  # each has remove(): routes, setter checks, the stage route
         self._patched_states: list = []  # FSDP states whose final callback is wrapped

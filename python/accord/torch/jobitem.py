@@ -93,6 +93,7 @@ class JobItem:
         self._registered = threading.Event()
         self._error: Optional[BaseException] = None  # the registration's
         self._stop = False
+        self.early = 0  # items this rank's watch submitted while stalled
         self._thread = threading.Thread(target=self._run, name="accord-job-watch", daemon=True)
         self._thread.start()
         stop_at_exit(self)
@@ -220,6 +221,7 @@ class JobItem:
         rank stayed stalled) and waits on it while the stall lasts; then,
         for stall_s, on the job's verdict."""
         handle = self._submit(step)
+        self.early += 1
         while not self._stop:
             try:
                 self.agreement.wait(handle, timeout_s=self.stall_s)

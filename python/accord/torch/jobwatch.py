@@ -11,19 +11,23 @@ when a rank of another stage stopped or died. Two things reach them:
   for the verdict once its own `~step@M` item is decided (watchdog.py).
 - `~job`, one job-wide group (members absent, one slot) registered once per
   client by a background thread when the process's first installation with
-  members and a watch is built (no `install` waits for it: its result needs
-  every rank of the job, i.e. other stages' installs). It is submitted only
-  when a pipeline transfer inside the schedule's step() failed (Gloo's
-  connection reset: a peer of another stage died), never in a release batch,
-  so it costs nothing in steady steps. A rank that left before that step
-  misses it, which fails the step at once naming that rank; when the job
-  already failed, the item is answered with the job's verdict. Either way
-  the schedule's error is replaced by the job's verdict
-  (accord.torch.errors), as accord does for the collectives it sees.
+  members is built (no `install` waits for it: its result needs every rank
+  of the job, i.e. other stages' installs; accord.torch.jobitem). With
+  member sets of two ranks or more it is submitted only when a pipeline
+  transfer inside the schedule's step() failed (Gloo's connection reset: a
+  peer of another stage died), never in a release batch, so it costs
+  nothing in steady steps. A rank that left before that step misses it,
+  which fails the step at once naming that rank; when the job already
+  failed, the item is answered with the job's verdict. Either way the
+  schedule's error is replaced by the job's verdict (accord.torch.errors),
+  as accord does for the collectives it sees. Where the member set is this
+  rank alone (a stage with DP 1, no step watch), it is submitted each step
+  and watched for stalls, which names a stopped rank of such a stage.
 
 ACCORD_TORCH_JOB_WATCH=0 turns both off (the step watch then opens its step
-at the stage module's first forward only, and a pipeline transfer's failure
-reaches the caller as torch's error).
+at the stage module's first forward only, a pipeline transfer's failure
+reaches the caller as torch's error, and a stopped DP-1 stage is named by
+nobody).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import weakref
 from typing import Iterator, Optional
 
 from accord.torch.errors import AccordJobError
-from accord.torch.jobitem import GROUP, JobItem  # noqa: F401 - GROUP: the group's id
+from accord.torch.jobitem import JobItem
 from accord.torch.options import env_flag
 
 # What Gloo says when the other end of a transfer is gone (its process
