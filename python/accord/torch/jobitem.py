@@ -131,7 +131,8 @@ class JobItem:
 
     def check(self) -> None:
         """Raises the job's verdict once the watch has it, or `~job`'s
-        registration error in each-step mode (the ranks disagree on it)."""
+        registration error (the ranks disagree on it) or a refused
+        submission, in each-step mode."""
         self.verdict.check()
         if self.each_step and self._error is not None:
             raise again(self._error)
@@ -173,30 +174,33 @@ class JobItem:
     def _submit(self, step: int):
         """`~job` at `step`, or at this rank's next unsent step when that is
         later (each index goes once: the client refuses a second)."""
-        with self._mu:
+        with self._mu:  # submitted under the lock: indices leave in order
             step = max(step, self.steps.sent)
             self.steps.sent = step + 1
-        return self.agreement.submit_async(GROUP, step, MANIFEST)
+            return self.agreement.submit_async(GROUP, step, MANIFEST)
 
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         self._register()
-        while self.each_step and self._error is None and self.verdict.failure is None:
-            with self._mu:
-                if self._stop:
-                    return
-                self._wake.wait(self.stall_s / 4)
-                s = self.steps
-                due, s.sent = range(s.sent, s.ended), max(s.sent, s.ended)
-                stalled = s.open >= 0 and time.monotonic() - s.last > self.stall_s
-                step = s.open
-            for k in due:
-                # Not awaited: an error decision fails the job, whose verdict
-                # reaches this rank (its next stall's wait, or its release).
-                self.agreement.submit_async(GROUP, k, MANIFEST)
-            if stalled:
-                self._stalled(step)
+        try:
+            while self.each_step and self._error is None and self.verdict.failure is None:
+                with self._mu:
+                    if self._stop:
+                        return
+                    self._wake.wait(self.stall_s / 4)
+                    s = self.steps
+                    # Not awaited: an error decision fails the job, whose
+                    # verdict reaches this rank (its next stall's wait).
+                    for k in range(s.sent, s.ended):
+                        self.agreement.submit_async(GROUP, k, MANIFEST)
+                    s.sent = max(s.sent, s.ended)
+                    stalled = s.open >= 0 and time.monotonic() - s.last > self.stall_s
+                    step = s.open
+                if stalled:
+                    self._stalled(step)
+        except Exception as e:  # noqa: BLE001 - a submission refused: the training thread raises it
+            self._error = e
 
     def _register(self) -> None:
         """Registers in 1 s waits (registering again waits for the same
