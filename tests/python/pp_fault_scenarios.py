@@ -75,15 +75,16 @@ def _steps(state, rank, step_fn, steps, fault_step, victim):
     return {"error": None, "ended_at": time.time()}
 
 
-def pipeline_stopped(rank, world_size, cluster=None, victim=3, fault="stop",
-                     schedule="ScheduleGPipe", steps=5, fault_step=2):
+def _pipeline(rank, world_size, cluster, dp, schedule):
+    """Two stages x `dp` DP ranks (rank = dp * stage + dp rank), each stage
+    module installed alone: (its module, its stage, a step function)."""
     from torch.distributed import pipelining
 
     import accord.torch
 
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_rank = rank // 2
+    mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank = rank // dp
     mod = Stage()
     for b in mod.blocks:
         fully_shard(b, mesh=mesh["dp"])
@@ -93,10 +94,7 @@ def pipeline_stopped(rank, world_size, cluster=None, victim=3, fault="stop",
                                      group=mesh.get_group("pp"))
     sched = getattr(pipelining, schedule)(stage, n_microbatches=MICROS,
                                           loss_fn=lambda out, t: (out - t).pow(2).sum())
-    state = {"armed": False}
-    if rank == victim:
-        _arm_reduce(stage, state, fault)
-    g = torch.Generator().manual_seed(rank % 2)
+    g = torch.Generator().manual_seed(rank % dp)
 
     def step(_):
         x = torch.randn(2 * MICROS, D, generator=g)
@@ -106,7 +104,45 @@ def pipeline_stopped(rank, world_size, cluster=None, victim=3, fault="stop",
             sched.step(target=torch.zeros(2 * MICROS, D), losses=[])
         mod.zero_grad(set_to_none=True)
 
+    return mod, stage, step
+
+
+def pipeline_stopped(rank, world_size, cluster=None, victim=3, fault="stop",
+                     schedule="ScheduleGPipe", steps=5, fault_step=2, dp=2, where="reduce"):
+    """`where`: "reduce" (the stage's gradient reduction, after its last
+    microbatch's backward) or "backward" (the first microbatch's backward,
+    in its middle block)."""
+    mod, stage, step = _pipeline(rank, world_size, cluster, dp, schedule)
+    state = {"armed": False}
+    if rank == victim:
+        if where == "reduce":
+            _arm_reduce(stage, state, fault)
+        else:
+            _arm(mod.blocks[1], state, fault)
     return _steps(state, rank, step, steps, fault_step, victim)
+
+
+def pipeline_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps=4,
+                  slow_step=1, schedule="ScheduleGPipe"):
+    """2 stages x DP 1, healthy: `slow_rank`'s stage module computes for
+    `slow_s` more in its first forward of step `slow_step` (longer than the
+    watches' stall time, shorter than the coordinator's deadline)."""
+    mod, _, step = _pipeline(rank, world_size, cluster, 1, schedule)
+    state = {"step": 0}
+    if rank == slow_rank:
+        def slow(*_):
+            if state["step"] == slow_step and not state.get("done"):
+                state["done"] = True
+                time.sleep(slow_s)  # the slow computation itself, not a wait for anything
+        mod.register_forward_pre_hook(slow)
+
+    def counted(k):
+        state["step"] = k
+        step(k)
+
+    result = _steps({"armed": False}, rank, counted, steps, -1, -1)
+    result["early"] = mod.__dict__["_accord_installation"].job.early
+    return result
 
 
 def tp_fsdp_stopped(rank, world_size, cluster=None, victim=3, fault="stop", steps=5,

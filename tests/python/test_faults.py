@@ -202,6 +202,51 @@ def test_pipeline_rank_stopped_mid_backward(cluster, fault, victim):
     check_member_fault(results, victim, (victim // 2 * 2, victim // 2 * 2 + 1), fault)
 
 
+def check_job_fault(results, victim, fault):
+    """A member set of one rank (a stage with DP 1): nobody of it is left to
+    name the victim, so `~job` does; every other rank ends with that
+    failure, within the bound."""
+    fault_at = _fault_at(results[victim])
+    named = f"missing ranks {victim}: rank {victim} ("
+    for r, res in enumerate(results):
+        if r == victim:
+            continue
+        text, ended_at = _told(res)
+        seconds = ended_at - fault_at
+        print(f"[timing] {fault}: rank {r} ended {seconds:.2f}s after rank {victim}'s fault "
+              f"(bound {MEMBER_BOUND_S:.1f}s): {text[:160]}")
+        assert 'group "~job" step ' in text and named in text, (r, text)
+        assert seconds < 2 * MEMBER_BOUND_S, (r, seconds)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_pipeline_dp1_rank_stopped_mid_backward_is_named_by_the_job(cluster, fault, victim):
+    """PP 2 x DP 1 as one accord job: each stage's member set is its one
+    rank (no guard, no step watch). The rank stopped (or killed) in its
+    first microbatch's backward at step 2 is named by `~job` to the other
+    stage's rank, blocked in a pipeline transfer (docs/MEMBERS.md 2.13
+    point 3)."""
+    info = cluster_info(cluster, 2, f"pp-dp1-{fault}-{victim}")
+    results = run_ranks(pfs.pipeline_stopped, 2, 120.0, victims=(victim,), as_script=True,
+                        cluster=info, victim=victim, fault=fault, dp=1, where="backward")
+    check_job_fault(results, victim, fault)
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_pipeline_dp1_slow_stage_is_not_named(cluster, slow_rank):
+    """PP 2 x DP 1, healthy: one stage computes 3 s more in one step (over
+    the 1 s stall time, under the 5 s deadline) while the other waits for
+    it; `~job` is submitted early and chained by both, and nobody is named."""
+    info = cluster_info(cluster, 2, f"pp-dp1-slow-{slow_rank}")
+    results = run_ranks(pfs.pipeline_slow, 2, 120.0, cluster=info, slow_rank=slow_rank,
+                        slow_s=3.0)
+    for r, res in enumerate(results):
+        assert not isinstance(res, (RankFailure, RankDied)) and res["error"] is None, (r, res)
+    # The other stage waited past the stall time and submitted `~job` early.
+    assert results[1 - slow_rank]["early"] >= 1, results
+
+
 def test_tp_fsdp_rank_stopped_is_named_to_its_member_set(cluster):
     """(dp, tp) = (2, 2): rank 3 stopped mid-backward is named to rank 1
     (its dp group, member set {1, 3}); ranks 0 and 2 end with the job's

@@ -33,12 +33,20 @@ def sequence_guard(installation, timeout_s: float, learn: bool):
     return make(inst.members)
 
 
-def job_item(installation) -> Optional[jobwatch.JobItem]:
+def job_item(installation, timeout_s: float) -> Optional[jobwatch.JobItem]:
     """The client's `~job` for an installation with members (other member
-    sets' ranks to hear from; None without, or when turned off)."""
+    sets' ranks to hear from; None without, or when turned off): submitted
+    each step when the member set is this rank alone (nobody of it would
+    name this rank), else on a pipeline transfer's failure only."""
     if installation.members is None:
         return None
-    return jobwatch.job_item(installation.agreement)
+    return jobwatch.job_item(installation.agreement, installation.member_count == 1,
+                             stall_s(), timeout_s)
+
+
+def stall_s() -> float:
+    """The watches' stall time: ACCORD_TORCH_STALL_S, else 1 s."""
+    return float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
 
 
 def step_watch(installation, timeout_s: float):
@@ -46,6 +54,5 @@ def step_watch(installation, timeout_s: float):
     member set; ACCORD_TORCH_STALL_S sets its stall time."""
     from accord.torch.watchdog import StepWatch
 
-    stall_s = float(os.environ.get("ACCORD_TORCH_STALL_S", "1.0"))
     return StepWatch(installation.agreement, installation.item_id("~step"), timeout_s,
-                     stall_s=stall_s, members=installation.members)
+                     stall_s=stall_s(), members=installation.members)

@@ -55,7 +55,7 @@ class Installation:
         self.units: Optional[OptionalUnits] = None  # optional units, given or learned
         self.guard = None  # accord.torch.guard.SequenceGuard (GuardSet: several member sets)
         self.watch = None  # accord.torch.watchdog.StepWatch
-        self.job = None  # accord.torch.jobwatch.JobItem: `~job`, with members and a watch
+        self.job = None  # accord.torch.jobitem.JobItem: `~job`, with members
         self.negotiation: Optional[Negotiation] = None
         self._handles: list = []  # each has remove(): routes, setter checks, the stage route
         self._patched_states: list = []  # FSDP states whose final callback is wrapped
@@ -70,8 +70,9 @@ class Installation:
     def _hook(self, optional: Sequence, guard: bool, learn: bool, watch: bool,
               timeout_s: float) -> None:
         """The constructor's parts, in order: the groups and their member
-        sets, the optional units, the checks (the guard, `~job` and the step
-        watch, with an accord client and several members), the negotiation,
+        sets, the optional units, the checks (with an accord client: `~job`
+        with members; the guard and the step watch with several members),
+        the negotiation,
         then every hook. Whatever is built when one raises is what
         uninstall() removes."""
         found = find_groups(self.model, self.agreement)
@@ -82,12 +83,13 @@ class Installation:
             self.backward_all_gathers = 0
         configs.refuse_post_accumulate_grad_hooks(self.groups.values(), "at install")
         self.units = OptionalUnits(self, optional)
-        if getattr(self.agreement, "client", None) is not None and self.member_count > 1:
-            if guard:
+        if getattr(self.agreement, "client", None) is not None:
+            if guard and self.member_count > 1:
                 self.guard = checks.sequence_guard(self, timeout_s, learn)
             if watch:
-                self.job = checks.job_item(self)
-                self.watch = checks.step_watch(self, timeout_s)
+                self.job = checks.job_item(self, timeout_s)
+                if self.member_count > 1:
+                    self.watch = checks.step_watch(self, timeout_s)
         self.negotiation = Negotiation(self.agreement, self.prefix, self.groups, self.timing,
                                        self.units, self.guard, self.watch, self.members)
         self._handles.append(Routes(self))
@@ -180,10 +182,17 @@ class Installation:
 
     def record_reduce(self, entry: str, group=None) -> None:
         """A reduce-scatter of FSDP2 parameter group `group` about to go out."""
+        self.progress()
         if self.watch is not None:
             self.watch.progress(entry)
         if self.guard is not None:
             self.guard.record(entry, None, group)
+
+    def progress(self) -> None:
+        """The training thread is at an accord point: `~job`'s watch sees no
+        stall (a member set of one rank has no step watch to tell)."""
+        if self.job is not None:
+            self.job.progress()
 
     def explain(self, failure: BaseException) -> None:
         """A collective failed: the guard's divergence or the watch's named
@@ -197,6 +206,7 @@ class Installation:
         """FSDP2's end-of-backward callback, with accord's release first."""
 
         def callback():
+            self.progress()
             release = self.backward()
             last = fsdp2.is_last_backward(self._fsdp_root)
             try:
@@ -218,6 +228,7 @@ class Installation:
         """A context manager around a pipeline schedule's forward of
         microbatch `chunk` of the schedule's stage `stage` (its index: part
         of the release's sync_key)."""
+        self.progress()
         self.negotiation.at_stage(stage)
         return self.steps.microbatch(chunk)
 
@@ -237,6 +248,7 @@ class Installation:
         guard and the watch hear of the step's start."""
         if fsdp2.in_backward():
             return  # recomputation inside the backward (activation checkpointing)
+        self.progress()
         if self.steps.continues():
             if self.guard is not None:
                 self.guard.record(microbatch_record(self.steps.chunk))

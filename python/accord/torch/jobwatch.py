@@ -11,19 +11,23 @@ when a rank of another stage stopped or died. Two things reach them:
   for the verdict once its own `~step@M` item is decided (watchdog.py).
 - `~job`, one job-wide group (members absent, one slot) registered once per
   client by a background thread when the process's first installation with
-  members and a watch is built (no `install` waits for it: its result needs
-  every rank of the job, i.e. other stages' installs). It is submitted only
-  when a pipeline transfer inside the schedule's step() failed (Gloo's
-  connection reset: a peer of another stage died), never in a release batch,
-  so it costs nothing in steady steps. A rank that left before that step
-  misses it, which fails the step at once naming that rank; when the job
-  already failed, the item is answered with the job's verdict. Either way
-  the schedule's error is replaced by the job's verdict
-  (accord.torch.errors), as accord does for the collectives it sees.
+  members is built (no `install` waits for it: its result needs every rank
+  of the job, i.e. other stages' installs; accord.torch.jobitem). With
+  member sets of two ranks or more it is submitted only when a pipeline
+  transfer inside the schedule's step() failed (Gloo's connection reset: a
+  peer of another stage died), never in a release batch, so it costs
+  nothing in steady steps. A rank that left before that step misses it,
+  which fails the step at once naming that rank; when the job already
+  failed, the item is answered with the job's verdict. Either way the
+  schedule's error is replaced by the job's verdict (accord.torch.errors),
+  as accord does for the collectives it sees. Where the member set is this
+  rank alone (a stage with DP 1, no step watch), it is submitted each step
+  and watched for stalls, which names a stopped rank of such a stage.
 
 ACCORD_TORCH_JOB_WATCH=0 turns both off (the step watch then opens its step
-at the stage module's first forward only, and a pipeline transfer's failure
-reaches the caller as torch's error).
+at the stage module's first forward only, a pipeline transfer's failure
+reaches the caller as torch's error, and a stopped DP-1 stage is named by
+nobody).
 """
 
 from __future__ import annotations
@@ -33,14 +37,10 @@ import threading
 import weakref
 from typing import Iterator, Optional
 
-from accord.errors import is_local_timeout
-from accord.torch.errors import AccordJobError, verdict
+from accord.torch.errors import AccordJobError
+from accord.torch.jobitem import JobItem
 from accord.torch.options import env_flag
-from accord.torch.watchdog import stop_at_exit
 
-GROUP = "~job"
-MANIFEST = ["float32"]
-REGISTER_WAIT_S = 1.0
 # Gloo's words when the other end of a transfer is gone (its process ended):
 # Gloo raises a plain RuntimeError with no code, so its text is all there is
 # to match. A schedule's other errors are the caller's own and pass unchanged.
@@ -62,93 +62,23 @@ def peer_gone(failure: Optional[BaseException]) -> bool:
     return False
 
 
-class JobItem:
-    """`~job` of one client: registered in the background, submitted on a
-    pipeline transfer's failure. Thread-safe."""
-
-    def __init__(self, agreement):
-        self.agreement = agreement
-        self._mu = threading.Lock()
-        self._registered = threading.Event()
-        self._error: Optional[BaseException] = None  # the registration's
-        self._next = 0  # the next step this rank may submit
-        self._stop = False
-        self._thread = threading.Thread(target=self._register, name="accord-job-register",
-                                        daemon=True)
-        self._thread.start()
-        stop_at_exit(self)
-
-    def _register(self) -> None:
-        """Registers in 1 s waits (registering again waits for the same
-        result), so that exit never finds this thread in a long C++ wait."""
-        try:
-            while not self._stop:
-                try:
-                    self.agreement.client.register_group(
-                        GROUP, [("alive", 1, 1)], reduce_dtype=None, reduce_dtype_exact=False,
-                        timeout_s=REGISTER_WAIT_S)
-                    return
-                except Exception as e:  # noqa: BLE001 - not yet, or refused
-                    if not is_local_timeout(e):
-                        self._error = e  # reported at the item's first use
-                        return
-        finally:
-            self._registered.set()
-
-    def stop_for_exit(self) -> None:  # watchdog.stop_at_exit
-        self._stop = True
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * REGISTER_WAIT_S + 1)
-
-    def ask(self, step: int, failure: BaseException, timeout_s: float) -> None:
-        """A pipeline transfer failed at `step`: submits `~job` there and
-        raises the job's verdict (from `failure`) once there is one within
-        timeout_s; returns when there is none (the caller re-raises)."""
-        if not self._registered.wait(timeout_s) or self._error is not None:
-            return
-        with self._mu:
-            step = max(step, self._next)
-            self._next = step + 1
-        try:
-            handle = self.agreement.submit_async(GROUP, step, MANIFEST)
-        except Exception:  # noqa: BLE001 - refused here (a step this client sent): ask no more
-            self._verdict(failure)
-            return
-        try:
-            self.agreement.wait(handle, timeout_s=timeout_s)
-        except Exception as said:  # noqa: BLE001 - the job's verdict, or none in time
-            if handle.ready():
-                raise verdict(said, "accord.torch: a pipeline transfer failed (a rank of "
-                                    "another stage stopped or died)") from failure
-            self._verdict(failure)
-
-    def _verdict(self, failure: BaseException) -> None:
-        wait = getattr(self.agreement, "wait_verdict", None)
-        if wait is None:
-            return
-        try:
-            wait(0)
-        except Exception as said:  # noqa: BLE001 - the job's verdict
-            raise verdict(said, "accord.torch: a pipeline transfer failed (a rank of another "
-                                "stage stopped or died)") from failure
-
-
 # Every JobItem while an installation holds it, weakly (registering again
 # is the same registration); found by its client.
 _ITEMS: "weakref.WeakSet[JobItem]" = weakref.WeakSet()
 _ITEMS_MU = threading.Lock()
 
 
-def job_item(agreement) -> Optional[JobItem]:
-    """The client's `~job`, registered at the first call (None: no client,
-    or turned off)."""
+def job_item(agreement, each_step: bool, stall_s: float, timeout_s: float
+             ) -> Optional[JobItem]:
+    """The client's `~job`, registered at the first call, in the mode of
+    that call (None: no client, or turned off)."""
     client = getattr(agreement, "client", None)
     if client is None or not enabled():
         return None
     with _ITEMS_MU:
         item = next((i for i in _ITEMS if i.agreement.client is client), None)
         if item is None:
-            item = JobItem(agreement)
+            item = JobItem(agreement, each_step=each_step, stall_s=stall_s, timeout_s=timeout_s)
             _ITEMS.add(item)
         return item
 
@@ -156,19 +86,27 @@ def job_item(agreement) -> Optional[JobItem]:
 @contextlib.contextmanager
 def schedule_step(installation) -> Iterator[None]:
     """Around a pipeline schedule's step() that drives `installation`'s
-    module: the watch's step opens at its start, and a transfer whose peer
-    died is reported as the job's verdict."""
+    module: the watches' step opens at its start (the step watch's, and
+    `~job`'s step count), and a transfer whose peer died is reported as the
+    job's verdict."""
     watch, job = installation.watch, installation.job
-    if watch is None or job is None:
+    if job is None:
         yield
         return
-    watch.open_step(installation.release_index)
+    job.enter()
+    if watch is not None:
+        watch.open_step(installation.release_index)
     try:
         yield
     except RuntimeError as e:
         if peer_gone(e) and not isinstance(e, AccordJobError):
-            watch.check()
-            job.ask(installation.release_index, e, watch.timeout_s)
+            if watch is not None:
+                watch.check()
+            job.check()
+            job.ask(job.step if job.each_step else installation.release_index, e, job.timeout_s)
         raise
     else:
-        watch.end_step()  # a step() without a backward: nothing closed it
+        if watch is not None:
+            watch.end_step()  # a step() without a backward: nothing closed it
+    finally:
+        job.leave()
