@@ -7,8 +7,9 @@ rank alike: the schedule's action list is global; a weight-only backward
 is refused too), and, under a schedule with several stages per rank, each
 stage's microbatch forward to the rank's other stage modules (their guards
 record it: a rank that skipped a unit in one chunk meets the other ranks'
-all-gather of it at the next chunk's forward). Everything else a schedule does reaches accord through
-FSDP2 (docs/PARTICIPATION.md, "Pipeline schedules")."""
+all-gather of it at the next chunk's forward). Everything else a schedule
+does reaches accord through FSDP2 (docs/PARTICIPATION.md, "Pipeline
+schedules")."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def route_stage(module, owner) -> None:
     microbatch's forward (the stage's index in the pipeline);
     owner.other_stage_forward(chunk_id, stage_index) before each microbatch
     forward of another stage module of the same multi-stage schedule on
-    this rank; owner.refuse_split_backward() raises, called at the step() of a
-    schedule whose actions split a backward and before any weight-only
+    this rank; owner.refuse_split_backward() raises, called at the step()
+    of a schedule whose actions split a backward and before any weight-only
     backward."""
     module.__dict__[_STAGE] = owner
 
