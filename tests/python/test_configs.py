@@ -37,10 +37,6 @@ TWO = ["checkpoint", "reshard_false", "prefetch", "cpu_offload", "compile", "lor
        "ignored_params"]
 FOUR = ["reshard_int", "hsdp_no_sync", "tp"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
-# Interleaved 1F1B all-gathers each stage in its UNSHARD action, on every
-# rank: a unit run on some ranks only diverges in the backward, where the
-# guard does not learn (python/README.md, "Configurations").
-LEARNED_SCHEDULES = ["gpipe", "1f1b"]
 # FSDP2's set_reduce_scatter_unused_params (the "unused" cells) is not in every supported torch.
 HAS_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 NO_UNUSED = "this torch's FSDP2 has no set_reduce_scatter_unused_params"
@@ -77,7 +73,7 @@ RUNS_PP = (
     + [(s, m, PARAM, PP_PLAIN) for s in SCHEDULES for m in ("plain", "unused")]
     # A layer used by some ranks' microbatches only, marked optional or learned.
     + [(s, "accord", BOTH, {}) for s in SCHEDULES]
-    + [(s, m, BOTH, {}) for s in LEARNED_SCHEDULES
+    + [(s, m, BOTH, {}) for s in SCHEDULES
        for m in ("accord_learn", "accord_job_learn")]
     + [("interleaved_zb", "plain", NONE, PP_PLAIN), ("interleaved_zb", "accord", NONE, PP_PLAIN)]
 )
@@ -380,7 +376,7 @@ def test_pipeline_fsdp2_alone(pipeline, schedule, mode):
 
 
 @pytest.mark.parametrize("schedule,mode", [(s, "accord") for s in SCHEDULES]
-                         + [(s, m) for s in LEARNED_SCHEDULES
+                         + [(s, m) for s in SCHEDULES
                             for m in ("accord_learn", "accord_job_learn")])
 def test_pipeline_optional_units(pipeline, schedule, mode):
     """Layer 1 runs in some DP ranks' microbatches only (step 0) and on no
@@ -389,7 +385,9 @@ def test_pipeline_optional_units(pipeline, schedule, mode):
     stage's first step ("accord_learn"; "accord_job_learn" with one job of
     all stages: the guard's windows among the stage's DP ranks), it stays
     pinned across the schedule's microbatches and is released at
-    REDUCE_GRAD. Gradients equal
+    REDUCE_GRAD. Under interleaved 1F1B the schedule's UNSHARD all-gathers
+    layer 1 on every rank, so it is learned where a rank that skipped it
+    reaches its other stage's forward. Gradients equal
     the single-process reference, identical across each stage's DP ranks,
     None where used nowhere; the same collectives on each stage's ranks."""
     run = (schedule, mode, BOTH)

@@ -220,6 +220,10 @@ def test_only_first_occurrence_forward_all_gathers_are_repairable():
     assert windows.repairable_units({0: e(["a", "ag b"], "b"),
                                      1: e(["a", "step 0 position 1: end of step"], None,
                                            fag=False)}, 2) is None  # not a microbatch start
+    # Several stages per rank: the other rank is at another stage's forward.
+    other = "step 0 position 1: " + windows.other_stage_record(0, 3)
+    assert windows.repairable_units({0: e(["a", "ag b"], "b"),
+                                     1: e(["a", other], None, fag=False)}, 2) == ["b"]
 
 
 # ------------------------------------------------------------------ release over fakes

@@ -23,7 +23,7 @@ from accord.torch.negotiation import Negotiation, NegotiationTiming
 from accord.torch.optional import OptionalUnits
 from accord.torch.release import Release
 from accord.torch.steps import StageRoute, StepBounds
-from accord.torch.windows import microbatch_record
+from accord.torch.windows import microbatch_record, other_stage_record
 
 
 class Installation:
@@ -231,6 +231,15 @@ class Installation:
         self.progress()
         self.negotiation.at_stage(stage)
         return self.steps.microbatch(chunk)
+
+    def other_stage_forward(self, chunk: int, stage: Optional[int]) -> None:
+        """Another stage module's forward of microbatch `chunk` on this rank
+        (a schedule with several stages per rank): recorded by the guard,
+        where a rank that skipped one of this module's units in its last
+        forward meets the other ranks' all-gather of it (the unit is
+        learned there; docs/PARTICIPATION.md, "Pipeline schedules")."""
+        if self.guard is not None:
+            self.guard.record(other_stage_record(chunk, stage))
 
     def schedule_step(self):
         """A context manager around a pipeline schedule's step() that drives

@@ -244,6 +244,11 @@ class OptionalUnits:
         all-gather of `current`) is now done."""
         for name in units:
             unit = self.add(name, self.inst.model.get_submodule(name), register_now=True)
+            # A rank may hold it unsharded already (a schedule's UNSHARD,
+            # never resharded where its forward did not run): resharded
+            # first, so every rank issues the one all-gather.
+            for g in unit.groups:
+                fsdp2.reshard(g)
             unit.begin_step()
             self.learned.append(name)
             warnings.warn(

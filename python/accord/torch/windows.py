@@ -102,6 +102,14 @@ def microbatch_record(chunk: int) -> str:
     return f"{MICROBATCH} {chunk}"
 
 
+def other_stage_record(chunk: int, stage: Optional[int]) -> str:
+    """The guard's record of another stage module's microbatch forward on
+    this rank (a schedule with several stages per rank): a rank that skipped
+    a unit in its last forward here reaches it where another rank
+    all-gathers the unit."""
+    return f"{MICROBATCH} {chunk} of stage {stage}"
+
+
 def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List[str]]:
     """The units whose forward all-gathers diverged at every rank's first
     occurrence, or None when this divergence is an error: every rank must
@@ -119,7 +127,7 @@ def repairable_units(entries: Dict[int, dict], world_size: int) -> Optional[List
             return None
         if e["forward_all_gather"] and e["unit"]:
             units.add(e["unit"])
-        elif not e["records"][-1].rsplit(" ", 1)[0].endswith(": " + MICROBATCH):
+        elif not e["records"][-1].split(": ", 1)[-1].startswith(MICROBATCH + " "):
             return None
     return sorted(units) or None
 

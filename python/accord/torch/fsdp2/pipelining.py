@@ -4,8 +4,12 @@ schedule's step begins for a stage module (its microbatch 0 forward), and
 schedules that split each microbatch's backward into input and weight
 passes (refused at the schedule's step(), before anything runs, on every
 rank alike: the schedule's action list is global; a weight-only backward
-is refused too). Everything else a schedule does reaches accord through
-FSDP2 (docs/PARTICIPATION.md, "Pipeline schedules")."""
+is refused too), and, under a schedule with several stages per rank, each
+stage's microbatch forward to the rank's other stage modules (their guards
+record it: a rank that skipped a unit in one chunk meets the other ranks'
+all-gather of it at the next chunk's forward). Everything else a schedule
+does reaches accord through FSDP2 (docs/PARTICIPATION.md, "Pipeline
+schedules")."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Callable, Optional
 
 _STAGE = "_accord_stage"
 _PATCH = {"users": 0, "forward": None, "weight": None, "step": None, "single_step": None}
+_RUNNING: list = []  # per multi-stage schedule step() in progress: its stages' owners
 
 
 def _classes():
@@ -37,8 +42,10 @@ def route_stage(module, owner) -> None:
     owner.schedule_step() is a context manager around each step() of the
     schedule, owner.microbatch(chunk_id, stage_index) around each
     microbatch's forward (the stage's index in the pipeline);
-    owner.refuse_split_backward() raises, called at the step() of a
-    schedule whose actions split a backward and before any weight-only
+    owner.other_stage_forward(chunk_id, stage_index) before each microbatch
+    forward of another stage module of the same multi-stage schedule on
+    this rank; owner.refuse_split_backward() raises, called at the step()
+    of a schedule whose actions split a backward and before any weight-only
     backward."""
     module.__dict__[_STAGE] = owner
 
@@ -86,7 +93,11 @@ def _forward(original: Callable) -> Callable:
         if owner is None:
             return original(self, fwd_chunk_id, *args, **kwargs)
         stage = getattr(self, "stage_index", None)
-        with owner.microbatch(int(fwd_chunk_id), None if stage is None else int(stage)):
+        stage = None if stage is None else int(stage)
+        for other in (_RUNNING[-1] if _RUNNING else ()):
+            if other is not owner:
+                other.other_stage_forward(int(fwd_chunk_id), stage)
+        with owner.microbatch(int(fwd_chunk_id), stage):
             return original(self, fwd_chunk_id, *args, **kwargs)
 
     return forward_one_chunk
@@ -115,7 +126,11 @@ def _step(original: Callable) -> Callable:
             order = getattr(self, "pipeline_order", None) or {}
             if any(_splits(a) for actions in order.values() for a in actions):
                 owners[0].refuse_split_backward()
-        return _bracketed(owners, original, self, *args, **kwargs)
+        _RUNNING.append(owners)
+        try:
+            return _bracketed(owners, original, self, *args, **kwargs)
+        finally:
+            _RUNNING.pop()
 
     return step
 
