@@ -510,6 +510,27 @@ class _FakeZero3:
     def all_reduce_max(self, t):
         pass  # every simulated rank learns from the same backward
 
+    def all_reduce_min(self, t):
+        self.lockstep.all_reduce_min(self.rank, t)
+
+
+class _Lockstep:
+    """All-reduce (MIN) among simulated ranks, one thread each; a rank that
+    all-reduces where the others do not breaks the barrier."""
+
+    def __init__(self, ranks):
+        import threading
+
+        self.barrier = threading.Barrier(ranks, timeout=30)
+        self.slots = [None] * ranks
+
+    def all_reduce_min(self, rank, t):
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        least = torch.stack(self.slots).min(0).values
+        self.barrier.wait()
+        t.copy_(least)
+
 
 def _fake_rank(modules):
     import types
@@ -549,31 +570,39 @@ def _fake_backward(model, turns, gathers, arrivals):
     return turns.zero.log
 
 
-@pytest.mark.parametrize("case", ["first", "learned", "changed"])
+@pytest.mark.parametrize("case", ["first", "learned", "changed", "twice"])
 def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whatever_the_order(
         case):
     """The rule alone (no DeepSpeed): ranks whose gradients come in
     different orders, at different all-gathers or not at all hand DeepSpeed
     the same parameters in the same order between the same two all-gathers,
     so its bucketing issues the same reductions between them. First
-    backward (the module fetched is next), with a learned table (prefetches:
-    all-gathers of several modules), and `changed`: learned from a backward
-    that fetched every module, then one where two modules are still there
-    and the rest come in two prefetches (tail after the last)."""
+    backward (agreed before each all-gather), with a learned table
+    (prefetches: all-gathers of several modules), `changed`: learned from a
+    backward that fetched every module, then one where two modules are still
+    there and the rest come in two prefetches (agreed from the prologue, tail
+    after the last), and `twice`: learned from that backward, then one that
+    fetches module 2 once more after module 1 (agreed from there)."""
     import random
+    import threading
 
-    modules = 6
+    modules, ranks = 6, 8
     fetch = [[m] for m in reversed(range(modules))]
     prefetch = [[5, 4], [3, 2], [1, 0]]
-    gathers = {"first": fetch, "learned": prefetch, "changed": [[3, 2], [1, 0]]}[case]
-    logs = []
-    for rank in range(8):
+    gathers = {"first": fetch, "learned": prefetch, "changed": [[3, 2], [1, 0]],
+               "twice": fetch[:5] + [[2]] + fetch[5:]}[case]
+    lockstep = _Lockstep(ranks)
+    logs = [None] * ranks
+
+    def rank_backwards(rank):
         model, turns = _fake_rank(modules)
+        turns.zero.lockstep, turns.zero.rank = lockstep, rank
         if case != "first":  # the same backward on every rank first, then learned
             seen = prefetch if case == "learned" else fetch
             template = {c + 1: [k for m in ms for k in (2 * m + 1, 2 * m)]
                         for c, ms in enumerate(seen)}
             _fake_backward(model, turns, seen, template)
+            turns.fetched.update(turns.counts)
             turns.learn()
             turns.reset()
         for m in (5, 4):  # kept gathered from the forward
@@ -586,7 +615,14 @@ def test_zero3_turns_hand_the_same_parameters_between_the_same_all_gathers_whate
                 arrivals.setdefault(rng.randrange(len(gathers) + 1), []).append(k)
         for v in arrivals.values():
             rng.shuffle(v)
-        logs.append(_fake_backward(model, turns, gathers, arrivals))
+        logs[rank] = _fake_backward(model, turns, gathers, arrivals)
+
+    threads = [threading.Thread(target=rank_backwards, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert logs[0] is not None
     for log in logs[1:]:
         assert log == logs[0]
     assert sum(1 for e in logs[0] if e[0] == "hand") == 2 * modules
