@@ -309,11 +309,12 @@ def test_zero3_sequential_model_holds_at_most_one_bucket_beyond_deepspeed(fetch,
         assert len(held) == 6 and 0 < max(held) <= BUCKET * 4, s
 
 
-def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
+def test_zero3_input_layer_defined_last_is_handed_when_it_comes_on_every_rank(cluster):
     """The input layer, defined last, is first in the first backward's
-    release order: zeros at its turn on every rank, its gradient late, kept,
-    and added by the delta all-reduce into DeepSpeed's gradient partitions.
-    From then on the learned order has it last: nothing late."""
+    release order, its gradient last. The first backward agrees its turns
+    before each all-gather (nothing is learned yet): every other layer is
+    handed as its gradient comes on every rank, the input layer after it
+    came, so nothing is late; from then on the learned order has it last."""
     info = cluster_info(cluster, 2, "ds-z3-late")
     results = sc.run_ds_ranks(sc.train, 2, stage=3, steps=3, kind="late", persistence=0,
                               zero3=dict(FETCH["refetch"], reduce_bucket_size=BUCKET),
@@ -321,8 +322,8 @@ def test_zero3_late_gradient_is_repaired_into_the_gradient_partitions(cluster):
     _check_against_reference(results)
     _same_collectives(results)
     for s in _stats(results):
-        assert s["late"] == 2 and s["repaired"] == 2, s
-        assert s["held_by_release"][1:] == [0, 0], s
+        assert s["late"] == 0 and s["repaired"] == 0 and s["agreed_caps"] > 0, s
+        assert max(s["held_by_release"]) <= BUCKET * 4, s
         print(f"accord-test: ZeRO-3 late held_bytes {s['held_bytes']} "
               f"per backward {s['held_by_release']}")
 
