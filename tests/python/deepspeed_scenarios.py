@@ -106,7 +106,7 @@ def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
 
 
 SEQ, LAYERS = 24, 5  # the sequential models: LAYERS Linear(SEQ, SEQ), 600 parameters each
-SWAP_ROWS, SWAP_STEP = 4, 2  # seq-swap: the order changes from this step, on every rank
+CHANGE_ROWS, CHANGE_STEP = 4, 2  # seq-swap, seq-freeze: the change, from this step on every rank
 
 
 def make_model(kind="toy"):
@@ -127,7 +127,8 @@ def make_model(kind="toy"):
     after layer 2, so its backward fetches it twice; `seq-frozen`: layer 0
     frozen (its backward never runs, nothing is fetched for it);
     `seq-swap`: layers 1 and 2 run in swapped order on batches of 4 rows
-    (steps 2 on, every rank), so DeepSpeed invalidates its module trace."""
+    (steps 2 on, every rank), so DeepSpeed invalidates its module trace;
+    `seq-freeze`: layer 0 frozen on those batches (trained before)."""
     import torch
     from torch import nn
 
@@ -150,7 +151,9 @@ def make_model(kind="toy"):
                     order = order[-1:] + order[:-1]
                 if kind == "seq-twice":
                     order = order[:3] + order[:1] + order[3:]
-                if kind == "seq-swap" and x.shape[0] == SWAP_ROWS:
+                if kind == "seq-freeze":  # its backward stops running
+                    order[0].requires_grad_(x.shape[0] != CHANGE_ROWS)
+                if kind == "seq-swap" and x.shape[0] == CHANGE_ROWS:
                     order = [order[0], order[2], order[1]] + order[3:]
                 for layer in order:
                     x = torch.tanh(layer(x))
@@ -215,7 +218,7 @@ def batch(rank, step, micro, case, kind="toy"):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
-    n = SWAP_ROWS if kind == "seq-swap" and step >= SWAP_STEP else 3
+    n = CHANGE_ROWS if kind in ("seq-swap", "seq-freeze") and step >= CHANGE_STEP else 3
     x = torch.randn(n, IN if kind.startswith("toy") else SEQ, generator=g)
     rows = 3 if kind == "toy-placed" and rank % 2 else 2
     image = torch.randn(rows, IMG, generator=g) if usage(case, rank, step, micro) else None
@@ -329,6 +332,11 @@ def _mark_leaf(model, leaf):
         set_z3_leaf_module(model.get_submodule(path), True)
 
 
+def _copy(t):
+    """A copy of what DeepSpeed's safe_get_full_* gave (None for a frozen parameter)."""
+    return None if t is None else t.clone()
+
+
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
           zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=(),
@@ -375,8 +383,11 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                   file=sys.stderr, flush=True)
     params = dict(engine.module.named_parameters())
     out = []
+    known = {}  # the last fp32 value read (a parameter frozen since keeps it)
     for step in range(steps):
-        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        start = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
+        start = {n: known.get(n) if v is None else v for n, v in start.items()}
+        known.update(start)
         # Every rank's batches, for the reference.
         # `coalesce` backwards in one engine.coalesce_grad_reduction() block,
         # else `gas` microbatches with a micro-step between them.
@@ -411,12 +422,12 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
             g = safe_get_full_grad(params[n])
             grads[n] = None if g is None else g.detach().float().clone()
         moments = {key: None if step == 0 else  # no optimizer state before the first step
-                   {n: safe_get_full_optimizer_state(params[n], key).clone() for n in names}
+                   {n: _copy(safe_get_full_optimizer_state(params[n], key)) for n in names}
                    for key in ("exp_avg", "exp_avg_sq")}
         scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
-        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
-        after_moments = {key: {n: safe_get_full_optimizer_state(params[n], key).clone()
+        after = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
+        after_moments = {key: {n: _copy(safe_get_full_optimizer_state(params[n], key))
                                for n in names} for key in ("exp_avg", "exp_avg_sq")}
         lp_after = {n: params[n].detach().clone() for n in names}
         DONE[0] = step + 1
@@ -512,7 +523,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
     names = list(params)
     out = []
     for step in range(steps):
-        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        start = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
         ref_model = build()
         missing, unexpected = ref_model.load_state_dict(start if step else init, strict=False)
         assert not unexpected and not set(missing) & set(start), (missing, unexpected)
@@ -530,7 +541,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
         scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
-        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        after = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
         DONE[0] = step + 1
         print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
         out.append({"grads": grads, "ref": ref, "start": start, "after": after})

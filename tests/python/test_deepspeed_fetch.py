@@ -54,6 +54,7 @@ def _check(results):
 @pytest.mark.parametrize("kind,fetch,world", [
     ("seq-twice", "refetch", 2), ("seq-twice", "prefetch", 2), ("seq-twice", "kept", 2),
     ("seq-frozen", "refetch", 2), ("seq-frozen", "prefetch", 2),
+    ("seq-freeze", "refetch", 2), ("seq-freeze", "prefetch", 2),
     ("seq-swap", "refetch", 2), ("seq-swap", "prefetch", 2), ("seq-swap", "kept", 2),
     ("seq-swap", "prefetch", 3)])
 def test_zero3_changed_all_gathers_hold_at_most_one_bucket_beyond_deepspeed(kind, fetch, world,

@@ -73,7 +73,7 @@ class Zero3Turns(Turns):
 
     def __init__(self, inst):
         self.expected: Optional[int] = None  # all-gathers of the learned backward
-        self.learned_key: tuple = ()
+        self.learned_key: tuple = ()  # the learned backward's `key`
         # id -> (parameter, all-gathers of it in the last backward that fetched it)
         self.fetched: Dict[int, Tuple[object, int]] = {}
         super().__init__(inst)
@@ -81,13 +81,14 @@ class Zero3Turns(Turns):
     def reset(self) -> None:
         super().reset()
         self.gathers = 0  # all-gathers of this backward so far
-        self.key: tuple = ()  # this backward's all-gathers, by DeepSpeed's parameter ids
+        # what is to fetch at the prologue, then each all-gather, by DeepSpeed's parameter ids
+        self.key: tuple = ()
         self.in_backward = False  # from the backward's prologue to its epilogue
         self.arrival: Dict[int, int] = {}  # parameter index -> all-gathers before it came
         self.hooks_ran = {}
         self.unfetched: Dict[int, int] = {}  # id -> all-gathers of it this backward can still issue
         self.counts: Dict[int, Tuple[object, int]] = {}  # id -> (parameter, all-gathers of it)
-        self.following = False  # the all-gathers so far are the learned backward's
+        self.following = False  # the prologue and all-gathers so far are the learned backward's
         self.tail = False  # every position, from now to the epilogue
 
     def hook(self) -> None:
@@ -102,7 +103,7 @@ class Zero3Turns(Turns):
         gone = self.zero.to_gather([p for p, _ in self.fetched.values()])
         self.unfetched = {id(p): self.fetched[id(p)][1] for p, _ in gone}
         self.gathers, self.counts = 0, {}
-        self.key = (self.zero.gather_key(gone),)  # what is to fetch, then each all-gather
+        self.key = (self.zero.gather_key(gone),)
         self.in_backward, self.tail = True, False
         self.following = self.expected is not None and self.learned_key[:1] == self.key
         self._tail()
@@ -141,8 +142,8 @@ class Zero3Turns(Turns):
 
     def before_all_gather(self, gathered) -> None:
         """Just before DeepSpeed issues an all-gather of `gathered`
-        ((parameter, numel) pairs) in a reducing backward: the turns
-        through the cap, then the count."""
+        ((parameter, numel) pairs) in a reducing backward: which rule, the
+        turns it gives, then the count."""
         if not self.in_backward or not self.zero.reduces_now():
             return
         key = self.zero.gather_key(gathered)
