@@ -53,6 +53,7 @@ def _check(results):
 
 @pytest.mark.parametrize("kind,fetch,world", [
     ("seq-twice", "refetch", 2), ("seq-twice", "prefetch", 2), ("seq-twice", "kept", 2),
+    ("seq-twice", "refetch", 3),
     ("seq-frozen", "refetch", 2), ("seq-frozen", "prefetch", 2),
     ("seq-freeze", "refetch", 2), ("seq-freeze", "prefetch", 2),
     ("seq-swap", "refetch", 2), ("seq-swap", "prefetch", 2), ("seq-swap", "kept", 2),
