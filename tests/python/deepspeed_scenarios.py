@@ -106,6 +106,7 @@ def run_ds_ranks(fn, world_size, timeout_s=90.0, pg_timeout_s=20.0, **kwargs):
 
 
 SEQ, LAYERS = 24, 5  # the sequential models: LAYERS Linear(SEQ, SEQ), 600 parameters each
+CHANGE_ROWS, CHANGE_STEP = 4, 2  # seq-swap, seq-freeze: the change, from this step on every rank
 
 
 def make_model(kind="toy"):
@@ -119,7 +120,15 @@ def make_model(kind="toy"):
     gradient last; `toy-placed`: the toy whose tower output joins after the
     body where the image has 3 rows (odd ranks' batches), before it
     otherwise, so the tower's gradient comes before the body's backward
-    all-gather on one rank and after it on the other."""
+    all-gather on one rank and after it on the other.
+
+    Sequential models whose ZeRO-3 all-gathers change inside a backward
+    (the same on every rank): `seq-twice`: layer 0 runs first and again
+    after layer 2, so its backward fetches it twice; `seq-frozen`: layer 0
+    frozen (its backward never runs, nothing is fetched for it);
+    `seq-swap`: layers 1 and 2 run in swapped order on batches of 4 rows
+    (steps 2 on, every rank), so DeepSpeed invalidates its module trace;
+    `seq-freeze`: layer 0 frozen on those batches (trained before)."""
     import torch
     from torch import nn
 
@@ -128,6 +137,8 @@ def make_model(kind="toy"):
         layers = [nn.Linear(SEQ, SEQ) for _ in range(LAYERS)]
         if kind == "late":  # the first layer run, registered last
             layers = layers[1:] + layers[:1]
+        if kind == "seq-frozen":
+            layers[0].requires_grad_(False)
 
         class Seq(nn.Module):
             def __init__(self):
@@ -135,8 +146,15 @@ def make_model(kind="toy"):
                 self.layers = nn.ModuleList(layers)
 
             def forward(self, x, image=None):
-                order = self.layers if kind == "seq" else list(self.layers)[-1:] + \
-                    list(self.layers)[:-1]
+                order = list(self.layers)
+                if kind == "late":
+                    order = order[-1:] + order[:-1]
+                if kind == "seq-twice":
+                    order = order[:3] + order[:1] + order[3:]
+                if kind == "seq-freeze":  # its backward stops running
+                    order[0].requires_grad_(x.shape[0] != CHANGE_ROWS)
+                if kind == "seq-swap" and x.shape[0] == CHANGE_ROWS:
+                    order = [order[0], order[2], order[1]] + order[3:]
                 for layer in order:
                     x = torch.tanh(layer(x))
                 return x.pow(2).mean()
@@ -200,7 +218,8 @@ def batch(rank, step, micro, case, kind="toy"):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
-    x = torch.randn(3, IN if kind.startswith("toy") else SEQ, generator=g)
+    n = CHANGE_ROWS if kind in ("seq-swap", "seq-freeze") and step >= CHANGE_STEP else 3
+    x = torch.randn(n, IN if kind.startswith("toy") else SEQ, generator=g)
     rows = 3 if kind == "toy-placed" and rank % 2 else 2
     image = torch.randn(rows, IMG, generator=g) if usage(case, rank, step, micro) else None
     return x, image
@@ -233,7 +252,7 @@ def _grad_of(model_state, rank_batches, world_size, gas, dtype="fp32", kind="toy
     import torch
 
     model = make_model(kind)
-    model.load_state_dict(model_state)
+    model.load_state_dict(model_state, strict=False)  # frozen parameters: as built
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     model.to(tdtype)
     total = {n: None for n, _ in model.named_parameters()}
@@ -313,6 +332,11 @@ def _mark_leaf(model, leaf):
         set_z3_leaf_module(model.get_submodule(path), True)
 
 
+def _copy(t):
+    """A copy of what DeepSpeed's safe_get_full_* gave (None for a frozen parameter)."""
+    return None if t is None else t.clone()
+
+
 def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", accord="none",
           cluster=None, wd=0.1, coalesce=0, persistence=None, optional=(), die=None,
           zero3=None, learn=None, kind="toy", turns=None, record=False, leaf=(),
@@ -352,15 +376,18 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
                                         local_rank=cluster["local_ranks"][rank])
         inst = accord_ds.install(engine, client, timeout_s=30.0, optional=optional, turns=turns,
                                  **({} if learn is None else {"learn_optional": learn}))
-    names = [n for n, _ in engine.module.named_parameters()]
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     if os.environ.get("ACCORD_TEST_TRACE") and stage == 3:
         for n, p in engine.module.named_parameters():
             print(f"accord-trace: {n} persist={p.ds_persist} status={p.ds_status}",
                   file=sys.stderr, flush=True)
     params = dict(engine.module.named_parameters())
     out = []
+    known = {}  # the last fp32 value read (a parameter frozen since keeps it)
     for step in range(steps):
-        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        start = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
+        start = {n: known.get(n) if v is None else v for n, v in start.items()}
+        known.update(start)
         # Every rank's batches, for the reference.
         # `coalesce` backwards in one engine.coalesce_grad_reduction() block,
         # else `gas` microbatches with a micro-step between them.
@@ -395,12 +422,12 @@ def train(rank, world_size, stage=2, case="all", steps=4, gas=1, dtype="fp32", a
             g = safe_get_full_grad(params[n])
             grads[n] = None if g is None else g.detach().float().clone()
         moments = {key: None if step == 0 else  # no optimizer state before the first step
-                   {n: safe_get_full_optimizer_state(params[n], key).clone() for n in names}
+                   {n: _copy(safe_get_full_optimizer_state(params[n], key)) for n in names}
                    for key in ("exp_avg", "exp_avg_sq")}
         scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
-        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
-        after_moments = {key: {n: safe_get_full_optimizer_state(params[n], key).clone()
+        after = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
+        after_moments = {key: {n: _copy(safe_get_full_optimizer_state(params[n], key))
                                for n in names} for key in ("exp_avg", "exp_avg_sq")}
         lp_after = {n: params[n].detach().clone() for n in names}
         DONE[0] = step + 1
@@ -496,7 +523,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
     names = list(params)
     out = []
     for step in range(steps):
-        start = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        start = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
         ref_model = build()
         missing, unexpected = ref_model.load_state_dict(start if step else init, strict=False)
         assert not unexpected and not set(missing) & set(start), (missing, unexpected)
@@ -514,7 +541,7 @@ def family(rank, world_size, name="llava", stage=3, steps=2, gas=2, accord="embe
         grads = {n: safe_get_full_grad(params[n]).detach().float().clone() for n in names}
         scale = getattr(engine.optimizer, "loss_scale", 1.0)  # what the gradients carry
         engine.step()
-        after = {n: safe_get_full_fp32_param(params[n]).clone() for n in names}
+        after = {n: _copy(safe_get_full_fp32_param(params[n])) for n in names}
         DONE[0] = step + 1
         print(f"accord-test: steps done {DONE[0]}", file=sys.stderr, flush=True)
         out.append({"grads": grads, "ref": ref, "start": start, "after": after})

@@ -77,6 +77,7 @@ class Stats:
     late: int = 0  # gradients that came after their parameter's turn
     repaired: int = 0  # parameter-reductions repaired by accord's all-reduce
     repaired_bytes: int = 0  # bytes of those all-reduces
+    agreed_caps: int = 0  # ZeRO-3 all-gathers before which the ranks agreed a cap
     # With turns: the most held during each reducing backward, in order.
     held_by_release: List[int] = dataclasses.field(default_factory=list)
 

@@ -152,29 +152,34 @@ class Turns:
         return len(self.release) - 1
 
     def through(self, last: int) -> None:
-        s = self.inst.stats
         while self.next <= last:
-            k = self.release[self.next]
             self.next += 1
-            if not self.speculated[k]:
-                continue
-            i, p = self.inst.order[k]
-            if self.zero.gradient(p) is None:
-                self.zero.zero_fill(p)
-                zeros = _bytes(self.zero.gradient(p))
-                self._peak(zeros)
-                s.zero_filled += 1
-                s.zero_filled_bytes += zeros
-            else:
-                self.had[k] = True
-                if self.arrived[k]:
-                    self.holding -= _bytes(self.zero.gradient(p))
-            self.taken[k] = True
-            if self.inst.watch is not None:
-                self.inst.watch.progress(f"the reduction of '{self.inst.names[k]}'")
-            self.zero.reduce(self.inst._reduce, p, i)
-            s.reduced += 1
-            s.speculated += 1
+            self.hand(self.next - 1)
+
+    def hand(self, r: int) -> None:
+        """The turn of release position `r` (none for a parameter out of the
+        speculation or already handed)."""
+        k = self.release[r]
+        if not self.speculated[k] or self.taken[k]:
+            return
+        s = self.inst.stats
+        i, p = self.inst.order[k]
+        if self.zero.gradient(p) is None:
+            self.zero.zero_fill(p)
+            zeros = _bytes(self.zero.gradient(p))
+            self._peak(zeros)
+            s.zero_filled += 1
+            s.zero_filled_bytes += zeros
+        else:
+            self.had[k] = True
+            if self.arrived[k]:
+                self.holding -= _bytes(self.zero.gradient(p))
+        self.taken[k] = True
+        if self.inst.watch is not None:
+            self.inst.watch.progress(f"the reduction of '{self.inst.names[k]}'")
+        self.zero.reduce(self.inst._reduce, p, i)
+        s.reduced += 1
+        s.speculated += 1
 
     # ------------------------------------------------------------ the end
 

@@ -9,49 +9,58 @@ guard make it so), and the reductions of DeepSpeed's buckets, which follow
 only the sequence of parameters handed to its bucketing
 (`reduce_independent_p_g_buckets_and_remove_grads`: a bucket is reduced when
 the next parameter would overflow it). Parameters are handed in one release
-order (turns.Turns), and how far the hand-over may go is a *cap*, a function
-of the backward's all-gathers so far and of agreed history alone:
+order (turns.Turns), and which turns come where is a function of the
+backward's all-gathers so far and of agreed history alone: before each
+all-gather, the turns the rule below gives (zeros where a rank's gradient
+is not there: late, repaired); between two all-gathers, a gradient hook hands
+at most what the rule gave before the first of them. So the parameters
+handed before each all-gather, and with them every reduction, are the same
+on every rank: each bucket's reduction sits between the same two all-gathers
+everywhere, whatever autograd's order on a rank.
 
-- before the backward's all-gather number c + 1, every turn through cap(c)
-  (so a rank whose gradients were not there sends zeros: late, repaired);
-- between all-gather c and c + 1, a gradient hook hands at most through
-  cap(c) (nothing beyond it until the next all-gather).
+The turns follow one of two rules, chosen per all-gather from what every
+rank sees alike:
 
-So the parameters handed before each all-gather, and with them every
-reduction, are the same on every rank: each bucket's reduction sits between
-the same two all-gathers everywhere, whatever autograd's order on a rank.
+- *following*: while the parameters not there at this backward's prologue
+  and its all-gathers so far are the last learned backward's (DeepSpeed's
+  parameter ids, all-gather by all-gather), its table: before all-gather
+  c + 1, every turn through cap(c), the release positions whose gradient
+  had come on every rank before
+  that backward's all-gather c + 1 (`arrival`: the all-gather count when it
+  came, the ranks' maximum, learned by one all-reduce at the epilogue; the
+  release order sorted by it). After as many all-gathers as it had, every
+  position (the *tail*);
+- *agreed*: from the first all-gather that is not the one the table
+  predicts (none learned: the first backward; the parameters not there at
+  the prologue, or an all-gather, differ from the learned backward's:
+  DeepSpeed's trace completed or invalidated, a module fetched once more or
+  once less), to the epilogue: just before each all-gather, one all-reduce
+  (MIN) on DeepSpeed's group of a flag per parameter (its gradient is here
+  on this rank, or handed); every position flagged on every rank is handed,
+  in release order; between all-gathers, nothing. No position is handed
+  before its gradient came on every rank (nothing late), and what waits is
+  what came since the last all-gather or is not there on some rank.
 
-cap(c), from the last learned backward (its all-gathers the same as this
-one's so far): the release positions whose gradient had come on every rank
-before that backward's all-gather c + 1 (`arrival`: the all-gather count when
-it came, the ranks' maximum, learned by one all-reduce at the epilogue; the
-release order sorted by it). After as many all-gathers as it had, every
-position (the *tail*); an all-gather beyond that count first hands every
-position, on every rank. Learned at the first epilogue, and again at an
-epilogue whose backward's all-gathers differed from the learned one's or at
-which some rank was late (both the same on every rank). With nothing learned
-(the first backward, where DeepSpeed records its module trace and prefetches
-nothing: each all-gather is the fetch of the module about to run its
-backward), cap(c) is the position before the first parameter of the latest
-module fetched, through the all-gather itself (recorded by the guard first);
-where every parameter is persistent nothing is ever fetched, and every
-backward is tail from the first.
+All-gathers are the same on every rank (DeepSpeed needs it; optional
+modules and the guard make it so: docs/DEEPSPEED.md, "ZeRO-3: the
+forward"), so every rank leaves the table at the same all-gather and issues
+the same all-reduces at the same places.
 
-Once something is learned, a backward is also tail from the moment nothing
-more is to be fetched: at its prologue, the parameters some earlier backward
-all-gathered that are not there now (`ds_status` NOT_AVAILABLE; the forward's
-fetches and releases, hence this set, are the same on every rank) are what it
-can still fetch; after the all-gather that fetches the last of them, and from
-the prologue where there is none, every position. DeepSpeed's fetches change
-once its module trace is complete (step 1: prefetch along the trace, and
-parameters kept gathered from the forward to their backward under
-`stage3_max_reuse_distance`), so the learned table, from a backward that
-fetched more, would otherwise hold that backward's gradients to its epilogue.
+The tail also comes, once something is learned, when nothing more is to be
+fetched: at the prologue, the parameters the last backward that all-gathered
+them fetched (as many times as it did) and that are not there now
+(`ds_status` NOT_AVAILABLE; the forward's fetches and releases, hence this
+set, are the same on every rank) are what it can still fetch; after the
+all-gather that fetches the last of them, and from the prologue where there
+is none, every position. An all-gather after the tail first hands every
+position (zeros where a gradient has not come: late, kept to the repair).
+Where every parameter is persistent nothing is ever fetched: every backward
+is tail from the first.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -64,19 +73,22 @@ class Zero3Turns(Turns):
 
     def __init__(self, inst):
         self.expected: Optional[int] = None  # all-gathers of the learned backward
-        self.learned_key: Optional[tuple] = None
-        self.fetched: Dict[int, object] = {}  # id -> every parameter a backward all-gathered
+        self.learned_key: tuple = ()  # the learned backward's `key`
+        # id -> (parameter, all-gathers of it in the last backward that fetched it)
+        self.fetched: Dict[int, Tuple[object, int]] = {}
         super().__init__(inst)
 
     def reset(self) -> None:
         super().reset()
         self.gathers = 0  # all-gathers of this backward so far
-        self.pending = -1  # nothing learned: the cap the all-gathers so far allow
-        self.key: tuple = ()  # this backward's all-gathers, by DeepSpeed's parameter ids
+        # what is to fetch at the prologue, then each all-gather, by DeepSpeed's parameter ids
+        self.key: tuple = ()
         self.in_backward = False  # from the backward's prologue to its epilogue
         self.arrival: Dict[int, int] = {}  # parameter index -> all-gathers before it came
         self.hooks_ran = {}
-        self.unfetched: set = set()  # ids of what this backward can still all-gather
+        self.unfetched: Dict[int, int] = {}  # id -> all-gathers of it this backward can still issue
+        self.counts: Dict[int, Tuple[object, int]] = {}  # id -> (parameter, all-gathers of it)
+        self.following = False  # the prologue and all-gathers so far are the learned backward's
         self.tail = False  # every position, from now to the epilogue
 
     def hook(self) -> None:
@@ -84,43 +96,72 @@ class Zero3Turns(Turns):
         self.zero.on_backward(self.reset_gathers)
         if self.zero.fetches_nothing(self.inst.engine.module):
             self.expected, self.caps = 0, []  # all tail, from the first backward
+            self.learned_key = ((),)
 
     def reset_gathers(self) -> None:
         """The backward begins (after the forward's all-gathers, on every rank)."""
-        self.gathers, self.pending, self.key = 0, -1, ()
-        self.in_backward = True
-        self.unfetched = {id(p) for p, _ in self.zero.to_gather(self.fetched.values())}
-        self.tail = self.expected is not None and not self.unfetched
+        gone = self.zero.to_gather([p for p, _ in self.fetched.values()])
+        self.unfetched = {id(p): self.fetched[id(p)][1] for p, _ in gone}
+        self.gathers, self.counts = 0, {}
+        self.key = (self.zero.gather_key(gone),)
+        self.in_backward, self.tail = True, False
+        self.following = self.expected is not None and self.learned_key[:1] == self.key
+        self._tail()
+
+    def _tail(self) -> None:
+        learned = self.expected is not None
+        self.tail = self.tail or (self.following and self.gathers >= self.expected) or (
+            learned and not self.unfetched)
 
     # ------------------------------------------------------------ the cap
 
     def cap(self) -> int:
-        n = len(self.release)
         if self.tail:
-            return n - 1
-        if self.expected is None:
-            return min(self.pending, n - 1)
-        if self.gathers >= self.expected:
-            return n - 1  # the tail
-        return self.caps[self.gathers]
+            return len(self.release) - 1
+        if self.following:
+            return self.caps[self.gathers]
+        return self.next - 1  # agreed: only at the next all-gather
+
+    def _agree(self) -> None:
+        """Hands, in release order, every position whose gradient is here on
+        every rank: one all-reduce (MIN) of a flag per parameter, on every
+        rank before the same all-gather."""
+        n = len(self.release)
+        device = self.inst.order[0][1].device  # NCCL reduces device tensors only
+        here = torch.tensor([float(self.arrived[k] or self.taken[k]) for k in range(n)],
+                            dtype=torch.float32, device=device)
+        self.zero.all_reduce_min(here)
+        everywhere = here.tolist()
+        for r in range(self.next, n):
+            if everywhere[self.release[r]]:
+                self.hand(r)
+        while self.next < n and (self.taken[self.release[self.next]]
+                                 or not self.speculated[self.release[self.next]]):
+            self.next += 1
+        self.inst.stats.agreed_caps += 1
 
     def before_all_gather(self, gathered) -> None:
         """Just before DeepSpeed issues an all-gather of `gathered`
-        ((parameter, numel) pairs) in a reducing backward: the turns
-        through the cap, then the count."""
+        ((parameter, numel) pairs) in a reducing backward: which rule, the
+        turns it gives, then the count."""
         if not self.in_backward or not self.zero.reduces_now():
             return
-        self.key += (self.zero.gather_key(gathered),)
-        if self.expected is None:  # the first backward: the module fetched is next
-            ks = [self.index[id(p)] for p, _ in gathered if id(p) in self.index]
-            if ks:
-                self.pending = max(self.pending, min(self.position[k] for k in ks) - 1)
+        key = self.zero.gather_key(gathered)
+        if self.following and (self.gathers + 1 >= len(self.learned_key)
+                               or self.learned_key[self.gathers + 1] != key):
+            self.following = False  # the same all-gather on every rank
+        if not self.tail and not self.following:
+            self._agree()
+        self.key += (key,)
         self.through(self.cap())
         self.gathers += 1
         for p, _ in gathered:
-            self.fetched[id(p)] = p
-            self.unfetched.discard(id(p))
-        self.tail = self.tail or (self.expected is not None and not self.unfetched)
+            i = id(p)
+            self.counts[i] = (p, self.counts.get(i, (p, 0))[1] + 1)
+            left = self.unfetched.pop(i, 0) - 1
+            if left > 0:
+                self.unfetched[i] = left
+        self._tail()
         self._peak()
 
     # ------------------------------------------------------------ gradients
@@ -140,6 +181,7 @@ class Zero3Turns(Turns):
     # ------------------------------------------------------------ the end
 
     def end(self) -> List[bool]:
+        self.fetched.update(self.counts)
         if self.inst.window_closed:  # DeepSpeed copies, not adds, what it reduces now
             for k, (_, p) in enumerate(self.inst.order):
                 if not self.speculated[k]:  # not reduced now: a stale value from before
@@ -147,7 +189,7 @@ class Zero3Turns(Turns):
         return super().end()
 
     def relearn(self, late_anywhere: List[bool]) -> bool:
-        return (not self.learned or self.key != self.learned_key or any(late_anywhere))
+        return not self.learned or self.key != self.learned_key or any(late_anywhere)
 
     def learn(self) -> None:
         """Each parameter's arrival (the all-gathers before its gradient

@@ -21,7 +21,8 @@ across ranks with collectives (`assert_ints_same_as_other_ranks`).
 For turns (accord.deepspeed.turns3): `backward_prologue` (the engine calls
 it before autograd runs), `ipg_buckets` (each bucket's `params`),
 `__reduce_and_partition_ipg_grads(dtype)` and `reduce_and_partition_stream`,
-`_coalesce_grad_reduction`, `dtype`, `dp_process_group`,
+`_coalesce_grad_reduction`, `dtype`, `dp_process_group` (accord's own
+all-reduces go there too: the agreed caps, learning, the repair),
 `_get_param_partition_group`, a parameter's `ds_id`, `ds_numel`,
 `partition_numel()`. With pinned modules: `step` (wrapped on the instance:
 a step skipped for an overflow partitions every parameter and never reaches
@@ -302,6 +303,11 @@ class Zero3(_Adapter):
         import torch.distributed as dist
 
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.opt.dp_process_group)
+
+    def all_reduce_min(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.opt.dp_process_group)
 
     def add_reduced(self, param, group_index: int, reduced: torch.Tensor) -> int:
         """Adds this rank's partition of an already reduced full gradient of
