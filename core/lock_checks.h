@@ -9,8 +9,8 @@
 namespace accord {
 
 // Debian's Abseil is built without NDEBUG, so its lock-order detection is
-// on, and it makes every nested lock several times dearer (72 ns against
-// 17 ns per nested pair on the development machine): gRPC and accord lock
+// on, and it makes every nested lock about four times dearer (54-68 ns
+// against 12-15 ns per nested pair on the development machine): gRPC and accord lock
 // on every message. A process that serves or calls accord turns it off once
 // at its start, unless ACCORD_LOCK_CHECKS=1 (scripts/test sets it, so the
 // test suite keeps the check).
