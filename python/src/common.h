@@ -12,8 +12,6 @@
 
 #include <nanobind/nanobind.h>
 
-#include <unistd.h>
-
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -25,42 +23,12 @@
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/group.h"
+#include "python/src/gil.h"
 #ifdef ACCORD_PY_CLIENT
 #include "client/client.h"
 #endif
 
 namespace accord::python {
-
-// Releases the GIL around a blocking C++ call (what nb::gil_scoped_release
-// does), except at the end: a thread that takes the GIL back while the
-// interpreter is finalizing is ended with pthread_exit, whose unwinding
-// through C++ frames that may not throw aborts the whole process
-// ("terminate called without an active exception"; seen once in a chaos run
-// of an accord.torch rank that had finished and printed its digest). A
-// daemon thread still inside accord's C++ when the interpreter finalizes is
-// parked there instead, as Python 3.14 itself does, and ends with the
-// process. The thread stops just as well either way; the exit status stays
-// the program's.
-class GilReleased {
- public:
-  GilReleased() : state_(PyEval_SaveThread()) {}
-  GilReleased(const GilReleased&) = delete;
-  GilReleased& operator=(const GilReleased&) = delete;
-  ~GilReleased() {
-    while (Finalizing()) pause();
-    PyEval_RestoreThread(state_);
-  }
-
- private:
-  static bool Finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-  }
-  PyThreadState* state_;
-};
 
 // The C++ side of accord._accord.Error.
 class StatusError : public std::runtime_error {

@@ -65,6 +65,11 @@ NB_MODULE(_accord, m) {
   // (held by a model's accord.torch installation, or by a daemon thread that
   // exits with the process); nanobind would report each as a leak at exit.
   nb::set_leak_warnings(false);
+  // The exit gate (python/src/gil.h) closes in the atexit handler registered
+  // first, so it runs last: after what importers of accord register.
+  accord::python::ExitGate::Get().Loaded();
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function(
+      [] { accord::python::ExitGate::Get().Close(); }, nb::name("_close_exit_gate")));
   accord::python::BindCore(m);
 #ifdef ACCORD_PY_CLIENT
   accord::python::BindClient(m);

@@ -249,3 +249,56 @@ def test_wait_verdict_raises_the_jobs_failure_on_a_rank_that_waits_for_nothing()
         assert accord.error_code(e.value) == "DEADLINE_EXCEEDED"
         with pytest.raises(accord.Error, match="missing ranks 2"):
             clients[0].wait(futures[0], timeout_s=30)
+
+
+_EXIT_RACE = r"""
+import atexit, sys, threading
+
+def finish_holding_the_gil():
+    # Registered before accord loads, so it runs after accord's exit gate
+    # closed, on the finalizing thread: a blocking call here must return.
+    try:
+        accord.connect(sys.argv[1], "exit-job", 0, 1, connect_timeout_s=0.2)
+    except accord.Error:
+        print("main thread's call after the gate returned", flush=True)
+    # One C call that never lets go of the GIL, while the daemon threads'
+    # waits end: they queue for the GIL and would get it once finalizing.
+    sum(range(40_000_000))
+
+atexit.register(finish_holding_the_gil)
+import accord
+
+
+
+def wait_in_accord(timeout_s):
+    try:
+        accord.connect(sys.argv[1], "exit-job", 0, 1, connect_timeout_s=timeout_s)
+    except accord.Error:
+        # Writing lets go of the GIL: the threads still queued for it get it.
+        sys.stderr.write("thread back\n")
+
+for i in range(4):
+    threading.Thread(target=wait_in_accord, args=(0.3 + 0.05 * i,), daemon=True).start()
+print("main returns", flush=True)
+"""
+
+
+def test_daemon_threads_inside_accord_at_exit_never_abort_the_process(tmp_path):
+    """Daemon threads whose blocking accord call ends while the interpreter
+    exits park instead of being ended by pthread_exit through C++ frames
+    (which aborts: "terminate called without an active exception"); the
+    thread that finalizes can still call accord. Run a few times: the threads
+    reach the GIL at different points of the exit. (With the exit's check
+    for finalization alone, before taking the GIL back, 3 of 3 runs of this
+    test failed.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_race.py"
+    script.write_text(_EXIT_RACE)
+    for attempt in range(5):
+        run = subprocess.run([sys.executable, str(script), str(tmp_path / "absent.sock")],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, (attempt, run.returncode, run.stdout, run.stderr[-2000:])
+        assert "terminate called" not in run.stderr, run.stderr[-2000:]
+        assert "main thread's call after the gate returned" in run.stdout, run.stdout
