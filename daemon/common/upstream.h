@@ -18,7 +18,8 @@ class UpstreamSink {
   virtual void Send(v1::NodeMessage message) = 0;
   // Replaces whatever is queued with `messages` (called on connect).
   virtual void Reset(std::vector<v1::NodeMessage> messages) = 0;
-  // Drops the current stream and connects again.
+  // Ends the current stream once what is queued on it is written, and
+  // connects again.
   virtual void Reconnect() = 0;
 };
 

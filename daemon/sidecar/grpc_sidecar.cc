@@ -135,6 +135,10 @@ grpc::Status KeyValueForwarder::CheckToken(const std::string& job_id,
 
 namespace {
 
+// How long an ending upstream call (GrpcUpstream::Reconnect) waits, once
+// half-closed, for the coordinator to finish it before it is cancelled.
+constexpr absl::Duration kEndBound = absl::Seconds(1);
+
 // One key-value call forwarded upstream. Sent again while the coordinator is
 // unreachable (restarting, or the link to it cut), until the call's deadline:
 // wait_for_ready holds each attempt until the channel is up, and a call cut
@@ -495,6 +499,16 @@ void GrpcUpstream::Start() {
 void GrpcUpstream::Stop() {
   {
     accord::MutexLock l(&mu_);
+    // What is queued (a last rank's leave) is written and the call ended
+    // first, within a bound.
+    if (!stopping_ && call_.stream != nullptr) {
+      call_.ending = true;
+      const uint64_t id = call_.id;
+      auto ended = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return call_.id != id || call_.context == nullptr;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&ended), 2 * kEndBound);
+    }
     stopping_ = true;
     if (call_.context != nullptr) call_.context->TryCancel();
   }
@@ -514,10 +528,30 @@ void GrpcUpstream::Reset(std::vector<v1::NodeMessage> messages) {
   for (v1::NodeMessage& m : messages) queue_.push_back(std::move(m));
 }
 
+// The call ends after what was queued for it (a rank's leave, say) is
+// written: cancelling at once could drop it at the coordinator.
 void GrpcUpstream::Reconnect() {
   accord::MutexLock l(&mu_);
   reconnect_requested_ = true;
-  if (call_.context != nullptr) call_.context->TryCancel();
+  if (call_.context != nullptr) call_.ending = true;
+}
+
+void GrpcUpstream::EndCallLocked() {
+  const uint64_t id = call_.id;
+  auto* stream = call_.stream;
+  call_.half_closed = true;
+  call_.writing = true;
+  mu_.Unlock();
+  const bool ok = stream->WritesDone();
+  mu_.Lock();
+  call_.writing = false;
+  // The coordinator finishes the stream once it has read it to the end.
+  auto ended = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || call_.id != id || call_.context == nullptr;
+  };
+  if (!ok || !mu_.AwaitWithTimeout(absl::Condition(&ended), kEndBound)) {
+    if (call_.id == id && call_.context != nullptr) call_.context->TryCancel();
+  }
 }
 
 void GrpcUpstream::WriteLoop() {
@@ -525,10 +559,15 @@ void GrpcUpstream::WriteLoop() {
   while (true) {
     mu_.Await(absl::Condition(
         +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) {
-          return u->stopping_ || (u->call_.stream != nullptr && !u->queue_.empty());
+          return u->stopping_ || (u->call_.stream != nullptr && !u->call_.half_closed &&
+                                  (!u->queue_.empty() || u->call_.ending));
         },
         this));
     if (stopping_) return;
+    if (queue_.empty()) {
+      EndCallLocked();
+      continue;
+    }
     v1::NodeMessage m = std::move(queue_.front());
     queue_.pop_front();
     auto* stream = call_.stream;
@@ -548,7 +587,7 @@ void GrpcUpstream::ReadLoop() {
     {
       accord::MutexLock l(&mu_);
       if (stopping_) return;
-      call_.context = context.get();
+      call_ = Call{call_.id + 1, context.get()};
     }
     std::unique_ptr<grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>> stream =
         stub_->Session(context.get());
@@ -575,8 +614,7 @@ void GrpcUpstream::ReadLoop() {
       mu_.Await(absl::Condition(
           +[](GrpcUpstream* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu_) { return !u->call_.writing; },
           this));
-      call_.stream = nullptr;
-      call_.context = nullptr;
+      call_ = Call{call_.id};
       queue_.clear();
     }
     grpc::Status status = stream->Finish();

@@ -139,7 +139,7 @@ class KeyValueForwarder final : public v1::KeyValueService::CallbackService {
 // The long-lived CoordinatorService.Session stream. Owns a reader thread
 // (connects, reconnects with exponential backoff capped at `max_backoff`,
 // feeds the Sidecar) and a writer thread (drains the queue). Both stop in
-// Stop() or the destructor.
+// Stop() or the destructor, after what is queued is written (bounded).
 class GrpcUpstream final : public UpstreamSink {
  public:
   // `handler`: the Sidecar, or a relay's upstream side.
@@ -165,13 +165,20 @@ class GrpcUpstream final : public UpstreamSink {
   bool reconnect_requested_ ABSL_GUARDED_BY(mu_) = false;  // Reconnect() called
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   // The current call: its context (set while it is being opened and read),
-  // its stream (set once the handler was told of it) and whether the writer
-  // is writing to it outside the lock.
+  // its stream (set once the handler was told of it), whether the writer is
+  // writing to it outside the lock, and whether it is to end (Reconnect) and
+  // was half-closed once its queue was written.
   struct Call {
+    uint64_t id = 0;
     grpc::ClientContext* context = nullptr;
     grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream = nullptr;
     bool writing = false;
+    bool ending = false;
+    bool half_closed = false;
   };
+  // Writes what is queued, then half-closes the call; cancels it when the
+  // coordinator has not finished it within a bound.
+  void EndCallLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Call call_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::NodeMessage> queue_ ABSL_GUARDED_BY(mu_);
   std::thread reader_;

@@ -617,6 +617,13 @@ void SidecarJob::CloseSession(absl::Time now, SessionId id) {
                      << last_step << ")";
   }
   if (ranks_.none()) {
+    // The node's last rank: its leave goes up before the job's stream ends
+    // (which writes what is queued first), so the coordinator names it at
+    // once instead of waiting out the node's reconnect grace.
+    std::vector<ReleaseCoalescer::Batch> flushed;
+    upstream_.releases.RemoveRank(rank, &flushed);
+    SendBatches(flushed);
+    node_.LeaveRank(rank, last_step);
     ResetJob();
     return;
   }

@@ -20,7 +20,10 @@ class FakeUpstream : public UpstreamSink {
  public:
   void Send(v1::NodeMessage m) override { sent.push_back(std::move(m)); }
   void Reset(std::vector<v1::NodeMessage> m) override { reset = std::move(m); }
-  void Reconnect() override { ++reconnects; }
+  void Reconnect() override {
+    ++reconnects;
+    sent_before_reconnect = sent.size();
+  }
   // Every manifest sent, in order, across messages.
   std::vector<v1::Manifest> manifests() const {
     std::vector<v1::Manifest> out;
@@ -40,6 +43,7 @@ class FakeUpstream : public UpstreamSink {
   std::vector<v1::NodeMessage> sent;
   std::vector<v1::NodeMessage> reset;
   int reconnects = 0;
+  size_t sent_before_reconnect = 0;  // at the last Reconnect
 };
 
 class FakeRankSink : public RankSink {

@@ -436,8 +436,15 @@ TEST_F(SidecarTest, RankLeavingIsReportedAndCompletesStepsWaitingOnlyForIt) {
   EXPECT_EQ(up_.sent[1].rank_event().rank(), 1);
   ASSERT_EQ(up_.manifests().size(), 1u);
   EXPECT_FALSE(up_.manifests()[0].rank_bits().empty());  // explicit: only rank 0
+  up_.sent.clear();
   sidecar_.CloseRank(s0_);
   EXPECT_EQ(up_.reconnects, 1);  // last rank gone: the node is free for another job
+  // The last rank's leave goes up before the stream ends, so the coordinator
+  // names it at once rather than after the node's reconnect grace.
+  ASSERT_EQ(up_.sent_before_reconnect, 1u);
+  ASSERT_TRUE(up_.sent[0].has_rank_event());
+  EXPECT_FALSE(up_.sent[0].rank_event().joined());
+  EXPECT_EQ(up_.sent[0].rank_event().rank(), 0);
 }
 
 TEST_F(SidecarTest, RepeatedBatchGoesUpAsABatchRepeatOnlyWhenTheCoordinatorAcceptsIt) {

@@ -724,6 +724,35 @@ TEST_F(FaultTest, RankKilledMidStepIsNamedAloneNeverALiveRank) {
   }
 }
 
+// A rank alone on its sidecar (world 2 on 2 sidecars) is killed while rank 0
+// waits for step 1: its sidecar sends the leave before the node's stream
+// ends, so the coordinator names it at once, not after the node's reconnect
+// grace (10 s) nor at the deadline (60 s).
+TEST_F(FaultTest, ARankKilledAloneOnItsSidecarIsNamedByItsLeave) {
+  StartCluster(2, {"--deadline=60s"});
+  std::vector<std::string> flags = kFlags;
+  flags.insert(flags.end(), {"--gate_rank=1", "--gate_step=1", "--gate_fifo=" + gate_.path()});
+  absl::StatusOr<std::vector<std::unique_ptr<ChildProcess>>> started =
+      cluster_->StartRanks(Command(flags), /*world=*/2, "alone");
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::vector<std::unique_ptr<ChildProcess>> procs = *std::move(started);
+  ASSERT_EQ(cluster_->SidecarOf(1, 2), 1);
+  ASSERT_TRUE(procs[1]->WaitForLine("rank 1 waiting at gate", absl::Now() + absl::Seconds(60)).ok())
+      << procs[1]->Output();
+  ASSERT_TRUE(
+      procs[0]->WaitForLine("rank 0 step 1 submitted", absl::Now() + absl::Seconds(60)).ok())
+      << procs[0]->Output();
+  kill(procs[1]->pid(), SIGKILL);
+  std::vector<RankResult> results = Finish(procs);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[1].exit_code, 128 + SIGKILL);
+  EXPECT_NE(results[0].exit_code, 0) << results[0].output;
+  EXPECT_THAT(FirstError(results[0]),
+              HasSubstr("DEADLINE_EXCEEDED: job alone group \"g0\" step 1: rank 1 left (its "
+                        "stream to the sidecar on node \"node1\" ended)"))
+      << results[0].output;
+}
+
 TEST_F(FaultTest, SidecarCutOffFromTheCoordinatorLosesNoDecision) {
   StartCluster(1);
   const std::string port =
