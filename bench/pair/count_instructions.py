@@ -2,7 +2,7 @@
 
     python3 bench/pair/count_instructions.py --old OLD_BUILD --new NEW_BUILD [--nodes 256]
         [--fanin 128] [--steps 4] [--runs 2] [--iterations 50]
-        [--benches coordinator,relay,negotiation] [--keep DIR]
+        [--benches coordinator,relay,negotiation,client] [--keep DIR]
 
 OLD_BUILD and NEW_BUILD are build folders (the same build type) holding
 bench/coordinator/accord_coordinator_bench (coordinator, relay) and, for
@@ -29,6 +29,13 @@ bench/pair/pair_trees.py). Only the code under test is counted
   threads interleave differently per run (lock slow paths, how upstream
   answers batch), a few percent between runs; use several --runs.
 
+- client: the client's `Submit`, `SubmitBatch`, `Wait` and `HandleReply` in both
+  rank processes of the same negotiation runs (the launcher and its ranks under
+  callgrind with `--trace-children`, the daemons not), per iteration likewise:
+  the native half of the embedded step (bench/embedded: a rank's submit and
+  wait through the bindings). Waits block, and how often a lock spins before
+  it does varies by run, as for the sidecar.
+
 Coordinator and relay counts repeat to within 0.01%. Protobuf parsing of the
 same bytes is outside the count (the bench's parse baseline). Prints
 instructions per step (per iteration), per node x group (per group
@@ -47,11 +54,17 @@ import tempfile
 
 MODES = {"coordinator": ("none-repeat", "all-repeat", "batch-repeat"),
          "relay": ("full form", "repeat form", "batch repeat"),
-         "negotiation": ("local path", "coordinator path")}
+         "negotiation": ("local path", "coordinator path"),
+         "client": ("local path", "coordinator path")}
 # The sidecar's handlers of a rank's and of the upstream's messages (not nested).
 SIDECAR_TOGGLES = ["accord::daemon::Sidecar::HandleRankMessage(*",
                    "accord::daemon::Sidecar::HandleCoordinatorMessage(accord::v1::"
                    "CoordinatorMessage*)"]
+# The client's calls a rank makes per step (Submit, SubmitBatch, Wait) and its
+# handling of the sidecar's replies, in both trees (GrpcClient was file-local in
+# the older one: the leading wildcard takes its anonymous namespace).
+CLIENT_TOGGLES = ["*GrpcClient::Submit(*", "*GrpcClient::SubmitBatch(*",
+                  "*GrpcClient::Wait(*", "*GrpcClient::HandleReply(*"]
 BENCH = "bench/coordinator/accord_coordinator_bench"
 
 
@@ -108,8 +121,9 @@ def relay(build: str, a, out: str) -> dict:
             "batch repeat": d[1 + 2 * s:1 + 3 * s]}
 
 
-def negotiation_run(build: str, path: str, iters: int, out: str) -> int:
-    """The sidecar's instructions over one negotiation bench run (--ranks=2, one path)."""
+def negotiation_run(build: str, path: str, iters: int, out: str, who: str = "sidecar") -> int:
+    """Instructions over one negotiation bench run (--ranks=2, one path): the sidecar's
+    (`who` "sidecar"), or the client's in both rank processes together ("client")."""
     if os.path.exists(os.path.join(out, "done")):
         return int(open(os.path.join(out, "done")).read())
     shutil.rmtree(out, ignore_errors=True)
@@ -118,37 +132,58 @@ def negotiation_run(build: str, path: str, iters: int, out: str) -> int:
     real = os.path.abspath(os.path.join(build, "daemon"))
     os.symlink(os.path.join(real, "coordinator", "accord-coordinator"),
                os.path.join(bins, "accord-coordinator"))
-    wrapper = os.path.join(bins, "accord-sidecar")
-    with open(wrapper, "w") as f:
-        f.write("#!/bin/sh\nexec valgrind --tool=callgrind --collect-atstart=no "
-                f"--callgrind-out-file={out}/sidecar.%p " +
-                " ".join(f"'--toggle-collect={t}'" for t in SIDECAR_TOGGLES) +
-                f" {real}/sidecar/accord-sidecar \"$@\"\n")
-    os.chmod(wrapper, 0o755)
     exe = os.path.join(build, "bench/negotiation/accord_negotiation_bench")
-    p = subprocess.run([exe, "--ranks=2", f"--iterations={iters}", f"--bin_dir={bins}",
-                        "--gloo=false", f"--paths={path}"], capture_output=True, text=True)
-    files = glob.glob(f"{out}/sidecar.*")
-    if p.returncode != 0 or len(files) != 1:
-        raise SystemExit(f"negotiation bench failed or no callgrind file: {p.stdout[-2000:]}\n"
-                         f"{p.stderr[-2000:]}")
-    with open(files[0]) as fh:
-        total = int(re.search(r"^totals:\s+(\d+)", fh.read(), re.M).group(1))
+    cmd = [exe]
+    if who == "sidecar":
+        wrapper = os.path.join(bins, "accord-sidecar")
+        with open(wrapper, "w") as f:
+            f.write("#!/bin/sh\nexec valgrind --tool=callgrind --collect-atstart=no "
+                    f"--callgrind-out-file={out}/cg.%p " +
+                    " ".join(f"'--toggle-collect={t}'" for t in SIDECAR_TOGGLES) +
+                    f" {real}/sidecar/accord-sidecar \"$@\"\n")
+        os.chmod(wrapper, 0o755)
+    else:
+        # The launcher and its rank processes (itself again) under callgrind, the daemons
+        # not; only the client's calls are counted, and the launcher makes none.
+        os.symlink(os.path.join(real, "sidecar", "accord-sidecar"),
+                   os.path.join(bins, "accord-sidecar"))
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--trace-children=yes",
+               "--trace-children-skip=*accord-sidecar,*accord-coordinator,*/sh,*/rm",
+               f"--callgrind-out-file={out}/cg.%p"]
+        cmd += [f"--toggle-collect={t}" for t in CLIENT_TOGGLES] + [exe]
+    p = subprocess.run(cmd + ["--ranks=2", f"--iterations={iters}", f"--bin_dir={bins}",
+                              "--gloo=false", f"--paths={path}"], capture_output=True, text=True)
+    files = glob.glob(f"{out}/cg.*")
+    want = 1 if who == "sidecar" else 3  # the launcher and two ranks
+    if p.returncode != 0 or len(files) != want:
+        raise SystemExit(f"negotiation bench failed or {len(files)} callgrind files, not "
+                         f"{want}: {p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    total = 0
+    for name in files:
+        with open(name) as fh:
+            total += int(re.search(r"^totals:\s+(\d+)", fh.read(), re.M).group(1))
     open(os.path.join(out, "done"), "w").write(str(total))
     return total
 
 
-def negotiation(build: str, a, out: str) -> dict:
+def negotiation(build: str, a, out: str, who: str = "sidecar") -> dict:
     # Per iteration of the three cases (cache miss, cache hit, 200-group batch): the
     # difference of two runs' totals, so that start-up and registration cancel.
-    with open(os.path.join(build, "daemon/sidecar/accord-sidecar"), "rb") as f:
-        out = f"{out}-{hashlib.sha1(f.read()).hexdigest()[:12]}"  # kept per sidecar binary
+    binary = "bench/negotiation/accord_negotiation_bench" if who == "client" else \
+        "daemon/sidecar/accord-sidecar"
+    with open(os.path.join(build, binary), "rb") as f:
+        out = f"{out}-{hashlib.sha1(f.read()).hexdigest()[:12]}"  # kept per binary
     got = {}
     for path in ("local", "coordinator"):
-        lo = negotiation_run(build, path, a.iterations, f"{out}-{path}-{a.iterations}")
-        hi = negotiation_run(build, path, 2 * a.iterations, f"{out}-{path}-{2 * a.iterations}")
+        lo = negotiation_run(build, path, a.iterations, f"{out}-{path}-{a.iterations}", who)
+        hi = negotiation_run(build, path, 2 * a.iterations, f"{out}-{path}-{2 * a.iterations}",
+                             who)
         got[f"{path} path"] = [(hi - lo) / a.iterations]
     return got
+
+
+def client(build: str, a, out: str) -> dict:
+    return negotiation(build, a, out, who="client")
 
 
 def mean(xs):
@@ -173,11 +208,13 @@ def main():
     root = a.keep or tempfile.mkdtemp(prefix="count-instr-")
     groups = 200  # the bench's default --groups
     entries = {"coordinator": a.nodes * groups, "relay": a.fanin * groups,
-               "negotiation": 2 * (2 + groups)}  # 2 ranks x (big twice + 200 groups)
+               "negotiation": 2 * (2 + groups),  # 2 ranks x (big twice + 200 groups)
+               "client": 2 * (2 + groups)}
     print(f"{'bench / mode':<28} {'old instr/step':>15} {'new instr/step':>15} "
           f"{'old /entry':>10} {'new /entry':>10} {'new/old-1':>9}  runs' spread")
     for bench in a.benches.split(","):
-        fn = {"coordinator": coordinator, "relay": relay, "negotiation": negotiation}[bench]
+        fn = {"coordinator": coordinator, "relay": relay, "negotiation": negotiation,
+              "client": client}[bench]
         per = {}
         for tree, build in (("old", a.old), ("new", a.new)):
             per[tree] = [fn(build, a, os.path.join(root, f"{bench}-run{r}"))
@@ -190,6 +227,8 @@ def main():
             print(f"{bench + ' / ' + mode:<28} {o:>15.0f} {n:>15.0f} "
                   f"{o / entries[bench]:>10.1f} {n / entries[bench]:>10.1f} "
                   f"{100 * (n / o - 1):>+8.2f}%  {100 * spread:.3f}%", flush=True)
+            print(f"    runs, old: {[round(mean(r[mode])) for r in per['old']]}, "
+                  f"new: {[round(mean(r[mode])) for r in per['new']]}", flush=True)
     if a.keep is None:
         shutil.rmtree(root)
 
