@@ -242,14 +242,21 @@ def test_a_process_ending_with_a_peers_reset_connection_inside_a_step_asks_the_j
 
 
 @pytest.mark.parametrize("open_step,error", [(False, "Connection closed by peer"),
-                                             (True, "shape mismatch")])
+                                             (True, "shape mismatch"), (True, "verdict")])
 def test_a_process_ending_otherwise_asks_nothing_at_exit(open_step, error):
+    """No step open, another error, or the job's verdict already raised
+    (its cause the reset connection)."""
     said = []
     agreement = FakeAgreement(error=WORDS)
     item, _ = _item(agreement, stall_s=60.0, said=said)
     if open_step:
         item.begin_step()
     try:
+        if error == "verdict":
+            try:
+                raise RuntimeError("Connection reset by peer")
+            except RuntimeError as gloo:
+                raise accord.torch.AccordJobError(WORDS) from gloo
         raise RuntimeError(error)
     except RuntimeError:
         item.stop_for_exit()

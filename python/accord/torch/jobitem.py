@@ -30,6 +30,7 @@ own brackets). Either is alike on every rank of a job whose ranks run the
 same program, as TP, EP and pipeline peers do; once a schedule has driven a
 step, only schedule steps count.
 """
+
 from __future__ import annotations
 
 import sys
@@ -312,8 +313,8 @@ class JobItem:
         misses the step at once), ends the process with it."""
         failure = sys.exc_info()[1] or getattr(sys, "last_value", None)
         if (not self.each_step or self.steps.open < 0 or self.verdict.failure is not None
-                or not peer_gone(failure)):
-            return
+                or isinstance(failure, AccordJobError) or not peer_gone(failure)):
+            return  # nothing to ask, or the verdict is known
         try:
             self.ask(self.step, failure, self.timeout_s, where=_EXIT)
         except AccordJobError as e:
