@@ -1,5 +1,5 @@
 """A rank stopped (SIGSTOP) or killed (SIGKILL) in the middle of a pipeline
-step, and in the middle of a TP x FSDP step (test_faults.py).
+step, and in the middle of a TP x FSDP step, DP 2 or 1 (test_faults.py).
 
 Pipeline: 2 stages x 2 DP ranks (rank = 2 * stage + dp rank), one accord
 job of the 4 ranks, each stage module installed alone (its groups agreed
@@ -145,18 +145,16 @@ def pipeline_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps
     return result
 
 
-def tp_fsdp_stopped(rank, world_size, cluster=None, victim=3, fault="stop", steps=5,
-                    fault_step=2):
-    """(dp, tp) = (2, 2): each TP rank's dp group is a member set ({0, 2},
-    {1, 3}); the blocks' weights are sharded column-wise over tp and FSDP
-    over dp."""
+def _tp_installed(rank, world_size, cluster, dp):
+    """(dp, tp) = (`dp`, 2): the blocks' weights sharded column-wise then
+    row-wise over tp, FSDP over dp; the model installed."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
     import accord.torch
 
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     mod = Stage()
     for i, b in enumerate(mod.blocks):
         mod.blocks[i] = b = nn.Sequential(b, nn.Tanh(), nn.Linear(D, D))
@@ -164,13 +162,52 @@ def tp_fsdp_stopped(rank, world_size, cluster=None, victim=3, fault="stop", step
         fully_shard(b, mesh=mesh["dp"])
     fully_shard(mod, mesh=mesh["dp"])
     accord.torch.install(mod, make_agreement("accord", rank, world_size, cluster))
+    return mod
+
+
+def tp_fsdp_stopped(rank, world_size, cluster=None, victim=3, fault="stop", steps=5,
+                    fault_step=2, dp=2):
+    """(dp, tp) = (2, 2): each TP rank's dp group is a member set ({0, 2},
+    {1, 3}). dp = 1: each rank's member set is itself alone (no guard, no
+    step watch; `~job` each step, its steps the root's forward to the end
+    of its backward)."""
+    mod = _tp_installed(rank, world_size, cluster, dp)
     state = {"armed": False}
     if rank == victim:
         _arm(mod.blocks[1], state, fault)
-    g = torch.Generator().manual_seed(rank // 2)
+    g = torch.Generator().manual_seed(rank // 2)  # the dp coordinate: TP peers alike
 
     def step(_):
         mod(torch.randn(4, D, generator=g)).pow(2).sum().backward()
         mod.zero_grad(set_to_none=True)
 
     return _steps(state, rank, step, steps, fault_step, victim)
+
+
+def tp_dp1_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps=4, slow_step=1,
+                micros=2):
+    """(dp, tp) = (1, 2), healthy, `micros` forwards and backwards per step
+    (gradient accumulation: only the last backward ends FSDP2's step):
+    `slow_rank` computes `slow_s` more in its first forward of step
+    `slow_step` (longer than the stall time, shorter than the deadline)."""
+    mod = _tp_installed(rank, world_size, cluster, 1)
+    state = {"step": 0}
+    if rank == slow_rank:
+        def slow(*_):
+            if state["step"] == slow_step and not state.get("done"):
+                state["done"] = True
+                time.sleep(slow_s)  # the slow computation itself, not a wait for anything
+        mod.register_forward_pre_hook(slow)
+    g = torch.Generator().manual_seed(0)
+
+    def step(k):
+        state["step"] = k
+        for m in range(micros):
+            mod.set_is_last_backward(m == micros - 1)
+            mod(torch.randn(4, D, generator=g)).pow(2).sum().backward()
+        mod.zero_grad(set_to_none=True)
+
+    result = _steps({"armed": False}, rank, step, steps, -1, -1)
+    job = mod.__dict__["_accord_installation"].job
+    result.update(early=job.early, ended=job.steps.ended)
+    return result

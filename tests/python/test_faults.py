@@ -257,6 +257,45 @@ def test_tp_fsdp_rank_stopped_is_named_to_its_member_set(cluster):
     check_member_fault(results, 3, (1, 3), "stop")
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_tp_dp1_rank_stopped_mid_backward_is_named_by_the_job(cluster, fault, victim):
+    """TP 2 x DP 1 outside a pipeline schedule: each rank's member set is
+    itself alone (no guard, no step watch). The rank stopped (or killed) in
+    its backward at step 2 is named by `~job` to its TP peer, blocked in a
+    TP all-reduce (stopped: the peer stalls and submits step 2 early;
+    killed: Gloo raises the reset connection, and the peer's exit asks
+    step 2, which the rank that left misses; docs/MEMBERS.md 2.13 point
+    3)."""
+    info = cluster_info(cluster, 2, f"tp-dp1-{fault}-{victim}")
+    results = run_ranks(pfs.tp_fsdp_stopped, 2, 120.0, victims=(victim,), as_script=True,
+                        cluster=info, victim=victim, fault=fault, dp=1)
+    check_job_fault(results, victim, fault)
+    (text, _), = [_told(res) for r, res in enumerate(results) if r != victim]
+    # Both ranks counted the same steps: the victim sent 0 and 1, and the
+    # survivor stalled in step 2 (or its exit asked 2, or 3 once its stall
+    # had sent 2).
+    steps = ("2",) if fault == "stop" else ("2", "3")
+    assert re.search(rf'group "~job" step ({"|".join(steps)}): ', text), text
+    assert f"rank {victim} (last step 1, " in text, text
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_tp_dp1_slow_rank_is_not_named(cluster, slow_rank):
+    """TP 2 x DP 1, healthy, two forwards and backwards per step (gradient
+    accumulation): one rank computes 3 s more in one step (over the 1 s
+    stall time, under the 5 s deadline) while its TP peer waits in an
+    all-reduce; both submit `~job` early, nobody is named, and both counted
+    one step per optimizer step."""
+    info = cluster_info(cluster, 2, f"tp-dp1-slow-{slow_rank}")
+    results = run_ranks(pfs.tp_dp1_slow, 2, 120.0, cluster=info, slow_rank=slow_rank,
+                        slow_s=3.0, steps=4)
+    for r, res in enumerate(results):
+        assert not isinstance(res, (RankFailure, RankDied)) and res["error"] is None, (r, res)
+        assert res["ended"] == 4, (r, res)
+    assert results[1 - slow_rank]["early"] >= 1, results
+
+
 def test_pipeline_without_the_job_watch_hangs_past_the_bound(cluster, monkeypatch):
     """Pinned: with `~job` and the schedule's step turned off
     (ACCORD_TORCH_JOB_WATCH=0), the stage-1 ranks of a stopped stage-0 rank

@@ -148,3 +148,116 @@ def test_alive_mode_submits_nothing_at_a_steps_end():
         item.leave()
     item.stop_for_exit()  # joins its thread, which only registered
     assert agreement.submitted == []
+
+
+# ------------------------------------------------- outside a pipeline schedule
+# A one-rank member set outside a schedule (TP or EP with DP 1): the
+# installation's root forward begins a step (begin_step) and the backward
+# that ends FSDP2's step ends it (end_step).
+
+def test_root_module_steps_outside_a_schedule_submit_every_ended_step_in_order():
+    """Gradient accumulation: several forwards (and backwards that do not end
+    FSDP2's step) before the one that does make one step; an end with no
+    step open (the installation's end after a backward) counts nothing."""
+    agreement = FakeAgreement(want=3)
+    item, _ = _item(agreement, stall_s=60.0)
+    try:
+        for _ in range(3):
+            for _micro in range(3):
+                item.begin_step()
+                item.progress()
+            item.end_step()
+            item.end_step()
+        assert agreement.seen.wait(10.0), agreement.submitted
+    finally:
+        item.stop_for_exit()
+    assert agreement.submitted == [0, 1, 2]
+    assert item.steps.ended == 3 and item.early == 0
+
+
+def test_a_rank_stalled_inside_a_root_module_step_submits_it_early():
+    agreement = FakeAgreement(want=2)
+    item, _ = _item(agreement, stall_s=0.02)
+    try:
+        item.begin_step()
+        item.end_step()  # step 0 ends: its index is due
+        item.begin_step()  # step 1 opens; no progress from here (a peer stopped)
+        assert agreement.seen.wait(10.0), agreement.submitted
+    finally:
+        item.stop_for_exit()
+    assert agreement.submitted[:2] == [0, 1], agreement.submitted
+    assert item.early >= 1
+
+
+def test_root_module_brackets_count_nothing_once_a_schedule_drove_a_step():
+    """Under a schedule its step() brackets the step; the stage module's
+    forwards and backward ends inside it (and outside it later) count
+    nothing, so each schedule step is one index."""
+    agreement = FakeAgreement(want=2)
+    item, _ = _item(agreement, stall_s=60.0)
+    try:
+        for _ in range(2):
+            item.enter()
+            item.begin_step()
+            item.end_step()
+            item.begin_step()
+            item.end_step()
+            item.leave()
+        item.begin_step()  # a stage module's forward outside the schedule
+        item.end_step()
+        assert agreement.seen.wait(10.0), agreement.submitted
+    finally:
+        item.stop_for_exit()
+    assert agreement.submitted == [0, 1] and item.steps.ended == 2
+
+
+def test_alive_mode_counts_no_root_module_steps():
+    agreement = FakeAgreement()
+    item = JobItem(agreement, each_step=False, stall_s=0.02)
+    for _ in range(3):
+        item.begin_step()
+        item.end_step()
+    item.stop_for_exit()
+    assert agreement.submitted == [] and item.steps.ended == 0
+
+
+def test_a_process_ending_with_a_peers_reset_connection_inside_a_step_asks_the_job():
+    """Gloo raised a killed TP peer's reset connection on the training
+    thread (a collective accord does not wrap): at exit the open step's
+    index is submitted, which the rank that left misses; the process ends
+    with the coordinator's words."""
+    said = []
+    agreement = FakeAgreement(error=WORDS, fail_from=1)
+    item, _ = _item(agreement, stall_s=60.0, said=said)
+    item.begin_step()
+    item.end_step()
+    item.begin_step()  # step 1
+    try:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+    except RuntimeError:
+        item.stop_for_exit()  # the exit functions of a script whose exception nobody caught
+    (message,) = said
+    assert message.splitlines()[-1] == f"AccordJobError: {WORDS}", message
+    assert agreement.submitted == [0, 1], agreement.submitted
+
+
+@pytest.mark.parametrize("open_step,error", [(False, "Connection closed by peer"),
+                                             (True, "shape mismatch"), (True, "verdict")])
+def test_a_process_ending_otherwise_asks_nothing_at_exit(open_step, error):
+    """No step open, another error, or the job's verdict already raised
+    (its cause the reset connection)."""
+    said = []
+    agreement = FakeAgreement(error=WORDS)
+    item, _ = _item(agreement, stall_s=60.0, said=said)
+    if open_step:
+        item.begin_step()
+    try:
+        if error == "verdict":
+            try:
+                raise RuntimeError("Connection reset by peer")
+            except RuntimeError as gloo:
+                raise accord.torch.AccordJobError(WORDS) from gloo
+        raise RuntimeError(error)
+    except RuntimeError:
+        item.stop_for_exit()
+    assert said == [] and agreement.submitted == []

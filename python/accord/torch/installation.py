@@ -221,6 +221,8 @@ class Installation:
                         self.units.end_step()
                     if self.watch is not None:
                         self.watch.end_step()
+                    if self.job is not None:
+                        self.job.end_step()  # outside a schedule: `~job`'s step ends
 
         return callback
 
@@ -268,6 +270,8 @@ class Installation:
             self.current = None
         if self.watch is not None:
             self.watch.begin_step(self.release_index)
+        if self.job is not None:
+            self.job.begin_step()  # outside a schedule: `~job`'s step opens
         if self.guard is not None:
             self.guard.begin_step()
 
@@ -284,6 +288,8 @@ class Installation:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            if self.job is not None:
+                self.job.end_step()  # a step left open (a forward without a backward)
             if self.units is not None:
                 self.units.remove()  # its learned units stay listed
             for part in ("guard", "watch"):

@@ -1,43 +1,70 @@
-"""`~job` of one client: its registration, and the job watch of a pipeline
-job whose member sets have one rank (docs/MEMBERS.md 2.13 point 3).
+"""`~job` of one client: its registration, and the job watch of a job whose
+member sets have one rank (docs/MEMBERS.md 2.13 point 3).
 
 Two modes, fixed by the registration's one slot, so every rank of the job
 runs the same one (a job whose ranks disagree gets the coordinator's
-registration error for `~job`, raised at the next schedule step):
+registration error for `~job`, raised at the next step):
 
 - `alive` (every member set has two ranks or more): `~job` is submitted only
   when a pipeline transfer fails because its peer's process ended
   (`ask`); a stopped rank is named by its member set's `~step@M`.
-- `each-step` (the installation's member set is this rank alone: a stage
-  with DP 1): nobody of its set is left to name it, so `~job` names it.
-  Every rank submits `~job` at step s once its schedule's step s returns
-  (from the watch thread: the training thread only counts), and the watch
-  thread submits it early when the training thread makes no progress for
-  `stall_s` inside step s; still stalled `stall_s` after that item was
-  decided ok (every rank was alive at s), it submits the next step's, and
-  so on. Every live rank thus submits every step index, at its step's end
-  or by stalling; a stopped rank stops at some index k, and the first
-  submission of k + 1 starts the coordinator's clock: it is named at the
-  deadline. The step index is the count of the process's schedule steps
-  (the outermost step() calls), alike on every rank of a pipeline job.
+- `each-step` (the installation's member set is this rank alone: DP 1
+  under a pipeline schedule, or TP or EP with DP 1): nobody of its set is
+  left to name it, so `~job` names it. Every rank submits `~job` at step s
+  once its step s ends (from the watch thread: the training thread only
+  counts), and the watch thread submits it early when the training thread
+  makes no progress for `stall_s` inside step s; still stalled `stall_s`
+  after that item was decided ok (every rank was alive at s), it submits
+  the next step's, and so on. Every live rank thus submits every step
+  index, at its step's end or by stalling; a stopped rank stops at some
+  index k, and the first submission of k + 1 starts the coordinator's
+  clock: it is named at the deadline. A killed rank's peer, which Gloo
+  tells (a reset connection) and whose process then ends with that error,
+  submits its open step at exit, which the rank that left misses.
+
+A step is the count of the process's schedule steps (the outermost step()
+calls: enter()/leave()) under a pipeline schedule; outside one, of the
+installed root modules' steps, from a root forward to the end of the
+backward that ends FSDP2's step (begin_step()/end_step(), the step watch's
+own brackets). Either is alike on every rank of a job whose ranks run the
+same program, as TP, EP and pipeline peers do; once a schedule has driven a
+step, only schedule steps count.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Optional
 
 from accord.errors import is_local_timeout
-from accord.torch.errors import again, last_words, verdict
+from accord.torch.errors import AccordJobError, again, last_words, verdict
 from accord.torch.watchdog import end_process, stop_at_exit
 
 GROUP = "~job"
 MANIFEST = ["float32"]
 REGISTER_WAIT_S = 1.0
-_WHERE = "accord.torch: a rank stopped or died while this rank was blocked in a pipeline step"
+_WHERE = "accord.torch: a rank stopped or died while this rank was blocked in a step"
 _TRANSFER = ("accord.torch: a pipeline transfer failed (a rank of another stage stopped or "
              "died)")
+_EXIT = ("accord.torch: this process is ending with a collective's error (a peer's process "
+         "ended) inside a step")
+# Gloo's words when the other end of a transfer is gone (its process ended):
+# Gloo raises a plain RuntimeError with no code, so its text is all there is
+# to match. Other errors are the caller's own and pass unchanged.
+_PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "ECONNRESET")
+
+
+def peer_gone(failure: Optional[BaseException]) -> bool:
+    """A transfer failed because its peer's process ended (a schedule or
+    DTensor may wrap Gloo's error in its own)."""
+    seen = 0
+    while failure is not None and seen < 8:
+        if isinstance(failure, RuntimeError) and any(s in str(failure) for s in _PEER_GONE):
+            return True
+        failure, seen = failure.__cause__ or failure.__context__, seen + 1
+    return False
 
 
 class StepCount:
@@ -46,6 +73,7 @@ class StepCount:
 
     def __init__(self):
         self.depth = 0  # schedule_step() brackets open (interleaved chunks: one per stage)
+        self.scheduled = False  # a schedule drove a step: the root modules' brackets count not
         self.open = -1  # the open step's index (-1: none)
         self.ended = 0  # steps ended: their items are due
         self.sent = 0  # the next step whose item this rank has not submitted
@@ -112,6 +140,7 @@ class JobItem:
             if s.depth == 0:
                 s.open, s.last = s.ended, time.monotonic()
             s.depth += 1
+            s.scheduled = True
 
     def leave(self) -> None:
         """A schedule step() returned or raised: the step's item is due."""
@@ -122,6 +151,29 @@ class JobItem:
                 s.open, s.ended, s.last = -1, s.ended + 1, time.monotonic()
                 if self.each_step:
                     self._wake.notify()
+
+    def begin_step(self) -> None:
+        """An installed root module's forward outside a schedule: it opens
+        a step when none is open (a forward without a backward, or several
+        before the backward that ends FSDP2's step, open one step)."""
+        if not self.each_step:
+            return
+        self.check()
+        with self._mu:
+            s = self.steps
+            if s.depth == 0 and not s.scheduled and s.open < 0:
+                s.open, s.last = s.ended, time.monotonic()
+
+    def end_step(self) -> None:
+        """The backward that ends FSDP2's step (its last backward) outside a
+        schedule, or the installation's end: the open step's item is due."""
+        if not self.each_step:
+            return
+        with self._mu:
+            s = self.steps
+            if s.depth == 0 and not s.scheduled and s.open >= 0:
+                s.open, s.ended, s.last = -1, s.ended + 1, time.monotonic()
+                self._wake.notify()
 
     def progress(self) -> None:
         # No lock: one assignment, read whole by the watch thread.
@@ -143,40 +195,45 @@ class JobItem:
         s = self.steps
         return s.open if s.open >= 0 else s.ended
 
-    def ask(self, step: int, failure: BaseException, timeout_s: float) -> None:
-        """A pipeline transfer failed at `step`: submits `~job` there (or at
-        this rank's next unsent step) and raises the job's verdict (from
-        `failure`) once there is one within timeout_s; returns when there
-        is none (the caller re-raises)."""
+    def ask(self, step: int, failure: BaseException, timeout_s: float,
+            where: str = _TRANSFER) -> None:
+        """A transfer failed at `step`: submits `~job` there (or at this
+        rank's next unsent step) and raises the job's verdict (from
+        `failure`, learned `where`) once there is one within timeout_s;
+        returns when there is none (the caller re-raises)."""
         if not self._registered.wait(timeout_s) or self._error is not None:
             return
         try:
             handle = self._submit(step)
         except Exception:  # noqa: BLE001 - refused here (a step this client sent): ask no more
-            self._job_verdict(failure)
+            self._job_verdict(failure, where)
             return
         try:
             self.agreement.wait(handle, timeout_s=timeout_s)
         except Exception as said:  # noqa: BLE001 - the job's verdict, or none in time
             if handle.ready():
-                raise verdict(said, _TRANSFER) from failure
-        self._job_verdict(failure)
+                raise verdict(said, where) from failure
+        self._job_verdict(failure, where)
 
-    def _job_verdict(self, failure: BaseException) -> None:
+    def _job_verdict(self, failure: BaseException, where: str) -> None:
         wait = getattr(self.agreement, "wait_verdict", None)
         if wait is None:
             return
         try:
             wait(0)
         except Exception as said:  # noqa: BLE001 - the job's verdict
-            raise verdict(said, _TRANSFER) from failure
+            raise verdict(said, where) from failure
 
     def _submit(self, step: int):
         """`~job` at `step`, or at this rank's next unsent step when that is
-        later (each index goes once: the client refuses a second)."""
+        later (each index goes once: the client refuses a second); ended
+        steps the watch thread has not sent yet go first."""
         with self._mu:  # submitted under the lock: indices leave in order
-            step = max(step, self.steps.sent)
-            self.steps.sent = step + 1
+            s = self.steps
+            for k in range(s.sent, min(s.ended, step)):
+                self.agreement.submit_async(GROUP, k, MANIFEST)
+            step = max(step, s.sent)
+            s.sent = step + 1
             return self.agreement.submit_async(GROUP, step, MANIFEST)
 
     # ------------------------------------------------------------ the thread
@@ -247,6 +304,22 @@ class JobItem:
             except Exception as said:  # noqa: BLE001 - the job's verdict
                 self.verdict.fail(said)
 
+    def _ask_at_exit(self) -> None:
+        """Each-step mode, the process ending inside a step with the error
+        of a transfer whose peer's process ended (a TP or EP collective
+        outside a schedule, which accord does not wrap, raised Gloo's reset
+        connection on the training thread): asks `~job` at the open step
+        and, when the job's verdict comes within timeout_s (a rank that left
+        misses the step at once), ends the process with it."""
+        failure = sys.exc_info()[1] or getattr(sys, "last_value", None)
+        if (not self.each_step or self.steps.open < 0 or self.verdict.failure is not None
+                or isinstance(failure, AccordJobError) or not peer_gone(failure)):
+            return  # nothing to ask, or the verdict is known
+        try:
+            self.ask(self.step, failure, self.timeout_s, where=_EXIT)
+        except AccordJobError as e:
+            self.verdict.on_failure(last_words(e))
+
     def _said(self, handle) -> Optional[BaseException]:
         """A ready handle's error (the coordinator's words), None when it
         was decided ok: never the local timeout that raced the decision."""
@@ -257,6 +330,7 @@ class JobItem:
         return None
 
     def stop_for_exit(self) -> None:  # watchdog.stop_at_exit
+        self._ask_at_exit()
         with self._mu:
             self._stop = True
             self._wake.notify()

@@ -21,12 +21,13 @@ when a rank of another stage stopped or died. Two things reach them:
   failed, the item is answered with the job's verdict. Either way the
   schedule's error is replaced by the job's verdict (accord.torch.errors),
   as accord does for the collectives it sees. Where the member set is this
-  rank alone (a stage with DP 1, no step watch), it is submitted each step
-  and watched for stalls, which names a stopped rank of such a stage.
+  rank alone (a stage with DP 1, or TP or EP with DP 1 outside a schedule:
+  no step watch), it is submitted each step and watched for stalls, which
+  names a stopped rank of such a member set.
 
 ACCORD_TORCH_JOB_WATCH=0 turns both off (the step watch then opens its step
 at the stage module's first forward only, a pipeline transfer's failure
-reaches the caller as torch's error, and a stopped DP-1 stage is named by
+reaches the caller as torch's error, and a stopped DP-1 rank is named by
 nobody).
 """
 
@@ -38,28 +39,11 @@ import weakref
 from typing import Iterator, Optional
 
 from accord.torch.errors import AccordJobError
-from accord.torch.jobitem import JobItem
+from accord.torch.jobitem import JobItem, peer_gone
 from accord.torch.options import env_flag
-
-# Gloo's words when the other end of a transfer is gone (its process ended):
-# Gloo raises a plain RuntimeError with no code, so its text is all there is
-# to match. A schedule's other errors are the caller's own and pass unchanged.
-_PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "ECONNRESET")
-
 
 def enabled() -> bool:
     return env_flag("ACCORD_TORCH_JOB_WATCH")
-
-
-def peer_gone(failure: Optional[BaseException]) -> bool:
-    """A transfer failed because its peer's process ended (the schedule may
-    wrap Gloo's error in its own, "failed to run forward")."""
-    seen = 0
-    while failure is not None and seen < 8:
-        if isinstance(failure, RuntimeError) and any(s in str(failure) for s in _PEER_GONE):
-            return True
-        failure, seen = failure.__cause__ or failure.__context__, seen + 1
-    return False
 
 
 # Every JobItem while an installation holds it, weakly (registering again
