@@ -122,6 +122,15 @@ def pipeline_stopped(rank, world_size, cluster=None, victim=3, fault="stop",
     return _steps(state, rank, step, steps, fault_step, victim)
 
 
+def _slow_once(module, state, slow_step, slow_s):
+    """`module` computes `slow_s` more in its first forward of step `slow_step`."""
+    def slow(*_):
+        if state["step"] == slow_step and not state.get("done"):
+            state["done"] = True
+            time.sleep(slow_s)  # the slow computation itself, not a wait for anything
+    module.register_forward_pre_hook(slow)
+
+
 def pipeline_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps=4,
                   slow_step=1, schedule="ScheduleGPipe"):
     """2 stages x DP 1, healthy: `slow_rank`'s stage module computes for
@@ -130,11 +139,7 @@ def pipeline_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps
     mod, _, step = _pipeline(rank, world_size, cluster, 1, schedule)
     state = {"step": 0}
     if rank == slow_rank:
-        def slow(*_):
-            if state["step"] == slow_step and not state.get("done"):
-                state["done"] = True
-                time.sleep(slow_s)  # the slow computation itself, not a wait for anything
-        mod.register_forward_pre_hook(slow)
+        _slow_once(mod, state, slow_step, slow_s)
 
     def counted(k):
         state["step"] = k
@@ -193,11 +198,7 @@ def tp_dp1_slow(rank, world_size, cluster=None, slow_rank=1, slow_s=3.0, steps=4
     mod = _tp_installed(rank, world_size, cluster, 1)
     state = {"step": 0}
     if rank == slow_rank:
-        def slow(*_):
-            if state["step"] == slow_step and not state.get("done"):
-                state["done"] = True
-                time.sleep(slow_s)  # the slow computation itself, not a wait for anything
-        mod.register_forward_pre_hook(slow)
+        _slow_once(mod, state, slow_step, slow_s)
     g = torch.Generator().manual_seed(0)
 
     def step(k):
