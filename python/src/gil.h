@@ -14,7 +14,9 @@
 //     good (Python 3.14 parks such threads itself) and ends with the process.
 // So no thread can reach the GIL after finalization begins by way of
 // accord's calls. The thread that closed the gate (the one finalizing) goes
-// on as before.
+// on as before; an atexit handler registered before accord loaded runs after
+// the gate closed, so it must not wait for a thread to come back from
+// accord's C++ (that thread parks).
 #ifndef ACCORD_PYTHON_SRC_GIL_H_
 #define ACCORD_PYTHON_SRC_GIL_H_
 
