@@ -503,11 +503,7 @@ void GrpcUpstream::Stop() {
     // first, within a bound.
     if (!stopping_ && call_.stream != nullptr) {
       call_.ending = true;
-      const uint64_t id = call_.id;
-      auto ended = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return call_.id != id || call_.context == nullptr;
-      };
-      mu_.AwaitWithTimeout(absl::Condition(&ended), 2 * kEndBound);
+      AwaitCallEndLocked(call_.id, 2 * kEndBound);
     }
     stopping_ = true;
     if (call_.context != nullptr) call_.context->TryCancel();
@@ -546,12 +542,16 @@ void GrpcUpstream::EndCallLocked() {
   mu_.Lock();
   call_.writing = false;
   // The coordinator finishes the stream once it has read it to the end.
+  if (!ok || !AwaitCallEndLocked(id, kEndBound)) {
+    if (call_.id == id && call_.context != nullptr) call_.context->TryCancel();
+  }
+}
+
+bool GrpcUpstream::AwaitCallEndLocked(uint64_t id, absl::Duration bound) {
   auto ended = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || call_.id != id || call_.context == nullptr;
   };
-  if (!ok || !mu_.AwaitWithTimeout(absl::Condition(&ended), kEndBound)) {
-    if (call_.id == id && call_.context != nullptr) call_.context->TryCancel();
-  }
+  return mu_.AwaitWithTimeout(absl::Condition(&ended), bound);
 }
 
 void GrpcUpstream::WriteLoop() {

@@ -179,6 +179,9 @@ class GrpcUpstream final : public UpstreamSink {
   // Writes what is queued, then half-closes the call; cancels it when the
   // coordinator has not finished it within a bound.
   void EndCallLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits up to `bound` for call `id` to end (or the stream to stop); false
+  // when it has not.
+  bool AwaitCallEndLocked(uint64_t id, absl::Duration bound) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Call call_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::NodeMessage> queue_ ABSL_GUARDED_BY(mu_);
   std::thread reader_;
